@@ -1,0 +1,51 @@
+# Everyday commands. `make run` and `make test` install what they need first.
+PYTHON ?= python3
+VENV := .venv
+VENV_BQ := .venv-bq
+VENV_CHECKOV := .venv-checkov
+PY := $(VENV)/bin/python
+
+.PHONY: install run up down test test-fast lint format bench clean system-deps
+
+install: system-deps $(VENV)/.installed $(VENV_BQ)/.installed
+
+# Redis comes from Debian; the Pub/Sub emulator (Cloud SDK) and Java are expected on the machine.
+system-deps:
+	@command -v redis-server >/dev/null || { \
+	  echo "Installing redis-server from Debian"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v java >/dev/null || { echo "Java is required by the Pub/Sub emulator" >&2; exit 1; }
+	@command -v gcloud >/dev/null || { echo "The Google Cloud SDK (Pub/Sub emulator) is required" >&2; exit 1; }
+
+$(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+$(VENV_BQ)/.installed: requirements-bq.txt
+	test -d $(VENV_BQ) || $(PYTHON) -m venv $(VENV_BQ)
+	$(VENV_BQ)/bin/pip install -q --disable-pip-version-check -r requirements-bq.txt
+	touch $@
+
+run: install
+	$(PY) -m emulators.stack run
+
+up: install
+	$(PY) -m emulators.stack up
+
+down:
+	@test -x $(PY) && $(PY) -m emulators.stack down || true
+
+test: install
+	$(VENV)/bin/pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf .stack .pytest_cache .ruff_cache

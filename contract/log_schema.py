@@ -1,0 +1,45 @@
+"""The inference log table's schema, loaded from the JSON file Terraform also reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SCHEMA_PATH = Path(__file__).with_name("inference_log_schema.json")
+
+
+def log_schema_fields() -> list[dict]:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def bigquery_schema() -> list:
+    from google.cloud import bigquery
+
+    return [bigquery.SchemaField.from_api_repr(field) for field in log_schema_fields()]
+
+
+def validate_row(row: dict) -> dict:
+    """Reject rows BigQuery would refuse: the emulator accepts bad rows silently, so check here."""
+    fields = {field["name"]: field for field in log_schema_fields()}
+    unknown = set(row) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown log columns: {sorted(unknown)}")
+    for name, field in fields.items():
+        value = row.get(name)
+        if value is None:
+            if field["mode"] == "REQUIRED":
+                raise ValueError(f"log column {name} is required")
+            continue
+        expected = _PYTHON_TYPES[field["type"]]
+        if not isinstance(value, expected) or (field["type"] != "BOOLEAN" and isinstance(value, bool)):
+            raise ValueError(f"log column {name} must be {field['type']}, got {type(value).__name__}")
+    return row
+
+
+_PYTHON_TYPES: dict[str, tuple[type, ...]] = {
+    "STRING": (str,),
+    "TIMESTAMP": (str,),
+    "INTEGER": (int,),
+    "FLOAT": (float, int),
+    "BOOLEAN": (bool,),
+}

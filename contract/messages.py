@@ -1,0 +1,104 @@
+"""Pub/Sub message bodies and attributes exchanged between the API server and the workers."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1"
+
+
+class Attr:
+    """Attribute names on every request and reply message."""
+
+    REQUEST_ID = "request_id"
+    MODEL = "model"
+    MODEL_VERSION = "model_version"
+    REPLY_TO = "reply_to"
+    DEADLINE_MS = "deadline_ms"
+    PRIORITY = "priority"
+    SCHEMA_VERSION = "schema_version"
+    # Set on replies in per-instance reply mode so the instance subscription can filter on it.
+    INSTANCE = "api_instance"
+
+
+class Payload(BaseModel):
+    """Bytes carried inline (base64) or, above the inline limit, as a GCS object URI."""
+
+    model_config = ConfigDict(extra="forbid")
+    b64: str | None = None
+    uri: str | None = None
+
+
+class GenerationParameters(BaseModel):
+    """Parameters resolved by the API: every field is set, defaults already applied."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    strength: float | None = None
+    negative_prompt: str | None = None
+
+
+class RequestInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    image: Payload | None = None
+
+
+class InferenceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    model: str
+    model_version: str
+    instances: list[RequestInstance]
+    parameters: GenerationParameters
+    published_at_ms: int = Field(default_factory=lambda: int(time.time() * 1000))
+
+
+class Prediction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    image: Payload
+    seed: int
+    width: int
+    height: int
+
+
+ReplyStatus = Literal["ok", "error", "expired"]
+
+
+class InferenceReply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    model: str
+    model_version: str
+    status: ReplyStatus
+    predictions: list[Prediction] = Field(default_factory=list)
+    error: str | None = None
+    worker_id: str = ""
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+
+
+def request_attributes(
+    request: InferenceRequest, reply_to: str, deadline_ms: int, priority: int = 0
+) -> dict[str, str]:
+    return {
+        Attr.REQUEST_ID: request.request_id,
+        Attr.MODEL: request.model,
+        Attr.MODEL_VERSION: request.model_version,
+        Attr.REPLY_TO: reply_to,
+        Attr.DEADLINE_MS: str(deadline_ms),
+        Attr.PRIORITY: str(priority),
+        Attr.SCHEMA_VERSION: SCHEMA_VERSION,
+    }
+
+
+def result_key(request_id: str) -> str:
+    """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
+    return f"maas:result:{request_id}"

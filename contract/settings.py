@@ -1,0 +1,86 @@
+"""Settings for both services, read once from environment variables (all prefixed MAAS_)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from contract import naming
+
+ReplyMode = Literal["per-request", "per-instance"]
+LOCAL_DEFAULT_API_KEY = "local-dev-key"
+
+
+def _csv(value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+def api_key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable; see the README's configuration table."""
+
+    env: Literal["local", "production"] = "local"
+    project_id: str = "maas-local"
+    catalog_path: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model_bucket: str = ""
+    payload_bucket: str = ""
+    dataset: str = naming.DATASET
+    # Set locally to the BigQuery emulator's REST address; unset in production.
+    bigquery_endpoint: str | None = None
+    log_table: str = naming.LOG_TABLE
+    reply_mode: ReplyMode = "per-request"
+    # Inputs and outputs above this many bytes travel through the payload bucket, not the message.
+    inline_payload_limit: int = 256 * 1024
+    max_request_bytes: int = 8 * 1024 * 1024
+    result_ttl_seconds: int = 3600
+    api_key_sha256: frozenset[str] = field(default_factory=frozenset)
+    instance_id: str = ""
+    # Worker
+    model: str = ""
+    weights_cache_dir: str = "/tmp/maas-weights"
+    worker_health_port: int = 8081
+    torch_threads: int = 0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        project_id = env.get("MAAS_PROJECT_ID", "maas-local")
+        digests = set(_csv(env.get("MAAS_API_KEY_SHA256")))
+        digests.update(api_key_digest(key) for key in _csv(env.get("MAAS_API_KEYS")))
+        stage = env.get("MAAS_ENV", "local")
+        if stage not in ("local", "production"):
+            raise ValueError(f"MAAS_ENV must be 'local' or 'production', not {stage!r}")
+        reply_mode = env.get("MAAS_REPLY_MODE", "per-request")
+        if reply_mode not in ("per-request", "per-instance"):
+            raise ValueError(f"MAAS_REPLY_MODE must be 'per-request' or 'per-instance', not {reply_mode!r}")
+        instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
+        return cls(
+            env=stage,  # type: ignore[arg-type]
+            project_id=project_id,
+            catalog_path=env.get("MAAS_CATALOG_PATH") or None,
+            redis_url=env.get("MAAS_REDIS_URL", cls.redis_url),
+            model_bucket=env.get("MAAS_MODEL_BUCKET") or naming.model_bucket(project_id),
+            payload_bucket=env.get("MAAS_PAYLOAD_BUCKET") or naming.payload_bucket(project_id),
+            dataset=env.get("MAAS_DATASET", naming.DATASET),
+            bigquery_endpoint=env.get("MAAS_BIGQUERY_ENDPOINT") or None,
+            log_table=env.get("MAAS_LOG_TABLE", naming.LOG_TABLE),
+            reply_mode=reply_mode,  # type: ignore[arg-type]
+            inline_payload_limit=int(env.get("MAAS_INLINE_PAYLOAD_LIMIT", cls.inline_payload_limit)),
+            max_request_bytes=int(env.get("MAAS_MAX_REQUEST_BYTES", cls.max_request_bytes)),
+            result_ttl_seconds=int(env.get("MAAS_RESULT_TTL_SECONDS", cls.result_ttl_seconds)),
+            api_key_sha256=frozenset(digests),
+            instance_id=instance.lower().replace("_", "-").replace(".", "-"),
+            model=env.get("MAAS_MODEL", ""),
+            weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
+            worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),
+            torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
+        )

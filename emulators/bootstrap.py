@@ -1,0 +1,91 @@
+"""Creates, idempotently, every resource the catalog implies in the emulators: what Terraform does in production."""
+
+from __future__ import annotations
+
+import logging
+
+from google.api_core import exceptions
+from google.cloud import bigquery, pubsub_v1
+
+from contract import clients, naming
+from contract.catalog import ModelCatalog
+from contract.log_schema import bigquery_schema
+from contract.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def bootstrap(settings: Settings, catalog: ModelCatalog) -> None:
+    bootstrap_pubsub(settings, catalog)
+    bootstrap_storage(settings)
+    bootstrap_bigquery(settings)
+
+
+def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
+    project = settings.project_id
+    publisher = pubsub_v1.PublisherClient()
+    subscriber = pubsub_v1.SubscriberClient()
+    with subscriber:
+        _ensure_topic(publisher, publisher.topic_path(project, naming.REPLIES_TOPIC))
+        for spec in catalog.models.values():
+            topic = publisher.topic_path(project, naming.request_topic(spec.name))
+            dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
+            _ensure_topic(publisher, topic)
+            _ensure_topic(publisher, dead_letter)
+            _ensure_subscription(
+                subscriber,
+                {
+                    "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name)),
+                    "topic": dead_letter,
+                    "ack_deadline_seconds": 60,
+                },
+            )
+            _ensure_subscription(
+                subscriber,
+                {
+                    "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name)),
+                    "topic": topic,
+                    "ack_deadline_seconds": spec.ack_deadline_seconds,
+                    "dead_letter_policy": {
+                        "dead_letter_topic": dead_letter,
+                        "max_delivery_attempts": spec.max_delivery_attempts,
+                    },
+                    "retry_policy": {"minimum_backoff": {"seconds": 1}, "maximum_backoff": {"seconds": 60}},
+                },
+            )
+
+
+def _ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:
+    try:
+        publisher.create_topic(request={"name": topic})
+        log.info("created topic %s", topic)
+    except exceptions.AlreadyExists:
+        pass
+
+
+def _ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -> None:
+    try:
+        subscriber.create_subscription(request=request)
+        log.info("created subscription %s", request["name"])
+    except exceptions.AlreadyExists:
+        pass
+
+
+def bootstrap_storage(settings: Settings) -> None:
+    client = clients.storage_client(settings)
+    for name in (settings.model_bucket, settings.payload_bucket):
+        try:
+            client.create_bucket(name)
+            log.info("created bucket %s", name)
+        except exceptions.Conflict:
+            pass
+
+
+def bootstrap_bigquery(settings: Settings) -> None:
+    client = clients.bigquery_client(settings)
+    dataset = bigquery.Dataset(f"{settings.project_id}.{settings.dataset}")
+    client.create_dataset(dataset, exists_ok=True)
+    table = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{settings.log_table}", schema=bigquery_schema())
+    table.time_partitioning = bigquery.TimePartitioning(field="created_at")
+    table.clustering_fields = ["model", "status"]
+    client.create_table(table, exists_ok=True)

@@ -1,0 +1,187 @@
+"""Builds a tiny random-weight Stable Diffusion pipeline and uploads it where the catalog says SD 1.5 lives.
+
+No machine here can download weights. The tiny pipeline has the same component classes as SD 1.5
+(UNet2DConditionModel, AutoencoderKL with an 8x latent, CLIPTextModel, a BPE CLIP tokenizer), so the
+worker downloads and loads it exactly as it would the real model. Its images are noise.
+
+    python -m model_worker.tiny_pipeline --out .stack/tiny-model --upload
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+VOCAB_SIZE = 1000
+# A small corpus for the BPE vocabulary: prompt-like words, enough for a realistic token stream.
+CORPUS = """
+a photo of a lighthouse at dawn on a rocky coast, oil painting, highly detailed, sharp focus
+portrait of a cat wearing a tiny hat, studio lighting, bokeh, watercolor, pastel colors
+futuristic city skyline at night with neon lights and rain, cinematic, wide angle lens
+a bowl of fruit on a wooden table, still life, soft light, baroque style, dramatic shadows
+mountain landscape with a lake and pine trees, sunrise, mist, national park, 35mm film
+an astronaut riding a horse on mars, digital art, trending, concept art, red desert dust
+a cozy cabin in a snowy forest, warm light in the windows, winter evening, illustration
+sailing boat on a calm blue sea, summer afternoon, impressionist, brush strokes, clouds
+""".strip()
+
+
+def _byte_alphabet() -> list[str]:
+    """CLIP's byte-to-unicode table: every byte maps to one printable character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = printable[:], 0
+    for byte in range(256):
+        if byte not in printable:
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(code) for code in codes]
+
+
+def build_tokenizer(out_dir: Path) -> tuple[int, int]:
+    """Writes a CLIP BPE tokenizer (vocab.json, merges.txt) learned from CORPUS; returns (bos, eos) ids.
+
+    The vocabulary is laid out like CLIP's: the 256 byte characters, the same with `</w>`, the learned
+    merges, then the two special tokens.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    tokenizer = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, end_of_word_suffix="</w>", show_progress=False)
+    tokenizer.train_from_iterator(CORPUS.lower().splitlines(), trainer=trainer)
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(tokenizer.to_str())["model"]["merges"]]
+    alphabet = _byte_alphabet()
+    tokens = alphabet + [char + "</w>" for char in alphabet] + ["".join(pair) for pair in merges]
+    tokens = list(dict.fromkeys(tokens))[: VOCAB_SIZE - 2] + ["<|startoftext|>", "<|endoftext|>"]
+    kept = set(tokens)
+    merges = [pair for pair in merges if "".join(pair) in kept]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "vocab.json").write_text(json.dumps({token: i for i, token in enumerate(tokens)}))
+    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(p) for p in merges) + "\n")
+    clip = CLIPTokenizer(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(pair) for pair in merges],
+        model_max_length=77,
+    )
+    clip.save_pretrained(out_dir)
+    return len(tokens) - 2, len(tokens) - 1
+
+
+def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline") -> Path:
+    """Builds the pipeline deterministically (fixed seed) and saves it as safetensors."""
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=32,
+    )
+    # Four blocks so the VAE shrinks images 8x, like SD 1.5's.
+    vae = AutoencoderKL(
+        block_out_channels=(32, 64, 64, 64),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=512,
+    )
+    tokenizer_dir = out_dir / "tokenizer"
+    bos_id, eos_id = build_tokenizer(tokenizer_dir)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            hidden_size=32,
+            intermediate_size=37,
+            layer_norm_eps=1e-05,
+            num_attention_heads=4,
+            num_hidden_layers=5,
+            vocab_size=VOCAB_SIZE,
+            max_position_embeddings=77,
+        )
+    )
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
+    scheduler = PNDMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
+    )
+    cls = getattr(diffusers, pipeline_class)
+    pipeline = cls(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    _make_tokenizer_reproducible(tokenizer_dir)
+    return out_dir
+
+
+def _make_tokenizer_reproducible(tokenizer_dir: Path) -> None:
+    """transformers records load-time flags in tokenizer_config.json; drop them so builds are identical."""
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for volatile in ("name_or_path", "tokenizer_file", "added_tokens_decoder"):
+        config.pop(volatile, None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
+    from contract import clients
+    from contract.settings import Settings
+
+    bucket = clients.storage_client(Settings.from_env()).bucket(bucket_name)
+    count = 0
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        bucket.blob(f"{prefix.rstrip('/')}/{path.relative_to(local_dir).as_posix()}").upload_from_filename(path)
+        count += 1
+    return count
+
+
+def main() -> None:
+    from contract.catalog import load_catalog
+    from contract.settings import Settings
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(".stack/tiny-model"))
+    parser.add_argument("--upload", action="store_true", help="upload to the model bucket for every catalog model")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = Settings.from_env()
+    catalog = load_catalog(settings.catalog_path)
+    for spec in catalog.models.values():
+        target = args.out / spec.name
+        if not (target / "model_index.json").exists():
+            build_pipeline(target, spec.pipeline)
+            log.info("built tiny %s for %s in %s", spec.pipeline, spec.name, target)
+        if args.upload:
+            count = upload_directory(target, settings.model_bucket, spec.weights_path)
+            log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
+
+
+if __name__ == "__main__":
+    main()
