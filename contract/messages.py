@@ -85,9 +85,7 @@ class InferenceReply(BaseModel):
     inference_ms: float = 0.0
 
 
-def request_attributes(
-    request: InferenceRequest, reply_to: str, deadline_ms: int, priority: int = 0
-) -> dict[str, str]:
+def request_attributes(request: InferenceRequest, reply_to: str, deadline_ms: int, priority: int = 0) -> dict[str, str]:
     return {
         Attr.REQUEST_ID: request.request_id,
         Attr.MODEL: request.model,

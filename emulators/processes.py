@@ -29,9 +29,7 @@ class ProcessRegistry:
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
-    def start(
-        self, name: str, argv: Sequence[str], env: dict[str, str], cwd: Path | None = None
-    ) -> subprocess.Popen:
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
         if self.is_running(name):
             raise StartupError(f"{name} is already running (pid {self.pid(name)}); run `make down` first")
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child process

@@ -56,7 +56,10 @@ def build_tokenizer(out_dir: Path) -> tuple[int, int]:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, end_of_word_suffix="</w>", show_progress=False)
     tokenizer.train_from_iterator(CORPUS.lower().splitlines(), trainer=trainer)
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(tokenizer.to_str())["model"]["merges"]]
+    merges = [
+        tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+        for m in json.loads(tokenizer.to_str())["model"]["merges"]
+    ]
     alphabet = _byte_alphabet()
     tokens = alphabet + [char + "</w>" for char in alphabet] + ["".join(pair) for pair in merges]
     tokens = list(dict.fromkeys(tokens))[: VOCAB_SIZE - 2] + ["<|startoftext|>", "<|endoftext|>"]

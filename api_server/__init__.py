@@ -1,0 +1,1 @@
+"""The HTTP API: validates, authenticates, queues requests per model and waits for the worker's reply."""

@@ -1,0 +1,42 @@
+"""API keys: compared by SHA-256 digest, so production stores only hashes (Secret Manager)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from flask import Request
+
+from api_server.errors import ApiError
+from contract.settings import LOCAL_DEFAULT_API_KEY, Settings, api_key_digest
+
+log = logging.getLogger(__name__)
+
+
+class ApiKeyAuth:
+    def __init__(self, digests: frozenset[str]) -> None:
+        if not digests:
+            raise ValueError("no API keys configured")
+        self._digests = digests
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ApiKeyAuth:
+        if settings.api_key_sha256:
+            return cls(settings.api_key_sha256)
+        if settings.env == "local":
+            log.warning("MAAS_API_KEYS is unset: accepting the local key %r", LOCAL_DEFAULT_API_KEY)
+            return cls(frozenset({api_key_digest(LOCAL_DEFAULT_API_KEY)}))
+        raise RuntimeError("refusing to start: set MAAS_API_KEY_SHA256 (or MAAS_API_KEYS) outside the local stack")
+
+    def authenticate(self, request: Request) -> str:
+        """Returns the key's id (a digest prefix, safe to log) or raises 401."""
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
+            )
+        digest = api_key_digest(key.strip())
+        if not any(hmac.compare_digest(digest, known) for known in self._digests):
+            raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        return digest[:12]

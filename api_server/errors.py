@@ -1,0 +1,49 @@
+"""Every error leaves the API as one JSON shape: {"error": {"code", "message", "field"?, "request_id"?}}."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, g, jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, field: str | None = None, headers: dict | None = None):
+    body: dict = {"code": status, "message": message}
+    if field:
+        body["field"] = field
+    request_id = g.get("request_id")
+    if request_id:
+        body["request_id"] = request_id
+    response = jsonify({"error": body})
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(error: ApiError):
+        return error_response(error.status, error.message, error.field, error.headers)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(error: HTTPException):
+        if error.code == 413:
+            return error_response(413, f"request body exceeds {app.config['MAX_CONTENT_LENGTH']} bytes")
+        return error_response(error.code or 500, error.description or error.name)
+
+    @app.errorhandler(Exception)
+    def _unexpected(error: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal error")

@@ -1,0 +1,24 @@
+"""gunicorn settings, from the environment; Cloud Run sets PORT."""
+
+import os
+
+bind = f"0.0.0.0:{os.environ.get('PORT', '8080')}"
+workers = int(os.environ.get("MAAS_API_WORKERS", "2"))
+# Requests spend their time waiting for a reply, not computing: threads, not processes, carry them.
+worker_class = "gthread"
+threads = int(os.environ.get("MAAS_API_THREADS", "32"))
+# Longer than the longest catalog request timeout, so gunicorn never kills a request that is waiting.
+timeout = int(os.environ.get("MAAS_API_WORKER_TIMEOUT", "180"))
+graceful_timeout = 30
+preload_app = False  # gRPC clients are not fork-safe: each worker builds its own
+accesslog = None
+errorlog = "-"
+loglevel = "warning"
+
+
+def worker_exit(server, worker):
+    """SIGTERM: flush the inference log rows still buffered in this worker."""
+    app = getattr(worker, "wsgi", None)
+    services = getattr(app, "extensions", {}).get("maas") if app else None
+    if services is not None:
+        services.close()

@@ -1,0 +1,1 @@
+"""Blueprints by resource: predict, models, health."""

@@ -1,0 +1,38 @@
+"""The model catalog as clients see it."""
+
+from __future__ import annotations
+
+from flask import Blueprint, current_app, jsonify, request
+
+from api_server.errors import ApiError
+
+bp = Blueprint("models", __name__)
+
+
+def _public(spec) -> dict:
+    return {
+        "name": spec.name,
+        "version": spec.version,
+        "task": spec.task,
+        "max_instances_per_request": spec.max_instances_per_request,
+        "request_timeout_seconds": spec.request_timeout_seconds,
+        "defaults": spec.defaults.model_dump(exclude_none=True),
+        "limits": spec.limits.model_dump(),
+    }
+
+
+@bp.get("/v1/models")
+def list_models():
+    services = current_app.extensions["maas"]
+    services.auth.authenticate(request)
+    return jsonify({"models": [_public(spec) for _, spec in sorted(services.catalog.models.items())]})
+
+
+@bp.get("/v1/models/<model>")
+def get_model(model: str):
+    services = current_app.extensions["maas"]
+    services.auth.authenticate(request)
+    spec = services.catalog.get(model)
+    if spec is None:
+        raise ApiError(404, f"unknown model {model!r}; GET /v1/models lists them")
+    return jsonify(_public(spec))

@@ -1,0 +1,124 @@
+"""The predict body (Vertex AI / KServe v1: `instances` and `parameters`), validated and resolved against the catalog."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import secrets
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from api_server.errors import ApiError
+from contract.catalog import ModelSpec
+from contract.messages import GenerationParameters
+
+MAX_SEED = 2**31 - 1
+
+
+class InstanceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(min_length=1, max_length=2000)
+    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image only")
+
+
+class ParametersIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
+    width: int | None = Field(default=None, ge=64)
+    height: int | None = Field(default=None, ge=64)
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
+    negative_prompt: str | None = Field(default=None, max_length=2000)
+
+    @field_validator("width", "height")
+    @classmethod
+    def _multiple_of_8(cls, value: int | None) -> int | None:
+        if value is not None and value % 8:
+            raise ValueError("must be a multiple of 8")
+        return value
+
+
+class PredictBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instances: list[InstanceIn] = Field(min_length=1)
+    parameters: ParametersIn = Field(default_factory=ParametersIn)
+
+
+def parse_body(payload: object) -> PredictBody:
+    try:
+        return PredictBody.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(422, f"{field}: {first['msg']}", field=field) from exc
+
+
+def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParameters:
+    """Applies the catalog's defaults and enforces its limits; a seed is chosen when none is given."""
+    given, defaults, limits = body.parameters, spec.defaults, spec.limits
+    if len(body.instances) > spec.max_instances_per_request:
+        raise ApiError(
+            422, f"instances: at most {spec.max_instances_per_request} per request for {spec.name}", "instances"
+        )
+    params = GenerationParameters(
+        seed=given.seed if given.seed is not None else secrets.randbelow(MAX_SEED - 64),
+        num_inference_steps=given.num_inference_steps or defaults.num_inference_steps,
+        guidance_scale=given.guidance_scale if given.guidance_scale is not None else defaults.guidance_scale,
+        width=given.width or defaults.width,
+        height=given.height or defaults.height,
+        strength=given.strength if given.strength is not None else defaults.strength,
+        negative_prompt=given.negative_prompt,
+    )
+    checks = [
+        ("parameters.num_inference_steps", params.num_inference_steps, limits.max_inference_steps),
+        ("parameters.width", params.width, limits.max_width),
+        ("parameters.height", params.height, limits.max_height),
+    ]
+    for field, value, limit in checks:
+        if value > limit:
+            raise ApiError(422, f"{field}: at most {limit} for {spec.name}", field)
+    if params.seed + len(body.instances) - 1 > MAX_SEED:
+        raise ApiError(422, f"parameters.seed: seed + instances must stay below {MAX_SEED}", "parameters.seed")
+    if spec.task == "image-to-image":
+        if params.strength is None or params.strength * params.num_inference_steps < 1:
+            raise ApiError(
+                422, "parameters.strength: strength x num_inference_steps must be at least 1", "parameters.strength"
+            )
+    elif given.strength is not None:
+        raise ApiError(
+            422, f"parameters.strength: only for image-to-image models, not {spec.name}", "parameters.strength"
+        )
+    for index, instance in enumerate(body.instances):
+        if spec.task == "image-to-image" and not instance.image:
+            raise ApiError(
+                422,
+                f"instances.{index}.image: required by image-to-image model {spec.name}",
+                f"instances.{index}.image",
+            )
+        if spec.task == "text-to-image" and instance.image:
+            raise ApiError(
+                422,
+                f"instances.{index}.image: not accepted by text-to-image model {spec.name}",
+                f"instances.{index}.image",
+            )
+    return params
+
+
+def decode_input_image(data: str, field: str) -> bytes:
+    """Base64 PNG/JPEG to bytes, checked to be a real image so a bad one fails here, not on the GPU."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(422, f"{field}: not valid base64", field) from exc
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            if image.format not in ("PNG", "JPEG", "WEBP"):
+                raise ApiError(422, f"{field}: must be PNG, JPEG or WebP, not {image.format}", field)
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise ApiError(422, f"{field}: not a readable image", field) from exc
+    return raw

@@ -1,0 +1,55 @@
+"""The API process's long-lived collaborators, built once per gunicorn worker (after fork)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from google.cloud import pubsub_v1
+
+from api_server.auth import ApiKeyAuth
+from api_server.inference_log import InferenceLogWriter
+from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
+from contract import clients
+from contract.catalog import ModelCatalog, load_catalog
+from contract.payloads import PayloadCodec
+from contract.results import ResultStore
+from contract.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    catalog: ModelCatalog
+    auth: ApiKeyAuth
+    publisher: pubsub_v1.PublisherClient
+    waiter: ReplyWaiter
+    payloads: PayloadCodec
+    redis: redis.Redis
+    inference_log: InferenceLogWriter
+
+    def close(self) -> None:
+        self.waiter.close()
+        self.inference_log.close()
+        self.publisher.stop()
+
+
+def build_services(settings: Settings) -> Services:
+    redis_client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    results = ResultStore(redis_client, settings.result_ttl_seconds)
+    subscriber = clients.subscriber_client()
+    if settings.reply_mode == "per-instance":
+        waiter: ReplyWaiter = PerInstanceReplyWaiter(subscriber, settings.project_id, settings.instance_id, results)
+    else:
+        waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
+    table = f"{settings.project_id}.{settings.dataset}.{settings.log_table}"
+    return Services(
+        settings=settings,
+        catalog=load_catalog(settings.catalog_path),
+        auth=ApiKeyAuth.from_settings(settings),
+        publisher=clients.publisher_client(),
+        waiter=waiter,
+        payloads=PayloadCodec(clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit),
+        redis=redis_client,
+        inference_log=InferenceLogWriter(clients.bigquery_client(settings), table),
+    )
