@@ -148,6 +148,19 @@ def test_worker_runs_the_catalog_model_with_production_settings(manifests: list[
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_worker_writes_weights_and_caches_to_volumes_sized_for_them(manifests: list[Manifest], model: str) -> None:
+    container = worker_container(manifests, model)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {entry["name"]: entry.get("value") for entry in container["env"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod_spec(worker_deployment(manifests, model))["volumes"]}
+    for variable in ("MAAS_WEIGHTS_CACHE_DIR", "HF_HOME"):
+        (mount_path,) = [path for path in mounts if env[variable].startswith(path + "/")]
+        assert volumes[mounts[mount_path]]["name"] == "model-cache", variable
+    assert volumes["model-cache"]["emptyDir"]["sizeLimit"] == render.MODEL_CACHE_SIZE
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_worker_runs_the_image_cloud_build_pushes(manifests: list[Manifest], model: str) -> None:
     image = worker_container(manifests, model)["image"]
     assert image == f"us-central1-docker.pkg.dev/{PROJECT_ID}/maas/worker:abc1234"
