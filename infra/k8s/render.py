@@ -261,13 +261,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--project-id", default=RenderSettings.project_id)
     parser.add_argument("--region", default=RenderSettings.region, help="Artifact Registry region")
     parser.add_argument("--namespace", default=RenderSettings.namespace)
-    parser.add_argument("--image-tag", default=RenderSettings.image_tag, help="worker image tag, e.g. the commit's short SHA")
+    parser.add_argument(
+        "--image-tag", default=RenderSettings.image_tag, help="worker image tag, e.g. the commit's short SHA"
+    )
     parser.add_argument("--image", help="full worker image reference; overrides --region/--project-id/--image-tag")
     parser.add_argument("--redis-url", default=RenderSettings.redis_url, help="Memorystore URL, redis://HOST:6379/0")
-    parser.add_argument("--max-shared-clients-per-gpu", type=int, default=DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
-                        help="must match the time-sharing node pool's setting")
-    parser.add_argument("--buffer-replicas", nargs="*", default=[], type=buffer_replica_count, metavar="POOL=COUNT",
-                        help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)")
+    parser.add_argument(
+        "--max-shared-clients-per-gpu",
+        type=int,
+        default=DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
+        help="must match the time-sharing node pool's setting",
+    )
+    parser.add_argument(
+        "--buffer-replicas",
+        nargs="*",
+        default=[],
+        type=buffer_replica_count,
+        metavar="POOL=COUNT",
+        help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)",
+    )
     parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml)")
     return parser.parse_args(argv)
 
