@@ -28,6 +28,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/var/cache/maas/huggingface \
+    XDG_CACHE_HOME=/var/cache/maas/xdg \
     MAAS_WEIGHTS_CACHE_DIR=/var/cache/maas/weights \
     MAAS_WORKER_HEALTH_PORT=8081
 RUN groupadd --system --gid 10001 maas \

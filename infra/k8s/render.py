@@ -119,7 +119,8 @@ def dedicated_gpu_affinity() -> dict[str, Any]:
 
 def resources(cpu_millis: int, memory_mib: int, *, ephemeral_storage: str | None = None) -> dict[str, Any]:
     """Requests equal to limits: Guaranteed QoS, the last class the kubelet evicts under node pressure."""
-    amounts: dict[str, str | int] = {"cpu": f"{cpu_millis}m", "memory": f"{memory_mib}Mi"}
+    memory = f"{memory_mib // 1024}Gi" if memory_mib % 1024 == 0 else f"{memory_mib}Mi"
+    amounts: dict[str, str | int] = {"cpu": f"{cpu_millis}m", "memory": memory}
     if ephemeral_storage:
         amounts["ephemeral-storage"] = ephemeral_storage
     amounts["nvidia.com/gpu"] = 1

@@ -71,6 +71,15 @@ def pod_spec(deployment: Manifest) -> Manifest:
     return deployment["spec"]["template"]["spec"]
 
 
+def millicores(quantity: str) -> int:
+    return int(quantity.removesuffix("m")) if quantity.endswith("m") else int(float(quantity) * 1000)
+
+
+def mebibytes(quantity: str) -> int:
+    units = {"Mi": 1, "Gi": 1024}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
 def model_spec(model: str) -> ModelSpec:
     return CATALOG.models[model]
 
@@ -154,7 +163,7 @@ def test_worker_writes_weights_and_caches_to_volumes_sized_for_them(manifests: l
     env = {entry["name"]: entry.get("value") for entry in container["env"]}
     mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in pod_spec(worker_deployment(manifests, model))["volumes"]}
-    for variable in ("MAAS_WEIGHTS_CACHE_DIR", "HF_HOME"):
+    for variable in ("MAAS_WEIGHTS_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
         (mount_path,) = [path for path in mounts if env[variable].startswith(path + "/")]
         assert volumes[mounts[mount_path]]["name"] == "model-cache", variable
     assert volumes["model-cache"]["emptyDir"]["sizeLimit"] == render.MODEL_CACHE_SIZE
@@ -334,7 +343,8 @@ def test_capacity_buffer_pods_hold_a_whole_gpu_node_and_leave_at_once(manifests:
         assert container["image"] == "registry.k8s.io/pause:3.10"
         requests = container["resources"]["requests"]
         assert requests["nvidia.com/gpu"] == 1
-        assert requests["cpu"] == f"{pool.node_cpu_millis}m" and requests["memory"] == f"{pool.node_memory_mib}Mi"
+        assert millicores(requests["cpu"]) == pool.node_cpu_millis
+        assert mebibytes(requests["memory"]) == pool.node_memory_mib
 
 
 def test_gpu_pool_sizes_fit_their_machine_types() -> None:
@@ -353,8 +363,8 @@ def test_a_worker_fits_where_a_buffer_pod_of_its_pool_was(manifests: list[Manife
         m for m in capacity_buffers(manifests) if m["metadata"]["labels"]["maas/gpu-pool"] == model_spec(model).hardware
     ]
     held = pod_spec(buffer)["containers"][0]["resources"]["requests"]
-    assert int(worker["cpu"].removesuffix("m")) <= int(held["cpu"].removesuffix("m"))
-    assert int(worker["memory"].removesuffix("Mi")) <= int(held["memory"].removesuffix("Mi"))
+    assert millicores(worker["cpu"]) <= millicores(held["cpu"])
+    assert mebibytes(worker["memory"]) <= mebibytes(held["memory"])
 
 
 def test_buffers_are_warm_only_for_pools_the_catalog_uses(manifests: list[Manifest]) -> None:
