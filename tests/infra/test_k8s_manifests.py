@@ -407,3 +407,11 @@ def test_rendering_is_deterministic() -> None:
     first = {name: render.dump(group) for name, group in render.render_all(settings).items()}
     second = {name: render.dump(group) for name, group in render.render_all(settings).items()}
     assert first == second
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_maas_variable_given_to_the_worker_is_read_by_the_settings(manifests: list[Manifest], model: str) -> None:
+    # A misspelt variable would be ignored silently and the worker would fall back to a local default.
+    settings_source = (REPO_ROOT / "contract" / "settings.py").read_text()
+    names = [entry["name"] for entry in worker_container(manifests, model)["env"] if entry["name"].startswith("MAAS_")]
+    assert [name for name in names if f'"{name}"' not in settings_source] == []
