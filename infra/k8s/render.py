@@ -1,0 +1,313 @@
+"""Renders the Kubernetes manifests for the model workers from the model catalog and the base templates."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
+from contract.naming import worker_subscription  # noqa: E402
+
+BASE_DIR = Path(__file__).resolve().with_name("base")
+
+Manifest = dict[str, Any]
+
+WORKER_HEALTH_PORT = 8081
+TRIGGER_AUTHENTICATION = "maas-gcp-workload-identity"
+# Seconds a worker may take to download its weights, load and warm the pipeline before it is restarted.
+WORKER_STARTUP_BUDGET_SECONDS = 15 * 60
+WORKER_STARTUP_PERIOD_SECONDS = 10
+# Time to publish the last replies and exit after the drain ends, before the kubelet sends SIGKILL.
+WORKER_EXIT_MARGIN_SECONDS = 30
+# Weights of an SD 1.5-class pipeline are a few GB; the rest leaves room for a second version.
+MODEL_CACHE_SIZE = "20Gi"
+WORKER_EPHEMERAL_STORAGE = "24Gi"
+DEFAULT_MAX_SHARED_CLIENTS_PER_GPU = 2
+GPU_SHARING_STRATEGY_LABEL = "cloud.google.com/gke-gpu-sharing-strategy"
+MAX_SHARED_CLIENTS_LABEL = "cloud.google.com/gke-max-shared-clients-per-gpu"
+ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """A GKE GPU node pool shape; cpu and memory are what one node leaves for pods after system daemons."""
+
+    name: str
+    accelerator: str
+    machine_type: str
+    node_cpu_millis: int
+    node_memory_mib: int
+
+
+# Allocatable of one node (GKE reservations) less roughly 0.5 vCPU and 1-2 GiB for the GPU node's
+# DaemonSets (device plugin, metadata server, logging, metrics), so one pod of this size fits exactly.
+GPU_POOLS: dict[str, GpuPool] = {
+    # g2-standard-8: 8 vCPU, 32 GB, one L4 (24 GB).
+    "l4": GpuPool("l4", "nvidia-l4", "g2-standard-8", node_cpu_millis=6500, node_memory_mib=24 * 1024),
+    # a2-highgpu-1g: 12 vCPU, 85 GB, one A100 (40 GB).
+    "a100": GpuPool("a100", "nvidia-tesla-a100", "a2-highgpu-1g", node_cpu_millis=10000, node_memory_mib=64 * 1024),
+}
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """Deployment-specific values the catalog does not know: project, images, namespace, Redis, buffer size."""
+
+    project_id: str = "maas-project"
+    region: str = "us-central1"
+    namespace: str = "maas"
+    image_tag: str = "latest"
+    worker_image: str | None = None
+    redis_url: str = "redis://redis.invalid:6379/0"
+    max_shared_clients_per_gpu: int = DEFAULT_MAX_SHARED_CLIENTS_PER_GPU
+    # Buffer replicas per pool; a pool left out gets one if the catalog uses it, none otherwise.
+    buffer_replicas: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def image(self) -> str:
+        """The worker image Cloud Build pushes, unless one is given explicitly."""
+        if self.worker_image:
+            return self.worker_image
+        return f"{self.region}-docker.pkg.dev/{self.project_id}/maas/worker:{self.image_tag}"
+
+    @property
+    def worker_google_service_account(self) -> str:
+        return f"maas-worker@{self.project_id}.iam.gserviceaccount.com"
+
+
+def render_template(template_name: str, values: dict[str, Any]) -> list[Manifest]:
+    """Fills a base template and parses its documents.
+
+    Every placeholder stands for a whole YAML value and is filled with JSON (a subset of YAML), so
+    strings are quoted safely and mappings or lists drop in as flow collections.
+    """
+    text = (BASE_DIR / template_name).read_text()
+    filled = Template(text).substitute({key: json.dumps(value) for key, value in values.items()})
+    return [doc for doc in yaml.safe_load_all(filled) if doc is not None]
+
+
+def gpu_toleration() -> list[dict[str, str]]:
+    # GKE taints GPU nodes so that only pods asking for a GPU land there.
+    return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def dedicated_gpu_affinity() -> dict[str, Any]:
+    """Keeps a pod off time-shared nodes, where its GPU would be shared with other models."""
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": GPU_SHARING_STRATEGY_LABEL, "operator": "DoesNotExist"}]}
+                ]
+            }
+        }
+    }
+
+
+def resources(cpu_millis: int, memory_mib: int, *, ephemeral_storage: str | None = None) -> dict[str, Any]:
+    """Requests equal to limits: Guaranteed QoS, the last class the kubelet evicts under node pressure."""
+    memory = f"{memory_mib // 1024}Gi" if memory_mib % 1024 == 0 else f"{memory_mib}Mi"
+    amounts: dict[str, str | int] = {"cpu": f"{cpu_millis}m", "memory": memory}
+    if ephemeral_storage:
+        amounts["ephemeral-storage"] = ephemeral_storage
+    amounts["nvidia.com/gpu"] = 1
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def cluster_manifests(settings: RenderSettings) -> list[Manifest]:
+    """The namespace, priority classes, shared configuration and identities."""
+    manifests = render_template("namespace.yaml", {"namespace": settings.namespace})
+    manifests += render_template("priority-classes.yaml", {})
+    manifests += render_template(
+        "shared-config.yaml",
+        {
+            "namespace": settings.namespace,
+            "project_id": settings.project_id,
+            "redis_url": settings.redis_url,
+            "worker_google_service_account": settings.worker_google_service_account,
+            "trigger_authentication": TRIGGER_AUTHENTICATION,
+        },
+    )
+    return manifests
+
+
+def capacity_reservation_manifests(settings: RenderSettings, catalog: ModelCatalog) -> list[Manifest]:
+    """One buffer Deployment per GPU pool, each pod sized to a whole node of that pool."""
+    used_pools = {spec.hardware for spec in catalog.models.values()}
+    manifests: list[Manifest] = []
+    for pool in GPU_POOLS.values():
+        replicas = settings.buffer_replicas.get(pool.name, 1 if pool.name in used_pools else 0)
+        manifests += render_template(
+            "capacity-reservation.yaml",
+            {
+                "name": f"capacity-reservation-{pool.name}",
+                "namespace": settings.namespace,
+                "pool": pool.name,
+                "replicas": replicas,
+                "node_selector": {ACCELERATOR_LABEL: pool.accelerator},
+                # The big-volume models run on dedicated GPUs, so that is where warm nodes pay off.
+                "affinity": dedicated_gpu_affinity(),
+                "tolerations": gpu_toleration(),
+                "resources": resources(pool.node_cpu_millis, pool.node_memory_mib),
+            },
+        )
+    return manifests
+
+
+def worker_labels(spec: ModelSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "model-worker",
+        "app.kubernetes.io/instance": worker_name(spec.name),
+        "app.kubernetes.io/version": spec.version,
+        "app.kubernetes.io/part-of": "maas",
+        "maas/model": spec.name,
+        "maas/gpu-pool": spec.hardware,
+    }
+
+
+def worker_name(model: str) -> str:
+    return f"model-worker-{model}"
+
+
+def model_worker_manifests(spec: ModelSpec, settings: RenderSettings) -> list[Manifest]:
+    """The Deployment, PodDisruptionBudget and ScaledObject of one catalog model."""
+    pool = GPU_POOLS[spec.hardware]
+    node_selector = {ACCELERATOR_LABEL: pool.accelerator}
+    clients_per_node = 1
+    affinity: dict[str, Any] = dedicated_gpu_affinity()
+    if spec.gpu_sharing:
+        clients_per_node = settings.max_shared_clients_per_gpu
+        node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
+        node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
+        affinity = {}
+    labels = worker_labels(spec)
+    # The startup probe keeps counting from the container's start, so a rounded-up threshold still
+    # covers the whole budget.
+    startup_failure_threshold = math.ceil(WORKER_STARTUP_BUDGET_SECONDS / WORKER_STARTUP_PERIOD_SECONDS)
+    return render_template(
+        "model-worker.yaml",
+        {
+            "name": worker_name(spec.name),
+            "namespace": settings.namespace,
+            "model": spec.name,
+            "labels": labels,
+            "selector": {"app.kubernetes.io/name": "model-worker", "maas/model": spec.name},
+            "image": settings.image,
+            "termination_grace_period_seconds": spec.drain_seconds + WORKER_EXIT_MARGIN_SECONDS,
+            "node_selector": node_selector,
+            "affinity": affinity,
+            "tolerations": gpu_toleration(),
+            "health_port": WORKER_HEALTH_PORT,
+            "health_port_text": str(WORKER_HEALTH_PORT),
+            "resources": resources(
+                pool.node_cpu_millis // clients_per_node,
+                pool.node_memory_mib // clients_per_node,
+                ephemeral_storage=WORKER_EPHEMERAL_STORAGE,
+            ),
+            "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
+            "startup_failure_threshold": startup_failure_threshold,
+            "model_cache_size": MODEL_CACHE_SIZE,
+            "min_replicas": spec.replicas.min,
+            "max_replicas": spec.replicas.max,
+            "trigger_authentication": TRIGGER_AUTHENTICATION,
+            "subscription_path": f"projects/{settings.project_id}/subscriptions/{worker_subscription(spec.name)}",
+            # KEDA requires trigger metadata values to be strings.
+            "backlog_per_worker": str(spec.max_batch_size),
+            # A request that has waited a third of its timeout means the workers are falling behind.
+            "oldest_request_age_seconds": str(max(1, spec.request_timeout_seconds // 3)),
+        },
+    )
+
+
+def render_all(settings: RenderSettings, catalog: ModelCatalog | None = None) -> dict[str, list[Manifest]]:
+    """Every manifest, grouped by output file; file names sort in the order `kubectl apply` needs."""
+    catalog = catalog or load_catalog()
+    files: dict[str, list[Manifest]] = {
+        "00-cluster.yaml": cluster_manifests(settings),
+        "10-capacity-reservation.yaml": capacity_reservation_manifests(settings, catalog),
+    }
+    for model in catalog.names():
+        files[f"20-{worker_name(model)}.yaml"] = model_worker_manifests(catalog.models[model], settings)
+    return files
+
+
+def dump(manifests: Sequence[Manifest]) -> str:
+    return yaml.safe_dump_all(manifests, sort_keys=False, explicit_start=True)
+
+
+def buffer_replica_count(value: str) -> tuple[str, int]:
+    """Parses one `POOL=COUNT` pair, e.g. `l4=3`."""
+    pool, _, count = value.partition("=")
+    if pool not in GPU_POOLS or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"expected POOL=COUNT with POOL in {sorted(GPU_POOLS)}, got {value!r}")
+    return pool, int(count)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, help="directory to write one file per group into; stdout if omitted")
+    parser.add_argument("--project-id", default=RenderSettings.project_id)
+    parser.add_argument("--region", default=RenderSettings.region, help="Artifact Registry region")
+    parser.add_argument("--namespace", default=RenderSettings.namespace)
+    parser.add_argument(
+        "--image-tag", default=RenderSettings.image_tag, help="worker image tag, e.g. the commit's short SHA"
+    )
+    parser.add_argument("--image", help="full worker image reference; overrides --region/--project-id/--image-tag")
+    parser.add_argument("--redis-url", default=RenderSettings.redis_url, help="Memorystore URL, redis://HOST:6379/0")
+    parser.add_argument(
+        "--max-shared-clients-per-gpu",
+        type=int,
+        default=DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
+        help="must match the time-sharing node pool's setting",
+    )
+    parser.add_argument(
+        "--buffer-replicas",
+        nargs="*",
+        default=[],
+        type=buffer_replica_count,
+        metavar="POOL=COUNT",
+        help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)",
+    )
+    parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = RenderSettings(
+        project_id=args.project_id,
+        region=args.region,
+        namespace=args.namespace,
+        image_tag=args.image_tag,
+        worker_image=args.image,
+        redis_url=args.redis_url,
+        max_shared_clients_per_gpu=args.max_shared_clients_per_gpu,
+        buffer_replicas=dict(args.buffer_replicas),
+    )
+    files = render_all(settings, load_catalog(args.catalog))
+    if args.out is None:
+        sys.stdout.write(dump([manifest for manifests in files.values() for manifest in manifests]))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for stale in args.out.glob("*.yaml"):
+        stale.unlink()  # a model removed from the catalog must not leave its manifests behind
+    for file_name, manifests in files.items():
+        (args.out / file_name).write_text(dump(manifests))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
