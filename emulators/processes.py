@@ -71,13 +71,25 @@ class ProcessRegistry:
                 time.sleep(0.1)
             if _alive(pid):
                 _signal_group(pid, signal.SIGKILL)
+                while _alive(pid) and time.monotonic() < deadline + 5:
+                    time.sleep(0.05)
         (self.pid_dir / f"{name}.pid").unlink(missing_ok=True)
 
-    def stop_all(self, order: Sequence[str] = ()) -> None:
-        """Stop `order` first (dependents before what they depend on), then everything else."""
-        for name in [*order, *self.names()]:
-            if self.pid(name) is not None:
-                self.stop(name)
+    def stop_group(self, names: Sequence[str], timeout: float = 15.0) -> None:
+        """SIGTERM every process in `names` at once, then wait for them together."""
+        pids = {name: self.pid(name) for name in names}
+        for pid in filter(None, pids.values()):
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(pid and _alive(pid) for pid in pids.values()):
+            time.sleep(0.05)
+        for name in names:
+            self.stop(name, timeout=0)
+
+    def stop_all(self, stages: Sequence[Sequence[str]] = ()) -> None:
+        """Stop stage by stage (dependents before what they depend on), then anything left."""
+        for stage in [*stages, self.names()]:
+            self.stop_group([name for name in stage if self.pid(name) is not None])
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:

@@ -266,7 +266,7 @@ def up(config: StackConfig) -> None:
 def down(config: StackConfig) -> None:
     registry = ProcessRegistry(config.stack_dir)
     workers = [name for name in registry.names() if name.startswith("worker-")]
-    registry.stop_all(order=[*workers, "api", *EMULATORS])
+    registry.stop_all(stages=[[*workers, "api"], EMULATORS])
 
 
 def banner(config: StackConfig) -> str:

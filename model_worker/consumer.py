@@ -21,7 +21,8 @@ from model_worker.health import WorkerHealth
 from model_worker.pipeline import DiffusionRunner
 
 log = logging.getLogger(__name__)
-PULL_WAIT_SECONDS = 5.0
+# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
+PULL_WAIT_SECONDS = 2.0
 
 
 class RequestConsumer:
