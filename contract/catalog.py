@@ -64,8 +64,8 @@ class ModelCatalog(BaseModel):
     @classmethod
     def from_yaml(cls, path: Path | str = DEFAULT_CATALOG_PATH) -> ModelCatalog:
         raw = yaml.safe_load(Path(path).read_text())
-        for name, spec in raw.get("models", {}).items():
-            spec["name"] = name
+        # A copy per entry: YAML aliases can make two models share one mapping.
+        raw["models"] = {name: {**spec, "name": name} for name, spec in (raw.get("models") or {}).items()}
         return cls.model_validate(raw)
 
     def get(self, name: str) -> ModelSpec | None:

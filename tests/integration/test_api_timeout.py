@@ -1,0 +1,81 @@
+"""The API's timeout path over HTTP, with a catalog model that has a queue but no worker."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import yaml
+from google.api_core import exceptions
+
+from api_server.app import create_app
+from contract import clients, naming
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
+from contract.settings import Settings
+from emulators.bootstrap import bootstrap_pubsub
+from tests.conftest import query_rows
+
+pytestmark = pytest.mark.stack
+GHOST = "ghost-txt2img"
+
+
+@pytest.fixture(scope="module")
+def ghost_app(stack, settings, tmp_path_factory):
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    raw["models"][GHOST] = {**raw["models"]["sd15-txt2img"], "request_timeout_seconds": 2, "weights_path": "ghost/1"}
+    path = tmp_path_factory.mktemp("catalog") / "models.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    bootstrap_pubsub(settings, ModelCatalog.from_yaml(path))
+    app_settings = Settings.from_env({**stack.service_env(), "MAAS_CATALOG_PATH": str(path)})
+    app = create_app(app_settings)
+    yield app
+    app.extensions["maas"].close()
+
+
+def test_reply_that_never_comes_is_504_and_the_subscription_is_deleted(ghost_app, auth_headers, settings, bigquery):
+    response = ghost_app.test_client().post(
+        f"/v1/models/{GHOST}:predict",
+        json={
+            "instances": [{"prompt": "nobody listens"}],
+            "parameters": {"seed": 1, "num_inference_steps": 2, "width": 64, "height": 64},
+        },
+        headers=auth_headers,
+    )
+    assert response.status_code == 504
+    error = response.get_json()["error"]
+    assert GHOST in error["message"]
+    subscription = clients.subscriber_client().subscription_path(
+        settings.project_id, naming.reply_subscription(error["request_id"])
+    )
+    with pytest.raises(exceptions.NotFound):
+        clients.subscriber_client().get_subscription(request={"subscription": subscription})
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    rows = query_rows(
+        bigquery, f"SELECT status, http_status FROM {table} WHERE request_id = '{error['request_id']}'", 1
+    )
+    assert rows == [{"status": "timeout", "http_status": 504}]
+    # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
+    subscriber = clients.subscriber_client()
+    queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))
+    pulled = subscriber.pull(request={"subscription": queued, "max_messages": 10}, timeout=10)
+    assert error["request_id"] in {m.message.attributes["request_id"] for m in pulled.received_messages}
+
+
+def test_queue_unavailable_is_503(stack, auth_headers, tmp_path):
+    # A catalog model whose topic was never created: publishing fails, the client is told to retry.
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    name = f"missing-{uuid.uuid4().hex[:6]}"
+    raw["models"][name] = dict(raw["models"]["sd15-txt2img"])
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    app = create_app(Settings.from_env({**stack.service_env(), "MAAS_CATALOG_PATH": str(path)}))
+    try:
+        response = app.test_client().post(
+            f"/v1/models/{name}:predict",
+            json={"instances": [{"prompt": "x"}], "parameters": {"width": 64, "height": 64}},
+            headers=auth_headers,
+        )
+    finally:
+        app.extensions["maas"].close()
+    assert response.status_code == 503
+    assert response.headers["Retry-After"]

@@ -1,0 +1,104 @@
+"""Reply waiting against the real Pub/Sub emulator, in both modes: timeouts, foreign replies, missed notifications."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+from google.api_core import exceptions
+
+from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
+from contract import clients, naming
+from contract.messages import Attr, InferenceReply
+from contract.results import ResultStore
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture
+def results(settings) -> ResultStore:
+    return ResultStore(redis.Redis.from_url(settings.redis_url), ttl_seconds=60)
+
+
+@pytest.fixture(params=["per-request", "per-instance"])
+def waiter(request, settings, results):
+    subscriber = clients.subscriber_client()
+    if request.param == "per-request":
+        waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
+    else:
+        waiter = PerInstanceReplyWaiter(subscriber, settings.project_id, f"test-{uuid.uuid4().hex[:8]}", results)
+    yield waiter
+    waiter.close()
+
+
+def publish_reply(settings, request_id: str, extra_attributes: dict[str, str] | None = None) -> InferenceReply:
+    reply = InferenceReply(
+        request_id=request_id, model="sd15-txt2img", model_version="1", status="ok", worker_id="test"
+    )
+    publisher = clients.publisher_client()
+    topic = publisher.topic_path(settings.project_id, naming.REPLIES_TOPIC)
+    publisher.publish(
+        topic, reply.model_dump_json().encode(), **{Attr.REQUEST_ID: request_id, **(extra_attributes or {})}
+    ).result(timeout=10)
+    return reply
+
+
+def subscription_exists(settings, name: str) -> bool:
+    try:
+        clients.subscriber_client().get_subscription(request={"subscription": name})
+        return True
+    except exceptions.NotFound:
+        return False
+
+
+def test_reply_that_never_comes_times_out_and_the_subscription_is_deleted(waiter, settings):
+    request_id = uuid.uuid4().hex
+    pending = waiter.expect(request_id)
+    started = time.monotonic()
+    assert pending.wait(timeout=1.5) is None
+    assert 1.4 <= time.monotonic() - started < 5
+    pending.close()
+    if waiter.mode == "per-request":
+        assert not subscription_exists(settings, pending.subscription)
+
+
+def test_reply_for_another_request_is_ignored(waiter, settings):
+    mine, other = uuid.uuid4().hex, uuid.uuid4().hex
+    pending = waiter.expect(mine)
+    try:
+        publish_reply(settings, other, waiter.request_attributes())
+        assert pending.wait(timeout=1.5) is None
+        publish_reply(settings, mine, waiter.request_attributes())
+        reply = pending.wait(timeout=10)
+        assert reply is not None and reply.request_id == mine
+    finally:
+        pending.close()
+
+
+def test_reply_missed_by_the_subscription_is_found_in_the_result_store(waiter, results):
+    request_id = uuid.uuid4().hex
+    pending = waiter.expect(request_id)
+    try:
+        stored = InferenceReply(
+            request_id=request_id, model="sd15-txt2img", model_version="1", status="ok", worker_id="w"
+        )
+        results.put(stored)  # as the worker does before publishing; the notification itself never arrives
+        assert pending.wait(timeout=5) == stored
+    finally:
+        pending.close()
+
+
+def test_per_request_subscription_is_filtered_labelled_and_expires(settings, results):
+    waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
+    request_id = uuid.uuid4().hex
+    pending = waiter.expect(request_id)
+    try:
+        subscription = clients.subscriber_client().get_subscription(request={"subscription": pending.subscription})
+        assert subscription.filter == f'attributes.request_id = "{request_id}"'
+        assert dict(subscription.labels) == naming.REPLY_SUBSCRIPTION_LABEL
+        assert subscription.expiration_policy.ttl.total_seconds() == 86400
+    finally:
+        pending.close()
+    assert not subscription_exists(settings, pending.subscription)

@@ -1,0 +1,82 @@
+"""The running worker's side of the wire contract: deadlines, at-least-once redelivery, malformed input."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from api_server.reply_waiter import PerRequestReplyWaiter
+from contract import clients, naming
+from contract.messages import (
+    GenerationParameters,
+    InferenceReply,
+    InferenceRequest,
+    RequestInstance,
+    request_attributes,
+)
+from contract.results import ResultStore
+
+pytestmark = pytest.mark.stack
+MODEL = "sd15-txt2img"
+
+
+def make_request(request_id: str) -> InferenceRequest:
+    params = GenerationParameters(seed=3, num_inference_steps=2, guidance_scale=7.5, width=64, height=64)
+    return InferenceRequest(
+        request_id=request_id,
+        model=MODEL,
+        model_version="1",
+        instances=[RequestInstance(prompt="contract")],
+        parameters=params,
+    )
+
+
+def send_and_wait(
+    settings, request_id: str, data: bytes, attributes: dict[str, str], timeout: float = 30
+) -> InferenceReply | None:
+    results = ResultStore(redis.Redis.from_url(settings.redis_url), 60)
+    waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
+    publisher = clients.publisher_client()
+    pending = waiter.expect(request_id)
+    try:
+        publisher.publish(
+            publisher.topic_path(settings.project_id, naming.request_topic(MODEL)), data, **attributes
+        ).result(10)
+        return pending.wait(timeout)
+    finally:
+        pending.close()
+
+
+def attributes_for(settings, request: InferenceRequest, deadline_ms: int) -> dict[str, str]:
+    replies = f"projects/{settings.project_id}/topics/{naming.REPLIES_TOPIC}"
+    return request_attributes(request, replies, deadline_ms)
+
+
+def test_request_past_its_deadline_is_answered_expired_without_running(stack, settings):
+    request = make_request(uuid.uuid4().hex)
+    reply = send_and_wait(
+        settings, request.request_id, request.model_dump_json().encode(), attributes_for(settings, request, 1)
+    )
+    assert reply is not None and reply.status == "expired"
+    assert reply.inference_ms == 0 and reply.predictions == []
+
+
+def test_redelivered_request_is_answered_once(stack, settings):
+    request = make_request(uuid.uuid4().hex)
+    attributes = attributes_for(settings, request, int((time.time() + 60) * 1000))
+    first = send_and_wait(settings, request.request_id, request.model_dump_json().encode(), attributes)
+    second = send_and_wait(settings, request.request_id, request.model_dump_json().encode(), attributes)
+    assert first is not None and first.status == "ok"
+    # The stored reply is republished: same image bytes and the first run's own timing, so no second run.
+    assert second == first
+
+
+def test_malformed_request_gets_an_error_reply_not_silence(stack, settings):
+    request_id = uuid.uuid4().hex
+    attributes = attributes_for(settings, make_request(request_id), int((time.time() + 60) * 1000))
+    reply = send_and_wait(settings, request_id, b'{"not": "a request"}', attributes)
+    assert reply is not None and reply.status == "error"
+    assert "malformed request" in reply.error
