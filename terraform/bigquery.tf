@@ -42,6 +42,7 @@ resource "google_bigquery_table" "inference_log" {
 # `${project_id}.${dataset}.inference_log`; see README.md, "Analytics views".
 resource "google_bigquery_table" "analytics_views" {
   #checkov:skip=CKV_GCP_80:A view stores no data of its own to encrypt.
+  #checkov:skip=CKV_GCP_121:A view holds no data and is rebuilt from infra/sql; protection would only block removing a view whose SQL file was deleted.
   for_each = local.analytics_sql_files
 
   dataset_id = google_bigquery_dataset.maas.dataset_id

@@ -71,3 +71,22 @@ resource "google_compute_router_nat" "maas" {
     filter = "ERRORS_ONLY"
   }
 }
+
+# Nothing outside the VPC may open connections to it. GKE adds its own higher-priority rules for
+# control-plane-to-node traffic; this makes the default explicit and logs what it drops.
+resource "google_compute_firewall" "deny_external_ingress" {
+  name      = "${var.network_name}-deny-external-ingress"
+  network   = google_compute_network.maas.id
+  direction = "INGRESS"
+  priority  = 65534
+
+  source_ranges = ["0.0.0.0/0"]
+
+  deny {
+    protocol = "all"
+  }
+
+  log_config {
+    metadata = "INCLUDE_ALL_METADATA"
+  }
+}

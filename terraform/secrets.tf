@@ -8,7 +8,6 @@ locals {
 }
 
 resource "google_secret_manager_secret" "maas" {
-  #checkov:skip=CKV_GCP_125:Automatic replication with Google-managed keys; a CMEK key ring is not part of this system.
   for_each = local.secret_ids
 
   secret_id = each.value
