@@ -9,9 +9,17 @@ resource "google_service_account" "api" {
   depends_on = [google_project_service.enabled]
 }
 
+# infra/k8s annotates the model-worker Kubernetes service account with this account's email.
 resource "google_service_account" "worker" {
-  account_id   = "maas-model-worker"
+  account_id   = "maas-worker"
   display_name = "Model-as-a-Service model workers (GKE Workload Identity)"
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_service_account" "keda" {
+  account_id   = "maas-keda"
+  display_name = "KEDA operator: reads Pub/Sub backlog metrics to scale the model workers"
 
   depends_on = [google_project_service.enabled]
 }
@@ -125,6 +133,24 @@ resource "google_storage_bucket_iam_member" "worker_uses_payloads" {
   bucket = google_storage_bucket.payloads.name
   role   = "roles/storage.objectAdmin"
   member = google_service_account.worker.member
+}
+
+# --- Worker autoscaling (KEDA) ----------------------------------------------------------------
+
+# KEDA's gcp-pubsub scaler reads each worker subscription's backlog from Cloud Monitoring as the
+# KEDA operator's Kubernetes service account. Metric reads cannot be scoped below the project.
+resource "google_service_account_iam_member" "keda_workload_identity" {
+  service_account_id = google_service_account.keda.name
+  role               = "roles/iam.workloadIdentityUser"
+  member             = "serviceAccount:${var.project_id}.svc.id.goog[${var.keda_operator_service_account}]"
+
+  depends_on = [google_container_cluster.workers]
+}
+
+resource "google_project_iam_member" "keda_reads_queue_metrics" {
+  project = var.project_id
+  role    = "roles/monitoring.viewer"
+  member  = google_service_account.keda.member
 }
 
 # --- GKE nodes ---------------------------------------------------------------------------------

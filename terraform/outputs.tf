@@ -68,6 +68,11 @@ output "worker_service_account_email" {
   value       = google_service_account.worker.email
 }
 
+output "keda_service_account_email" {
+  description = "Google service account of the KEDA operator; annotate its Kubernetes service account with iam.gke.io/gcp-service-account=<this>."
+  value       = google_service_account.keda.email
+}
+
 output "artifact_registry_url" {
   description = "Docker repository prefix for the API and worker images."
   value       = "${google_artifact_registry_repository.maas.location}-docker.pkg.dev/${var.project_id}/${google_artifact_registry_repository.maas.repository_id}"

@@ -135,10 +135,16 @@ variable "gpu_node_pools" {
   }
 }
 
+variable "keda_operator_service_account" {
+  description = "Kubernetes service account of the KEDA operator, as NAMESPACE/NAME; it scales the workers on Pub/Sub backlog."
+  type        = string
+  default     = "keda/keda-operator"
+}
+
 # --- API (Cloud Run) ----------------------------------------------------------------------------
 
 variable "api_image" {
-  description = "API container image, e.g. REGION-docker.pkg.dev/PROJECT/maas/api-server:TAG (see the artifact_registry_url output)."
+  description = "API container image, e.g. REGION-docker.pkg.dev/PROJECT/maas/api:TAG (see the artifact_registry_url output)."
   type        = string
 }
 

@@ -3,7 +3,7 @@ project_id = "acme-maas-prod"
 region     = "us-central1"
 gke_zones  = ["us-central1-a", "us-central1-c"]
 
-api_image = "us-central1-docker.pkg.dev/acme-maas-prod/maas/api-server:1.0.0"
+api_image = "us-central1-docker.pkg.dev/acme-maas-prod/maas/api:3f9c2a1"
 
 # Peak load: 1.4 million inferences a day, 150+ L4 GPUs.
 api_min_instances   = 2

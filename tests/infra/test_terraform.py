@@ -7,11 +7,13 @@ naming, log schema), formatted with `terraform fmt`, and scanned with checkov.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import typing
 from functools import cache
@@ -454,6 +456,41 @@ def test_worker_grants_cover_exactly_what_the_worker_touches():
         ("google_storage_bucket.payloads.name", "roles/storage.objectAdmin"),
     }
     assert not _grants("google_project_iam_member", member), "workers need no project-wide role"
+
+
+def _manifest_renderer():
+    """infra/k8s/render.py, which writes the worker manifests this cluster must be able to run."""
+    path = REPO_ROOT / "infra" / "k8s" / "render.py"
+    if not path.exists():
+        pytest.skip("no Kubernetes manifest renderer to compare with")
+    name = "maas_k8s_render_for_terraform"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_worker_service_account_is_the_one_the_manifests_annotate():
+    render_module = _manifest_renderer()
+    account_id = resource("google_service_account", "worker")["account_id"]
+    settings = render_module.RenderSettings(project_id=EXAMPLE_PROJECT)
+    assert f"{account_id}@{EXAMPLE_PROJECT}.iam.gserviceaccount.com" == settings.worker_google_service_account
+    assert settings.namespace == locals_()["worker_namespace"]
+
+
+def test_gpu_pools_are_the_ones_the_manifests_schedule_on():
+    render_module = _manifest_renderer()
+    hardware = locals_()["gpu_hardware"]
+    for name, pool in render_module.GPU_POOLS.items():
+        assert hardware[name] == {"machine_type": pool.machine_type, "accelerator_type": pool.accelerator}
+    shared = [
+        pool["max_shared_clients_per_gpu"]
+        for pool in variables()["gpu_node_pools"]["default"].values()
+        if pool.get("max_shared_clients_per_gpu", 1) > 1
+    ]
+    assert shared == [render_module.DEFAULT_MAX_SHARED_CLIENTS_PER_GPU]
 
 
 # --- Compute ------------------------------------------------------------------------------------
