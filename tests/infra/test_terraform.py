@@ -355,7 +355,8 @@ def test_log_schema_file_is_a_bigquery_schema_and_the_one_the_code_loads():
     fields = json.loads(CONTRACT_LOG_SCHEMA.read_text())
     assert fields and all({"name", "type", "mode"} <= set(field) for field in fields)
     assert {field["mode"] for field in fields} <= {"REQUIRED", "NULLABLE", "REPEATED"}
-    assert {field["type"] for field in fields} <= {"STRING", "INTEGER", "FLOAT", "BOOLEAN", "TIMESTAMP", "BYTES", "JSON"}
+    bigquery_types = {"STRING", "INTEGER", "FLOAT", "BOOLEAN", "TIMESTAMP", "BYTES", "JSON"}
+    assert {field["type"] for field in fields} <= bigquery_types
     assert len({field["name"] for field in fields}) == len(fields)
     try:
         from contract import log_schema
@@ -450,7 +451,8 @@ def test_worker_grants_cover_exactly_what_the_worker_touches():
     assert subscriptions[0]["role"] == "roles/pubsub.subscriber"
     topics = {(expression(b["topic"]), b["role"]) for b in _grants("google_pubsub_topic_iam_member", member).values()}
     assert topics == {("google_pubsub_topic.replies.name", "roles/pubsub.publisher")}
-    buckets = {(expression(b["bucket"]), b["role"]) for b in _grants("google_storage_bucket_iam_member", member).values()}
+    bucket_grants = _grants("google_storage_bucket_iam_member", member).values()
+    buckets = {(expression(b["bucket"]), b["role"]) for b in bucket_grants}
     assert buckets == {
         ("google_storage_bucket.models.name", "roles/storage.objectViewer"),
         ("google_storage_bucket.payloads.name", "roles/storage.objectAdmin"),
