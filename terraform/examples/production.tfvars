@@ -1,0 +1,52 @@
+# A production deployment: terraform apply -var-file=examples/production.tfvars
+project_id = "acme-maas-prod"
+region     = "us-central1"
+gke_zones  = ["us-central1-a", "us-central1-c"]
+
+api_image = "us-central1-docker.pkg.dev/acme-maas-prod/maas/api:3f9c2a1"
+
+# Peak load: 1.4 million inferences a day, 150+ L4 GPUs.
+api_min_instances   = 2
+api_max_instances   = 200
+api_max_concurrency = 80
+api_reply_mode      = "per-instance"
+
+gpu_node_pools = {
+  l4-shared = {
+    hardware                   = "l4"
+    min_node_count             = 2
+    max_node_count             = 40
+    max_shared_clients_per_gpu = 2
+  }
+  l4 = {
+    hardware       = "l4"
+    min_node_count = 4
+    max_node_count = 160
+    spot           = true
+  }
+  a100 = {
+    hardware       = "a100"
+    min_node_count = 0
+    max_node_count = 8
+  }
+}
+
+redis_tier           = "STANDARD_HA"
+redis_memory_size_gb = 10
+
+payload_retention_days       = 1
+inference_log_retention_days = 400
+
+gke_authorized_networks = {
+  ci     = "203.0.113.0/28"
+  office = "198.51.100.0/24"
+}
+
+alert_notification_channels = [
+  "projects/acme-maas-prod/notificationChannels/1234567890123456789",
+]
+
+labels = {
+  environment = "production"
+  team        = "ml-platform"
+}

@@ -1,0 +1,178 @@
+# Identities and least-privilege grants: the API (Cloud Run), the model workers (GKE Workload
+# Identity) and the GKE nodes. Grants are on individual topics, subscriptions, buckets, the dataset
+# and secrets wherever the resource exists before the code runs.
+
+resource "google_service_account" "api" {
+  account_id   = "maas-api"
+  display_name = "Model-as-a-Service API (Cloud Run)"
+
+  depends_on = [google_project_service.enabled]
+}
+
+# infra/k8s annotates the model-worker Kubernetes service account with this account's email.
+resource "google_service_account" "worker" {
+  account_id   = "maas-worker"
+  display_name = "Model-as-a-Service model workers (GKE Workload Identity)"
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_service_account" "keda" {
+  account_id   = "maas-keda"
+  display_name = "KEDA operator: reads Pub/Sub backlog metrics to scale the model workers"
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_service_account" "gke_nodes" {
+  account_id   = "maas-gke-nodes"
+  display_name = "Model-as-a-Service GKE nodes"
+
+  depends_on = [google_project_service.enabled]
+}
+
+# --- API -------------------------------------------------------------------------------------
+
+resource "google_pubsub_topic_iam_member" "api_publishes_requests" {
+  for_each = local.models
+
+  topic  = google_pubsub_topic.requests[each.key].name
+  role   = "roles/pubsub.publisher"
+  member = google_service_account.api.member
+}
+
+# The API waits for each reply on a subscription it creates on the replies topic at runtime
+# (per request, or one per API instance) and deletes afterwards. Attaching a subscription needs
+# pubsub.topics.attachSubscription on the topic, granted here by roles/pubsub.subscriber on the
+# replies topic only.
+resource "google_pubsub_topic_iam_member" "api_attaches_reply_subscriptions" {
+  topic  = google_pubsub_topic.replies.name
+  role   = "roles/pubsub.subscriber"
+  member = google_service_account.api.member
+}
+
+# Subscriptions that do not exist yet cannot carry their own IAM policy, and the creator of a
+# subscription gets no implicit access to it, so the subscription-side permissions must be granted
+# on the project. This role holds only what reply waiting needs (no topic, snapshot or schema
+# permissions); `list` lets the API sweep leaked reply subscriptions by their maas-purpose label.
+resource "google_project_iam_custom_role" "reply_waiter" {
+  role_id     = "maasReplyWaiter"
+  title       = "Model-as-a-Service reply waiter"
+  description = "Create, read from and delete the API's ephemeral reply subscriptions."
+  permissions = [
+    "pubsub.subscriptions.consume",
+    "pubsub.subscriptions.create",
+    "pubsub.subscriptions.delete",
+    "pubsub.subscriptions.get",
+    "pubsub.subscriptions.list",
+  ]
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_project_iam_member" "api_waits_for_replies" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.reply_waiter.id
+  member  = google_service_account.api.member
+}
+
+resource "google_bigquery_dataset_iam_member" "api_writes_inference_log" {
+  dataset_id = google_bigquery_dataset.maas.dataset_id
+  role       = "roles/bigquery.dataEditor"
+  member     = google_service_account.api.member
+}
+
+resource "google_storage_bucket_iam_member" "api_uses_payloads" {
+  bucket = google_storage_bucket.payloads.name
+  role   = "roles/storage.objectAdmin"
+  member = google_service_account.api.member
+}
+
+resource "google_secret_manager_secret_iam_member" "api_reads_secrets" {
+  for_each = google_secret_manager_secret.maas
+
+  secret_id = each.value.id
+  role      = "roles/secretmanager.secretAccessor"
+  member    = google_service_account.api.member
+}
+
+# --- Model workers -----------------------------------------------------------------------------
+
+# Pods running as Kubernetes service account maas/model-worker act as the worker Google service
+# account.
+resource "google_service_account_iam_member" "worker_workload_identity" {
+  service_account_id = google_service_account.worker.name
+  role               = "roles/iam.workloadIdentityUser"
+  member             = "serviceAccount:${var.project_id}.svc.id.goog[${local.worker_namespace}/${local.worker_service_account}]"
+
+  # The identity pool <project>.svc.id.goog exists once the cluster does.
+  depends_on = [google_container_cluster.workers]
+}
+
+resource "google_pubsub_subscription_iam_member" "worker_pulls_requests" {
+  for_each = local.models
+
+  subscription = google_pubsub_subscription.workers[each.key].name
+  role         = "roles/pubsub.subscriber"
+  member       = google_service_account.worker.member
+}
+
+resource "google_pubsub_topic_iam_member" "worker_publishes_replies" {
+  topic  = google_pubsub_topic.replies.name
+  role   = "roles/pubsub.publisher"
+  member = google_service_account.worker.member
+}
+
+resource "google_storage_bucket_iam_member" "worker_reads_weights" {
+  bucket = google_storage_bucket.models.name
+  role   = "roles/storage.objectViewer"
+  member = google_service_account.worker.member
+}
+
+resource "google_storage_bucket_iam_member" "worker_uses_payloads" {
+  bucket = google_storage_bucket.payloads.name
+  role   = "roles/storage.objectAdmin"
+  member = google_service_account.worker.member
+}
+
+# --- Worker autoscaling (KEDA) ----------------------------------------------------------------
+
+# KEDA's gcp-pubsub scaler reads each worker subscription's backlog from Cloud Monitoring as the
+# KEDA operator's Kubernetes service account. Metric reads cannot be scoped below the project.
+resource "google_service_account_iam_member" "keda_workload_identity" {
+  service_account_id = google_service_account.keda.name
+  role               = "roles/iam.workloadIdentityUser"
+  member             = "serviceAccount:${var.project_id}.svc.id.goog[${var.keda_operator_service_account}]"
+
+  depends_on = [google_container_cluster.workers]
+}
+
+resource "google_project_iam_member" "keda_reads_queue_metrics" {
+  project = var.project_id
+  role    = "roles/monitoring.viewer"
+  member  = google_service_account.keda.member
+}
+
+# --- GKE nodes ---------------------------------------------------------------------------------
+
+# The minimum a node needs: ship logs and metrics, and pull the worker image. Workloads get their
+# own identity through Workload Identity, never the node's.
+resource "google_project_iam_member" "gke_node_telemetry" {
+  for_each = toset([
+    "roles/logging.logWriter",
+    "roles/monitoring.metricWriter",
+    "roles/monitoring.viewer",
+    "roles/stackdriver.resourceMetadata.writer",
+  ])
+
+  project = var.project_id
+  role    = each.key
+  member  = google_service_account.gke_nodes.member
+}
+
+resource "google_artifact_registry_repository_iam_member" "gke_nodes_pull_images" {
+  location   = google_artifact_registry_repository.maas.location
+  repository = google_artifact_registry_repository.maas.name
+  role       = "roles/artifactregistry.reader"
+  member     = google_service_account.gke_nodes.member
+}

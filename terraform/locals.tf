@@ -1,0 +1,64 @@
+# Names and facts shared by every other file. The resource names below follow the convention in
+# contract/naming.py; tests/infra/test_terraform.py renders them for every catalog model and
+# compares them with that module, so change both together.
+locals {
+  # The model catalog is the single list of served models: one request topic, worker
+  # subscription, dead-letter topic and alert set per entry.
+  catalog_path = "${path.module}/../contract/models.yaml"
+  catalog      = yamldecode(file(local.catalog_path))
+  models       = local.catalog.models
+
+  # The BigQuery log table schema is the one the API validates its rows against.
+  inference_log_schema_path = "${path.module}/../contract/inference_log_schema.json"
+
+  request_topic_names            = { for model in keys(local.models) : model => "maas-requests-${model}" }
+  worker_subscription_names      = { for model in keys(local.models) : model => "maas-requests-${model}-workers" }
+  dead_letter_topic_names        = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter" }
+  dead_letter_subscription_names = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter-sub" }
+  replies_topic_name             = "maas-replies"
+
+  model_bucket_name   = "${var.project_id}-maas-models"
+  payload_bucket_name = "${var.project_id}-maas-payloads"
+
+  bigquery_dataset    = "maas"
+  inference_log_table = "inference_log"
+
+  # Analytics views: one view per infra/sql/<view>.sql, rendered with templatefile. The directory
+  # may hold no files; fileset then yields an empty set and no views are created.
+  analytics_sql_dir   = "${path.module}/../infra/sql"
+  analytics_sql_files = fileset(local.analytics_sql_dir, "*.sql")
+
+  # Workers run under this Kubernetes service account; infra/k8s manifests create it.
+  worker_namespace       = "maas"
+  worker_service_account = "model-worker"
+
+  gke_pods_range_name     = "gke-pods"
+  gke_services_range_name = "gke-services"
+
+  api_service_name    = "maas-api"
+  artifact_repository = "maas"
+
+  # GPU hardware classes named by the catalog's `hardware` field. The accelerator type is also the
+  # node label `cloud.google.com/gke-accelerator` that the worker manifests select on.
+  gpu_hardware = {
+    l4 = {
+      machine_type     = "g2-standard-8"
+      accelerator_type = "nvidia-l4"
+    }
+    a100 = {
+      machine_type     = "a2-highgpu-1g"
+      accelerator_type = "nvidia-tesla-a100"
+    }
+  }
+
+  # The API's request timeout must outlast the slowest model's, or Cloud Run cuts off replies the
+  # workers are still producing.
+  max_model_request_timeout_seconds = max([for model in values(local.models) : model.request_timeout_seconds]...)
+
+  pubsub_service_agent = "serviceAccount:service-${data.google_project.this.number}@gcp-sa-pubsub.iam.gserviceaccount.com"
+
+  labels = merge(var.labels, {
+    app        = "maas"
+    managed-by = "terraform"
+  })
+}

@@ -1,0 +1,102 @@
+# Pub/Sub: one request queue per catalog model (competing workers, retries, dead letters) and the
+# shared replies topic. Per-request reply subscriptions are created at runtime by the API.
+
+resource "google_pubsub_topic" "requests" {
+  #checkov:skip=CKV_GCP_83:Google-managed encryption; messages hold prompts and GCS URIs, no secrets, and a CMEK key ring would be one more thing to provision per project.
+  for_each = local.models
+
+  name   = local.request_topic_names[each.key]
+  labels = merge(local.labels, { maas-model = each.key })
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_pubsub_topic" "dead_letter" {
+  #checkov:skip=CKV_GCP_83:Google-managed encryption; same content as the request topics.
+  for_each = local.models
+
+  name   = local.dead_letter_topic_names[each.key]
+  labels = merge(local.labels, { maas-model = each.key })
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_pubsub_subscription" "workers" {
+  for_each = local.models
+
+  name   = local.worker_subscription_names[each.key]
+  topic  = google_pubsub_topic.requests[each.key].id
+  labels = merge(local.labels, { maas-model = each.key })
+
+  # Workers extend the lease while a batch runs; the catalog sizes the deadline to one batch.
+  ack_deadline_seconds = each.value.ack_deadline_seconds
+
+  # A request older than this is long past its own deadline; keeping it longer only makes workers
+  # reply "expired" to it.
+  message_retention_duration = "${var.request_retention_seconds}s"
+  retain_acked_messages      = false
+
+  # Back off on nacks and expired leases so a failing request does not spin on the GPUs.
+  retry_policy {
+    minimum_backoff = "${var.request_retry_minimum_backoff_seconds}s"
+    maximum_backoff = "${var.request_retry_maximum_backoff_seconds}s"
+  }
+
+  # A request that keeps failing (e.g. a poison input that crashes the pipeline) is parked instead
+  # of being redelivered forever.
+  dead_letter_policy {
+    dead_letter_topic     = google_pubsub_topic.dead_letter[each.key].id
+    max_delivery_attempts = each.value.max_delivery_attempts
+  }
+
+  # The worker subscription must never be deleted for inactivity (e.g. a model idle for weeks).
+  expiration_policy {
+    ttl = ""
+  }
+
+  depends_on = [google_pubsub_topic_iam_member.dead_letter_publisher]
+}
+
+# Messages published to a topic without a subscription are dropped: this keeps every dead-lettered
+# request for inspection and replay.
+resource "google_pubsub_subscription" "dead_letter" {
+  for_each = local.models
+
+  name   = local.dead_letter_subscription_names[each.key]
+  topic  = google_pubsub_topic.dead_letter[each.key].id
+  labels = merge(local.labels, { maas-model = each.key })
+
+  ack_deadline_seconds       = 60
+  message_retention_duration = "${var.dead_letter_retention_seconds}s"
+  retain_acked_messages      = false
+
+  expiration_policy {
+    ttl = ""
+  }
+}
+
+resource "google_pubsub_topic" "replies" {
+  #checkov:skip=CKV_GCP_83:Google-managed encryption; replies carry results or GCS URIs, no secrets.
+  name   = local.replies_topic_name
+  labels = local.labels
+
+  depends_on = [google_project_service.enabled]
+}
+
+# Dead-lettering is done by the Pub/Sub service agent: it must publish to the dead-letter topic and
+# acknowledge (subscribe to) the source subscription.
+resource "google_pubsub_topic_iam_member" "dead_letter_publisher" {
+  for_each = local.models
+
+  topic  = google_pubsub_topic.dead_letter[each.key].name
+  role   = "roles/pubsub.publisher"
+  member = local.pubsub_service_agent
+}
+
+resource "google_pubsub_subscription_iam_member" "dead_letter_forwarder" {
+  for_each = local.models
+
+  subscription = google_pubsub_subscription.workers[each.key].name
+  role         = "roles/pubsub.subscriber"
+  member       = local.pubsub_service_agent
+}
