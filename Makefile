@@ -27,6 +27,11 @@ $(VENV_BQ)/.installed: requirements-bq.txt
 	$(VENV_BQ)/bin/pip install -q --disable-pip-version-check -r requirements-bq.txt
 	touch $@
 
+$(VENV_CHECKOV)/.installed: requirements-checkov.txt
+	test -d $(VENV_CHECKOV) || $(PYTHON) -m venv $(VENV_CHECKOV)
+	$(VENV_CHECKOV)/bin/pip install -q --disable-pip-version-check -r requirements-checkov.txt
+	touch $@
+
 run: install
 	$(PY) -m emulators.stack run
 
@@ -36,7 +41,8 @@ up: install
 down:
 	@test -x $(PY) && $(PY) -m emulators.stack down || true
 
-test: install
+# The infrastructure tests run checkov from its own virtualenv.
+test: install $(VENV_CHECKOV)/.installed
 	$(VENV)/bin/pytest
 
 lint: $(VENV)/.installed
