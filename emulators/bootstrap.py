@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from string import Template
 
 from google.api_core import exceptions
 from google.cloud import bigquery, pubsub_v1
@@ -13,6 +15,7 @@ from contract.log_schema import bigquery_schema
 from contract.settings import Settings
 
 log = logging.getLogger(__name__)
+ANALYTICS_SQL_DIR = Path(__file__).resolve().parent.parent / "infra" / "sql"
 
 
 def bootstrap(settings: Settings, catalog: ModelCatalog) -> None:
@@ -89,3 +92,9 @@ def bootstrap_bigquery(settings: Settings) -> None:
     table.time_partitioning = bigquery.TimePartitioning(field="created_at")
     table.clustering_fields = ["model", "status"]
     client.create_table(table, exists_ok=True)
+    for path in sorted(ANALYTICS_SQL_DIR.glob("*.sql")):
+        # The same files and template variables Terraform's templatefile() uses.
+        query = Template(path.read_text()).substitute(project_id=settings.project_id, dataset=settings.dataset)
+        view = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{path.stem}")
+        view.view_query = query
+        client.create_table(view, exists_ok=True)

@@ -61,9 +61,14 @@ def query_rows(client, sql: str, expected: int, timeout: float = 15.0) -> list[d
         time.sleep(0.3)
 
 
-def png_b64(width: int = 64, height: int = 64, color: tuple[int, int, int] = (200, 80, 40)) -> str:
+def png_b64(width: int = 64, height: int = 64, noise: bool = False) -> str:
+    """A PNG input image; noise does not compress, so a large one exceeds the inline payload limit."""
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    if noise:
+        image = Image.frombytes("RGB", (width, height), os.urandom(width * height * 3))
+    else:
+        image = Image.new("RGB", (width, height), (200, 80, 40))
+    image.save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode()

@@ -59,7 +59,7 @@ def test_image_to_image_returns_a_png_of_the_requested_size(stack, auth_headers)
 def test_large_image_to_image_output_travels_through_the_payload_bucket(stack, auth_headers, settings):
     # 512x512 noise PNGs exceed the inline limit, so the worker stores them in GCS and the API fetches them.
     body = {
-        "instances": [{"prompt": "large", "image": png_b64(512, 512)}],
+        "instances": [{"prompt": "large", "image": png_b64(512, 512, noise=True)}],
         "parameters": {"seed": 5, "num_inference_steps": 2, "width": 512, "height": 512, "strength": 0.5},
     }
     response = predict(stack, IMG2IMG, body, auth_headers)
@@ -116,6 +116,15 @@ def test_every_request_is_logged_to_bigquery(stack, auth_headers, bigquery, sett
     assert by_id[ok_id]["worker_id"]
     assert by_id[rejected_id]["status"] == "rejected" and by_id[rejected_id]["http_status"] == 422
     assert by_id[ok_id]["created_at"] is not None
+    [usage] = query_rows(
+        bigquery,
+        "SELECT SUM(requests) AS requests, SUM(succeeded) AS succeeded, SUM(failed) AS failed "
+        f"FROM `{settings.project_id}.{settings.dataset}.daily_usage_by_model` WHERE model = '{TXT2IMG}'",
+        expected=1,
+    )
+    assert (
+        usage["requests"] == usage["succeeded"] + usage["failed"] and usage["succeeded"] >= 1 and usage["failed"] >= 1
+    )
 
 
 def test_bad_json_is_400(stack, auth_headers):
