@@ -49,6 +49,21 @@ resource "google_cloud_run_v2_service" "api" {
         cpu_idle = false
       }
 
+      # /readyz answers once the process has its clients and Redis answers; /healthz while it runs.
+      startup_probe {
+        http_get {
+          path = "/readyz"
+        }
+        period_seconds    = 2
+        failure_threshold = 30
+      }
+      liveness_probe {
+        http_get {
+          path = "/healthz"
+        }
+        period_seconds = 15
+      }
+
       env {
         name  = "MAAS_ENV"
         value = "production"

@@ -8,6 +8,7 @@ import uuid
 from datetime import UTC, datetime
 
 from flask import Blueprint, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException
 
 from api_server.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.errors import ApiError
@@ -40,15 +41,18 @@ def predict(model: str):
         row.status, row.http_status = "ok", 200
         return response
     except ApiError as error:
-        row.http_status = error.status
-        row.status = {504: "timeout", 503: "unavailable"}.get(
-            error.status, "rejected" if error.status < 500 else "error"
-        )
-        row.error = error.message[:1024]
+        row.http_status, row.status, row.error = error.status, _log_status(error.status), error.message[:1024]
+        raise
+    except HTTPException as error:  # raised by Flask itself, e.g. 413 while reading the body
+        row.http_status, row.status, row.error = error.code or 500, _log_status(error.code or 500), error.name
         raise
     finally:
         row.total_ms = round((time.perf_counter() - started) * 1000, 2)
         services.inference_log.write(row)
+
+
+def _log_status(http_status: int) -> str:
+    return {504: "timeout", 503: "unavailable"}.get(http_status, "rejected" if http_status < 500 else "error")
 
 
 def _predict(services, model: str, row: InferenceLogRow, started: float):

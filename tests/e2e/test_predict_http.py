@@ -89,33 +89,37 @@ def test_same_seeded_request_gives_byte_identical_images(stack, auth_headers):
 
 
 def test_every_request_is_logged_to_bigquery(stack, auth_headers, bigquery, settings):
-    ok = predict(
-        stack,
-        TXT2IMG,
-        {
-            "instances": [{"prompt": "logged"}],
-            "parameters": {"seed": 1, "num_inference_steps": 2, "width": 64, "height": 64},
-        },
-        auth_headers,
-    )
-    rejected = predict(stack, TXT2IMG, {"instances": [{}]}, auth_headers)
-    assert ok.status_code == 200 and rejected.status_code == 422
-    ok_id = ok.json()["request_id"]
-    rejected_id = rejected.json()["error"]["request_id"]
+    small = {
+        "instances": [{"prompt": "logged"}],
+        "parameters": {"seed": 1, "num_inference_steps": 2, "width": 64, "height": 64},
+    }
+    responses = {
+        ("ok", 200): predict(stack, TXT2IMG, small, auth_headers),
+        ("rejected", 422): predict(stack, TXT2IMG, {"instances": [{}]}, auth_headers),
+        ("rejected", 401): predict(stack, TXT2IMG, small, {"Authorization": "Bearer nope"}),
+        ("rejected", 404): predict(stack, "no-such-model", small, auth_headers),
+        ("rejected", 413): predict(
+            stack, IMG2IMG, {"instances": [{"prompt": "x", "image": "A" * (9 << 20)}]}, auth_headers
+        ),
+    }
+    ids = {}
+    for (status, http_status), response in responses.items():
+        assert response.status_code == http_status, response.text
+        body = response.json()
+        ids[body.get("request_id") or body["error"]["request_id"]] = (status, http_status)
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    id_list = ", ".join(f"'{request_id}'" for request_id in ids)
     rows = query_rows(
         bigquery,
         f"SELECT request_id, model, model_version, status, http_status, total_ms, inference_ms, worker_id, created_at "
-        f"FROM {table} WHERE request_id IN ('{ok_id}', '{rejected_id}')",
-        expected=2,
+        f"FROM {table} WHERE request_id IN ({id_list})",
+        expected=len(ids),
     )
-    by_id = {row["request_id"]: row for row in rows}
-    assert by_id[ok_id]["status"] == "ok" and by_id[ok_id]["http_status"] == 200
-    assert by_id[ok_id]["model"] == TXT2IMG and by_id[ok_id]["model_version"] == "1"
-    assert by_id[ok_id]["inference_ms"] > 0 and by_id[ok_id]["total_ms"] >= by_id[ok_id]["inference_ms"]
-    assert by_id[ok_id]["worker_id"]
-    assert by_id[rejected_id]["status"] == "rejected" and by_id[rejected_id]["http_status"] == 422
-    assert by_id[ok_id]["created_at"] is not None
+    assert {row["request_id"]: (row["status"], row["http_status"]) for row in rows} == ids
+    [ok] = [row for row in rows if row["status"] == "ok"]
+    assert ok["model"] == TXT2IMG and ok["model_version"] == "1" and ok["worker_id"]
+    assert ok["inference_ms"] > 0 and ok["total_ms"] >= ok["inference_ms"]
+    assert all(row["created_at"] is not None for row in rows)
     [usage] = query_rows(
         bigquery,
         "SELECT SUM(requests) AS requests, SUM(succeeded) AS succeeded, SUM(failed) AS failed "
@@ -123,7 +127,7 @@ def test_every_request_is_logged_to_bigquery(stack, auth_headers, bigquery, sett
         expected=1,
     )
     assert (
-        usage["requests"] == usage["succeeded"] + usage["failed"] and usage["succeeded"] >= 1 and usage["failed"] >= 1
+        usage["requests"] == usage["succeeded"] + usage["failed"] and usage["succeeded"] >= 1 and usage["failed"] >= 2
     )
 
 
