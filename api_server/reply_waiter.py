@@ -51,6 +51,18 @@ class ReplyWaiter(Protocol):
     def close(self) -> None: ...
 
 
+def reply_subscription_request(name: str, topic: str, attribute: str, value: str) -> dict:
+    """A filtered, labelled, expiring subscription on the replies topic: leaked ones are found and removed."""
+    return {
+        "name": name,
+        "topic": topic,
+        "filter": f'attributes.{attribute} = "{value}"',
+        "ack_deadline_seconds": 10,
+        "labels": naming.REPLY_SUBSCRIPTION_LABEL,
+        "expiration_policy": {"ttl": SUBSCRIPTION_TTL},
+    }
+
+
 def _parse_reply(message: pubsub_v1.types.PubsubMessage) -> InferenceReply | None:
     try:
         return InferenceReply.model_validate_json(message.data)
@@ -70,17 +82,9 @@ class PerRequestReplyWaiter:
 
     def expect(self, request_id: str) -> _SubscriptionReply:
         name = self._subscriber.subscription_path(self._project_id, naming.reply_subscription(request_id))
-        self._subscriber.create_subscription(
-            request={
-                "name": name,
-                "topic": self._topic,
-                "filter": f'attributes.{Attr.REQUEST_ID} = "{request_id}"',
-                "ack_deadline_seconds": 10,
-                "labels": naming.REPLY_SUBSCRIPTION_LABEL,
-                "expiration_policy": {"ttl": SUBSCRIPTION_TTL},
-                "message_retention_duration": timedelta(minutes=10),
-            }
-        )
+        request = reply_subscription_request(name, self._topic, Attr.REQUEST_ID, request_id)
+        request["message_retention_duration"] = timedelta(minutes=10)
+        self._subscriber.create_subscription(request=request)
         return _SubscriptionReply(self._subscriber, name, request_id, self._results)
 
     def request_attributes(self) -> dict[str, str]:
@@ -156,14 +160,9 @@ class PerInstanceReplyWaiter:
                 return
             with contextlib.suppress(exceptions.AlreadyExists):
                 self._subscriber.create_subscription(
-                    request={
-                        "name": self._subscription,
-                        "topic": self._topic,
-                        "filter": f'attributes.{Attr.INSTANCE} = "{self._instance_id}"',
-                        "ack_deadline_seconds": 10,
-                        "labels": naming.REPLY_SUBSCRIPTION_LABEL,
-                        "expiration_policy": {"ttl": SUBSCRIPTION_TTL},
-                    }
+                    request=reply_subscription_request(
+                        self._subscription, self._topic, Attr.INSTANCE, self._instance_id
+                    )
                 )
             flow = pubsub_v1.types.FlowControl(max_messages=1000)
             self._streaming = self._subscriber.subscribe(self._subscription, self._route, flow_control=flow)
