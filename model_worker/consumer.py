@@ -65,8 +65,24 @@ class RequestConsumer:
                 time.sleep(1.0)
                 continue
             for received in response.received_messages:
-                self.handle(received.message, received.ack_id)
+                try:
+                    self.handle(received.message, received.ack_id)
+                except Exception:  # noqa: BLE001 - e.g. the reply could not be published
+                    # Not acked: hand it back now so another attempt (or the dead-letter topic) takes it.
+                    log.exception(
+                        "request %s not answered; returning it to the queue",
+                        received.message.attributes.get(Attr.REQUEST_ID),
+                    )
+                    self._release(received.ack_id)
         log.info("stopped pulling %s", self.subscription)
+
+    def _release(self, ack_id: str) -> None:
+        try:
+            self.subscriber.modify_ack_deadline(
+                request={"subscription": self.subscription, "ack_ids": [ack_id], "ack_deadline_seconds": 0}
+            )
+        except exceptions.GoogleAPICallError:
+            log.warning("could not release a message; it returns when its ack deadline passes")
 
     def handle(self, message, ack_id: str) -> None:
         attributes = dict(message.attributes)
