@@ -8,7 +8,7 @@ import pytest
 import redis
 from google.api_core import exceptions
 
-from contract import clients
+from contract import clients, naming
 
 pytestmark = pytest.mark.stack
 
@@ -59,3 +59,23 @@ def test_redis_set_and_get(stack, settings):
     client.set(key, b"value", ex=30)
     assert client.get(key) == b"value"
     assert 0 < client.ttl(key) <= 30
+
+
+def test_bootstrap_is_idempotent_and_follows_the_catalog(stack, settings):
+    from contract.catalog import load_catalog
+    from emulators.bootstrap import bootstrap
+
+    catalog = load_catalog()
+    bootstrap(settings, catalog)  # the stack already ran it once: a second run changes nothing and raises nothing
+    subscriber = clients.subscriber_client()
+    for spec in catalog.models.values():
+        name = subscriber.subscription_path(settings.project_id, naming.worker_subscription(spec.name))
+        subscription = subscriber.get_subscription(request={"subscription": name})
+        assert subscription.topic.endswith(naming.request_topic(spec.name))
+        assert subscription.ack_deadline_seconds == spec.ack_deadline_seconds
+        assert subscription.dead_letter_policy.dead_letter_topic.endswith(naming.dead_letter_topic(spec.name))
+        assert subscription.dead_letter_policy.max_delivery_attempts == spec.max_delivery_attempts
+        dead_letters = subscriber.subscription_path(settings.project_id, naming.dead_letter_subscription(spec.name))
+        assert subscriber.get_subscription(request={"subscription": dead_letters}).topic.endswith(
+            naming.dead_letter_topic(spec.name)
+        )
