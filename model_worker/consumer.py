@@ -97,8 +97,10 @@ class RequestConsumer:
             reply = self._reply(request_id, status="expired", error="deadline passed before a worker was free")
         else:
             reply = self._run(message.data, request_id, started)
-            if reply.status == "ok":
-                self.results.put(reply)
+        if stored is None and request_id:
+            # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
+            # the notification finds it here.
+            self.results.put(reply)
         self._publish(reply, attributes)
         self.subscriber.acknowledge(request={"subscription": self.subscription, "ack_ids": [ack_id]})
         log.info(
