@@ -105,6 +105,7 @@ class _SubscriptionReply:
 
     def wait(self, timeout: float) -> InferenceReply | None:
         deadline = time.monotonic() + timeout
+        next_store_check = time.monotonic() + RESULT_POLL_SECONDS
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 response = self._subscriber.pull(
@@ -125,8 +126,11 @@ class _SubscriptionReply:
                     reply = _parse_reply(item.message)
                     if reply is not None:
                         return reply
-            if not received and (stored := self._results.get(self._request_id)) is not None:
-                return stored
+            # Checked on a clock, not only on empty pulls: other requests' replies can keep the pull busy.
+            if time.monotonic() >= next_store_check:
+                if (stored := self._results.get(self._request_id)) is not None:
+                    return stored
+                next_store_check = time.monotonic() + RESULT_POLL_SECONDS
         return self._results.get(self._request_id)
 
     def close(self) -> None:

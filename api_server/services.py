@@ -8,6 +8,7 @@ import redis
 from google.cloud import pubsub_v1
 
 from api_server.auth import ApiKeyAuth
+from api_server.dispatch import InferenceDispatcher
 from api_server.inference_log import InferenceLogWriter
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from contract import clients
@@ -24,6 +25,7 @@ class Services:
     auth: ApiKeyAuth
     publisher: pubsub_v1.PublisherClient
     waiter: ReplyWaiter
+    dispatcher: InferenceDispatcher
     payloads: PayloadCodec
     redis: redis.Redis
     inference_log: InferenceLogWriter
@@ -43,12 +45,14 @@ def build_services(settings: Settings) -> Services:
     else:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     table = f"{settings.project_id}.{settings.dataset}.{settings.log_table}"
+    publisher = clients.publisher_client()
     return Services(
         settings=settings,
         catalog=load_catalog(settings.catalog_path),
         auth=ApiKeyAuth.from_settings(settings),
-        publisher=clients.publisher_client(),
+        publisher=publisher,
         waiter=waiter,
+        dispatcher=InferenceDispatcher(publisher, waiter, settings.project_id),
         payloads=PayloadCodec(clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit),
         redis=redis_client,
         inference_log=InferenceLogWriter(clients.bigquery_client(settings), table),

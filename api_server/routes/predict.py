@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from flask import Blueprint, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api_server.dispatch import DispatchTimings, InferenceDispatcher
+from api_server.dispatch import DispatchTimings
 from api_server.errors import ApiError
 from api_server.inference_log import InferenceLogRow
 from api_server.schemas import decode_input_image, parse_body, resolve_parameters
@@ -81,8 +81,7 @@ def _predict(services, model: str, row: InferenceLogRow, started: float):
         request_id=g.request_id, model=spec.name, model_version=spec.version, instances=instances, parameters=params
     )
     timings = DispatchTimings()
-    dispatcher = InferenceDispatcher(services.publisher, services.waiter, services.settings.project_id)
-    reply = dispatcher.run(inference_request, spec, timings)
+    reply = services.dispatcher.run(inference_request, spec, timings)
     row.worker_id, row.queue_ms, row.inference_ms = reply.worker_id, reply.queue_ms, reply.inference_ms
     if reply.status != "ok":
         raise ApiError(REPLY_STATUS_HTTP[reply.status], reply.error or f"model worker answered {reply.status}")
