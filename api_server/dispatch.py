@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
@@ -25,7 +25,6 @@ class DispatchTimings:
     publish_ms: float = 0.0
     wait_ms: float = 0.0
     cleanup_ms: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class InferenceDispatcher:

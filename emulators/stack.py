@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from contract.catalog import load_catalog
@@ -41,7 +41,6 @@ class StackConfig:
     api_keys: str = LOCAL_DEFAULT_API_KEY
     api_keys_from_env: bool = False
     tiny_model_dir: Path = ROOT / ".stack" / "tiny-model"
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> StackConfig:
@@ -107,7 +106,7 @@ class StackConfig:
 
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, **self.client_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode, **self.extra_env})
+        env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode})
         return env
 
 
