@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
@@ -76,6 +79,33 @@ class RequestConsumer:
                     self._release(received.ack_id)
         log.info("stopped pulling %s", self.subscription)
 
+    @contextlib.contextmanager
+    def _lease(self, ack_id: str) -> Iterator[None]:
+        """Extends the ack deadline while the model runs, so a slow batch is not redelivered to another worker."""
+        done = threading.Event()
+        period = self.spec.ack_deadline_seconds / 2
+
+        def extend() -> None:
+            while not done.wait(period):
+                try:
+                    self.subscriber.modify_ack_deadline(
+                        request={
+                            "subscription": self.subscription,
+                            "ack_ids": [ack_id],
+                            "ack_deadline_seconds": self.spec.ack_deadline_seconds,
+                        }
+                    )
+                except exceptions.GoogleAPICallError as exc:
+                    log.warning("could not extend the ack deadline: %s", exc)
+
+        thread = threading.Thread(target=extend, name="lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def _release(self, ack_id: str) -> None:
         try:
             self.subscriber.modify_ack_deadline(
@@ -96,7 +126,8 @@ class RequestConsumer:
         elif _deadline_passed(attributes, started):
             reply = self._reply(request_id, status="expired", error="deadline passed before a worker was free")
         else:
-            reply = self._run(message.data, request_id, started)
+            with self._lease(ack_id):
+                reply = self._run(message.data, request_id, started)
         if stored is None and request_id:
             # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
             # the notification finds it here.

@@ -28,7 +28,8 @@ class FakeSubscriber:
         self.calls.append("ack")
 
     def modify_ack_deadline(self, request):
-        self.calls.append(f"release:{request['ack_deadline_seconds']}")
+        seconds = request["ack_deadline_seconds"]
+        self.calls.append("release:0" if seconds == 0 else "extend")
 
 
 class FakePublisher:
@@ -48,7 +49,11 @@ class FakePublisher:
 class FakeRunner:
     needs_image = False
 
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+
     def generate(self, prompts, params, images):
+        time.sleep(self.seconds)
         return [b"png-bytes" for _ in prompts]
 
 
@@ -63,8 +68,12 @@ class MemoryResults:
         self.stored[reply.request_id] = reply
 
 
-def run_once(fail_publish: bool) -> tuple[list[str], MemoryResults]:
+def run_once(
+    fail_publish: bool, ack_deadline: float | None = None, model_seconds: float = 0.0
+) -> tuple[list[str], MemoryResults]:
     spec = load_catalog().get("sd15-txt2img")
+    if ack_deadline is not None:
+        spec = spec.model_copy(update={"ack_deadline_seconds": ack_deadline})
     params = GenerationParameters(seed=1, num_inference_steps=2, guidance_scale=7.5, width=64, height=64)
     request = InferenceRequest(
         request_id="r1", model=spec.name, model_version="1", instances=[RequestInstance(prompt="p")], parameters=params
@@ -79,7 +88,7 @@ def run_once(fail_publish: bool) -> tuple[list[str], MemoryResults]:
     consumer = RequestConsumer(
         spec=spec,
         project_id="p",
-        runner=FakeRunner(),
+        runner=FakeRunner(model_seconds),
         subscriber=subscriber,
         publisher=FakePublisher(subscriber.calls, fail_publish),
         results=results,
@@ -102,3 +111,9 @@ def test_a_reply_that_cannot_be_published_returns_the_request_to_the_queue():
     assert calls == ["release:0"]
     # The result is kept, so the retry republishes it instead of running the model again.
     assert results.get("r1").status == "ok"
+
+
+def test_ack_deadline_is_extended_while_the_model_runs():
+    calls, _ = run_once(fail_publish=False, ack_deadline=0.1, model_seconds=0.35)
+    assert calls[-2:] == ["publish", "ack"]
+    assert calls[:-2].count("extend") >= 3 and set(calls[:-2]) == {"extend"}
