@@ -9,7 +9,6 @@ request and waits for its reply through the same code the API uses (`api_server.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 import threading
@@ -25,17 +24,11 @@ from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaite
 from contract import clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.results import ResultStore
+from emulators.bootstrap import ensure_subscription, ensure_topic
 from emulators.processes import ProcessRegistry
 from emulators.stack import StackConfig, bootstrap_resources, start_emulators
 
 ECHO_TOPIC = "bench-echo-requests"
-
-
-def ensure(fn: Callable, *args, **kwargs) -> None:
-    from google.api_core import exceptions
-
-    with contextlib.suppress(exceptions.AlreadyExists):
-        fn(*args, **kwargs)
 
 
 class EchoResponder:
@@ -47,8 +40,8 @@ class EchoResponder:
         self.topic = self.publisher.topic_path(project, ECHO_TOPIC)
         self.subscription = self.subscriber.subscription_path(project, f"{ECHO_TOPIC}-workers")
         self.replies = self.publisher.topic_path(project, naming.REPLIES_TOPIC)
-        ensure(self.publisher.create_topic, request={"name": self.topic})
-        ensure(self.subscriber.create_subscription, request={"name": self.subscription, "topic": self.topic})
+        ensure_topic(self.publisher, self.topic)
+        ensure_subscription(self.subscriber, {"name": self.subscription, "topic": self.topic})
         self.future = self.subscriber.subscribe(self.subscription, self._answer)
 
     def _answer(self, message) -> None:
@@ -70,9 +63,8 @@ class BareEcho:
     def __init__(self, project: str) -> None:
         self.subscriber = clients.subscriber_client()
         self.subscription = self.subscriber.subscription_path(project, "bench-bare-replies")
-        ensure(
-            self.subscriber.create_subscription,
-            request={"name": self.subscription, "topic": f"projects/{project}/topics/{naming.REPLIES_TOPIC}"},
+        ensure_subscription(
+            self.subscriber, {"name": self.subscription, "topic": f"projects/{project}/topics/{naming.REPLIES_TOPIC}"}
         )
         self.lock = threading.Lock()
         self.events: dict[str, threading.Event] = {}

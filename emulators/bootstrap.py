@@ -29,13 +29,13 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
     publisher = pubsub_v1.PublisherClient()
     subscriber = pubsub_v1.SubscriberClient()
     with subscriber:
-        _ensure_topic(publisher, publisher.topic_path(project, naming.REPLIES_TOPIC))
+        ensure_topic(publisher, publisher.topic_path(project, naming.REPLIES_TOPIC))
         for spec in catalog.models.values():
             topic = publisher.topic_path(project, naming.request_topic(spec.name))
             dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
-            _ensure_topic(publisher, topic)
-            _ensure_topic(publisher, dead_letter)
-            _ensure_subscription(
+            ensure_topic(publisher, topic)
+            ensure_topic(publisher, dead_letter)
+            ensure_subscription(
                 subscriber,
                 {
                     "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name)),
@@ -43,7 +43,7 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
                     "ack_deadline_seconds": 60,
                 },
             )
-            _ensure_subscription(
+            ensure_subscription(
                 subscriber,
                 {
                     "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name)),
@@ -58,7 +58,7 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
             )
 
 
-def _ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:
+def ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:
     try:
         publisher.create_topic(request={"name": topic})
         log.info("created topic %s", topic)
@@ -66,7 +66,7 @@ def _ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:
         pass
 
 
-def _ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -> None:
+def ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -> None:
     try:
         subscriber.create_subscription(request=request)
         log.info("created subscription %s", request["name"])
