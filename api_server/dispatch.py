@@ -34,7 +34,13 @@ class InferenceDispatcher:
         self._project_id = project_id
         self._replies_topic = publisher.topic_path(project_id, naming.REPLIES_TOPIC)
 
-    def run(self, request: InferenceRequest, spec: ModelSpec, timings: DispatchTimings) -> InferenceReply:
+    def run(
+        self,
+        request: InferenceRequest,
+        spec: ModelSpec,
+        timings: DispatchTimings,
+        priority: naming.Priority = "normal",
+    ) -> InferenceReply:
         """Subscribe, publish, wait: raises 503 if the queue is unreachable and 504 when no reply comes in time."""
         timeout = spec.request_timeout_seconds
         deadline_ms = int((time.time() + timeout) * 1000)
@@ -47,9 +53,9 @@ class InferenceDispatcher:
         timings.subscribe_ms = _ms_since(started)
         try:
             started = time.perf_counter()
-            attributes = request_attributes(request, self._replies_topic, deadline_ms)
+            attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
             attributes.update(self._waiter.request_attributes())
-            topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name))
+            topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
             try:
                 self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(
                     timeout=PUBLISH_TIMEOUT_SECONDS

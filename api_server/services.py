@@ -12,7 +12,7 @@ from api_server.dispatch import InferenceDispatcher
 from api_server.inference_log import InferenceLogWriter
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from contract import clients
-from contract.catalog import ModelCatalog, load_catalog
+from contract.catalog import ModelCatalog
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -48,7 +48,7 @@ def build_services(settings: Settings) -> Services:
     publisher = clients.publisher_client()
     return Services(
         settings=settings,
-        catalog=load_catalog(settings.catalog_path),
+        catalog=settings.catalog(),
         auth=ApiKeyAuth.from_settings(settings),
         publisher=publisher,
         waiter=waiter,

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.naming import Priority
+
 SCHEMA_VERSION = "1"
 
 
@@ -69,7 +71,7 @@ class Prediction(BaseModel):
     height: int
 
 
-ReplyStatus = Literal["ok", "error", "expired"]
+ReplyStatus = Literal["ok", "error", "expired", "cancelled"]
 
 
 class InferenceReply(BaseModel):
@@ -80,23 +82,41 @@ class InferenceReply(BaseModel):
     status: ReplyStatus
     predictions: list[Prediction] = Field(default_factory=list)
     error: str | None = None
+    # Machine-readable reason for a non-ok status: bad_input, inference_failed, expired, cancelled,
+    # dead_lettered, malformed.
+    error_kind: str | None = None
     worker_id: str = ""
     queue_ms: float = 0.0
     inference_ms: float = 0.0
+    # What only the worker knows, for the inference log: the batch this request ran in, on what, which try.
+    batch_id: str | None = None
+    batch_size: int = 0
+    accelerator: str | None = None
+    attempt: int = 0
+    worker_started_ms: int | None = None
+    worker_finished_ms: int | None = None
 
 
-def request_attributes(request: InferenceRequest, reply_to: str, deadline_ms: int, priority: int = 0) -> dict[str, str]:
+class Progress(BaseModel):
+    """Denoising progress of a running request, kept in Redis under `naming.progress_key`."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    step: int
+    total: int
+    batch_size: int = 1
+    updated_ms: int
+
+
+def request_attributes(
+    request: InferenceRequest, reply_to: str, deadline_ms: int, priority: Priority = "normal"
+) -> dict[str, str]:
     return {
         Attr.REQUEST_ID: request.request_id,
         Attr.MODEL: request.model,
         Attr.MODEL_VERSION: request.model_version,
         Attr.REPLY_TO: reply_to,
         Attr.DEADLINE_MS: str(deadline_ms),
-        Attr.PRIORITY: str(priority),
+        Attr.PRIORITY: priority,
         Attr.SCHEMA_VERSION: SCHEMA_VERSION,
     }
-
-
-def result_key(request_id: str) -> str:
-    """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
-    return f"maas:result:{request_id}"

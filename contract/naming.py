@@ -1,4 +1,4 @@
-"""Names of every Pub/Sub, GCS and BigQuery resource, derived in one place.
+"""Names of every Pub/Sub, GCS, Redis and BigQuery resource, derived in one place.
 
 Terraform and the Kubernetes renderer follow the same convention; tests cross-check them against
 these functions.
@@ -6,22 +6,36 @@ these functions.
 
 from __future__ import annotations
 
+from typing import Literal
+
 PREFIX = "maas"
 REPLIES_TOPIC = f"{PREFIX}-replies"
 DATASET = "maas"
 LOG_TABLE = "inference_log"
 REPLY_SUBSCRIPTION_LABEL = {"maas-purpose": "reply-wait"}
 
+Priority = Literal["high", "normal"]
+# Workers take from these in this order; `high` has its own topic because subscription filters are not
+# applied by the emulator, and a filter-based split would put both priorities in one backlog anyway.
+PRIORITIES: tuple[Priority, ...] = ("high", "normal")
 
-def request_topic(model: str) -> str:
-    return f"{PREFIX}-requests-{model}"
+
+def _priority_suffix(priority: Priority) -> str:
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+    return "-high" if priority == "high" else ""
 
 
-def worker_subscription(model: str) -> str:
-    return f"{PREFIX}-requests-{model}-workers"
+def request_topic(model: str, priority: Priority = "normal") -> str:
+    return f"{PREFIX}-requests-{model}{_priority_suffix(priority)}"
+
+
+def worker_subscription(model: str, priority: Priority = "normal") -> str:
+    return f"{PREFIX}-requests-{model}{_priority_suffix(priority)}-workers"
 
 
 def dead_letter_topic(model: str) -> str:
+    """One per model: both priorities' subscriptions dead-letter here."""
     return f"{PREFIX}-requests-{model}-dead-letter"
 
 
@@ -45,3 +59,33 @@ def model_bucket(project_id: str) -> str:
 
 def payload_bucket(project_id: str) -> str:
     return f"{project_id}-{PREFIX}-payloads"
+
+
+def result_object(request_id: str, index: int) -> str:
+    """Payload-bucket object for output image `index` of a request (above the inline limit)."""
+    return f"results/{request_id}/{index}.png"
+
+
+def input_object(request_id: str, index: int) -> str:
+    """Payload-bucket object for input image `index` of a request (above the inline limit)."""
+    return f"inputs/{request_id}/{index}"
+
+
+def compile_cache_object(weights_path: str, key: str) -> str:
+    """Model-bucket object holding saved torch.compile artifacts, next to the weights they were built for."""
+    return f"{weights_path.rstrip('/')}/compile-cache/{key}.bin"
+
+
+def result_key(request_id: str) -> str:
+    """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
+    return f"{PREFIX}:result:{request_id}"
+
+
+def progress_key(request_id: str) -> str:
+    """Redis key with a request's denoising progress (step i of n), written by the worker while it runs."""
+    return f"{PREFIX}:progress:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Redis key whose presence tells workers a request was cancelled: it is skipped or stopped."""
+    return f"{PREFIX}:cancel:{request_id}"

@@ -1,20 +1,44 @@
-"""Replies kept in Redis by request id, so a missed notification or a redelivery is answered without rerunning the model."""
+"""Replies and progress kept in Redis by request id, so a missed notification or a redelivery is answered without rerunning the model."""
 
 from __future__ import annotations
 
 import redis
 
-from contract.messages import InferenceReply, result_key
+from contract import naming
+from contract.messages import InferenceReply, Progress
 
 
 class ResultStore:
+    """Thin typed access to the worker's Redis keys; callers decide what a Redis failure means."""
+
     def __init__(self, client: redis.Redis, ttl_seconds: int) -> None:
         self._redis = client
         self._ttl = ttl_seconds
 
     def put(self, reply: InferenceReply) -> None:
-        self._redis.set(result_key(reply.request_id), reply.model_dump_json(), ex=self._ttl)
+        self._redis.set(naming.result_key(reply.request_id), reply.model_dump_json(), ex=self._ttl)
 
     def get(self, request_id: str) -> InferenceReply | None:
-        raw = self._redis.get(result_key(request_id))
+        raw = self._redis.get(naming.result_key(request_id))
         return InferenceReply.model_validate_json(raw) if raw else None
+
+    def put_progress(self, progress: list[Progress]) -> None:
+        """One round trip for a whole batch's progress."""
+        pipe = self._redis.pipeline(transaction=False)
+        for item in progress:
+            pipe.set(naming.progress_key(item.request_id), item.model_dump_json(), ex=self._ttl)
+        pipe.execute()
+
+    def get_progress(self, request_id: str) -> Progress | None:
+        raw = self._redis.get(naming.progress_key(request_id))
+        return Progress.model_validate_json(raw) if raw else None
+
+    def cancelled(self, request_ids: list[str]) -> set[str]:
+        """The ids among `request_ids` that the API marked cancelled."""
+        if not request_ids:
+            return set()
+        flags = self._redis.mget([naming.cancel_key(request_id) for request_id in request_ids])
+        return {request_id for request_id, flag in zip(request_ids, flags, strict=True) if flag}
+
+    def cancel(self, request_id: str) -> None:
+        self._redis.set(naming.cancel_key(request_id), "1", ex=self._ttl)

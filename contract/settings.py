@@ -19,6 +19,16 @@ def _csv(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
+def _flag(value: str | None) -> bool:
+    if value is None or value.strip() == "":
+        return False
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
+
+
 def api_key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -30,6 +40,8 @@ class Settings:
     env: Literal["local", "production"] = "local"
     project_id: str = "maas-local"
     catalog_path: str | None = None
+    # Extra catalog entries (the local stack's synthetic `noop` and `sleep` models); unset in production.
+    catalog_overlay: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     model_bucket: str = ""
     payload_bucket: str = ""
@@ -45,10 +57,20 @@ class Settings:
     api_key_sha256: frozenset[str] = field(default_factory=frozenset)
     instance_id: str = ""
     # Worker
-    model: str = ""
+    models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
     worker_health_port: int = 8081
+    worker_health_host: str = "0.0.0.0"  # noqa: S104 - kubelet probes reach the pod IP; the local stack binds loopback
     torch_threads: int = 0
+    # torch.compile the UNet at fixed batch-size buckets (CUDA only); artifacts cached in the model bucket.
+    torch_compile: bool = False
+    # Worker threads that encode, upload, store and publish finished requests off the device thread.
+    finisher_threads: int = 4
+
+    def catalog(self):
+        from contract.catalog import load_catalog
+
+        return load_catalog(self.catalog_path, self.catalog_overlay)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -67,6 +89,7 @@ class Settings:
             env=stage,  # type: ignore[arg-type]
             project_id=project_id,
             catalog_path=env.get("MAAS_CATALOG_PATH") or None,
+            catalog_overlay=env.get("MAAS_CATALOG_OVERLAY") or None,
             redis_url=env.get("MAAS_REDIS_URL", cls.redis_url),
             model_bucket=env.get("MAAS_MODEL_BUCKET") or naming.model_bucket(project_id),
             payload_bucket=env.get("MAAS_PAYLOAD_BUCKET") or naming.payload_bucket(project_id),
@@ -79,8 +102,11 @@ class Settings:
             result_ttl_seconds=int(env.get("MAAS_RESULT_TTL_SECONDS", cls.result_ttl_seconds)),
             api_key_sha256=frozenset(digests),
             instance_id=instance.lower().replace("_", "-").replace(".", "-"),
-            model=env.get("MAAS_MODEL", ""),
+            models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),
+            worker_health_host=env.get("MAAS_WORKER_HEALTH_HOST", cls.worker_health_host),
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
+            torch_compile=_flag(env.get("MAAS_TORCH_COMPILE")),
+            finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
         )

@@ -31,9 +31,7 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
     with subscriber:
         ensure_topic(publisher, publisher.topic_path(project, naming.REPLIES_TOPIC))
         for spec in catalog.models.values():
-            topic = publisher.topic_path(project, naming.request_topic(spec.name))
             dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
-            ensure_topic(publisher, topic)
             ensure_topic(publisher, dead_letter)
             ensure_subscription(
                 subscriber,
@@ -43,19 +41,22 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
                     "ack_deadline_seconds": 60,
                 },
             )
-            ensure_subscription(
-                subscriber,
-                {
-                    "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name)),
-                    "topic": topic,
-                    "ack_deadline_seconds": spec.ack_deadline_seconds,
-                    "dead_letter_policy": {
-                        "dead_letter_topic": dead_letter,
-                        "max_delivery_attempts": spec.max_delivery_attempts,
+            for priority in naming.PRIORITIES:
+                topic = publisher.topic_path(project, naming.request_topic(spec.name, priority))
+                ensure_topic(publisher, topic)
+                ensure_subscription(
+                    subscriber,
+                    {
+                        "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name, priority)),
+                        "topic": topic,
+                        "ack_deadline_seconds": spec.ack_deadline_seconds,
+                        "dead_letter_policy": {
+                            "dead_letter_topic": dead_letter,
+                            "max_delivery_attempts": spec.max_delivery_attempts,
+                        },
+                        "retry_policy": {"minimum_backoff": {"seconds": 1}, "maximum_backoff": {"seconds": 60}},
                     },
-                    "retry_policy": {"minimum_backoff": {"seconds": 1}, "maximum_backoff": {"seconds": 60}},
-                },
-            )
+                )
 
 
 def ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:

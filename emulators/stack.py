@@ -29,6 +29,12 @@ from emulators.processes import ProcessRegistry, StartupError, http_ok, redis_ok
 log = logging.getLogger("emulators.stack")
 ROOT = Path(__file__).resolve().parent.parent
 EMULATORS = ("pubsub", "gcs", "bigquery", "redis")
+# The synthetic `noop` and `sleep` models, served locally beside the catalog's diffusion models.
+LOCAL_CATALOG_OVERLAY = ROOT / "contract" / "models.local.yaml"
+
+
+def local_catalog():
+    return load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class StackConfig:
 
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, **self.client_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env["MAAS_CATALOG_OVERLAY"] = str(LOCAL_CATALOG_OVERLAY)
         env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode})
         return env
 
@@ -198,8 +205,8 @@ def bootstrap_resources(config: StackConfig) -> None:
     from emulators.bootstrap import bootstrap
 
     os.environ.update(config.client_env())
-    settings = Settings.from_env()
-    bootstrap(settings, load_catalog(settings.catalog_path))
+    settings = Settings.from_env({**os.environ, "MAAS_CATALOG_OVERLAY": str(LOCAL_CATALOG_OVERLAY)})
+    bootstrap(settings, settings.catalog())
 
 
 def publish_tiny_model(config: StackConfig) -> None:
@@ -222,19 +229,27 @@ def start_api(config: StackConfig, registry: ProcessRegistry) -> None:
     registry.start("api", argv, env, cwd=ROOT)
 
 
+def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
+    """The environment of the worker serving one deployment (a group of catalog models)."""
+    models = [spec.name for spec in local_catalog().deployments()[deployment]]
+    return {
+        **config.service_env(),
+        "MAAS_MODELS": ",".join(models),
+        "MAAS_WORKER_HEALTH_PORT": str(config.worker_health_port(index)),
+        "MAAS_WORKER_HEALTH_HOST": "127.0.0.1",
+        "MAAS_WEIGHTS_CACHE_DIR": str(config.stack_dir / "weights"),
+        # Workers share this machine's cores; one thread each keeps them from thrashing.
+        "MAAS_TORCH_THREADS": "1",
+    }
+
+
 def start_workers(config: StackConfig, registry: ProcessRegistry) -> list[str]:
+    """One worker per deployment; returns the process names."""
     names = []
-    for index, model in enumerate(load_catalog().names()):
-        env = {
-            **config.service_env(),
-            "MAAS_MODEL": model,
-            "MAAS_WORKER_HEALTH_PORT": str(config.worker_health_port(index)),
-            "MAAS_WEIGHTS_CACHE_DIR": str(config.stack_dir / "weights"),
-            # Two workers share this machine's cores; one thread each keeps them from thrashing.
-            "MAAS_TORCH_THREADS": "1",
-        }
-        registry.start(f"worker-{model}", [sys.executable, "-m", "model_worker"], env, cwd=ROOT)
-        names.append(model)
+    for index, deployment in enumerate(local_catalog().deployments()):
+        name = f"worker-{deployment}"
+        registry.start(name, [sys.executable, "-m", "model_worker"], worker_env(config, deployment, index), cwd=ROOT)
+        names.append(name)
     return names
 
 
@@ -248,11 +263,11 @@ def up(config: StackConfig) -> None:
         bootstrap_resources(config)
         start_api(config, registry)
         publish_tiny_model(config)
-        models = start_workers(config, registry)
+        workers = start_workers(config, registry)
         registry.wait_until("api", lambda: http_ok(f"{config.api_url}/readyz"), timeout=60)
-        for index, model in enumerate(models):
+        for index, name in enumerate(workers):
             url = f"http://127.0.0.1:{config.worker_health_port(index)}/startupz"
-            registry.wait_until(f"worker-{model}", lambda url=url: http_ok(url), timeout=180)
+            registry.wait_until(name, lambda url=url: http_ok(url), timeout=180)
     except BaseException:
         down(config)
         raise
@@ -269,13 +284,13 @@ def down(config: StackConfig) -> None:
 
 
 def banner(config: StackConfig) -> str:
-    model = load_catalog().names()[-1]
+    model = load_catalog().names()[-1]  # a diffusion model; `noop` and `sleep` are served too
     key_note = (
         "" if config.api_keys_from_env else f"  (MAAS_API_KEYS is unset: using the local key {LOCAL_DEFAULT_API_KEY!r})"
     )
     key = config.api_keys.split(",")[0]
     return f"""
-The stack is up: API at {config.api_url}, models {", ".join(load_catalog().names())}
+The stack is up: API at {config.api_url}, models {", ".join(local_catalog().names())}
 API key: {key}{key_note}
 Logs: {config.stack_dir / "logs"}
 

@@ -1,23 +1,50 @@
-"""The worker's probe endpoints (/startupz, /readyz, /livez) on a small HTTP server of their own."""
+"""The worker's probe endpoints (/startupz, /readyz, /livez) and /metrics on a small HTTP server of their own."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger(__name__)
+# A condition that persists is logged when it starts and then at this interval, not on every pull.
+PROBLEM_LOG_INTERVAL_SECONDS = 60.0
 
 
 class WorkerHealth:
-    """Probe state: started once the pipeline is warm, ready while pulling, live while the loop turns."""
+    """Probe state: started once the pipelines are warm, ready while pulling works, live while the loops turn."""
 
     def __init__(self, stall_seconds: float) -> None:
         self.started = False
         self.draining = False
         self._stall_seconds = stall_seconds
         self._heartbeat = time.monotonic()
+        self._problems: dict[str, str] = {}
+        self._logged: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     def beat(self) -> None:
         self._heartbeat = time.monotonic()
+
+    def report_problem(self, source: str, reason: str) -> None:
+        """Not ready while `source` has a problem; logged once, then every PROBLEM_LOG_INTERVAL_SECONDS."""
+        with self._lock:
+            self._problems[source] = reason
+            last = self._logged.get(source)
+            due = last is None or time.monotonic() - last >= PROBLEM_LOG_INTERVAL_SECONDS
+            if due:
+                self._logged[source] = time.monotonic()
+        if due:
+            log.error("not ready: %s: %s", source, reason)
+
+    def clear_problem(self, source: str) -> None:
+        with self._lock:
+            had = self._problems.pop(source, None)
+            self._logged.pop(source, None)
+        if had is not None:
+            log.info("recovered: %s", source)
 
     def status(self, path: str) -> tuple[int, str]:
         if path == "/startupz":
@@ -25,20 +52,29 @@ class WorkerHealth:
         if path == "/readyz":
             if not self.started:
                 return 503, "loading"
-            return (503, "draining") if self.draining else (200, "ready")
+            if self.draining:
+                return 503, "draining"
+            with self._lock:
+                problems = "; ".join(f"{source}: {reason}" for source, reason in sorted(self._problems.items()))
+            return (503, f"not ready: {problems}") if problems else (200, "ready")
         if path == "/livez":
             stalled = self.started and time.monotonic() - self._heartbeat > self._stall_seconds
             return (503, "stalled") if stalled else (200, "alive")
         return 404, "not found"
 
 
-def serve_health(health: WorkerHealth, port: int) -> ThreadingHTTPServer:
+def serve_health(
+    health: WorkerHealth, port: int, host: str = "0.0.0.0", metrics: Callable[[], bytes] | None = None
+) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            code, text = health.status(self.path)
-            body = text.encode()
+            if self.path == "/metrics" and metrics is not None:
+                code, body, content_type = 200, metrics(), "text/plain; version=0.0.4; charset=utf-8"
+            else:
+                code, text = health.status(self.path)
+                body, content_type = text.encode(), "text/plain"
             self.send_response(code)
-            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -46,6 +82,6 @@ def serve_health(health: WorkerHealth, port: int) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)  # noqa: S104 - kubelet probes reach the pod IP
+    server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
     return server

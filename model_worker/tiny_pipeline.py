@@ -165,7 +165,6 @@ def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
 
 
 def main() -> None:
-    from contract.catalog import load_catalog
     from contract.settings import Settings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -175,8 +174,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = Settings.from_env()
-    catalog = load_catalog(settings.catalog_path)
-    for spec in catalog.models.values():
+    for spec in settings.catalog().models.values():
+        if spec.runner != "diffusers":
+            continue
         target = args.out / spec.name
         if not (target / "model_index.json").exists():
             build_pipeline(target, spec.pipeline)

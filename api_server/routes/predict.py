@@ -19,7 +19,7 @@ from contract.payloads import PayloadError
 
 bp = Blueprint("predict", __name__)
 
-REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500}
+REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500, "cancelled": 409}
 
 
 @bp.post("/v1/models/<model>:predict")

@@ -1,0 +1,220 @@
+"""Drives the device: takes the next batch from the pool, runs one pipeline call, hands the images on.
+
+Nothing slow runs on this thread between calls: encoding, uploads, Redis and Pub/Sub happen in the
+finisher, and the pool already holds the next batch, so under load the device goes from one call to the
+next without a gap. A batch nobody waits for any more (every request past its deadline or cancelled) is
+stopped at the next denoising step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from contract.messages import Progress
+from contract.payloads import PayloadError
+from contract.results import ResultStore
+from model_worker.finisher import ReplyFinisher
+from model_worker.health import WorkerHealth
+from model_worker.intake import ReplyFactory
+from model_worker.leases import LeaseKeeper
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import PendingRequest, RequestPool
+from model_worker.runners import BatchAbandonedError, Runner
+
+log = logging.getLogger(__name__)
+PROGRESS_INTERVAL_SECONDS = 0.25
+
+
+class ProgressReporter:
+    """Writes the running batch's step to Redis a few times a second and reads cancellations back.
+
+    A thread of its own, so a slow or dead Redis never stalls the device; writes are throttled, so per-step
+    progress costs nothing measurable.
+    """
+
+    def __init__(self, results: ResultStore, finisher: ReplyFinisher) -> None:
+        self._results = results
+        self._finisher = finisher
+        self._lock = threading.Lock()
+        self._batch: list[PendingRequest] = []
+        self._step = (0, 0)
+        self._written: tuple | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def begin(self, batch: list[PendingRequest], total: int) -> None:
+        with self._lock:
+            self._batch, self._step = batch, (0, total)
+
+    def update(self, step: int, total: int) -> None:
+        self._step = (step, total)  # one tuple assignment: atomic, no lock on the device thread
+
+    def end(self) -> None:
+        with self._lock:
+            self._batch = []
+
+    def _run(self) -> None:
+        while not self._stopped.wait(PROGRESS_INTERVAL_SECONDS):
+            with self._lock:
+                batch, (step, total) = list(self._batch), self._step
+            if not batch:
+                continue
+            state = (id(batch[0]), step)
+            try:
+                if state != self._written:
+                    now_ms = int(time.time() * 1000)
+                    images = sum(p.size for p in batch)
+                    self._results.put_progress(
+                        [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms)
+                         for p in batch]
+                    )  # fmt: skip
+                    self._written = state
+                for request_id in self._results.cancelled([p.request_id for p in batch]):
+                    for pending in batch:
+                        if pending.request_id == request_id:
+                            pending.cancelled = True
+            except Exception as exc:  # noqa: BLE001 - progress is best effort
+                self._finisher.redis_trouble.warn("progress", exc)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class DeviceLoop:
+    def __init__(
+        self,
+        runners: dict[str, Runner],
+        pool: RequestPool,
+        finisher: ReplyFinisher,
+        leases: LeaseKeeper,
+        replies: ReplyFactory,
+        progress: ProgressReporter,
+        metrics: WorkerMetrics,
+        health: WorkerHealth,
+    ) -> None:
+        self._runners = runners
+        self._pool = pool
+        self._finisher = finisher
+        self._leases = leases
+        self._replies = replies
+        self._progress = progress
+        self._metrics = metrics
+        self._health = health
+        self.stopping = threading.Event()
+        self.calls = 0
+
+    def run(self) -> None:
+        idle_since = time.monotonic()
+        while not self.stopping.is_set():
+            self._health.beat()
+            batch, abandoned = self._pool.take_batch(timeout=1.0)
+            self._metrics.held_requests.set(len(self._pool.held()))
+            for pending in abandoned:
+                self._answer_abandoned(pending, "before it started")
+            if not batch:
+                continue
+            self._metrics.device_idle_seconds.inc(time.monotonic() - idle_since)
+            self.run_batch(batch)
+            idle_since = time.monotonic()
+
+    def run_batch(self, batch: list[PendingRequest]) -> None:
+        spec = batch[0].spec
+        runner = self._runners[spec.name]
+        items = [item for pending in batch for item in pending.items]
+        batch_id = uuid.uuid4().hex[:16]
+        started = time.time()
+        for pending in batch:
+            self._metrics.queue_wait_seconds.labels(model=spec.name).observe(
+                max(0.0, started - pending.request.published_at_ms / 1000)
+            )
+        params = batch[0].request.parameters
+
+        def on_step(step: int, total: int) -> None:
+            self._progress.update(step, total)
+            self._health.beat()
+            if all(pending.abandoned() for pending in batch):
+                raise BatchAbandonedError
+
+        self._progress.begin(batch, params.num_inference_steps)
+        began = time.perf_counter()
+        try:
+            self.calls += 1
+            images = runner.generate(items, params, on_step)
+            if len(images) != len(items):
+                raise RuntimeError(f"runner returned {len(images)} images for {len(items)} items")
+        except BatchAbandonedError:
+            log.warning("batch %s stopped: nobody waits for its %d requests any more", batch_id, len(batch))
+            for pending in batch:
+                self._answer_abandoned(pending, "while it ran")
+            return
+        except Exception as exc:  # noqa: BLE001 - each request must still be answered or retried
+            self._failed(batch, exc)
+            return
+        finally:
+            self._progress.end()
+        seconds = time.perf_counter() - began
+        self._metrics.inference_seconds.labels(model=spec.name).observe(seconds)
+        self._metrics.batch_size.labels(model=spec.name).observe(len(items))
+        finished = time.time()
+        offset = 0
+        for pending in batch:
+            fields = {
+                "request_id": pending.request_id,
+                "model": spec.name,
+                "model_version": spec.version,
+                "worker_id": self._replies.worker_id,
+                "queue_ms": max(0.0, started * 1000 - pending.request.published_at_ms),
+                "inference_ms": seconds * 1000,
+                "batch_id": batch_id,
+                "batch_size": len(items),
+                "accelerator": runner.accelerator,
+                "attempt": pending.message.delivery_attempt,
+                "worker_started_ms": int(started * 1000),
+                "worker_finished_ms": int(finished * 1000),
+            }
+            self._finisher.finish(pending, images[offset : offset + pending.size], fields)
+            offset += pending.size
+
+    def _failed(self, batch: list[PendingRequest], exc: Exception) -> None:
+        if len(batch) > 1:
+            # One bad request must fail alone: run each on its own.
+            log.warning("batch of %d failed (%s); running its requests one by one", len(batch), exc)
+            for pending in batch:
+                self.run_batch([pending])
+            return
+        pending = batch[0]
+        if isinstance(exc, (ValueError, PayloadError)):
+            log.warning("request %s cannot run: %s", pending.request_id, exc)
+            self._metrics.errors.labels(kind="bad_input").inc()
+            reply = self._replies.make(
+                pending.spec, pending.request_id, pending.message,
+                status="error", error_kind="bad_input", error=f"cannot run this request: {exc}",
+            )  # fmt: skip
+            self._finisher.answer(pending.message, reply)
+            return
+        # Possibly transient (device error, out of memory): Pub/Sub retries it with backoff, and after the
+        # catalog's max delivery attempts the dead-letter responder tells the client.
+        log.exception(
+            "inference failed for %s (attempt %d of %d); handing it back",
+            pending.request_id,
+            pending.message.delivery_attempt,
+            pending.spec.max_delivery_attempts,
+            exc_info=exc,
+        )
+        self._metrics.errors.labels(kind="inference_failed").inc()
+        self._leases.release(pending.message)
+
+    def _answer_abandoned(self, pending: PendingRequest, when: str) -> None:
+        if pending.cancelled:
+            status, kind, error = "cancelled", "cancelled", f"cancelled {when}"
+        else:
+            status, kind, error = "expired", "expired", f"deadline passed {when}"
+        reply = self._replies.make(pending.spec, pending.request_id, pending.message, status=status, error_kind=kind,
+                                   error=error)  # fmt: skip
+        self._finisher.answer(pending.message, reply)

@@ -1,0 +1,155 @@
+"""Answers requests off the device thread: encode PNGs, upload large ones, store the reply, publish it, ack.
+
+Order matters for at-least-once delivery: the reply is stored (best effort: Redis may be down) and
+published before the message is acked; if the publish fails the message is handed back, and its retry
+is answered from the store without running the model again.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from google.cloud import pubsub_v1
+
+from contract import naming
+from contract.messages import Attr, InferenceReply, Prediction
+from contract.payloads import PayloadCodec
+from contract.results import ResultStore
+from model_worker.leases import LeaseKeeper
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import HeldMessage, PendingRequest
+
+log = logging.getLogger(__name__)
+PUBLISH_TIMEOUT_SECONDS = 30
+REDIS_WARNING_INTERVAL_SECONDS = 30.0
+
+
+class RedisTrouble:
+    """Logs a Redis outage once per interval instead of once per request: the reply still goes out."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def warn(self, what: str, exc: Exception) -> None:
+        with self._lock:
+            due = time.monotonic() - self._last >= REDIS_WARNING_INTERVAL_SECONDS
+            if due:
+                self._last = time.monotonic()
+        if due:
+            log.warning("result store unavailable (%s: %s); replies are published without being stored", what, exc)
+
+
+class ReplyFinisher:
+    def __init__(
+        self,
+        publisher: pubsub_v1.PublisherClient,
+        replies_topic: str,
+        results: ResultStore,
+        payloads: PayloadCodec,
+        leases: LeaseKeeper,
+        metrics: WorkerMetrics,
+        threads: int,
+    ) -> None:
+        self._publisher = publisher
+        self._replies_topic = replies_topic
+        self._results = results
+        self._payloads = payloads
+        self._leases = leases
+        self._metrics = metrics
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="finisher")
+        self.redis_trouble = RedisTrouble()
+
+    def answer(self, message: HeldMessage, reply: InferenceReply, store: bool = True) -> Future:
+        """Publish `reply` for `message` and ack it, in the background."""
+        return self._pool.submit(self._answer, message, reply, store)
+
+    def finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> Future:
+        """Encode a finished request's images and answer it, in the background."""
+        return self._pool.submit(self._finish, pending, images, reply_fields)
+
+    def _finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> None:
+        try:
+            predictions = [
+                Prediction(
+                    image=self._payloads.pack(_png_bytes(image), naming.result_object(pending.request_id, index)),
+                    seed=item.seed,
+                    width=image.width,
+                    height=image.height,
+                )
+                for index, (item, image) in enumerate(zip(pending.items, images, strict=True))
+            ]
+        except Exception as exc:  # noqa: BLE001 - e.g. the payload bucket is unreachable: retry the request
+            log.exception("could not keep the images of %s; handing it back", pending.request_id)
+            self._metrics.errors.labels(kind="payload_upload").inc()
+            self._leases.release(pending.message)
+            raise exc
+        reply = InferenceReply(predictions=predictions, status="ok", **reply_fields)
+        self._answer(pending.message, reply, store=True)
+
+    def _answer(self, message: HeldMessage, reply: InferenceReply, store: bool) -> None:
+        if store and reply.request_id:
+            try:
+                # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
+                # the notification finds it here.
+                self._results.put(reply)
+            except Exception as exc:  # noqa: BLE001 - Redis down is not a request failure
+                self.redis_trouble.warn("store", exc)
+                self._metrics.errors.labels(kind="result_store").inc()
+        try:
+            self._publish(reply, message.attributes)
+        except Exception:
+            log.exception("reply for %s not published; handing the request back", reply.request_id)
+            self._metrics.errors.labels(kind="reply_publish").inc()
+            self._leases.release(message)
+            return
+        try:
+            self._leases.ack(message)
+        except Exception:  # noqa: BLE001 - the redelivery is answered from the store or the same way again
+            log.warning("ack of %s failed; a redelivery will be answered again", reply.request_id, exc_info=True)
+        self._metrics.requests.labels(model=reply.model, status=reply.status).inc()
+        log.info(
+            "request %s %s",
+            reply.request_id,
+            reply.status,
+            extra={
+                "fields": {
+                    "request_id": reply.request_id,
+                    "model": reply.model,
+                    "status": reply.status,
+                    "error_kind": reply.error_kind,
+                    "batch_id": reply.batch_id,
+                    "batch_size": reply.batch_size,
+                    "queue_ms": round(reply.queue_ms, 1),
+                    "inference_ms": round(reply.inference_ms, 1),
+                    "attempt": reply.attempt,
+                }
+            },
+        )
+
+    def _publish(self, reply: InferenceReply, request_attributes: dict[str, str]) -> None:
+        attributes = {
+            Attr.REQUEST_ID: reply.request_id,
+            Attr.MODEL: reply.model,
+            Attr.MODEL_VERSION: reply.model_version,
+        }
+        if Attr.INSTANCE in request_attributes:
+            attributes[Attr.INSTANCE] = request_attributes[Attr.INSTANCE]
+        topic = request_attributes.get(Attr.REPLY_TO) or self._replies_topic
+        self._publisher.publish(topic, reply.model_dump_json().encode(), **attributes).result(
+            timeout=PUBLISH_TIMEOUT_SECONDS
+        )
+
+    def close(self) -> None:
+        """Waits for every answer in flight."""
+        self._pool.shutdown(wait=True)
+
+
+def _png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

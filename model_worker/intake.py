@@ -1,0 +1,332 @@
+"""Pulls requests only when the worker has room for them, and answers at once what needs no GPU.
+
+One puller per subscription (each model's high and normal queues), each a waiting pull so a request
+reaching an idle worker starts about one pull round trip after it is published. Before a request is
+held for the device it is triaged: a redelivery with a stored reply gets that reply again, a request past
+its deadline or cancelled gets `expired`/`cancelled`, a malformed one or one with an unreadable or
+oversized input image gets an error; none of these reach the GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+
+from google.api_core import exceptions
+from google.cloud import pubsub_v1
+from pydantic import ValidationError
+
+from contract.catalog import ModelSpec
+from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
+from contract.payloads import PayloadCodec, PayloadError
+from contract.results import ResultStore
+from model_worker.finisher import ReplyFinisher
+from model_worker.health import WorkerHealth
+from model_worker.leases import LeaseKeeper
+from model_worker.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.runners import GenerationItem
+
+log = logging.getLogger(__name__)
+# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
+PULL_WAIT_SECONDS = 2.0
+PULL_ERROR_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+class ReplyFactory:
+    """Replies stamped with this worker's identity and the model's version."""
+
+    def __init__(self, worker_id: str, accelerator: dict[str, str]) -> None:
+        self.worker_id = worker_id
+        self._accelerator = accelerator
+
+    def make(self, spec: ModelSpec, request_id: str, message: HeldMessage | None = None, **fields) -> InferenceReply:
+        fields.setdefault("accelerator", self._accelerator.get(spec.name))
+        if message is not None:
+            fields.setdefault("attempt", message.delivery_attempt)
+        return InferenceReply(
+            request_id=request_id, model=spec.name, model_version=spec.version, worker_id=self.worker_id, **fields
+        )
+
+
+def deadline_of(attributes: dict[str, str]) -> int | None:
+    """A missing or unreadable deadline runs the request: better late work than a dropped request."""
+    try:
+        return int(attributes[Attr.DEADLINE_MS])
+    except (KeyError, ValueError):
+        return None
+
+
+def decode_image(data: bytes, max_pixels: int):
+    """Opens an input image, refusing it by its header's size before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise PayloadError("input image is not a readable image") from exc
+    width, height = image.size
+    if width * height > max_pixels:
+        raise PayloadError(f"input image is {width}x{height}: more than {max_pixels} pixels")
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise PayloadError("input image is truncated or corrupt") from exc
+
+
+class Triage:
+    """Decides what a pulled message needs: an answer now, or a place in the pool."""
+
+    def __init__(
+        self,
+        results: ResultStore,
+        payloads: PayloadCodec,
+        finisher: ReplyFinisher,
+        replies: ReplyFactory,
+        needs_image: dict[str, bool],
+    ) -> None:
+        self._results = results
+        self._payloads = payloads
+        self._finisher = finisher
+        self._replies = replies
+        self._needs_image = needs_image
+
+    def _stored(self, request_id: str) -> tuple[InferenceReply | None, bool]:
+        try:
+            stored = self._results.get(request_id)
+            cancelled = bool(self._results.cancelled([request_id]))
+        except Exception as exc:  # noqa: BLE001 - Redis down: run the request, the reply is the answer
+            self._finisher.redis_trouble.warn("lookup", exc)
+            return None, False
+        return stored, cancelled
+
+    def __call__(self, spec: ModelSpec, message: HeldMessage, priority: str) -> PendingRequest | None:
+        request_id = message.attributes.get(Attr.REQUEST_ID, "")
+        stored, cancelled = self._stored(request_id) if request_id else (None, False)
+        if stored is not None:
+            # At-least-once delivery: a redelivered request gets the first answer again, not a second run.
+            log.info("request %s already answered; republishing the stored reply", request_id)
+            self._finisher.answer(message, stored, store=False)
+            return None
+        deadline_ms = deadline_of(message.attributes)
+        now_ms = time.time() * 1000
+        if deadline_ms is not None and deadline_ms < now_ms:
+            self._answer(spec, message, request_id, "expired", "expired", "deadline passed before a worker was free")
+            return None
+        if cancelled:
+            self._answer(spec, message, request_id, "cancelled", "cancelled", "cancelled before it started")
+            return None
+        try:
+            request = InferenceRequest.model_validate_json(message.data)
+        except ValidationError as exc:
+            detail = exc.errors()[0]["msg"]
+            self._answer(spec, message, request_id, "error", "malformed", f"malformed request: {detail}")
+            return None
+        try:
+            items = self._items(spec, request)
+        except PayloadError as exc:
+            self._answer(spec, message, request.request_id, "error", "bad_input", str(exc))
+            return None
+        return PendingRequest(
+            message=message, spec=spec, request=request, items=items, priority=priority, deadline_ms=deadline_ms
+        )
+
+    def _items(self, spec: ModelSpec, request: InferenceRequest) -> list[GenerationItem]:
+        params = request.parameters
+        items = []
+        for index, instance in enumerate(request.instances):
+            image = None
+            if self._needs_image[spec.name]:
+                image = self._image(instance.image, spec.limits.max_input_pixels)
+            items.append(
+                GenerationItem(
+                    prompt=instance.prompt,
+                    seed=params.seed + index,
+                    negative_prompt=params.negative_prompt,
+                    image=image,
+                )
+            )
+        if not items:
+            raise PayloadError("request has no instances")
+        if len(items) > spec.max_batch_size:
+            raise PayloadError(f"{len(items)} images exceed the model's batch limit of {spec.max_batch_size}")
+        return items
+
+    def _image(self, payload: Payload | None, max_pixels: int):
+        if payload is None:
+            raise PayloadError("image-to-image needs an input image")
+        return decode_image(self._payloads.unpack(payload), max_pixels)
+
+    def _answer(
+        self, spec: ModelSpec, message: HeldMessage, request_id: str, status: str, kind: str, error: str
+    ) -> None:
+        reply = self._replies.make(spec, request_id, message, status=status, error_kind=kind, error=error)
+        self._finisher.answer(message, reply)
+
+
+class SubscriptionPuller:
+    """Pulls one subscription into the pool, never more than the pool has room for."""
+
+    def __init__(
+        self,
+        subscriber: pubsub_v1.SubscriberClient,
+        subscription: str,
+        spec: ModelSpec,
+        priority: str,
+        pool: RequestPool,
+        leases: LeaseKeeper,
+        triage: Triage,
+        health: WorkerHealth,
+    ) -> None:
+        self.subscription = subscription
+        self._subscriber = subscriber
+        self._spec = spec
+        self._priority = priority
+        self._pool = pool
+        self._leases = leases
+        self._triage = triage
+        self._health = health
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pull-{spec.name}-{priority}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        failures = 0
+        log.info("pulling %s", self.subscription)
+        while not self.stopping.is_set():
+            room = self._pool.wait_for_room(self._priority, timeout=1.0)
+            if room <= 0 or self.stopping.is_set():
+                continue
+            try:
+                response = self._subscriber.pull(
+                    request={"subscription": self.subscription, "max_messages": room}, timeout=PULL_WAIT_SECONDS
+                )
+            except (exceptions.DeadlineExceeded, exceptions.RetryError):
+                self._health.clear_problem(self.subscription)
+                failures = 0
+                continue
+            except exceptions.NotFound:
+                self._health.report_problem(self.subscription, "subscription does not exist (run the bootstrap)")
+                failures = self._back_off(failures)
+                continue
+            except exceptions.GoogleAPICallError as exc:
+                self._health.report_problem(self.subscription, f"pull failed: {type(exc).__name__}")
+                failures = self._back_off(failures)
+                continue
+            self._health.clear_problem(self.subscription)
+            failures = 0
+            for received in response.received_messages:
+                self._take(received)
+        log.info("stopped pulling %s", self.subscription)
+
+    def _take(self, received) -> None:
+        message = HeldMessage(
+            subscription=self.subscription,
+            ack_id=received.ack_id,
+            attributes=dict(received.message.attributes),
+            data=bytes(received.message.data),
+            delivery_attempt=received.delivery_attempt or 1,
+            received_at=time.time(),
+        )
+        self._leases.hold(message)
+        if self.stopping.is_set():
+            self._leases.release(message)
+            return
+        try:
+            pending = self._triage(self._spec, message, self._priority)
+        except Exception:
+            log.exception("could not triage a request on %s; handing it back", self.subscription)
+            self._leases.release(message)
+            return
+        if pending is not None:
+            self._pool.add(pending)
+
+    def _back_off(self, failures: int) -> int:
+        self.stopping.wait(PULL_ERROR_BACKOFF_SECONDS[min(failures, len(PULL_ERROR_BACKOFF_SECONDS) - 1)])
+        return failures + 1
+
+
+class DeadLetterResponder:
+    """Answers requests that exhausted their delivery attempts, so their clients hear `failed`, not a timeout."""
+
+    def __init__(
+        self,
+        subscriber: pubsub_v1.SubscriberClient,
+        subscription: str,
+        spec: ModelSpec,
+        leases: LeaseKeeper,
+        results: ResultStore,
+        finisher: ReplyFinisher,
+        replies: ReplyFactory,
+        health: WorkerHealth,
+    ) -> None:
+        self.subscription = subscription
+        self._subscriber = subscriber
+        self._spec = spec
+        self._leases = leases
+        self._results = results
+        self._finisher = finisher
+        self._replies = replies
+        self._health = health
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dead-letter-{spec.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                response = self._subscriber.pull(
+                    request={"subscription": self.subscription, "max_messages": 10}, timeout=PULL_WAIT_SECONDS
+                )
+            except (exceptions.DeadlineExceeded, exceptions.RetryError):
+                continue
+            except exceptions.GoogleAPICallError as exc:
+                self._health.report_problem(self.subscription, f"pull failed: {type(exc).__name__}")
+                self.stopping.wait(5.0)
+                continue
+            self._health.clear_problem(self.subscription)
+            for received in response.received_messages:
+                self._answer(received)
+
+    def _answer(self, received) -> None:
+        attributes = dict(received.message.attributes)
+        request_id = attributes.get(Attr.REQUEST_ID, "")
+        message = HeldMessage(
+            subscription=self.subscription,
+            ack_id=received.ack_id,
+            attributes=attributes,
+            data=b"",
+            delivery_attempt=self._spec.max_delivery_attempts,
+            received_at=time.time(),
+        )
+        self._leases.hold(message)
+        try:
+            stored = self._results.get(request_id) if request_id else None
+        except Exception as exc:  # noqa: BLE001 - Redis down: answer with the failure instead
+            self._finisher.redis_trouble.warn("lookup", exc)
+            stored = None
+        if stored is not None:
+            self._finisher.answer(message, stored, store=False)
+            return
+        attempts = attributes.get("CloudPubSubDeadLetterSourceDeliveryCount") or str(self._spec.max_delivery_attempts)
+        log.error("request %s dead-lettered after %s attempts", request_id, attempts)
+        reply = self._replies.make(
+            self._spec,
+            request_id,
+            message,
+            status="error",
+            error_kind="dead_lettered",
+            error=f"failed after {attempts} delivery attempts",
+        )
+        self._finisher.answer(message, reply)

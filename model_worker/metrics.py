@@ -1,0 +1,57 @@
+"""The worker's Prometheus metrics, served as /metrics on its probe port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# `_created` series double the output and no dashboard here reads them.
+disable_created_metrics()
+
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "maas_worker_requests", "Requests answered, by model and reply status", ["model", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "maas_worker_batch_images", "Images per pipeline call", ["model"], buckets=BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.inference_seconds = Histogram(
+            "maas_worker_inference_seconds", "Seconds per pipeline call", ["model"], buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.queue_wait_seconds = Histogram(
+            "maas_worker_queue_wait_seconds", "Seconds from publish to the start of the request's pipeline call",
+            ["model"], buckets=SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.device_idle_seconds = Counter(
+            "maas_worker_device_idle_seconds",
+            "Seconds the device waited between pipeline calls",
+            registry=self.registry,
+        )
+        self.errors = Counter("maas_worker_errors", "Errors by kind", ["kind"], registry=self.registry)
+        self.held_requests = Gauge(
+            "maas_worker_held_requests", "Requests pulled and not yet started", registry=self.registry
+        )
+        self.gpu_memory_bytes = Gauge(
+            "maas_worker_gpu_memory_bytes", "GPU memory allocated by PyTorch", registry=self.registry
+        )
+        self._gpu_memory = None
+
+    def watch_gpu_memory(self) -> None:
+        """Reports PyTorch's allocated GPU memory on every scrape, when a GPU is present."""
+        try:
+            import torch
+        except ImportError:
+            return
+        if torch.cuda.is_available():
+            self.gpu_memory_bytes.set_function(torch.cuda.memory_allocated)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

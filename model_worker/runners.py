@@ -1,0 +1,100 @@
+"""The runner interface: one pipeline call for a batch of images, each with its own prompt, seed and input.
+
+The diffusers runner lives in `pipeline.py`; the synthetic `noop` and `sleep` runners here go through
+exactly the same worker path, so benchmarks and tests measure the orchestration, not a stub of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from contract.catalog import ModelSpec
+from contract.messages import GenerationParameters
+
+# Called after each denoising step with (step, total); raising from it stops the pipeline call.
+StepCallback = Callable[[int, int], None]
+# A prompt that makes the synthetic runners fail every time: a poison request for fault tests.
+POISON_PROMPT_PREFIX = "!crash"
+
+
+@dataclass(frozen=True)
+class GenerationItem:
+    """One image to generate; image i of a request gets `seed + i` so a seed reproduces it alone or batched."""
+
+    prompt: str
+    seed: int
+    negative_prompt: str | None = None
+    image: Any = None  # a PIL image for image-to-image
+
+
+class Runner(Protocol):
+    spec: ModelSpec
+    accelerator: str
+
+    @property
+    def needs_image(self) -> bool: ...
+
+    def warm_up(self) -> None: ...
+
+    def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
+        """Images (PIL), one per item, in order. `params.seed` and `params.negative_prompt` are ignored: per item."""
+
+
+class BatchAbandonedError(Exception):
+    """Raised from the step callback when nobody waits for any image of the batch any more."""
+
+
+class SyntheticRunner:
+    """Answers with a tiny PNG-able image per item, colored by its seed; `call_seconds` makes it a stand-in GPU."""
+
+    accelerator = "synthetic"
+
+    def __init__(self, spec: ModelSpec, call_seconds: float = 0.0, ticks: int = 10) -> None:
+        self.spec = spec
+        self._call_seconds = call_seconds
+        self._ticks = ticks
+        # A device runs one call at a time, whatever the number of threads calling it.
+        self._device = threading.Lock()
+
+    @property
+    def needs_image(self) -> bool:
+        return self.spec.task == "image-to-image"
+
+    def warm_up(self) -> None:
+        from PIL import Image  # noqa: F401 - import cost paid at start-up, not on the first request
+
+    def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
+        from PIL import Image
+
+        if len(items) > self.spec.max_batch_size:
+            raise ValueError(f"batch of {len(items)} exceeds max_batch_size {self.spec.max_batch_size}")
+        if any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
+            raise RuntimeError("synthetic pipeline crash (poison prompt)")
+        with self._device:
+            if self._call_seconds > 0:
+                for tick in range(1, self._ticks + 1):
+                    time.sleep(self._call_seconds / self._ticks)
+                    on_step(tick, self._ticks)
+            else:
+                on_step(1, 1)
+        return [Image.new("RGB", (8, 8), _seed_color(item.seed)) for item in items]
+
+
+def _seed_color(seed: int) -> tuple[int, int, int]:
+    return (seed * 37) % 256, (seed * 101) % 256, (seed * 199) % 256
+
+
+SLEEP_CALL_SECONDS = 0.2
+
+
+def build_runner(spec: ModelSpec, load_diffusers: Callable[[ModelSpec], Runner]) -> Runner:
+    """The runner the catalog names; diffusers pipelines are loaded by the caller's function (weights, torch)."""
+    if spec.runner == "noop":
+        return SyntheticRunner(spec)
+    if spec.runner == "sleep":
+        return SyntheticRunner(spec, call_seconds=SLEEP_CALL_SECONDS)
+    return load_diffusers(spec)

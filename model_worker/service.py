@@ -1,0 +1,172 @@
+"""Wires one worker process: its models' runners, pullers, pool, device loop, finisher and probes.
+
+One process serves every model of its deployment (catalog `worker_group`): each pipeline is loaded once,
+each model's high and normal subscriptions are pulled into one pool, and the device takes the oldest
+request first whichever model it is for, so no model starves another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from contract import clients, naming
+from contract.catalog import ModelSpec
+from contract.payloads import PayloadCodec
+from contract.results import ResultStore
+from contract.settings import Settings
+from model_worker.device import DeviceLoop, ProgressReporter
+from model_worker.finisher import ReplyFinisher
+from model_worker.health import WorkerHealth, serve_health
+from model_worker.intake import PULL_WAIT_SECONDS, DeadLetterResponder, ReplyFactory, SubscriptionPuller, Triage
+from model_worker.leases import LeaseKeeper
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import RequestPool
+from model_worker.runners import Runner, build_runner
+
+log = logging.getLogger("model_worker")
+# Redis calls from the worker fail fast: a reply is never held up by the result store.
+REDIS_TIMEOUT_SECONDS = 2.0
+
+
+def served_specs(settings: Settings) -> list[ModelSpec]:
+    catalog = settings.catalog()
+    if not settings.models:
+        raise ValueError("MAAS_MODELS is empty: name the catalog models this worker serves")
+    unknown = [name for name in settings.models if catalog.get(name) is None]
+    if unknown:
+        raise ValueError(f"MAAS_MODELS names models not in the catalog: {unknown}")
+    return [catalog.get(name) for name in settings.models]
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, specs: list[ModelSpec]) -> None:
+        self.settings = settings
+        self.specs = specs
+        self.metrics = WorkerMetrics()
+        slowest = max(spec.request_timeout_seconds for spec in specs)
+        self.health = WorkerHealth(stall_seconds=PULL_WAIT_SECONDS * 4 + slowest)
+        self._health_server = serve_health(
+            self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
+        )
+        self._storage = clients.storage_client(settings)
+        self.runners: dict[str, Runner] = {spec.name: build_runner(spec, self._load_diffusers) for spec in specs}
+        for runner in self.runners.values():
+            runner.warm_up()
+        self.metrics.watch_gpu_memory()
+        self.subscriber = clients.subscriber_client()
+        self.publisher = clients.publisher_client()
+        project = settings.project_id
+        redis_client = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS
+        )
+        self.results = ResultStore(redis_client, settings.result_ttl_seconds)
+        payloads = PayloadCodec(self._storage, settings.payload_bucket, settings.inline_payload_limit)
+        subscriptions = {
+            (spec.name, priority): self.subscriber.subscription_path(
+                project, naming.worker_subscription(spec.name, priority)
+            )
+            for spec in specs
+            for priority in naming.PRIORITIES
+        }
+        dead_letters = {
+            spec.name: self.subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name))
+            for spec in specs
+        }
+        by_name = {spec.name: spec for spec in specs}
+        deadlines = {path: by_name[name].ack_deadline_seconds for (name, _), path in subscriptions.items()}
+        deadlines.update({path: 60 for path in dead_letters.values()})
+        self.leases = LeaseKeeper(self.subscriber, deadlines)
+        self.pool = RequestPool(capacity=max(spec.max_batch_size for spec in specs))
+        self.finisher = ReplyFinisher(
+            self.publisher,
+            self.publisher.topic_path(project, naming.REPLIES_TOPIC),
+            self.results,
+            payloads,
+            self.leases,
+            self.metrics,
+            settings.finisher_threads,
+        )
+        self.replies = ReplyFactory(
+            f"{socket.gethostname()}-{os.getpid()}", {name: runner.accelerator for name, runner in self.runners.items()}
+        )
+        triage = Triage(
+            self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()}
+        )
+        self.pullers = [
+            SubscriptionPuller(
+                self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
+            )
+            for (name, priority), path in subscriptions.items()
+        ]
+        self.dead_letter_responders = [
+            DeadLetterResponder(
+                self.subscriber,
+                path,
+                by_name[name],
+                self.leases,
+                self.results,
+                self.finisher,
+                self.replies,
+                self.health,
+            )
+            for name, path in dead_letters.items()
+        ]
+        self.progress = ProgressReporter(self.results, self.finisher)
+        self.device = DeviceLoop(
+            self.runners, self.pool, self.finisher, self.leases, self.replies, self.progress, self.metrics, self.health
+        )
+        self._stopped = threading.Event()
+
+    def _load_diffusers(self, spec: ModelSpec) -> Runner:
+        from model_worker.pipeline import CompileCache, DiffusionRunner, compile_cache_key
+        from model_worker.weights import download_weights
+
+        settings = self.settings
+        weights_dir = download_weights(
+            self._storage, settings.model_bucket, spec.weights_path, Path(settings.weights_cache_dir)
+        )
+        cache = None
+        if settings.torch_compile:
+            bucket = self._storage.bucket(settings.model_bucket)
+            cache = CompileCache(bucket, naming.compile_cache_object(spec.weights_path, compile_cache_key(spec)))
+        return DiffusionRunner(spec, weights_dir, settings.torch_threads, settings.torch_compile, cache)
+
+    def serve(self) -> None:
+        """Runs the device loop on the calling thread until `stop()`; then drains and returns."""
+        self.leases.start()
+        self.progress.start()
+        for worker in [*self.pullers, *self.dead_letter_responders]:
+            worker.start()
+        self.health.started = True
+        log.info("worker for %s ready", ", ".join(f"{s.name} v{s.version}" for s in self.specs))
+        self.device.run()
+        self._drain()
+
+    def stop(self) -> None:
+        """Stop pulling now; `serve` finishes the running batch, answers it and hands back what was held."""
+        self.health.draining = True
+        for worker in [*self.pullers, *self.dead_letter_responders]:
+            worker.stopping.set()
+        self.device.stopping.set()
+
+    def _drain(self) -> None:
+        started = time.monotonic()
+        held = self.pool.close()
+        for pending in held:
+            self.leases.release(pending.message)
+        for worker in [*self.pullers, *self.dead_letter_responders]:
+            worker.join(PULL_WAIT_SECONDS + 1)
+        self.finisher.close()
+        self.progress.stop()
+        self.leases.stop()
+        self.publisher.stop()
+        self.subscriber.close()
+        self._health_server.shutdown()
+        log.info("drained in %.1fs: %d waiting requests handed back", time.monotonic() - started, len(held))
