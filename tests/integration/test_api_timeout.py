@@ -22,12 +22,16 @@ GHOST = "ghost-txt2img"
 @pytest.fixture(scope="module")
 def ghost_app(stack, settings, tmp_path_factory):
     raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
-    raw["models"][GHOST] = {**raw["models"]["sd15-txt2img"], "request_timeout_seconds": 2, "weights_path": "ghost/1"}
+    raw["models"][GHOST] = {**raw["models"]["sd15-txt2img"], "weights_path": "ghost/1"}
     path = tmp_path_factory.mktemp("catalog") / "models.yaml"
     path.write_text(yaml.safe_dump(raw))
     bootstrap_pubsub(settings, ModelCatalog.from_yaml(path))
     app_settings = Settings.from_env({**stack.service_env(), "MAAS_CATALOG_PATH": str(path)})
     app = create_app(app_settings)
+    # A 2 s timeout keeps the test short; the catalog itself refuses it (ack deadlines are at least 10 s and
+    # at most a third of the timeout), so it is set on the loaded entry.
+    catalog = app.extensions["maas"].catalog
+    catalog.models[GHOST] = catalog.models[GHOST].model_copy(update={"request_timeout_seconds": 2})
     yield app
     app.extensions["maas"].close()
 
