@@ -184,12 +184,7 @@ def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:
         env,
         cwd=data,
     )
-    registry.start(
-        "redis",
-        ["redis-server", "--port", str(config.redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        env,
-        cwd=data,
-    )
+    start_redis(config, registry)
     registry.wait_until("pubsub", lambda: http_ok(f"http://127.0.0.1:{config.pubsub_port}/"), timeout=60)
     registry.wait_until("gcs", lambda: http_ok(f"http://127.0.0.1:{config.gcs_port}/storage/v1/b"), timeout=30)
     registry.wait_until(
@@ -198,6 +193,18 @@ def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:
         timeout=60,
     )
     registry.wait_until("redis", lambda: redis_ok(config.redis_port), timeout=15)
+
+
+def start_redis(config: StackConfig, registry: ProcessRegistry) -> None:
+    """Redis on the stack's port, loopback only, no persistence: results and progress are caches."""
+    data = config.stack_dir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    registry.start(
+        "redis",
+        ["redis-server", "--port", str(config.redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        dict(os.environ),
+        cwd=data,
+    )
 
 
 def bootstrap_resources(config: StackConfig) -> None:
