@@ -1,0 +1,127 @@
+"""The worker's fault paths against the real processes: kills, outages, poison, abandonment and drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from emulators.processes import ProcessRegistry, redis_ok
+from emulators.stack import start_redis
+
+pytestmark = pytest.mark.stack
+SLEEP_TIMEOUT_SECONDS = 30  # the sleep model's request timeout in the local catalog
+
+
+def keep_sending(worker_client, seconds: float, concurrency: int = 8, **send) -> list[str]:
+    """Holds `concurrency` requests in flight for `seconds`, each waiting for its reply; returns every id sent."""
+    sent: list[str] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def loop() -> None:
+        while time.monotonic() < stop_at:
+            request_id = worker_client.send("sleep", "traffic", timeout=SLEEP_TIMEOUT_SECONDS, **send)
+            with lock:
+                sent.append(request_id)
+            worker_client.wait([request_id], timeout=SLEEP_TIMEOUT_SECONDS + 10)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(loop) for _ in range(concurrency)]:
+            future.result()
+    return sent
+
+
+def assert_answered_in_time(worker_client, request_ids: list[str]) -> dict:
+    replies = worker_client.wait(request_ids, timeout=SLEEP_TIMEOUT_SECONDS + 10)
+    statuses = {reply.status for reply in replies.values()}
+    assert statuses == {"ok"}, {r.request_id: (r.status, r.error) for r in replies.values() if r.status != "ok"}
+    for request_id in request_ids:
+        waited = worker_client.answered_at(request_id) - worker_client.published_at[request_id]
+        assert waited < SLEEP_TIMEOUT_SECONDS, f"{request_id} answered after {waited:.1f}s"
+    return replies
+
+
+def test_worker_sigkilled_mid_batch_has_its_requests_answered_by_the_other(stack, worker_client, extra_worker):
+    victim = extra_worker("synthetic")
+    pid = ProcessRegistry(stack.stack_dir).pid(victim)
+    threading.Timer(2.0, lambda: os.kill(pid, signal.SIGKILL)).start()
+    sent = keep_sending(worker_client, seconds=5)
+    replies = assert_answered_in_time(worker_client, sent)
+    # The kill must have caught requests in the victim's hands: they came back on a later delivery attempt.
+    assert any(reply.attempt >= 2 for reply in replies.values()), "the kill hit no request in flight"
+
+
+def test_no_request_waits_in_one_workers_hands_while_another_idles(worker_client, extra_worker):
+    extra_worker("synthetic")
+    backlog = [worker_client.send("sleep", f"backlog {i}") for i in range(48)]
+    replies = worker_client.wait(backlog, timeout=60)
+    served = [reply.worker_id for reply in replies.values()]
+    counts = sorted(served.count(worker) for worker in set(served))
+    # Six full batches of eight between two workers: each takes its share, neither hoards the backlog.
+    assert len(counts) == 2 and counts[0] >= 16, counts
+    assert max(reply.batch_size for reply in replies.values()) <= 8
+
+
+def test_redis_stopped_for_20s_under_traffic_dead_letters_nothing(stack, worker_client):
+    registry = ProcessRegistry(stack.stack_dir)
+    registry.stop("redis")
+    try:
+        sent = keep_sending(worker_client, seconds=20)
+    finally:
+        start_redis(stack, registry)
+        registry.wait_until("redis", lambda: redis_ok(stack.redis_port), timeout=15)
+    replies = assert_answered_in_time(worker_client, sent)
+    for reply in replies.values():
+        deadline_ms = (worker_client.published_at[reply.request_id] + SLEEP_TIMEOUT_SECONDS) * 1000
+        assert reply.worker_started_ms < deadline_ms, "a request ran after its deadline"
+    assert len(sent) > 100  # 20 s of real traffic, not a handful
+
+
+def test_poison_request_ends_on_the_dead_letter_topic_with_the_client_told(worker_client):
+    poison = worker_client.send("sleep", "!crash every time", timeout=60)
+    good = [worker_client.send("sleep", f"good {i}") for i in range(6)]
+    replies = worker_client.wait([*good, poison], timeout=60)
+    assert {replies[request_id].status for request_id in good} == {"ok"}
+    assert replies[poison].status == "error" and replies[poison].error_kind == "dead_lettered"
+    assert replies[poison].error == "failed after 5 delivery attempts"
+
+
+def test_long_request_abandoned_at_its_deadline_frees_the_worker(worker_client):
+    # 512x512 at 50 steps takes far longer than its 3 s deadline on the tiny CPU pipeline.
+    long = worker_client.send("sd15-txt2img", "huge", width=512, height=512, steps=50, timeout=3)
+    time.sleep(0.5)  # let the long one start first
+    short = worker_client.send("sd15-txt2img", "small", timeout=60)
+    replies = worker_client.wait([long, short], timeout=60)
+    assert replies[long].status == "expired" and "while it ran" in replies[long].error
+    assert replies[short].status == "ok"
+    assert worker_client.answered_at(short) - worker_client.published_at[short] < 20
+
+
+def test_sigterm_drains_the_worker_and_loses_nothing(stack, worker_client, extra_worker):
+    name = extra_worker("synthetic")
+    registry = ProcessRegistry(stack.stack_dir)
+    pid = registry.pid(name)
+    backlog = [worker_client.send("sleep", f"drain {i}") for i in range(40)]
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGTERM)
+    started = time.monotonic()
+    while registry.is_running(name) and time.monotonic() - started < 25:
+        time.sleep(0.1)
+    assert not registry.is_running(name), "the worker did not exit within its drain time"
+    replies = worker_client.wait(backlog, timeout=SLEEP_TIMEOUT_SECONDS)
+    assert {reply.status for reply in replies.values()} == {"ok"}
+    assert "drained in" in registry.log_path(name).read_text()
+
+
+def test_worker_readiness_reports_a_missing_subscription(stack):
+    from emulators.stack import local_catalog
+
+    index = list(local_catalog().deployments()).index("synthetic")
+    response = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz", timeout=5)
+    assert response.status_code == 200 and response.text == "ready"

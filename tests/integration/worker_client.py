@@ -1,0 +1,104 @@
+"""A test client for the worker's side of the wire contract: publish requests straight to a model's queue and
+collect every reply from the replies topic, without the API in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from contract import clients, naming
+from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance, request_attributes
+
+
+@dataclass(frozen=True)
+class Received:
+    reply: InferenceReply
+    at: float
+
+
+class WorkerClient:
+    """Publishes requests and records every reply (one subscription of its own on the replies topic)."""
+
+    def __init__(self, settings) -> None:
+        self._project = settings.project_id
+        self._publisher = clients.publisher_client()
+        self._subscriber = clients.subscriber_client()
+        self._replies_topic = self._publisher.topic_path(self._project, naming.REPLIES_TOPIC)
+        self._subscription = self._subscriber.subscription_path(self._project, f"test-replies-{uuid.uuid4().hex[:8]}")
+        self._subscriber.create_subscription(request={"name": self._subscription, "topic": self._replies_topic})
+        self._lock = threading.Condition()
+        self.replies: dict[str, list[Received]] = {}
+        self.published_at: dict[str, float] = {}
+        self._streaming = self._subscriber.subscribe(self._subscription, self._on_reply)
+
+    def _on_reply(self, message) -> None:
+        message.ack()
+        reply = InferenceReply.model_validate_json(message.data)
+        with self._lock:
+            self.replies.setdefault(reply.request_id, []).append(Received(reply, time.time()))
+            self._lock.notify_all()
+
+    def send(
+        self,
+        model: str,
+        prompts: list[str] | str = "a lighthouse",
+        *,
+        seed: int = 1,
+        steps: int = 2,
+        width: int = 64,
+        height: int = 64,
+        timeout: float = 30.0,
+        priority: naming.Priority = "normal",
+        request_id: str | None = None,
+        negative_prompt: str | None = None,
+    ) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        request = InferenceRequest(
+            request_id=request_id,
+            model=model,
+            model_version="1",
+            instances=[RequestInstance(prompt=prompt) for prompt in prompts],
+            parameters=GenerationParameters(
+                seed=seed,
+                num_inference_steps=steps,
+                guidance_scale=7.5,
+                width=width,
+                height=height,
+                negative_prompt=negative_prompt,
+            ),
+        )
+        deadline_ms = int((time.time() + timeout) * 1000)
+        attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
+        topic = self._publisher.topic_path(self._project, naming.request_topic(model, priority))
+        self.published_at[request_id] = time.time()
+        self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(timeout=10)
+        return request_id
+
+    def wait(self, request_ids: list[str], timeout: float) -> dict[str, InferenceReply]:
+        """The first reply of each request; fails listing the ones still unanswered after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._lock.wait_for(
+                lambda: all(request_id in self.replies for request_id in request_ids),
+                max(0.0, deadline - time.monotonic()),
+            )
+            missing = [request_id for request_id in request_ids if request_id not in self.replies]
+            assert not missing, f"{len(missing)} of {len(request_ids)} requests unanswered after {timeout}s"
+            return {request_id: self.replies[request_id][0].reply for request_id in request_ids}
+
+    def answered_at(self, request_id: str) -> float:
+        with self._lock:
+            return self.replies[request_id][0].at
+
+    def close(self) -> None:
+        self._streaming.cancel()
+        with contextlib.suppress(Exception):
+            self._streaming.result(timeout=5)
+        with contextlib.suppress(Exception):
+            self._subscriber.delete_subscription(request={"subscription": self._subscription}, timeout=10)
+        self._publisher.stop()
