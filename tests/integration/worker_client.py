@@ -11,7 +11,13 @@ import uuid
 from dataclasses import dataclass
 
 from contract import clients, naming
-from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance, request_attributes
+from contract.messages import (
+    GenerationParameters,
+    InferenceReply,
+    InferenceRequest,
+    RequestInstance,
+    request_attributes,
+)
 
 
 @dataclass(frozen=True)

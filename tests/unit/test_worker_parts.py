@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from model_worker.intake import deadline_of
 from model_worker.health import WorkerHealth
+from model_worker.intake import deadline_of
 
 
 def test_probes_follow_the_worker_lifecycle():
