@@ -64,6 +64,8 @@ def decode_image(data: bytes, max_pixels: int):
 
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise PayloadError(f"input image is larger than {max_pixels} pixels") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise PayloadError("input image is not a readable image") from exc
     width, height = image.size

@@ -1,0 +1,263 @@
+"""The worker's stages with in-memory stand-ins: batch selection, failure handling, answer ordering."""
+
+from __future__ import annotations
+
+import io
+import time
+import zlib
+from types import SimpleNamespace
+
+import pytest
+
+from contract.catalog import ModelCatalog, load_catalog
+from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
+from contract.payloads import PayloadError
+from emulators.stack import LOCAL_CATALOG_OVERLAY
+from model_worker.device import DeviceLoop
+from model_worker.finisher import ReplyFinisher
+from model_worker.health import WorkerHealth
+from model_worker.intake import ReplyFactory, decode_image
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.runners import GenerationItem, SyntheticRunner
+
+CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+SLEEP = CATALOG.get("sleep")
+NOOP = CATALOG.get("noop")
+
+
+def pending(
+    request_id: str,
+    spec=SLEEP,
+    priority: str = "normal",
+    images: int = 1,
+    width: int = 64,
+    deadline_in: float | None = 60,
+    received_at: float | None = None,
+) -> PendingRequest:
+    params = GenerationParameters(seed=1, num_inference_steps=2, guidance_scale=7.5, width=width, height=64)
+    request = InferenceRequest(
+        request_id=request_id,
+        model=spec.name,
+        model_version="1",
+        instances=[RequestInstance(prompt=request_id) for _ in range(images)],
+        parameters=params,
+    )
+    message = HeldMessage("sub", f"ack-{request_id}", {}, b"", 1, received_at or time.time())
+    items = [GenerationItem(prompt=request_id, seed=1 + i) for i in range(images)]
+    deadline_ms = None if deadline_in is None else int((time.time() + deadline_in) * 1000)
+    return PendingRequest(message, spec, request, items, priority, deadline_ms)
+
+
+def test_the_next_batch_is_oldest_high_priority_first_and_only_compatible_requests():
+    pool = RequestPool(capacity=8)
+    now = time.time()
+    pool.add(pending("n-old", received_at=now - 3))
+    pool.add(pending("n-wide", width=128, received_at=now - 2))
+    pool.add(pending("h-new", priority="high", received_at=now))
+    pool.add(pending("n-new", received_at=now - 1))
+    batch, abandoned = pool.take_batch(timeout=0)
+    assert [p.request_id for p in batch] == ["h-new", "n-old", "n-new"] and abandoned == []
+    batch, _ = pool.take_batch(timeout=0)
+    assert [p.request_id for p in batch] == ["n-wide"]
+
+
+def test_a_batch_never_exceeds_the_models_batch_size_in_images():
+    pool = RequestPool(capacity=8)
+    for index in range(3):
+        pool.add(pending(f"r{index}", images=3))
+    batch, _ = pool.take_batch(timeout=0)
+    assert sum(p.size for p in batch) == 6
+    assert len(pool.held()) == 1
+
+
+def test_requests_past_their_deadline_are_taken_out_as_abandoned():
+    pool = RequestPool(capacity=8)
+    pool.add(pending("late", deadline_in=-1))
+    pool.add(pending("fine"))
+    batch, abandoned = pool.take_batch(timeout=0)
+    assert [p.request_id for p in batch] == ["fine"] and [p.request_id for p in abandoned] == ["late"]
+
+
+def test_room_is_one_batch_for_normal_pulls_and_high_pulls_have_their_own():
+    pool = RequestPool(capacity=8)
+    for index in range(8):
+        pool.add(pending(f"n{index}"))
+    assert pool.room("normal") == 0
+    assert pool.room("high") == 8
+    pool.add(pending("h", priority="high", images=4))
+    assert pool.room("high") == 4
+    assert [p.request_id for p in pool.close()][:1] == ["n0"] and pool.room("normal") == 0
+
+
+class Recorder:
+    """Stands in for the finisher and the lease keeper, recording what the device loop asked of them."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, int] = {}
+        self.answered: dict[str, tuple[str, str | None]] = {}
+        self.released: list[str] = []
+        self.redis_trouble = SimpleNamespace(warn=lambda *args: None)
+
+    def finish(self, pending, images, fields) -> None:
+        self.finished[pending.request_id] = len(images)
+
+    def answer(self, message, reply, store: bool = True) -> None:
+        self.answered[reply.request_id] = (reply.status, reply.error_kind)
+
+    def release(self, message) -> None:
+        self.released.append(message.ack_id)
+
+
+class FailingRunner(SyntheticRunner):
+    def __init__(self, spec, error: Exception, fail_on: str) -> None:
+        super().__init__(spec)
+        self.error, self.fail_on, self.calls = error, fail_on, 0
+
+    def generate(self, items, params, on_step):
+        self.calls += 1
+        if any(item.prompt == self.fail_on for item in items):
+            raise self.error
+        return super().generate(items, params, on_step)
+
+
+def device_with(runner) -> tuple[DeviceLoop, Recorder]:
+    recorder = Recorder()
+    progress = SimpleNamespace(begin=lambda *a: None, update=lambda *a: None, end=lambda: None)
+    loop = DeviceLoop(
+        {runner.spec.name: runner},
+        RequestPool(8),
+        recorder,
+        recorder,
+        ReplyFactory("w1", {}),
+        progress,
+        WorkerMetrics(),
+        WorkerHealth(60),
+    )
+    return loop, recorder
+
+
+def test_one_bad_request_fails_alone_and_the_rest_of_its_batch_is_answered():
+    runner = FailingRunner(NOOP, ValueError("impossible size"), fail_on="bad")
+    loop, recorder = device_with(runner)
+    loop.run_batch([pending("good-1", spec=NOOP), pending("bad", spec=NOOP), pending("good-2", spec=NOOP)])
+    assert recorder.finished == {"good-1": 1, "good-2": 1}
+    assert recorder.answered == {"bad": ("error", "bad_input")}
+    assert runner.calls == 4  # the batch, then each request on its own
+
+
+def test_a_crash_that_may_be_transient_hands_the_request_back_for_a_retry():
+    loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
+    loop.run_batch([pending("flaky", spec=NOOP)])
+    assert recorder.released == ["ack-flaky"] and recorder.answered == {} and recorder.finished == {}
+
+
+def test_a_batch_nobody_waits_for_stops_at_the_next_step():
+    runner = SyntheticRunner(SLEEP, call_seconds=2.0, ticks=20)
+    loop, recorder = device_with(runner)
+    request = pending("abandoned", deadline_in=0.2)
+    started = time.monotonic()
+    loop.run_batch([request])
+    assert time.monotonic() - started < 1.0
+    assert recorder.answered == {"abandoned": ("expired", "expired")}
+
+
+def test_each_request_gets_its_own_slice_of_the_batch():
+    loop, recorder = device_with(SyntheticRunner(NOOP))
+    loop.run_batch([pending("two", spec=NOOP, images=2), pending("three", spec=NOOP, images=3)])
+    assert recorder.finished == {"two": 2, "three": 3}
+
+
+class FakePublisher:
+    def __init__(self, log: list[str], fail: bool = False) -> None:
+        self._log, self._fail = log, fail
+
+    def publish(self, topic, data, **attributes):
+        if self._fail:
+            raise ConnectionError("pubsub unreachable")
+        self._log.append("publish")
+        return SimpleNamespace(result=lambda timeout: "id")
+
+
+class FakeLeases:
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    def ack(self, message) -> None:
+        self._log.append("ack")
+
+    def release(self, message) -> None:
+        self._log.append("release")
+
+
+class DownResults:
+    def put(self, reply):
+        raise ConnectionError("redis down")
+
+
+def finisher(log: list[str], fail_publish: bool = False, results=None) -> ReplyFinisher:
+    return ReplyFinisher(
+        FakePublisher(log, fail_publish),
+        "projects/p/topics/maas-replies",
+        results or SimpleNamespace(put=lambda reply: log.append("store")),
+        SimpleNamespace(pack=lambda data, name: SimpleNamespace(b64="x")),
+        FakeLeases(log),
+        WorkerMetrics(),
+        threads=1,
+    )
+
+
+def reply(request_id: str = "r1"):
+    return ReplyFactory("w1", {}).make(NOOP, request_id, status="ok")
+
+
+def test_the_reply_is_stored_and_published_before_the_request_is_acked():
+    log: list[str] = []
+    finisher(log).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
+    assert log == ["store", "publish", "ack"]
+
+
+def test_a_reply_that_cannot_be_published_hands_the_request_back():
+    log: list[str] = []
+    finisher(log, fail_publish=True).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
+    assert log == ["store", "release"]
+
+
+def test_redis_down_does_not_stop_the_reply():
+    log: list[str] = []
+    finisher(log, results=DownResults()).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
+    assert log == ["publish", "ack"]
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that claims a huge size in its header: what a decompression bomb looks like before decoding."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (1, 1)).save(buffer, format="PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")  # IHDR width and height
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")  # the IHDR chunk's checksum
+    return bytes(data)
+
+
+def test_an_oversized_input_image_is_refused_before_it_is_decoded():
+    with pytest.raises(PayloadError, match="8000x8000: more than 4194304 pixels"):
+        decode_image(png_header_only(8000, 8000), max_pixels=4_194_304)
+    # Beyond Pillow's own bomb limit it refuses at open; the answer is the same kind of error.
+    with pytest.raises(PayloadError, match="larger than 4194304 pixels"):
+        decode_image(png_header_only(16000, 16000), max_pixels=4_194_304)
+    with pytest.raises(PayloadError, match="not a readable image"):
+        decode_image(b"not an image", max_pixels=4_194_304)
+
+
+def test_the_catalog_refuses_an_ack_deadline_that_outlives_a_crash_retry():
+    raw = {"schema_version": 1, "models": {"m": {**SLEEP.model_dump(exclude={"name"}), "ack_deadline_seconds": 11}}}
+    raw["models"]["m"]["request_timeout_seconds"] = 30
+    with pytest.raises(ValueError, match="at most a third"):
+        ModelCatalog.model_validate({**raw, "models": {"m": {**raw["models"]["m"], "name": "m"}}})
+
+
+def test_synthetic_models_share_one_deployment_and_production_has_none():
+    assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == ["noop", "sleep"]
+    assert {"noop", "sleep"}.isdisjoint(load_catalog().names())
