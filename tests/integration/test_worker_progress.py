@@ -1,0 +1,55 @@
+"""Progress and cancellation through Redis: what the API's job status reads and writes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from contract.results import ResultStore
+
+pytestmark = pytest.mark.stack
+TXT2IMG = "sd15-txt2img"
+
+
+@pytest.fixture
+def results(settings) -> ResultStore:
+    return ResultStore(redis.Redis.from_url(settings.redis_url), ttl_seconds=60)
+
+
+def test_a_running_request_reports_its_denoising_steps(worker_client, results):
+    request_id = worker_client.send(TXT2IMG, "slow enough to watch", width=256, height=256, steps=12, timeout=60)
+    seen: set[tuple[int, int]] = set()
+    deadline = time.monotonic() + 60
+    while request_id not in worker_client.replies and time.monotonic() < deadline:
+        if (progress := results.get_progress(request_id)) is not None:
+            seen.add((progress.step, progress.total))
+        time.sleep(0.05)
+    assert worker_client.wait([request_id], timeout=1)[request_id].status == "ok"
+    assert seen, "no progress was recorded while the request ran"
+    totals = {total for _, total in seen}
+    # The pipeline's own count of denoising steps (PNDM adds one warm-up step to the 12 asked for).
+    assert len(totals) == 1 and totals.pop() in (12, 13), seen
+    assert all(0 <= step <= total for step, total in seen)
+
+
+def test_a_request_cancelled_before_pickup_never_runs(worker_client, results):
+    request_id = uuid.uuid4().hex
+    results.cancel(request_id)
+    worker_client.send("sleep", "never", request_id=request_id)
+    reply = worker_client.wait([request_id], timeout=30)[request_id]
+    assert reply.status == "cancelled" and reply.inference_ms == 0 and reply.batch_id is None
+
+
+def test_a_running_request_cancelled_stops_at_the_next_step(worker_client, results):
+    request_id = worker_client.send(TXT2IMG, "cancel me", width=512, height=512, steps=50, timeout=60)
+    deadline = time.monotonic() + 30
+    while results.get_progress(request_id) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    results.cancel(request_id)
+    cancelled_at = time.time()
+    reply = worker_client.wait([request_id], timeout=30)[request_id]
+    assert reply.status == "cancelled" and "while it ran" in reply.error
+    assert worker_client.answered_at(request_id) - cancelled_at < 10
