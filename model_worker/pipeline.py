@@ -20,6 +20,12 @@ from model_worker.runners import GenerationItem, StepCallback
 log = logging.getLogger(__name__)
 
 
+def pad_to_bucket(items: list, max_batch_size: int) -> list:
+    """Repeats the last item up to the next compiled batch size; the extra images are dropped after the call."""
+    size = next(bucket for bucket in batch_buckets(max_batch_size) if bucket >= len(items))
+    return items + [items[-1]] * (size - len(items))
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """Powers of two up to the model's batch limit (and the limit itself): the compiled shapes."""
     buckets, size = [], 1
@@ -107,8 +113,7 @@ class DiffusionRunner:
         torch = self._torch
         count = len(items)
         if self._compiled:
-            padded = next(size for size in batch_buckets(self.spec.max_batch_size) if size >= count)
-            items = items + [items[-1]] * (padded - count)
+            items = pad_to_bucket(items, self.spec.max_batch_size)
         kwargs = {
             "prompt": [item.prompt for item in items],
             "num_inference_steps": params.num_inference_steps,

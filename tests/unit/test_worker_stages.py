@@ -261,3 +261,11 @@ def test_the_catalog_refuses_an_ack_deadline_that_outlives_a_crash_retry():
 def test_synthetic_models_share_one_deployment_and_production_has_none():
     assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == ["noop", "sleep"]
     assert {"noop", "sleep"}.isdisjoint(load_catalog().names())
+
+
+def test_compiled_batches_are_padded_to_a_fixed_bucket():
+    from model_worker.pipeline import batch_buckets, pad_to_bucket
+
+    assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
+    assert pad_to_bucket(["a", "b", "c"], 8) == ["a", "b", "c", "c"]
+    assert pad_to_bucket(["a"] * 5, 6) == ["a"] * 6
