@@ -1,8 +1,11 @@
-"""Writes one BigQuery row per request from a background thread, so logging never delays a response.
+"""One BigQuery row per request, written off the request path, never lost silently and never doubled in a view.
 
-Rows are validated against the schema file first (the emulator accepts bad rows silently), sent in
-batches with the request id as insert id (retries do not duplicate), retried with backoff, and, if
-BigQuery stays unreachable, written to the log as ERROR entries with the full row: never dropped silently.
+A request's row is validated against the schema file (the emulator accepts bad rows silently; a bad row
+is logged in full at ERROR and dropped alone), queued in memory, and every `spool_interval` written to
+the on-disk spool (`log_spool.py`). A second thread sends spooled segments in order through the Storage
+Write API (`bigquery_write.py`) and deletes each once BigQuery has it; while BigQuery is unreachable the
+rows wait on disk and are retried with backoff; on SIGTERM the memory queue is spooled; after a restart
+the spool is sent first. A full spool refuses rows loudly (ERROR with the full row, and a counter).
 """
 
 from __future__ import annotations
@@ -12,14 +15,21 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 
-from google.cloud import bigquery
-
+from api_server.bigquery_write import RowsRejectedError, StorageWriteSink, StreamLostError
+from api_server.log_spool import LogSpool, Segment, SpoolFullError
 from contract.log_schema import validate_row
+from contract.messages import InferenceReply
 
 log = logging.getLogger(__name__)
+SCHEMA_VERSION = 2
+MAX_BACKOFF_SECONDS = 30.0
+
+
+def _timestamp(epoch_ms: int | float | None) -> datetime | None:
+    return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, UTC)
 
 
 @dataclass
@@ -29,93 +39,193 @@ class InferenceLogRow:
     model: str
     status: str
     http_status: int
+    job_id: str | None = None
+    api_key_id: str | None = None
     model_version: str | None = None
     task: str | None = None
+    endpoint: str | None = None
+    error_kind: str | None = None
     error: str | None = None
-    api_key_id: str | None = None
     cache_hit: bool | None = None
+    coalesced: bool | None = None
+    idempotent_replay: bool | None = None
+    reply_mode: str | None = None
+    priority: str | None = None
     num_images: int | None = None
     width: int | None = None
     height: int | None = None
     num_inference_steps: int | None = None
     seed: int | None = None
+    input_bytes: int | None = None
+    output_bytes: int | None = None
+    published_at: datetime | None = None
+    worker_started_at: datetime | None = None
+    worker_finished_at: datetime | None = None
+    replied_at: datetime | None = None
     total_ms: float | None = None
     queue_ms: float | None = None
     inference_ms: float | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
     worker_id: str | None = None
+    accelerator: str | None = None
+    attempt: int | None = None
     api_instance: str | None = None
+    schema_version: int | None = SCHEMA_VERSION
+
+    def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:
+        """What only the worker knows: where, when, in which batch and on which try the request ran."""
+        self.worker_id, self.accelerator, self.attempt = reply.worker_id or None, reply.accelerator, reply.attempt
+        self.batch_id, self.batch_size = reply.batch_id, reply.batch_size or None
+        self.queue_ms, self.inference_ms = reply.queue_ms, reply.inference_ms
+        self.worker_started_at = _timestamp(reply.worker_started_ms)
+        self.worker_finished_at = _timestamp(reply.worker_finished_ms)
+        self.published_at = _timestamp(published_ms) or self.published_at
+        self.replied_at = datetime.now(UTC)
+        if reply.error_kind and not self.error_kind:
+            self.error_kind = reply.error_kind
 
     def to_json(self) -> dict:
-        row = {key: value for key, value in self.__dict__.items() if value is not None}
-        row["created_at"] = self.created_at.astimezone(UTC).isoformat()
+        row = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            row[field.name] = value.astimezone(UTC).isoformat() if isinstance(value, datetime) else value
         return validate_row(row)
 
 
 class InferenceLogWriter:
     def __init__(
         self,
-        client: bigquery.Client,
-        table: str,
-        flush_interval: float = 0.5,
+        sink: StorageWriteSink,
+        spool: LogSpool,
+        spool_interval: float = 0.2,
         max_batch: int = 500,
-        max_attempts: int = 5,
     ) -> None:
-        self._client = client
-        self._table = table
-        self._flush_interval = flush_interval
+        self._sink = sink
+        self._spool = spool
+        self._spool_interval = spool_interval
         self._max_batch = max_batch
-        self._max_attempts = max_attempts
         self._queue: queue.Queue[dict] = queue.Queue()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="inference-log", daemon=True)
-        self._thread.start()
+        self._wake_sender = threading.Event()
+        self._spool_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.stats = {"written": 0, "spooled": 0, "invalid": 0, "dropped_spool_full": 0, "rejected": 0}
+        self._threads = [
+            threading.Thread(target=self._spool_loop, name="inference-log-spool", daemon=True),
+            threading.Thread(target=self._send_loop, name="inference-log-send", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def write(self, row: InferenceLogRow) -> None:
+        """Never raises and never blocks on I/O: called on the request path."""
         try:
             self._queue.put(row.to_json())
-        except ValueError:
-            log.exception("invalid inference log row %s", row.request_id)
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._stopped.wait(self._flush_interval)
-            self.flush()
-
-    def flush(self) -> None:
-        while True:
-            batch: list[dict] = []
-            while len(batch) < self._max_batch:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if not batch:
-                return
-            self._send(batch)
-
-    def _send(self, rows: list[dict]) -> None:
-        delay = 0.5
-        for attempt in range(1, self._max_attempts + 1):
-            try:
-                errors = self._client.insert_rows_json(
-                    self._table, rows, row_ids=[r["request_id"] for r in rows], timeout=10
-                )
-                if not errors:
-                    return
-                log.error("BigQuery rejected rows: %s", errors)
-                break
-            except Exception as exc:  # noqa: BLE001 - transport errors of any kind are retried
-                log.warning("inference log insert attempt %d failed: %s", attempt, exc)
-                if attempt < self._max_attempts and not self._stopped.is_set():
-                    time.sleep(delay)
-                    delay *= 2
-        for row in rows:
+        except ValueError as exc:
+            self.stats["invalid"] += 1
             log.error(
-                "inference log row not written to BigQuery", extra={"fields": {"inference_log_row": json.dumps(row)}}
+                "invalid inference log row %s: %s",
+                row.request_id,
+                exc,
+                extra={"fields": {"inference_log_row": json.dumps(row.__dict__, default=str)}},
             )
 
-    def close(self) -> None:
-        """Stop the thread and flush what is queued: called on SIGTERM (gunicorn worker exit)."""
+    def _spool_loop(self) -> None:
+        while not self._stopped.wait(self._spool_interval):
+            if self.spool_queued():
+                self._wake_sender.set()
+
+    def spool_queued(self) -> int:
+        """Moves queued rows to disk; returns how many."""
+        moved = 0
+        with self._spool_lock:
+            while True:
+                batch = []
+                while len(batch) < self._max_batch:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                if not batch:
+                    return moved
+                try:
+                    self._spool.append(batch)
+                    self.stats["spooled"] += len(batch)
+                    moved += len(batch)
+                except (SpoolFullError, OSError) as exc:
+                    self.stats["dropped_spool_full"] += len(batch)
+                    for row in batch:
+                        log.error(
+                            "inference log row not kept: %s",
+                            exc,
+                            extra={"fields": {"inference_log_row": json.dumps(row)}},
+                        )
+
+    def _send_loop(self) -> None:
+        delay = 0.5
+        while not self._stopped.is_set():
+            self._wake_sender.wait(timeout=1.0)
+            self._wake_sender.clear()
+            if self._stopped.is_set():
+                return
+            if self.send_spooled():
+                delay = 0.5
+            else:
+                self._stopped.wait(delay)
+                delay = min(delay * 2, MAX_BACKOFF_SECONDS)
+                self._wake_sender.set()
+
+    def send_spooled(self, deadline: float | None = None) -> bool:
+        """Sends every spooled segment in order; False if BigQuery could not take one (it is retried later)."""
+        with self._send_lock:
+            for segment in self._spool.pending():
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                if not self._send(segment):
+                    return False
+            return True
+
+    def _send(self, segment: Segment) -> bool:
+        rows = segment.rows()
+        try:
+            stream = self._sink.open_stream()
+            target = segment.target()
+            if target is None:
+                target = (stream, self._sink.next_offset)
+                segment.set_target(*target)
+            self._sink.append(rows, *target)
+        except StreamLostError as exc:
+            log.warning("inference log stream lost (%s); resending on a new stream", exc)
+            if segment.target() and segment.target()[0] == self._sink.stream:
+                self._sink.forget_stream()
+            segment.clear_target()
+            return False
+        except RowsRejectedError as exc:
+            self.stats["rejected"] += len(rows)
+            for row in rows:
+                log.error(
+                    "inference log row rejected by BigQuery: %s",
+                    exc,
+                    extra={"fields": {"inference_log_row": json.dumps(row)}},
+                )
+            segment.remove()
+            return True
+        except Exception as exc:  # noqa: BLE001 - unreachable, throttled, timed out: the rows wait on disk
+            log.warning("inference log: %d rows wait in the spool: %s", len(rows), type(exc).__name__)
+            return False
+        segment.remove()
+        self.stats["written"] += len(rows)
+        return True
+
+    def close(self, send_seconds: float = 5.0) -> None:
+        """SIGTERM: spool what is queued, try to send for a few seconds; what is left is sent after a restart."""
         self._stopped.set()
-        self._thread.join(timeout=5)
-        self.flush()
+        self._wake_sender.set()
+        for thread in self._threads:
+            thread.join(timeout=send_seconds)
+        self.spool_queued()
+        self.send_spooled(deadline=time.monotonic() + send_seconds)
+        self._spool.close()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 from google.cloud import pubsub_v1
 
 from api_server.auth import ApiKeyAuth
 from api_server.dispatch import InferenceDispatcher
+from api_server.bigquery_write import StorageWriteSink, write_client
 from api_server.inference_log import InferenceLogWriter
+from api_server.log_spool import LogSpool
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from contract import clients
 from contract.catalog import ModelCatalog
@@ -44,7 +47,6 @@ def build_services(settings: Settings) -> Services:
         waiter: ReplyWaiter = PerInstanceReplyWaiter(subscriber, settings.project_id, settings.instance_id, results)
     else:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
-    table = f"{settings.project_id}.{settings.dataset}.{settings.log_table}"
     publisher = clients.publisher_client()
     return Services(
         settings=settings,
@@ -55,5 +57,11 @@ def build_services(settings: Settings) -> Services:
         dispatcher=InferenceDispatcher(publisher, waiter, settings.project_id),
         payloads=PayloadCodec(clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit),
         redis=redis_client,
-        inference_log=InferenceLogWriter(clients.bigquery_client(settings), table),
+        inference_log=build_inference_log(settings),
     )
+
+
+def build_inference_log(settings: Settings) -> InferenceLogWriter:
+    table = f"projects/{settings.project_id}/datasets/{settings.dataset}/tables/{settings.log_table}"
+    sink = StorageWriteSink(write_client(settings), table)
+    return InferenceLogWriter(sink, LogSpool(Path(settings.log_spool_dir), settings.log_spool_max_bytes))

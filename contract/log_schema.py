@@ -43,3 +43,9 @@ _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "FLOAT": (float, int),
     "BOOLEAN": (bool,),
 }
+
+
+# The table is partitioned by day on the request time and clustered for the usual filters (Terraform and
+# the local bootstrap both follow these; tests/infra cross-checks Terraform).
+PARTITION_FIELD = "created_at"
+CLUSTERING_FIELDS = ["model", "api_key_id"]

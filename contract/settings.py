@@ -49,6 +49,11 @@ class Settings:
     # Set locally to the BigQuery emulator's REST address; unset in production.
     bigquery_endpoint: str | None = None
     log_table: str = naming.LOG_TABLE
+    # Locally the BigQuery emulator's Storage Write API (gRPC host:port); unset in production.
+    bigquery_write_endpoint: str | None = None
+    # The inference log's write-ahead spool: rows wait here while BigQuery is unreachable.
+    log_spool_dir: str = "/tmp/maas-log-spool"
+    log_spool_max_bytes: int = 256 * 1024 * 1024
     reply_mode: ReplyMode = "per-request"
     # Inputs and outputs above this many bytes travel through the payload bucket, not the message.
     inline_payload_limit: int = 256 * 1024
@@ -96,6 +101,9 @@ class Settings:
             dataset=env.get("MAAS_DATASET", naming.DATASET),
             bigquery_endpoint=env.get("MAAS_BIGQUERY_ENDPOINT") or None,
             log_table=env.get("MAAS_LOG_TABLE", naming.LOG_TABLE),
+            bigquery_write_endpoint=env.get("MAAS_BIGQUERY_WRITE_ENDPOINT") or None,
+            log_spool_dir=env.get("MAAS_LOG_SPOOL_DIR", cls.log_spool_dir),
+            log_spool_max_bytes=int(env.get("MAAS_LOG_SPOOL_MAX_BYTES", cls.log_spool_max_bytes)),
             reply_mode=reply_mode,  # type: ignore[arg-type]
             inline_payload_limit=int(env.get("MAAS_INLINE_PAYLOAD_LIMIT", cls.inline_payload_limit)),
             max_request_bytes=int(env.get("MAAS_MAX_REQUEST_BYTES", cls.max_request_bytes)),

@@ -11,7 +11,7 @@ from google.cloud import bigquery, pubsub_v1
 
 from contract import clients, naming
 from contract.catalog import ModelCatalog
-from contract.log_schema import bigquery_schema
+from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, bigquery_schema
 from contract.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ def bootstrap_bigquery(settings: Settings) -> None:
     dataset = bigquery.Dataset(f"{settings.project_id}.{settings.dataset}")
     client.create_dataset(dataset, exists_ok=True)
     table = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{settings.log_table}", schema=bigquery_schema())
-    table.time_partitioning = bigquery.TimePartitioning(field="created_at")
-    table.clustering_fields = ["model", "status"]
+    table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
+    table.clustering_fields = CLUSTERING_FIELDS
     client.create_table(table, exists_ok=True)
     for path in sorted(ANALYTICS_SQL_DIR.glob("*.sql")):
         # The same files and template variables Terraform's templatefile() uses.

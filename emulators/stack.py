@@ -103,6 +103,8 @@ class StackConfig:
             "PUBSUB_PROJECT_ID": self.project_id,
             "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.gcs_port}",
             "MAAS_BIGQUERY_ENDPOINT": f"http://127.0.0.1:{self.bigquery_port}",
+            "MAAS_BIGQUERY_WRITE_ENDPOINT": f"127.0.0.1:{self.bigquery_grpc_port}",
+            "MAAS_LOG_SPOOL_DIR": str(self.stack_dir / "log-spool"),
             "MAAS_PROJECT_ID": self.project_id,
             "MAAS_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
             "MAAS_ENV": "local",

@@ -32,8 +32,8 @@ resource "google_bigquery_table" "inference_log" {
     expiration_ms = var.inference_log_retention_days == null ? null : var.inference_log_retention_days * 86400000
   }
 
-  # Most queries group or filter by model and outcome.
-  clustering = ["model", "status"]
+  # Most queries filter by model, and billing by API key (contract/log_schema.py CLUSTERING_FIELDS).
+  clustering = ["model", "api_key_id"]
 
   deletion_protection = var.deletion_protection
 }

@@ -340,12 +340,15 @@ def test_inference_log_table_uses_the_code_schema_file():
     assert resolve_module_path(locals_()["inference_log_schema_path"]) == CONTRACT_LOG_SCHEMA.resolve()
 
 
-def test_inference_log_is_partitioned_by_day_and_clustered_by_model_and_status():
+def test_inference_log_is_partitioned_by_day_and_clustered_as_the_contract_says():
     table = resource("google_bigquery_table", "inference_log")
     partitioning = block(table, "time_partitioning")
     assert partitioning["type"] == "DAY"
     assert partitioning["field"] == "created_at"
-    assert table["clustering"] == ["model", "status"]
+    from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD
+
+    assert partitioning["field"] == PARTITION_FIELD
+    assert table["clustering"] == CLUSTERING_FIELDS
     columns = {field["name"]: field for field in json.loads(CONTRACT_LOG_SCHEMA.read_text())}
     assert columns["created_at"]["type"] == "TIMESTAMP"
     assert columns["model"]["type"] == columns["status"]["type"] == "STRING"

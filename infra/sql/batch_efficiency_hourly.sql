@@ -1,0 +1,34 @@
+-- Worker batching per hour and model: pipeline calls, images per call, and a device-utilisation proxy
+-- (seconds of pipeline calls over the hour's seconds of the workers that ran them).
+-- One row per request id: a retried write can land twice, a view never counts it twice.
+WITH log AS (
+  SELECT * EXCEPT (copy)
+  FROM (
+    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
+    FROM `${project_id}.${dataset}.inference_log`
+  )
+  WHERE copy = 1
+)
+SELECT
+  hour,
+  model,
+  COUNT(*) AS batches,
+  SUM(images) AS images,
+  AVG(images) AS mean_batch_images,
+  SUM(seconds) AS busy_seconds,
+  COUNT(DISTINCT worker_id) AS workers,
+  SUM(seconds) / (3600 * COUNT(DISTINCT worker_id)) AS utilisation
+FROM (
+  SELECT
+    batch_id,
+    model,
+    TIMESTAMP_TRUNC(MIN(worker_started_at), HOUR) AS hour,
+    MAX(worker_id) AS worker_id,
+    MAX(batch_size) AS images,
+    MAX(inference_ms) / 1000 AS seconds
+  FROM log
+  WHERE batch_id IS NOT NULL AND NOT IFNULL(cache_hit, FALSE) AND NOT IFNULL(coalesced, FALSE)
+    AND NOT IFNULL(idempotent_replay, FALSE)
+  GROUP BY batch_id, model
+)
+GROUP BY hour, model

@@ -1,0 +1,29 @@
+-- Usage per API key per day: the billing view. GPU seconds are the request's share of its pipeline call
+-- (its images over the batch's images); cache hits, coalesced requests and idempotent replays used no GPU.
+-- One row per request id: a retried write can land twice, a view never counts it twice.
+WITH log AS (
+  SELECT * EXCEPT (copy)
+  FROM (
+    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
+    FROM `${project_id}.${dataset}.inference_log`
+  )
+  WHERE copy = 1
+)
+SELECT
+  DATE(created_at) AS day,
+  api_key_id,
+  model,
+  COUNT(*) AS requests,
+  COUNTIF(status = 'ok') AS succeeded,
+  SUM(IF(status = 'ok', num_images, 0)) AS images,
+  COUNTIF(cache_hit) AS cache_hits,
+  SUM(
+    IF(
+      status = 'ok' AND NOT IFNULL(cache_hit, FALSE) AND NOT IFNULL(coalesced, FALSE)
+      AND NOT IFNULL(idempotent_replay, FALSE) AND batch_size > 0,
+      inference_ms / 1000 * num_images / batch_size,
+      0
+    )
+  ) AS gpu_seconds
+FROM log
+GROUP BY day, api_key_id, model

@@ -1,0 +1,208 @@
+"""Every analytics view, run by the BigQuery emulator over a seeded log, gives the numbers computed here in Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from contract import clients
+from emulators.bootstrap import ANALYTICS_SQL_DIR, bootstrap_bigquery
+
+pytestmark = pytest.mark.stack
+DAY1 = datetime(2026, 11, 20, 9, 15, tzinfo=UTC)
+DAY2 = datetime(2026, 11, 21, 17, 40, tzinfo=UTC)
+
+
+def seeded_rows() -> list[dict]:
+    """Two days, two models, two keys; ok rows in shared batches, cache hits, coalesced, errors, one duplicate."""
+    rows = []
+    for day_index, start in enumerate((DAY1, DAY2)):
+        for model_index, model in enumerate(("sd15-txt2img", "sleep")):
+            for batch in range(3):
+                batch_id = f"b-{day_index}-{model}-{batch}"
+                members = [(1, "key-a"), (2, "key-b"), (1, "key-a")]  # four images per pipeline call
+                for member, (images, key) in enumerate(members):
+                    index = batch * 3 + member
+                    rows.append(
+                        {
+                            "request_id": f"r-{day_index}-{model}-{index}",
+                            "created_at": start + timedelta(minutes=index),
+                            "model": model,
+                            "api_key_id": key,
+                            "status": "ok",
+                            "http_status": 200,
+                            "num_images": images,
+                            "total_ms": 100.0 + 37 * index + 11 * model_index + 5 * day_index,
+                            "queue_ms": 10.0 + 3 * index,
+                            "inference_ms": 800.0 + 100 * batch,
+                            "batch_id": batch_id,
+                            "batch_size": 4,
+                            "worker_id": f"w-{batch % 2}",
+                            "worker_started_at": start + timedelta(minutes=index, seconds=1),
+                        }
+                    )
+            rows.append(
+                {"request_id": f"hit-{day_index}-{model}", "created_at": start, "model": model, "api_key_id": "key-a",
+                 "status": "ok", "http_status": 200, "num_images": 1, "cache_hit": True, "total_ms": 3.0,
+                 "queue_ms": 0.0}
+            )  # fmt: skip
+            rows.append(
+                {"request_id": f"join-{day_index}-{model}", "created_at": start, "model": model, "api_key_id": "key-b",
+                 "status": "ok", "http_status": 200, "num_images": 1, "coalesced": True, "total_ms": 900.0,
+                 "queue_ms": 12.0, "inference_ms": 800.0, "batch_id": f"b-{day_index}-{model}-0", "batch_size": 4}
+            )  # fmt: skip
+            for error_index, (status, kind, http) in enumerate(
+                [("error", "rate_limited", 429), ("timeout", "timeout", 504), ("error", "bad_input", 422)]
+            ):
+                rows.append(
+                    {"request_id": f"err-{day_index}-{model}-{error_index}", "created_at": start, "model": model,
+                     "api_key_id": "key-b", "status": status, "error_kind": kind, "http_status": http}
+                )  # fmt: skip
+    rows.append(dict(rows[0]))  # a retried write that landed twice: views must count it once
+    return rows
+
+
+@pytest.fixture(scope="module")
+def views(stack, settings):
+    dataset = f"analytics_{uuid.uuid4().hex[:8]}"
+    view_settings = dataclasses.replace(settings, dataset=dataset)
+    bootstrap_bigquery(view_settings)
+    client = clients.bigquery_client(view_settings)
+    table = f"{settings.project_id}.{dataset}.{settings.log_table}"
+    payload = [{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()} for row in seeded_rows()]
+    assert client.insert_rows_json(table, payload) == []
+
+    def query(view: str, order: str) -> list[dict]:
+        sql = f"SELECT * FROM `{settings.project_id}.{dataset}.{view}` ORDER BY {order}"
+        return [dict(row) for row in client.query(sql).result()]
+
+    yield query
+    client.delete_dataset(f"{settings.project_id}.{dataset}", delete_contents=True, not_found_ok=True)
+
+
+def unique_rows() -> list[dict]:
+    seen, unique = set(), []
+    for row in seeded_rows():
+        if row["request_id"] not in seen:
+            seen.add(row["request_id"])
+            unique.append(row)
+    return unique
+
+
+def no_gpu(row: dict) -> bool:
+    return bool(row.get("cache_hit") or row.get("coalesced") or row.get("idempotent_replay"))
+
+
+def test_every_sql_file_is_covered_here():
+    tested = {"daily_usage_by_model", "hourly_usage_by_model", "latency_by_model_hourly", "cache_and_coalescing_daily",
+              "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours"}  # fmt: skip
+    assert {path.stem for path in ANALYTICS_SQL_DIR.glob("*.sql")} == tested
+
+
+def test_daily_usage_counts_each_request_once(views):
+    expected = defaultdict(lambda: {"requests": 0, "succeeded": 0, "failed": 0, "cache_hits": 0, "images": 0})
+    for row in unique_rows():
+        cell = expected[(row["created_at"].date(), row["model"])]
+        cell["requests"] += 1
+        cell["succeeded" if row["status"] == "ok" else "failed"] += 1
+        cell["cache_hits"] += bool(row.get("cache_hit"))
+        cell["images"] += row.get("num_images", 0) if row["status"] == "ok" else 0
+    got = {
+        (r["day"], r["model"]): {k: r[k] for k in ("requests", "succeeded", "failed", "cache_hits", "images")}
+        for r in views("daily_usage_by_model", "day, model")
+    }
+    assert got == dict(expected)
+
+
+def test_hourly_usage_and_busiest_hours(views):
+    hourly = defaultdict(int)
+    by_hour_of_day = defaultdict(int)
+    for row in unique_rows():
+        hourly[(row["created_at"].replace(minute=0), row["model"])] += 1
+        by_hour_of_day[(row["created_at"].hour, row["model"])] += 1
+    got = {(r["hour"], r["model"]): r["requests"] for r in views("hourly_usage_by_model", "hour, model")}
+    assert got == dict(hourly)
+    busiest = {(r["hour_of_day"], r["model"]): r["requests"] for r in views("busiest_hours", "hour_of_day, model")}
+    assert busiest == dict(by_hour_of_day)
+
+
+def exact_rank_values(values: list[float], quantile: int) -> set[float]:
+    """The exact value at a percentile and its neighbours: the emulator's APPROX_QUANTILES is off by one rank."""
+    ordered = sorted(values)
+    rank = math.ceil(quantile / 100 * len(ordered)) - 1
+    return {ordered[max(0, min(len(ordered) - 1, rank + shift))] for shift in (-1, 0, 1)}
+
+
+def test_latency_percentiles_match_exact_ones(views):
+    groups = defaultdict(list)
+    for row in unique_rows():
+        if row["status"] == "ok":
+            groups[(row["created_at"].replace(minute=0), row["model"])].append(row)
+    got = {(r["hour"], r["model"]): r for r in views("latency_by_model_hourly", "hour, model")}
+    assert set(got) == set(groups)
+    for key, rows in groups.items():
+        for column in ("total_ms", "queue_ms"):
+            values = [row[column] for row in rows]
+            for quantile in (50, 95, 99):
+                assert got[key][f"p{quantile}_{column}"] in exact_rank_values(values, quantile), (key, column, quantile)
+
+
+def test_cache_and_coalescing_rates(views):
+    for r in views("cache_and_coalescing_daily", "day, model"):
+        rows = [row for row in unique_rows() if (row["created_at"].date(), row["model"]) == (r["day"], r["model"])]
+        assert r["requests"] == len(rows)
+        assert r["cache_hits"] == sum(bool(row.get("cache_hit")) for row in rows) == 1
+        assert r["coalesced"] == 1
+        assert r["cache_hit_rate"] == pytest.approx(1 / len(rows))
+        assert r["coalescing_rate"] == pytest.approx(1 / len(rows))
+
+
+def test_error_rate_by_kind(views):
+    got = {
+        (r["day"], r["model"], r["outcome"]): (r["requests"], r["share"]) for r in views("errors_by_kind_daily", "day")
+    }
+    counts = defaultdict(int)
+    totals = defaultdict(int)
+    for row in unique_rows():
+        outcome = "ok" if row["status"] == "ok" else row["error_kind"]
+        counts[(row["created_at"].date(), row["model"], outcome)] += 1
+        totals[(row["created_at"].date(), row["model"])] += 1
+    assert set(got) == set(counts)
+    for key, count in counts.items():
+        assert got[key][0] == count and got[key][1] == pytest.approx(count / totals[key[:2]])
+
+
+def test_billing_apportions_gpu_seconds_by_batch_share_and_bills_no_gpu_for_cache_hits(views):
+    expected = defaultdict(lambda: {"requests": 0, "images": 0, "cache_hits": 0, "gpu_seconds": 0.0})
+    for row in unique_rows():
+        cell = expected[(row["created_at"].date(), row["api_key_id"], row["model"])]
+        cell["requests"] += 1
+        cell["images"] += row.get("num_images", 0) if row["status"] == "ok" else 0
+        cell["cache_hits"] += bool(row.get("cache_hit"))
+        if row["status"] == "ok" and not no_gpu(row) and row.get("batch_size"):
+            cell["gpu_seconds"] += row["inference_ms"] / 1000 * row["num_images"] / row["batch_size"]
+    got = views("billing_by_api_key_daily", "day, api_key_id, model")
+    assert {(r["day"], r["api_key_id"], r["model"]) for r in got} == set(expected)
+    for r in got:
+        cell = expected[(r["day"], r["api_key_id"], r["model"])]
+        assert (r["requests"], r["images"], r["cache_hits"]) == (cell["requests"], cell["images"], cell["cache_hits"])
+        assert r["gpu_seconds"] == pytest.approx(cell["gpu_seconds"])
+    # Every pipeline call's seconds are billed exactly once across the keys that shared it.
+    per_model_day = defaultdict(float)
+    for r in got:
+        per_model_day[(r["day"], r["model"])] += r["gpu_seconds"]
+    assert all(seconds == pytest.approx(0.8 + 0.9 + 1.0) for seconds in per_model_day.values())
+
+
+def test_batch_efficiency(views):
+    got = views("batch_efficiency_hourly", "hour, model")
+    assert sum(r["batches"] for r in got) == 12  # three calls per model per day
+    for r in got:
+        assert r["mean_batch_images"] == pytest.approx(r["images"] / r["batches"])
+        assert r["utilisation"] == pytest.approx(r["busy_seconds"] / (3600 * r["workers"]))
+    assert sum(r["images"] for r in got) == 48
