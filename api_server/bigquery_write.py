@@ -118,9 +118,7 @@ class StorageWriteSink:
             code = response.error.code if response.error else 0
             if code == _ALREADY_EXISTS:
                 log.info("batch at offset %d of %s was already committed", offset, stream)
-            elif code == _NOT_FOUND:
-                raise StreamLostError(response.error.message)
-            elif code == _INVALID_ARGUMENT and "stream" in response.error.message.lower():
+            elif code == _NOT_FOUND or code == _INVALID_ARGUMENT and "stream" in response.error.message.lower():
                 raise StreamLostError(response.error.message)
             elif code:
                 raise exceptions.from_grpc_status(code, response.error.message)

@@ -9,8 +9,8 @@ import redis
 from google.cloud import pubsub_v1
 
 from api_server.auth import ApiKeyAuth
-from api_server.dispatch import InferenceDispatcher
 from api_server.bigquery_write import StorageWriteSink, write_client
+from api_server.dispatch import InferenceDispatcher
 from api_server.inference_log import InferenceLogWriter
 from api_server.log_spool import LogSpool
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
