@@ -1,0 +1,163 @@
+"""The HTTP side of the benchmark: request bodies, per-thread callers, the API process per reply mode, worker metrics."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+
+from bench.loadgen import Sample
+from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import ROOT, StackConfig, local_catalog
+
+# The tiny diffusion model at the size and step count the issue names: small enough for 2 CPU cores.
+TINY_PARAMETERS = {"num_inference_steps": 4, "width": 64, "height": 64}
+
+
+def predict_body(model: str, seed: int) -> dict:
+    """A one-image request with its own seed (distinct seeds: no cache hit, no coalescing)."""
+    parameters = {"seed": seed, **(TINY_PARAMETERS if model.startswith("sd15") else {"num_inference_steps": 4})}
+    return {"instances": [{"prompt": f"bench request {seed}"}], "parameters": parameters}
+
+
+def predict_caller(api_url: str, key: str, model: str, body: Callable[[int], dict]) -> Callable[[], Callable]:
+    """One keep-alive session per load thread; a Sample per request, latency measured around the HTTP call."""
+
+    def make() -> Callable[[int], Sample]:
+        session = requests.Session()
+        session.headers["Authorization"] = f"Bearer {key}"
+        url = f"{api_url}/v1/models/{model}:predict"
+
+        def call(number: int) -> Sample:
+            payload = body(number)
+            started = time.perf_counter()
+            try:
+                response = session.post(url, json=payload, timeout=120)
+            except requests.RequestException as exc:
+                return Sample(started, time.perf_counter(), False, error=type(exc).__name__)
+            ended = time.perf_counter()
+            if response.status_code != 200:
+                return Sample(started, ended, False, error=f"HTTP {response.status_code}")
+            timings = dict(response.json().get("timings_ms") or {})
+            if "X-Cache" in response.headers:
+                timings["cache_hit"] = 1.0 if response.headers["X-Cache"].lower() == "hit" else 0.0
+            return Sample(started, ended, True, timings)
+
+        return call
+
+    return make
+
+
+def job_caller(api_url: str, key: str, model: str, poll_seconds: float = 0.01) -> Callable[[], Callable]:
+    """Async jobs: submit, then poll the job until it has a result; latency is submit to result."""
+
+    def make() -> Callable[[int], Sample]:
+        session = requests.Session()
+        session.headers["Authorization"] = f"Bearer {key}"
+
+        def call(number: int) -> Sample:
+            started = time.perf_counter()
+            try:
+                submitted = session.post(
+                    f"{api_url}/v1/models/{model}/jobs", json=predict_body(model, number), timeout=30
+                )
+                if submitted.status_code != 202:
+                    return Sample(started, time.perf_counter(), False, error=f"submit HTTP {submitted.status_code}")
+                location = submitted.headers.get("Location") or f"/v1/jobs/{submitted.json()['id']}"
+                url = location if location.startswith("http") else f"{api_url}{location}"
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    state = session.get(url, timeout=30).json()
+                    status = state.get("status")
+                    if status == "succeeded":
+                        return Sample(started, time.perf_counter(), True)
+                    if status in ("failed", "cancelled", "expired"):
+                        return Sample(started, time.perf_counter(), False, error=f"job {status}")
+                    time.sleep(poll_seconds)
+            except (requests.RequestException, ValueError, KeyError) as exc:
+                return Sample(started, time.perf_counter(), False, error=type(exc).__name__)
+            return Sample(started, time.perf_counter(), False, error="job not done in 60s")
+
+        return call
+
+    return make
+
+
+def cache_available(api_url: str, key: str) -> bool:
+    """The result cache exists when a repeated seeded request says `X-Cache: hit`."""
+    headers = {"Authorization": f"Bearer {key}"}
+    body = predict_body("noop", 424242)
+    for _ in range(2):
+        response = requests.post(f"{api_url}/v1/models/noop:predict", json=body, headers=headers, timeout=30)
+    return response.headers.get("X-Cache", "").lower() == "hit"
+
+
+def jobs_available(api_url: str, key: str) -> bool:
+    """Async jobs exist when submitting one answers 202."""
+    response = requests.post(
+        f"{api_url}/v1/models/noop/jobs", json=predict_body("noop", 1), headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )  # fmt: skip
+    return response.status_code == 202
+
+
+class BenchApi:
+    """The API for one reply mode, run by the benchmark (`bench.counted_api`: admin operations counted)."""
+
+    def __init__(self, config: StackConfig, registry: ProcessRegistry, port: int) -> None:
+        self._config = config
+        self._registry = registry
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.mode: str | None = None
+
+    def start(self, mode: str) -> None:
+        self.stop()
+        env = {
+            **self._config.service_env(),
+            "MAAS_REPLY_MODE": mode,
+            "PORT": str(self.port),
+            "MAAS_API_WORKERS": str(self._config.api_workers),
+        }
+        argv = [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "bench.counted_api:app"]
+        self._registry.start("bench-api", argv, env, cwd=ROOT)
+        self._registry.wait_until("bench-api", lambda: http_ok(f"{self.url}/readyz"), timeout=60)
+        shown = requests.get(f"{self.url}/readyz", timeout=5).json().get("reply_mode")
+        if shown != mode:
+            raise RuntimeError(f"the benchmark API runs in {shown!r} mode, not {mode!r}")
+        self.mode = mode
+
+    def stop(self) -> None:
+        if self._registry.pid("bench-api") is not None:
+            self._registry.stop("bench-api")
+        self.mode = None
+
+
+def worker_health_port(config: StackConfig, model: str) -> int:
+    deployments = list(local_catalog().deployments())
+    return config.worker_health_port(deployments.index(local_catalog().get(model).deployment))
+
+
+def worker_batches(config: StackConfig, model: str) -> tuple[float, float]:
+    """(images run, pipeline calls) for `model`, from its worker's /metrics: the batch sizes it really ran."""
+    url = f"http://127.0.0.1:{worker_health_port(config, model)}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback only
+            text = response.read().decode()
+    except OSError:
+        return 0.0, 0.0
+
+    def value(name: str) -> float:
+        found = re.search(rf'^{name}\{{model="{re.escape(model)}"\}} (\S+)$', text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    return value("maas_worker_batch_images_sum"), value("maas_worker_batch_images_count")
+
+
+def tiny_model_dir(config: StackConfig, model: str) -> Path:
+    return config.tiny_model_dir / model

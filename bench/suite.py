@@ -1,0 +1,263 @@
+"""`make bench`: the whole benchmark suite in one bounded run, every number measured side by side.
+
+    .venv/bin/python -m bench.suite            # full suite (under 10 minutes on 2 cores)
+    .venv/bin/python -m bench.suite --quick    # a ~2-minute subset
+
+Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 40000 / .stack-bench) if it is running,
+else brings one up there and stops it at the end. Runs the benchmark's own API process (the real app,
+with its Pub/Sub admin calls counted: `bench.counted_api`) in each reply mode in turn, beside the stack's
+workers. Writes results.json, results.md and the plots under bench/results/ (bench/results/quick/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from bench import admin_ops, report
+from bench.breakdown import median_stages
+from bench.loadgen import run_closed_loop, summarize
+from bench.pubsub_floor import PubSubRoundTrips
+from bench.scenarios import (
+    BenchApi,
+    cache_available,
+    job_caller,
+    jobs_available,
+    predict_body,
+    predict_caller,
+    tiny_model_dir,
+    worker_batches,
+)
+from contract import clients, naming
+from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import ROOT, StackConfig, down, up
+
+MODES = ("per-instance", "per-request")
+
+
+def plan(quick: bool) -> dict:
+    """Which HTTP scenarios run in each reply mode: (model, concurrency) pairs."""
+    if quick:
+        return {
+            "per-instance": [("noop", 1), ("noop", 32), ("sleep", 1), ("sleep", 16), ("sd15-txt2img", 4)],
+            "per-request": [("noop", 1), ("noop", 32), ("sleep", 16)],
+        }
+    full = [("noop", 1), ("noop", 8), ("noop", 32), ("sleep", 1), ("sleep", 16), ("sd15-txt2img", 4)]
+    return {"per-instance": full, "per-request": full}
+
+
+def bench_config() -> StackConfig:
+    env = dict(os.environ)
+    env.setdefault("MAAS_STACK_PORT_OFFSET", "40000")
+    env.setdefault("MAAS_STACK_DIR", str(ROOT / ".stack-bench"))
+    return StackConfig.from_env(env)
+
+
+class Suite:
+    def __init__(self, config: StackConfig, quick: bool, out_dir: Path) -> None:
+        self.config = config
+        self.quick = quick
+        self.out_dir = out_dir
+        self.warmup = 1.0 if quick else 2.0
+        self.seconds = 5.0 if quick else 10.0
+        self.rows: list[dict] = []
+        self.unavailable: dict[str, str] = {}
+        self.available: dict[str, bool] = {}
+        self.key = config.api_keys.split(",")[0]
+        self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
+        self.count = 0
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1  # floor, naive, http, cache/jobs, direct
+
+    def progress(self, row: dict, started: float) -> None:
+        self.count += 1
+        mode = f" [{row['mode']}]" if row.get("mode") else ""
+        extra = f", mean batch {row['mean_batch']:.1f}" if row.get("mean_batch") else ""
+        print(
+            f"[{self.count:>2}/{self.total}] {row['scenario']}{mode} c={row['concurrency']}: {row['rps']:.1f} req/s, "
+            f"p50 {row['p50_ms']:.1f} / p95 {row['p95_ms']:.1f} / p99 {row['p99_ms']:.1f} ms, "
+            f"{row['errors']} errors{extra} ({time.monotonic() - started:.0f}s)",
+            flush=True,
+        )
+
+    def measure(self, scenario: str, mode: str | None, concurrency: int, make_caller: Callable, **extra) -> dict:
+        started = time.monotonic()
+        samples, window = run_closed_loop(make_caller, concurrency, self.seconds, self.warmup)
+        row = {"scenario": scenario, "mode": mode, **summarize(samples, window, concurrency), **extra}
+        row["requests_sent"] = len(samples)
+        in_window = [s for s in samples if window[0] <= s.ended <= window[1] and s.ok]
+        if any(s.timings for s in in_window):
+            row["stages"] = median_stages([(s.latency_ms, s.timings) for s in in_window])
+        hits = [s.timings["cache_hit"] for s in in_window if "cache_hit" in s.timings]
+        if hits:
+            row["cache_hit_ratio"] = sum(hits) / len(hits)
+        self.rows.append(row)
+        self.progress(row, started)
+        return row
+
+    def pubsub(self) -> None:
+        trips = PubSubRoundTrips(self.config.project_id)
+        try:
+            for concurrency in (1, 32):
+                self.measure("pubsub floor", None, concurrency, trips.floor_caller)
+            trips.close_floor()
+            self.measure("naive per-request", None, 32, trips.naive_caller)
+        finally:
+            trips.close()
+
+    def http(self, api: BenchApi) -> None:
+        for mode in MODES:
+            print(f"-- API in {mode} mode", flush=True)
+            api.start(mode)
+            for model, concurrency in plan(self.quick)[mode]:
+                before_ops = admin_ops.read_counts(self.redis)
+                before_batches = worker_batches(self.config, model)
+                row = self.measure(
+                    model, mode, concurrency,
+                    predict_caller(api.url, self.key, model, lambda n, model=model: predict_body(model, n)),
+                )  # fmt: skip
+                row["admin_ops"] = admin_ops.difference(before_ops, admin_ops.read_counts(self.redis))
+                images, calls = (a - b for a, b in zip(worker_batches(self.config, model), before_batches, strict=True))
+                row["mean_batch"] = images / calls if calls else None
+                row["pipeline_calls"] = calls
+            if mode == "per-request":
+                row["leaked_reply_subscriptions"] = self.reply_subscriptions_left()
+            if mode == "per-instance":
+                self.optional_features(api)
+        api.stop()
+
+    def optional_features(self, api: BenchApi) -> None:
+        self.available["cache"] = cache_available(api.url, self.key)
+        if self.available["cache"]:
+            fixed = predict_body("noop", 7)
+            self.measure("noop cache hits", api.mode, 32, predict_caller(api.url, self.key, "noop", lambda n: fixed))
+        else:
+            self.unavailable["noop cache hits c=32"] = "not available yet (no X-Cache header)"
+            self.skip("noop cache hits c=32: not available yet (the API sends no X-Cache header)")
+        self.available["jobs"] = jobs_available(api.url, self.key)
+        if self.available["jobs"]:
+            self.measure("noop async job submit-to-result", api.mode, 8, job_caller(api.url, self.key, "noop"))
+        else:
+            self.unavailable["noop async jobs c=8"] = "not available yet (no /jobs route)"
+            self.skip("noop async jobs c=8: not available yet (POST /v1/models/noop/jobs is not a route)")
+
+    def skip(self, what: str) -> None:
+        self.count += 1
+        print(f"[{self.count:>2}/{self.total}] {what}", flush=True)
+
+    def reply_subscriptions_left(self) -> int:
+        subscriber = clients.subscriber_client()
+        try:
+            prefix = naming.reply_subscription("")
+            names = subscriber.list_subscriptions(request={"project": f"projects/{self.config.project_id}"})
+            return sum(1 for s in names if s.name.rsplit("/", 1)[-1].startswith(prefix))
+        finally:
+            subscriber.close()
+
+    def direct(self) -> dict | None:
+        started = time.monotonic()
+        out = self.out_dir / "tiny_direct.json"
+        argv = [sys.executable, "-m", "bench.tiny_direct", "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
+                "--json", str(out), "--seconds", "2" if self.quick else "5"]  # fmt: skip
+        if self.quick:
+            argv += ["--batches", "1", "4"]
+        env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        self.count += 1
+        if done.returncode != 0:
+            print(f"[{self.count:>2}/{self.total}] tiny pipeline direct: failed\n{done.stderr[-2000:]}", flush=True)
+            return None
+        result = json.loads(out.read_text())
+        summary = ", ".join(
+            f"batch {r['batch']}: direct {r['direct']['images_per_s']:.1f} / worker path {r['worker']['images_per_s']:.1f} img/s"
+            for r in result["rows"]
+        )
+        print(f"[{self.count:>2}/{self.total}] tiny pipeline in one process: {summary} ({time.monotonic() - started:.0f}s)",
+              flush=True)  # fmt: skip
+        return result
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
+    args = parser.parse_args()
+    out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = bench_config()
+    began = time.monotonic()
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    owned = not http_ok(f"{config.api_url}/readyz")
+    if owned:
+        print(f"Bringing up a stack at port offset {config.port_offset} in {config.stack_dir}...", flush=True)
+        up(config)
+        ProcessRegistry(config.stack_dir).stop("api")  # the benchmark runs its own API, one mode at a time
+        print(f"stack ready in {time.monotonic() - began:.0f}s", flush=True)
+    else:
+        print(f"Using the running stack at {config.api_url}", flush=True)
+    os.environ.update(config.client_env())
+    suite = Suite(config, args.quick, out_dir)
+    api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
+    direct = None
+    try:
+        suite.pubsub()
+        suite.http(api)
+        direct = suite.direct()
+    finally:
+        api.stop()
+        if owned:
+            print("Stopping the stack the benchmark started...", flush=True)
+            down(config)
+    result = {
+        "meta": {
+            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git_commit(),
+            "quick": args.quick,
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "warmup_seconds": suite.warmup,
+            "seconds": suite.seconds,
+            "stack": "started by the benchmark" if owned else "already running",
+            "wall_seconds": round(time.monotonic() - began, 1),
+        },
+        "rows": suite.rows,
+        "unavailable": suite.unavailable,
+        "direct": direct,
+    }
+    result["admin"] = report.admin_rows(suite.rows)
+    result["targets"] = report.evaluate_targets(suite.rows, direct, suite.available)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out_dir / "results.md").write_text(report.markdown(result))
+    written = report.plots(result, out_dir)
+    print("\nTargets (measured in this run):")
+    for t in result["targets"]:
+        measured = "–" if t["measured"] is None else f"{t['measured']:.1f}"
+        threshold = "–" if t["threshold"] is None else f"{t['threshold']:.1f}"
+        print(f"  {t['result']:<18} {t['target']}: {measured} {t['unit']} (target {threshold})")
+    for a in result["admin"]:
+        allowed = (
+            "not capped (admin ops only at process start)"
+            if a["sustainable_rps"] is None
+            else f"{a['sustainable_rps']:.0f} req/s"
+        )
+        print(f"  admin ops {a['mode']}: {a['ops_per_request']:.3f}/request -> {allowed} under 6,000/min")
+    print(f"\nWrote {out_dir / 'results.json'}, {out_dir / 'results.md'}, {', '.join(p.name for p in written)} "
+          f"in {time.monotonic() - began:.0f}s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The worker's own pool, device loop and finisher around one runner, fed a stream of single-image requests.
+
+Only the services around the worker are stand-ins (in memory: Pub/Sub publish and ack, Redis, the payload
+bucket), so this runs with nothing but PyTorch and the worker's packages: what it measures is the worker's
+path from a held request to an encoded, stored and published reply, against the bare pipeline call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+from contract.catalog import ModelSpec
+from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
+from contract.payloads import PayloadCodec
+from contract.results import ResultStore
+from model_worker.device import DeviceLoop, ProgressReporter
+from model_worker.finisher import ReplyFinisher
+from model_worker.health import WorkerHealth
+from model_worker.intake import ReplyFactory
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.runners import GenerationItem, Runner
+
+
+class MemoryRedis:
+    """The few Redis calls the result store makes, in a dict."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value, ex: int | None = None) -> None:
+        with self._lock:
+            self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str):
+        with self._lock:
+            return self.values.get(key)
+
+    def mget(self, keys: list[str]) -> list:
+        with self._lock:
+            return [self.values.get(key) for key in keys]
+
+    def pipeline(self, transaction: bool = False) -> MemoryRedis:
+        return self
+
+    def execute(self) -> list:
+        return []
+
+
+class MemoryBucket:
+    """A payload bucket whose objects live in memory."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def blob(self, name: str) -> MemoryBlob:
+        return MemoryBlob(self, name)
+
+
+class MemoryBlob:
+    def __init__(self, bucket: MemoryBucket, name: str) -> None:
+        self._bucket, self.name = bucket, name
+
+    def upload_from_string(self, data: bytes, content_type: str | None = None) -> None:
+        self._bucket.objects[self.name] = data
+
+    def download_as_bytes(self) -> bytes:
+        return self._bucket.objects[self.name]
+
+
+class MemoryStorage:
+    def __init__(self) -> None:
+        self._bucket = MemoryBucket()
+
+    def bucket(self, name: str) -> MemoryBucket:
+        return self._bucket
+
+
+class RecordingPublisher:
+    """Publishes nowhere; records when each reply went out."""
+
+    def __init__(self) -> None:
+        self.published: list[float] = []
+        self._lock = threading.Lock()
+
+    def publish(self, topic: str, data: bytes, **attributes) -> Future:
+        with self._lock:
+            self.published.append(time.perf_counter())
+        future: Future = Future()
+        future.set_result("id")
+        return future
+
+
+class NoLeases:
+    """Acks and hand-backs go nowhere; hand-backs are counted (a benchmark with any is wrong)."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def hold(self, message: HeldMessage) -> None:
+        pass
+
+    def ack(self, message: HeldMessage) -> None:
+        pass
+
+    def release(self, message: HeldMessage) -> None:
+        self.released += 1
+
+
+def single_image_request(spec: ModelSpec, params: GenerationParameters, seed: int) -> PendingRequest:
+    request_id = uuid.uuid4().hex
+    request = InferenceRequest(
+        request_id=request_id,
+        model=spec.name,
+        model_version=spec.version,
+        instances=[RequestInstance(prompt=f"bench {seed}")],
+        parameters=params.model_copy(update={"seed": seed}),
+    )
+    message = HeldMessage(f"bench/{spec.name}", f"ack-{request_id}", {}, b"", 1, time.time())
+    items = [GenerationItem(prompt=f"bench {seed}", seed=seed)]
+    return PendingRequest(message, spec, request, items, "normal", None)
+
+
+def worker_images_per_second(
+    runner: Runner,
+    spec: ModelSpec,
+    params: GenerationParameters,
+    batch: int,
+    images: int,
+    warmup_images: int,
+    finisher_threads: int = 4,
+    inline_limit: int = 256 * 1024,
+) -> dict:
+    """Images/s of the worker's path at `batch` images per pipeline call, fed single-image requests.
+
+    The pool holds `batch` images, the device takes them as one call, a feeder thread refills the pool as
+    soon as there is room: the steady state of a worker under a backlog.
+    """
+    pool = RequestPool(capacity=batch)
+    publisher = RecordingPublisher()
+    leases = NoLeases()
+    metrics = WorkerMetrics()
+    results = ResultStore(MemoryRedis(), 3600)
+    payloads = PayloadCodec(MemoryStorage(), "bench-payloads", inline_limit)
+    finisher = ReplyFinisher(publisher, "bench/replies", results, payloads, leases, metrics, finisher_threads)
+    progress = ProgressReporter(results, finisher)
+    health = WorkerHealth(stall_seconds=3600)
+    replies = ReplyFactory("bench", {spec.name: runner.accelerator})
+    device = DeviceLoop({spec.name: runner}, pool, finisher, leases, replies, progress, metrics, health)
+    total = warmup_images + images
+    stop = threading.Event()
+
+    def feed() -> None:
+        seed = 0
+        while not stop.is_set() and seed < total + batch:
+            room = pool.wait_for_room("normal", timeout=0.5)
+            for _ in range(room):
+                pool.add(single_image_request(spec, params, seed))
+                seed += 1
+
+    feeder = threading.Thread(target=feed, name="bench-feeder", daemon=True)
+    loop = threading.Thread(target=device.run, name="bench-device", daemon=True)
+    progress.start()
+    feeder.start()
+    loop.start()
+    try:
+        while len(publisher.published) < total and loop.is_alive():
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        device.stopping.set()
+        pool.close()
+        loop.join(timeout=600)
+        finisher.close()
+        progress.stop()
+    stamps = publisher.published
+    if len(stamps) < total:
+        raise RuntimeError(f"the worker answered {len(stamps)} of {total} requests")
+    seconds = stamps[total - 1] - stamps[warmup_images - 1] if warmup_images else stamps[-1] - stamps[0]
+    counted = total - max(warmup_images, 1)
+    return {
+        "batch": batch,
+        "images": counted,
+        "seconds": round(seconds, 3),
+        "images_per_s": counted / seconds if seconds > 0 else float("nan"),
+        "pipeline_calls": device.calls,
+        "handed_back": leases.released,
+    }

@@ -1,0 +1,84 @@
+"""The benchmark harness's own arithmetic: percentiles, the closed loop's concurrency, the time breakdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from bench.admin_ops import difference, sustainable_rps
+from bench.breakdown import STAGES, stages
+from bench.loadgen import Sample, mean_in_flight, percentile, run_closed_loop, summarize
+
+
+def test_percentiles_interpolate_between_closest_ranks():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == pytest.approx(50.5)
+    assert percentile(values, 0.99) == pytest.approx(99.01)
+    assert percentile([7.0], 0.95) == 7.0
+    assert percentile([], 0.5) != percentile([], 0.5)  # NaN
+
+
+def test_the_closed_loop_holds_exactly_its_concurrency():
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+
+    def make_caller():
+        def call(_number: int) -> Sample:
+            started = time.perf_counter()
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.01)
+            with lock:
+                state["now"] -= 1
+            return Sample(started, time.perf_counter(), True)
+
+        return call
+
+    samples, window = run_closed_loop(make_caller, concurrency=4, seconds=0.5, warmup_seconds=0.1)
+    assert state["most"] == 4
+    assert mean_in_flight(samples, window) == pytest.approx(4, rel=0.1)
+    summary = summarize(samples, window, 4)
+    assert summary["rps"] == pytest.approx(400, rel=0.3)  # 4 threads, 10 ms each
+    assert summary["errors"] == 0
+
+
+def test_only_requests_completed_inside_the_window_count():
+    samples = [
+        Sample(0.0, 0.5, True),  # warm-up
+        Sample(0.5, 1.5, True),
+        Sample(1.5, 2.0, False, error="HTTP 500"),
+        Sample(1.9, 3.5, True),  # after the window
+    ]
+    summary = summarize(samples, (1.0, 3.0), concurrency=1)
+    assert summary["requests"] == 2 and summary["errors"] == 1
+    assert summary["rps"] == pytest.approx(0.5)
+    assert summary["p50_ms"] == pytest.approx(1000)
+
+
+def test_a_max_request_count_stops_the_loop_early():
+    def make_caller():
+        return lambda _n: Sample(time.perf_counter(), time.perf_counter() + 0.001, True)
+
+    samples, window = run_closed_loop(make_caller, 2, seconds=30, warmup_seconds=0, max_requests=50)
+    assert window[1] - window[0] < 5
+    assert 50 <= len(samples) <= 52
+
+
+def test_stages_add_up_to_the_client_latency():
+    timings = {"total": 90, "subscribe": 5, "publish": 4, "wait": 78, "cleanup": 2, "queue": 30, "inference": 20}
+    split = stages(100.0, timings)
+    assert list(split) == list(STAGES)
+    assert sum(split.values()) == pytest.approx(100.0)
+    assert split["to worker"] == 21 and split["reply"] == 37 and split["http"] == 10
+
+
+def test_admin_operations_turn_into_a_sustainable_rate():
+    assert difference({"create_subscription": 3}, {"create_subscription": 5, "delete_subscription": 2}) == {
+        "create_subscription": 2,
+        "delete_subscription": 2,
+    }
+    assert sustainable_rps(2.0) == pytest.approx(50)
+    assert sustainable_rps(0.001) is None
