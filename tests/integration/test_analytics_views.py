@@ -81,6 +81,7 @@ def views(stack, settings):
         sql = f"SELECT * FROM `{settings.project_id}.{dataset}.{view}` ORDER BY {order}"
         return [dict(row) for row in client.query(sql).result()]
 
+    query.dataset = dataset
     yield query
     client.delete_dataset(f"{settings.project_id}.{dataset}", delete_contents=True, not_found_ok=True)
 
@@ -206,3 +207,15 @@ def test_batch_efficiency(views):
         assert r["mean_batch_images"] == pytest.approx(r["images"] / r["batches"])
         assert r["utilisation"] == pytest.approx(r["busy_seconds"] / (3600 * r["workers"]))
     assert sum(r["images"] for r in got) == 48
+
+
+def test_the_analytics_command_prints_every_view_filtered_by_model_and_time(views, monkeypatch, capsys):
+    from analytics.__main__ import main
+
+    monkeypatch.setenv("MAAS_DATASET", views.dataset)
+    assert main(["--since", "2026-11-21", "--model", "sleep"]) == 0
+    out = capsys.readouterr().out
+    for path in ANALYTICS_SQL_DIR.glob("*.sql"):
+        assert f"== {path.stem} (" in out
+    assert "sd15-txt2img" not in out and "sleep" in out
+    assert "2026-11-20" not in out and "2026-11-21" in out

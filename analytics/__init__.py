@@ -1,0 +1,1 @@
+"""Runs the analytics views of the inference log and prints them as tables: `python -m analytics`."""
