@@ -44,5 +44,5 @@ EXPOSE 8081
 # Liveness only: /startupz can take minutes (weight download) and /readyz is 503 while draining.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('MAAS_WORKER_HEALTH_PORT', '8081') + '/livez', timeout=3)"
-# Exec form: the worker is PID 1, receives SIGTERM directly and drains for the model's drain_seconds.
+# Exec form: the worker is PID 1, receives SIGTERM directly and drains for its models' longest drain_seconds.
 CMD ["python", "-m", "model_worker"]

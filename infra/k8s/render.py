@@ -1,10 +1,16 @@
-"""Renders the Kubernetes manifests for the model workers from the model catalog and the base templates."""
+"""Renders the Kubernetes manifests for the model workers from the model catalog and the base templates.
+
+One worker Deployment (with its disruption budget, autoscaler and metrics scrape) per catalog
+deployment: a `worker_group` shared by several models, or a model of its own. Only
+contract/models.yaml is read; the local overlay's synthetic models never reach a cluster.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
-from contract.naming import worker_subscription  # noqa: E402
+from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
 
 BASE_DIR = Path(__file__).resolve().with_name("base")
 
@@ -27,6 +33,14 @@ Manifest = dict[str, Any]
 
 WORKER_HEALTH_PORT = 8081
 TRIGGER_AUTHENTICATION = "maas-gcp-workload-identity"
+# Cloud Monitoring's PromQL API (Managed Service for Prometheus); Pub/Sub's metrics are queryable there.
+PROMETHEUS_SERVER_ADDRESS = "https://monitoring.googleapis.com/v1/projects/{project_id}/location/global/prometheus"
+BACKLOG_METRIC = "pubsub_googleapis_com:subscription_num_undelivered_messages"
+OLDEST_UNACKED_AGE_METRIC = "pubsub_googleapis_com:subscription_oldest_unacked_message_age"
+METRICS_SCRAPE_INTERVAL = "30s"
+# A Deployment name, and so a worker group name, must be a DNS label.
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+SUBSCRIPTION_NAME = re.compile(r"[a-z0-9-]+")
 # Seconds a worker may take to download its weights, load and warm the pipeline before it is restarted.
 WORKER_STARTUP_BUDGET_SECONDS = 15 * 60
 WORKER_STARTUP_PERIOD_SECONDS = 10
@@ -167,46 +181,149 @@ def capacity_reservation_manifests(settings: RenderSettings, catalog: ModelCatal
     return manifests
 
 
-def worker_labels(spec: ModelSpec) -> dict[str, str]:
-    return {
+@dataclass(frozen=True)
+class WorkerDeployment:
+    """The models one worker Deployment serves, and the settings it takes from them.
+
+    Every value that sizes or times the Deployment comes from its most demanding member: the
+    largest replica bounds and drain, and the smallest batch and request timeout as autoscaling
+    targets (so a group scales up no later than any of its models would alone).
+    """
+
+    name: str
+    models: tuple[ModelSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError(f"worker deployment {self.name!r} serves no model")
+        if not DNS_LABEL.fullmatch(self.name) or len(worker_name(self.name)) > 63:
+            raise ValueError(
+                f"worker deployment {self.name!r} (a worker_group or model name) must be a DNS label of at most "
+                f"{63 - len(worker_name(''))} characters: lower-case letters, digits and '-'"
+            )
+        placements = {(spec.hardware, spec.gpu_sharing) for spec in self.models}
+        if len(placements) > 1:
+            found = ", ".join(f"{spec.name}: {spec.hardware}, gpu_sharing={spec.gpu_sharing}" for spec in self.models)
+            raise ValueError(
+                f"worker_group {self.name!r} mixes hardware: its models run in one pod, so they must share "
+                f"`hardware` and `gpu_sharing` ({found})"
+            )
+
+    @property
+    def model_names(self) -> list[str]:
+        return [spec.name for spec in self.models]
+
+    @property
+    def hardware(self) -> str:
+        return self.models[0].hardware
+
+    @property
+    def gpu_sharing(self) -> bool:
+        return self.models[0].gpu_sharing
+
+    @property
+    def min_replicas(self) -> int:
+        return max(spec.replicas.min for spec in self.models)
+
+    @property
+    def max_replicas(self) -> int:
+        return max(spec.replicas.max for spec in self.models)
+
+    @property
+    def drain_seconds(self) -> int:
+        return max(spec.drain_seconds for spec in self.models)
+
+    @property
+    def backlog_per_worker(self) -> int:
+        """Waiting requests per worker that call for another one: one full batch of the smallest."""
+        return min(spec.max_batch_size for spec in self.models)
+
+    @property
+    def oldest_request_age_seconds(self) -> int:
+        """A request that has waited a third of the shortest timeout means the workers are falling behind."""
+        return max(1, min(spec.request_timeout_seconds for spec in self.models) // 3)
+
+    @property
+    def subscriptions(self) -> list[str]:
+        """Every worker subscription the Deployment pulls: each model's, at each priority."""
+        return [worker_subscription(model, priority) for model in self.model_names for priority in PRIORITIES]
+
+    @property
+    def version(self) -> str | None:
+        versions = {spec.version for spec in self.models}
+        return versions.pop() if len(versions) == 1 else None
+
+
+def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
+    return [WorkerDeployment(name, tuple(specs)) for name, specs in catalog.deployments().items()]
+
+
+def worker_labels(deployment: WorkerDeployment) -> dict[str, str]:
+    labels = {
         "app.kubernetes.io/name": "model-worker",
-        "app.kubernetes.io/instance": worker_name(spec.name),
-        "app.kubernetes.io/version": spec.version,
+        "app.kubernetes.io/instance": worker_name(deployment.name),
         "app.kubernetes.io/part-of": "maas",
-        "maas/model": spec.name,
-        "maas/gpu-pool": spec.hardware,
+        "maas/deployment": deployment.name,
+        "maas/gpu-pool": deployment.hardware,
     }
+    if deployment.version:
+        labels["app.kubernetes.io/version"] = deployment.version
+    return labels
 
 
-def worker_name(model: str) -> str:
-    return f"model-worker-{model}"
+def worker_selector(deployment: WorkerDeployment) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "model-worker", "maas/deployment": deployment.name}
 
 
-def model_worker_manifests(spec: ModelSpec, settings: RenderSettings) -> list[Manifest]:
-    """The Deployment, PodDisruptionBudget and ScaledObject of one catalog model."""
-    pool = GPU_POOLS[spec.hardware]
+def worker_name(deployment: str) -> str:
+    return f"model-worker-{deployment}"
+
+
+def subscription_matcher(deployment: WorkerDeployment, project_id: str) -> str:
+    """PromQL label matchers selecting the Deployment's worker subscriptions (an anchored regex of names)."""
+    # Names are joined into a regex inside a PromQL string literal: only characters that mean nothing to
+    # either are allowed, so nothing needs escaping (PromQL strings reject Python's `\-`).
+    unsafe = [name for name in deployment.subscriptions if not SUBSCRIPTION_NAME.fullmatch(name)]
+    if unsafe:
+        raise ValueError(f"subscription names must be lower-case letters, digits and '-' for PromQL: {unsafe}")
+    names = "|".join(deployment.subscriptions)
+    return f'{{monitored_resource="pubsub_subscription",project_id="{project_id}",subscription_id=~"{names}"}}'
+
+
+def backlog_query(deployment: WorkerDeployment, project_id: str) -> str:
+    # `or vector(0)`: a subscription Cloud Monitoring has no sample for yet counts as empty, not as an error.
+    return f"sum({BACKLOG_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
+
+
+def oldest_request_age_query(deployment: WorkerDeployment, project_id: str) -> str:
+    return f"max({OLDEST_UNACKED_AGE_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
+
+
+def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
+    """The Deployment, PodDisruptionBudget, ScaledObject and PodMonitoring of one worker deployment."""
+    pool = GPU_POOLS[deployment.hardware]
     node_selector = {ACCELERATOR_LABEL: pool.accelerator}
     clients_per_node = 1
     affinity: dict[str, Any] = dedicated_gpu_affinity()
-    if spec.gpu_sharing:
+    if deployment.gpu_sharing:
         clients_per_node = settings.max_shared_clients_per_gpu
         node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
         node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
         affinity = {}
-    labels = worker_labels(spec)
     # The startup probe keeps counting from the container's start, so a rounded-up threshold still
     # covers the whole budget.
     startup_failure_threshold = math.ceil(WORKER_STARTUP_BUDGET_SECONDS / WORKER_STARTUP_PERIOD_SECONDS)
     return render_template(
         "model-worker.yaml",
         {
-            "name": worker_name(spec.name),
+            "name": worker_name(deployment.name),
             "namespace": settings.namespace,
-            "model": spec.name,
-            "labels": labels,
-            "selector": {"app.kubernetes.io/name": "model-worker", "maas/model": spec.name},
+            "models": ",".join(deployment.model_names),
+            "labels": worker_labels(deployment),
+            "annotations": {"maas/models": ",".join(deployment.model_names)},
+            "selector": worker_selector(deployment),
             "image": settings.image,
-            "termination_grace_period_seconds": spec.drain_seconds + WORKER_EXIT_MARGIN_SECONDS,
+            "termination_grace_period_seconds": deployment.drain_seconds + WORKER_EXIT_MARGIN_SECONDS,
             "node_selector": node_selector,
             "affinity": affinity,
             "tolerations": gpu_toleration(),
@@ -220,14 +337,16 @@ def model_worker_manifests(spec: ModelSpec, settings: RenderSettings) -> list[Ma
             "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
             "startup_failure_threshold": startup_failure_threshold,
             "model_cache_size": MODEL_CACHE_SIZE,
-            "min_replicas": spec.replicas.min,
-            "max_replicas": spec.replicas.max,
+            "min_replicas": deployment.min_replicas,
+            "max_replicas": deployment.max_replicas,
             "trigger_authentication": TRIGGER_AUTHENTICATION,
-            "subscription_path": f"projects/{settings.project_id}/subscriptions/{worker_subscription(spec.name)}",
+            "prometheus_server_address": PROMETHEUS_SERVER_ADDRESS.format(project_id=settings.project_id),
+            "backlog_query": backlog_query(deployment, settings.project_id),
+            "oldest_request_age_query": oldest_request_age_query(deployment, settings.project_id),
             # KEDA requires trigger metadata values to be strings.
-            "backlog_per_worker": str(spec.max_batch_size),
-            # A request that has waited a third of its timeout means the workers are falling behind.
-            "oldest_request_age_seconds": str(max(1, spec.request_timeout_seconds // 3)),
+            "backlog_per_worker": str(deployment.backlog_per_worker),
+            "oldest_request_age_seconds": str(deployment.oldest_request_age_seconds),
+            "metrics_scrape_interval": METRICS_SCRAPE_INTERVAL,
         },
     )
 
@@ -239,8 +358,8 @@ def render_all(settings: RenderSettings, catalog: ModelCatalog | None = None) ->
         "00-cluster.yaml": cluster_manifests(settings),
         "10-capacity-reservation.yaml": capacity_reservation_manifests(settings, catalog),
     }
-    for model in catalog.names():
-        files[f"20-{worker_name(model)}.yaml"] = model_worker_manifests(catalog.models[model], settings)
+    for deployment in worker_deployments(catalog):
+        files[f"20-{worker_name(deployment.name)}.yaml"] = model_worker_manifests(deployment, settings)
     return files
 
 
@@ -281,7 +400,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="POOL=COUNT",
         help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)",
     )
-    parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml)")
+    parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml; never the local overlay)")
     return parser.parse_args(argv)
 
 
@@ -303,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for stale in args.out.glob("*.yaml"):
-        stale.unlink()  # a model removed from the catalog must not leave its manifests behind
+        stale.unlink()  # a model or group removed from the catalog must not leave its manifests behind
     for file_name, manifests in files.items():
         (args.out / file_name).write_text(dump(manifests))
     return 0

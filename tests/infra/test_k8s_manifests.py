@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,15 +17,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from contract.catalog import ModelSpec, load_catalog  # noqa: E402
-from contract.naming import worker_subscription  # noqa: E402
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, ModelSpec, load_catalog  # noqa: E402
+from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
 
 # GKE's stable and regular release channels; kubernetes-validate bundles these schemas offline.
 GKE_KUBERNETES_VERSIONS = ("1.32", "1.33", "1.34")
 KEDA_API_VERSION = "keda.sh/v1alpha1"
+# CRDs: kubernetes-validate ships no schema for them, so they are checked by hand below.
+CRD_API_VERSIONS = {KEDA_API_VERSION, "monitoring.googleapis.com/v1"}
 PROJECT_ID = "test-project"
 CATALOG = load_catalog()
 MODELS = CATALOG.names()
+# Worker deployments: a catalog worker_group, or a model of its own.
+DEPLOYMENTS = list(CATALOG.deployments())
+LOCAL_OVERLAY = DEFAULT_CATALOG_PATH.with_name("models.local.yaml")
 
 Manifest = dict[str, Any]
 
@@ -58,13 +64,17 @@ def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
     return [m for m in manifests if m["kind"] == kind]
 
 
-def worker_deployment(manifests: list[Manifest], model: str) -> Manifest:
-    return find(manifests, "Deployment", f"model-worker-{model}")
+def worker_deployment(manifests: list[Manifest], deployment: str) -> Manifest:
+    return find(manifests, "Deployment", f"model-worker-{deployment}")
 
 
-def worker_container(manifests: list[Manifest], model: str) -> Manifest:
-    (container,) = worker_deployment(manifests, model)["spec"]["template"]["spec"]["containers"]
+def worker_container(manifests: list[Manifest], deployment: str) -> Manifest:
+    (container,) = worker_deployment(manifests, deployment)["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def worker_env(manifests: list[Manifest], deployment: str) -> dict[str, Manifest]:
+    return {entry["name"]: entry for entry in worker_container(manifests, deployment)["env"]}
 
 
 def pod_spec(deployment: Manifest) -> Manifest:
@@ -84,6 +94,24 @@ def model_spec(model: str) -> ModelSpec:
     return CATALOG.models[model]
 
 
+def members(deployment: str) -> list[ModelSpec]:
+    return CATALOG.deployments()[deployment]
+
+
+def with_local_overlay() -> ModelCatalog:
+    """The catalog plus the local synthetic models (`noop` and `sleep`, one worker group): a real group."""
+    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=LOCAL_OVERLAY)
+
+
+def catalog_with(**changes: dict[str, Any]) -> ModelCatalog:
+    """models.yaml with some models' fields changed, e.g. catalog_with(a={"worker_group": "g"})."""
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    for model, fields in changes.items():
+        raw["models"][model].update(fields)
+    raw["models"] = {name: {**spec, "name": name} for name, spec in raw["models"].items()}
+    return ModelCatalog.model_validate(raw)
+
+
 # --- schemas -------------------------------------------------------------------------------------
 
 
@@ -91,7 +119,7 @@ def model_spec(model: str) -> ModelSpec:
 def test_every_native_manifest_validates_against_the_kubernetes_schema(
     manifests: list[Manifest], kubernetes_version: str
 ) -> None:
-    native = [m for m in manifests if m["apiVersion"] != KEDA_API_VERSION]
+    native = [m for m in manifests if m["apiVersion"] not in CRD_API_VERSIONS]
     assert native
     for manifest in native:
         # strict: unknown fields (a misspelt probe, say) fail instead of being silently dropped.
@@ -114,13 +142,28 @@ def test_keda_resources_are_structurally_valid(manifests: list[Manifest]) -> Non
         assert isinstance(spec["minReplicaCount"], int) and isinstance(spec["maxReplicaCount"], int)
         assert spec["triggers"]
         for trigger in spec["triggers"]:
-            assert trigger["type"] == "gcp-pubsub"
+            # gcp-pubsub is deprecated upstream (it relies on Cloud Monitoring's MQL).
+            assert trigger["type"] == "prometheus"
+            assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold", "activationThreshold"}
             assert trigger.get("metricType", "AverageValue") in {"AverageValue", "Value", "Utilization"}
             assert trigger["authenticationRef"]["name"] in trigger_auth_names
             # KEDA rejects non-string metadata values.
             assert all(isinstance(value, str) for value in trigger["metadata"].values()), trigger
     for trigger_auth in of_kind(keda, "TriggerAuthentication"):
         assert trigger_auth["spec"] == {"podIdentity": {"provider": "gcp"}}
+
+
+def test_pod_monitorings_are_structurally_valid(manifests: list[Manifest]) -> None:
+    # Managed Service for Prometheus' CRD; kubernetes-validate has no schema for it either.
+    monitorings = [m for m in manifests if m["apiVersion"] == "monitoring.googleapis.com/v1"]
+    assert {m["kind"] for m in monitorings} == {"PodMonitoring"}
+    for monitoring in monitorings:
+        assert set(monitoring) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(monitoring["spec"]) == {"selector", "endpoints"}
+        assert set(monitoring["spec"]["selector"]) == {"matchLabels"}
+        for endpoint in monitoring["spec"]["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "scheme", "interval", "timeout"}
+            assert re.fullmatch(r"\d+(ms|s|m)", endpoint["interval"])
 
 
 def test_manifest_names_are_unique(manifests: list[Manifest]) -> None:
@@ -138,15 +181,33 @@ def test_every_namespaced_manifest_is_in_the_maas_namespace(manifests: list[Mani
 # --- model workers -------------------------------------------------------------------------------
 
 
-def test_every_catalog_model_gets_exactly_one_worker_deployment(manifests: list[Manifest]) -> None:
+def test_every_catalog_deployment_gets_exactly_one_worker_deployment(manifests: list[Manifest]) -> None:
     workers = [m for m in of_kind(manifests, "Deployment") if m["metadata"]["name"].startswith("model-worker-")]
-    assert sorted(m["metadata"]["name"] for m in workers) == sorted(f"model-worker-{model}" for model in MODELS)
+    assert sorted(m["metadata"]["name"] for m in workers) == sorted(f"model-worker-{name}" for name in DEPLOYMENTS)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_runs_the_catalog_model_with_production_settings(manifests: list[Manifest], model: str) -> None:
-    env = {entry["name"]: entry for entry in worker_container(manifests, model)["env"]}
-    assert env["MAAS_MODEL"]["value"] == model
+def test_every_catalog_model_is_served_by_exactly_one_worker_deployment(manifests: list[Manifest]) -> None:
+    served = [model for name in DEPLOYMENTS for model in worker_env(manifests, name)["MAAS_MODELS"]["value"].split(",")]
+    assert sorted(served) == MODELS
+
+
+def test_only_the_production_catalog_is_rendered(manifests: list[Manifest]) -> None:
+    # models.local.yaml's synthetic models are for the local stack; a cluster never runs them.
+    local_only = {spec.name: spec.deployment for spec in with_local_overlay().models.values()}
+    for model in MODELS:
+        del local_only[model]
+    assert local_only
+    names = {m["metadata"]["name"] for m in manifests}
+    assert not {f"model-worker-{deployment}" for deployment in local_only.values()} & names
+    text = render.dump(manifests)
+    assert not [model for model in local_only if f"maas-requests-{model}-" in text]
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_runs_the_catalog_models_with_production_settings(manifests: list[Manifest], deployment: str) -> None:
+    env = worker_env(manifests, deployment)
+    assert env["MAAS_MODELS"]["value"] == ",".join(spec.name for spec in members(deployment))
+    assert "MAAS_MODEL" not in env, "MAAS_MODEL is gone: the worker reads MAAS_MODELS"
     for name in ("MAAS_PROJECT_ID", "MAAS_ENV", "MAAS_REDIS_URL"):
         assert env[name]["valueFrom"]["configMapKeyRef"] == {"name": "maas-config", "key": name}
     config = find(manifests, "ConfigMap", "maas-config")["data"]
@@ -156,30 +217,30 @@ def test_worker_runs_the_catalog_model_with_production_settings(manifests: list[
     assert env["MAAS_WORKER_HEALTH_PORT"]["value"] == str(render.WORKER_HEALTH_PORT)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_writes_weights_and_caches_to_volumes_sized_for_them(manifests: list[Manifest], model: str) -> None:
-    container = worker_container(manifests, model)
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_writes_weights_and_caches_to_volumes_sized_for_them(manifests: list[Manifest], deployment: str) -> None:
+    container = worker_container(manifests, deployment)
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     env = {entry["name"]: entry.get("value") for entry in container["env"]}
     mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
-    volumes = {volume["name"]: volume for volume in pod_spec(worker_deployment(manifests, model))["volumes"]}
+    volumes = {volume["name"]: volume for volume in pod_spec(worker_deployment(manifests, deployment))["volumes"]}
     for variable in ("MAAS_WEIGHTS_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
         (mount_path,) = [path for path in mounts if env[variable].startswith(path + "/")]
         assert volumes[mounts[mount_path]]["name"] == "model-cache", variable
     assert volumes["model-cache"]["emptyDir"]["sizeLimit"] == render.MODEL_CACHE_SIZE
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_runs_the_image_cloud_build_pushes(manifests: list[Manifest], model: str) -> None:
-    image = worker_container(manifests, model)["image"]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_runs_the_image_cloud_build_pushes(manifests: list[Manifest], deployment: str) -> None:
+    image = worker_container(manifests, deployment)["image"]
     assert image == f"us-central1-docker.pkg.dev/{PROJECT_ID}/maas/worker:abc1234"
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_worker_has_startup_readiness_and_liveness_probes_on_the_worker_endpoints(
-    manifests: list[Manifest], model: str
+    manifests: list[Manifest], deployment: str
 ) -> None:
-    container = worker_container(manifests, model)
+    container = worker_container(manifests, deployment)
     (health_port,) = container["ports"]
     assert health_port == {"name": "health", "containerPort": 8081, "protocol": "TCP"}
     paths = {
@@ -191,40 +252,42 @@ def test_worker_has_startup_readiness_and_liveness_probes_on_the_worker_endpoint
         assert container[probe_name]["httpGet"] == {"path": path, "port": "health"}, probe_name
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_startup_probe_allows_at_least_ten_minutes_for_the_weight_download(
-    manifests: list[Manifest], model: str
+    manifests: list[Manifest], deployment: str
 ) -> None:
-    probe = worker_container(manifests, model)["startupProbe"]
+    probe = worker_container(manifests, deployment)["startupProbe"]
     assert probe["failureThreshold"] * probe["periodSeconds"] >= 10 * 60
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_requests_one_gpu_and_guaranteed_resources(manifests: list[Manifest], model: str) -> None:
-    resources = worker_container(manifests, model)["resources"]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_requests_one_gpu_and_guaranteed_resources(manifests: list[Manifest], deployment: str) -> None:
+    resources = worker_container(manifests, deployment)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == 1
     assert resources["requests"] == resources["limits"]
     assert {"cpu", "memory", "ephemeral-storage"} <= set(resources["requests"])
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_runs_at_high_priority(manifests: list[Manifest], model: str) -> None:
-    assert pod_spec(worker_deployment(manifests, model))["priorityClassName"] == "maas-high-priority"
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_runs_at_high_priority(manifests: list[Manifest], deployment: str) -> None:
+    assert pod_spec(worker_deployment(manifests, deployment))["priorityClassName"] == "maas-high-priority"
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_is_placed_on_its_catalog_gpu_pool(manifests: list[Manifest], model: str) -> None:
-    spec = pod_spec(worker_deployment(manifests, model))
-    accelerator = {"l4": "nvidia-l4", "a100": "nvidia-tesla-a100"}[model_spec(model).hardware]
-    assert spec["nodeSelector"]["cloud.google.com/gke-accelerator"] == accelerator
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_is_placed_on_its_catalog_gpu_pool(manifests: list[Manifest], deployment: str) -> None:
+    spec = pod_spec(worker_deployment(manifests, deployment))
+    for model in members(deployment):
+        accelerator = {"l4": "nvidia-l4", "a100": "nvidia-tesla-a100"}[model.hardware]
+        assert spec["nodeSelector"]["cloud.google.com/gke-accelerator"] == accelerator
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_gpu_sharing_decides_between_time_shared_and_dedicated_gpus(manifests: list[Manifest], model: str) -> None:
-    spec = pod_spec(worker_deployment(manifests, model))
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_gpu_sharing_decides_between_time_shared_and_dedicated_gpus(manifests: list[Manifest], deployment: str) -> None:
+    spec = pod_spec(worker_deployment(manifests, deployment))
     selector = spec["nodeSelector"]
-    if model_spec(model).gpu_sharing:
+    (sharing,) = {model.gpu_sharing for model in members(deployment)}
+    if sharing:
         assert selector["cloud.google.com/gke-gpu-sharing-strategy"] == "time-sharing"
         assert int(selector["cloud.google.com/gke-max-shared-clients-per-gpu"]) >= 2
     else:
@@ -242,59 +305,156 @@ def test_catalog_exercises_both_gpu_placements() -> None:
     assert {spec.gpu_sharing for spec in CATALOG.models.values()} == {True, False}
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_termination_grace_period_exceeds_the_models_drain_time(manifests: list[Manifest], model: str) -> None:
-    grace = pod_spec(worker_deployment(manifests, model))["terminationGracePeriodSeconds"]
-    assert grace > model_spec(model).drain_seconds
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_termination_grace_period_exceeds_every_models_drain_time(manifests: list[Manifest], deployment: str) -> None:
+    grace = pod_spec(worker_deployment(manifests, deployment))["terminationGracePeriodSeconds"]
+    assert grace > max(model.drain_seconds for model in members(deployment))
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_uses_workload_identity(manifests: list[Manifest], model: str) -> None:
-    assert pod_spec(worker_deployment(manifests, model))["serviceAccountName"] == "model-worker"
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_uses_workload_identity(manifests: list[Manifest], deployment: str) -> None:
+    assert pod_spec(worker_deployment(manifests, deployment))["serviceAccountName"] == "model-worker"
     account = find(manifests, "ServiceAccount", "model-worker")
     assert account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"] == (
         f"maas-worker@{PROJECT_ID}.iam.gserviceaccount.com"
     )
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_worker_replica_count_is_left_to_the_autoscaler(manifests: list[Manifest], model: str) -> None:
-    assert "replicas" not in worker_deployment(manifests, model)["spec"]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_replica_count_is_left_to_the_autoscaler(manifests: list[Manifest], deployment: str) -> None:
+    assert "replicas" not in worker_deployment(manifests, deployment)["spec"]
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_every_model_has_a_disruption_budget_selecting_its_workers(manifests: list[Manifest], model: str) -> None:
-    budget = find(manifests, "PodDisruptionBudget", f"model-worker-{model}")
-    pod_labels = worker_deployment(manifests, model)["spec"]["template"]["metadata"]["labels"]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_every_deployment_has_a_disruption_budget_selecting_its_workers(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    budget = find(manifests, "PodDisruptionBudget", f"model-worker-{deployment}")
+    pod_labels = worker_deployment(manifests, deployment)["spec"]["template"]["metadata"]["labels"]
     selector = budget["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod_labels.items()
-    assert selector["maas/model"] == model
+    assert selector["maas/deployment"] == deployment
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_scaled_object_watches_the_models_worker_subscription(manifests: list[Manifest], model: str) -> None:
-    scaled = find(manifests, "ScaledObject", f"model-worker-{model}")
-    assert scaled["spec"]["scaleTargetRef"]["name"] == f"model-worker-{model}"
-    expected = f"projects/{PROJECT_ID}/subscriptions/{worker_subscription(model)}"
-    triggers = scaled["spec"]["triggers"]
-    assert {trigger["metadata"]["subscriptionName"] for trigger in triggers} == {expected}
-    assert {trigger["metadata"]["mode"] for trigger in triggers} == {"SubscriptionSize", "OldestUnackedMessageAge"}
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_worker_metrics_are_scraped_by_managed_prometheus_on_the_probe_port(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    monitoring = find(manifests, "PodMonitoring", f"model-worker-{deployment}")
+    pod_labels = worker_deployment(manifests, deployment)["spec"]["template"]["metadata"]["labels"]
+    assert monitoring["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (endpoint,) = monitoring["spec"]["endpoints"]
+    (port,) = worker_container(manifests, deployment)["ports"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_scaled_object_replica_bounds_come_from_the_catalog(manifests: list[Manifest], model: str) -> None:
-    spec = find(manifests, "ScaledObject", f"model-worker-{model}")["spec"]
-    replicas = model_spec(model).replicas
-    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (replicas.min, replicas.max)
+def scaled_object_triggers(manifests: list[Manifest], deployment: str) -> dict[str, Manifest]:
+    scaled = find(manifests, "ScaledObject", f"model-worker-{deployment}")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == f"model-worker-{deployment}"
+    return {trigger["name"]: trigger for trigger in scaled["spec"]["triggers"]}
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_oldest_request_age_target_is_within_the_request_timeout(manifests: list[Manifest], model: str) -> None:
-    triggers = find(manifests, "ScaledObject", f"model-worker-{model}")["spec"]["triggers"]
-    (age,) = [t for t in triggers if t["metadata"]["mode"] == "OldestUnackedMessageAge"]
+def queried_subscriptions(query: str) -> set[str]:
+    (names,) = re.findall(r'subscription_id=~"([^"]*)"', query)
+    return set(names.split("|"))
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_scaled_object_queries_every_subscription_of_the_deployment_in_managed_prometheus(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    expected = {worker_subscription(model.name, priority) for model in members(deployment) for priority in PRIORITIES}
+    triggers = scaled_object_triggers(manifests, deployment)
+    assert set(triggers) == {"backlog-per-worker", "oldest-request-age"}
+    for trigger in triggers.values():
+        metadata = trigger["metadata"]
+        assert metadata["serverAddress"] == (
+            f"https://monitoring.googleapis.com/v1/projects/{PROJECT_ID}/location/global/prometheus"
+        )
+        assert queried_subscriptions(metadata["query"]) == expected
+        assert f'project_id="{PROJECT_ID}"' in metadata["query"]
+        assert 'monitored_resource="pubsub_subscription"' in metadata["query"]
+    backlog = triggers["backlog-per-worker"]["metadata"]["query"]
+    assert backlog.startswith("sum(pubsub_googleapis_com:subscription_num_undelivered_messages{")
+    age = triggers["oldest-request-age"]["metadata"]["query"]
+    assert age.startswith("max(pubsub_googleapis_com:subscription_oldest_unacked_message_age{")
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_backlog_target_is_one_batch_per_worker(manifests: list[Manifest], deployment: str) -> None:
+    trigger = scaled_object_triggers(manifests, deployment)["backlog-per-worker"]
+    assert trigger["metricType"] == "AverageValue"
+    assert int(trigger["metadata"]["threshold"]) == min(model.max_batch_size for model in members(deployment))
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_scaled_object_replica_bounds_come_from_the_catalog(manifests: list[Manifest], deployment: str) -> None:
+    spec = find(manifests, "ScaledObject", f"model-worker-{deployment}")["spec"]
+    assert spec["minReplicaCount"] == max(model.replicas.min for model in members(deployment))
+    assert spec["maxReplicaCount"] == max(model.replicas.max for model in members(deployment))
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_oldest_request_age_target_is_within_every_request_timeout(manifests: list[Manifest], deployment: str) -> None:
+    age = scaled_object_triggers(manifests, deployment)["oldest-request-age"]
     # An age compared per replica would mean nothing: it must be compared as a raw value.
     assert age["metricType"] == "Value"
-    assert 0 < float(age["metadata"]["value"]) < model_spec(model).request_timeout_seconds
+    assert 0 < float(age["metadata"]["threshold"]) < min(model.request_timeout_seconds for model in members(deployment))
+
+
+# --- worker groups -------------------------------------------------------------------------------
+
+
+def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
+    catalog = with_local_overlay()
+    groups = {name: [spec.name for spec in specs] for name, specs in catalog.deployments().items()}
+    assert groups["synthetic"] == ["noop", "sleep"]
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
+    assert "20-model-worker-synthetic.yaml" in files
+    assert not {"20-model-worker-noop.yaml", "20-model-worker-sleep.yaml"} & set(files)
+    group = files["20-model-worker-synthetic.yaml"]
+    assert sorted(m["kind"] for m in group) == ["Deployment", "PodDisruptionBudget", "PodMonitoring", "ScaledObject"]
+    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == "noop,sleep"
+    deployment = worker_deployment(group, "synthetic")
+    assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep"
+    expected = {worker_subscription(model, priority) for model in ("noop", "sleep") for priority in PRIORITIES}
+    for trigger in scaled_object_triggers(group, "synthetic").values():
+        assert queried_subscriptions(trigger["metadata"]["query"]) == expected
+
+
+def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> None:
+    a, b = MODELS[:2]
+    catalog = catalog_with(
+        **{
+            a: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 8},
+            b: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 4},
+        }
+    )
+    specs = catalog.deployments()["pair"]
+    group = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)["20-model-worker-pair.yaml"]
+    grace = pod_spec(worker_deployment(group, "pair"))["terminationGracePeriodSeconds"]
+    assert grace == max(spec.drain_seconds for spec in specs) + render.WORKER_EXIT_MARGIN_SECONDS
+    scaled = find(group, "ScaledObject", "model-worker-pair")["spec"]
+    assert scaled["maxReplicaCount"] == max(spec.replicas.max for spec in specs)
+    triggers = scaled_object_triggers(group, "pair")
+    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == "4"
+    shortest = min(spec.request_timeout_seconds for spec in specs)
+    assert triggers["oldest-request-age"]["metadata"]["threshold"] == str(shortest // 3)
+
+
+def test_a_worker_group_mixing_hardware_is_refused_with_a_clear_error() -> None:
+    a, b = MODELS[:2]
+    catalog = catalog_with(
+        **{a: {"worker_group": "mixed", "hardware": "l4"}, b: {"worker_group": "mixed", "hardware": "a100"}}
+    )
+    with pytest.raises(ValueError, match=r"worker_group 'mixed' mixes hardware"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
+
+
+def test_a_worker_group_name_that_is_no_kubernetes_name_is_refused() -> None:
+    catalog = catalog_with(**{MODELS[0]: {"worker_group": "Not_A_Name"}})
+    with pytest.raises(ValueError, match="DNS label"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
 
 
 # --- priority classes and the capacity buffer ----------------------------------------------------
@@ -356,12 +516,12 @@ def test_gpu_pool_sizes_fit_their_machine_types() -> None:
         assert 0.7 * gigabytes * 1000**3 <= pool.node_memory_mib * 1024**2 < gigabytes * 1000**3
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_a_worker_fits_where_a_buffer_pod_of_its_pool_was(manifests: list[Manifest], model: str) -> None:
-    worker = worker_container(manifests, model)["resources"]["requests"]
-    (buffer,) = [
-        m for m in capacity_buffers(manifests) if m["metadata"]["labels"]["maas/gpu-pool"] == model_spec(model).hardware
-    ]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_a_worker_fits_where_a_buffer_pod_of_its_pool_was(manifests: list[Manifest], deployment: str) -> None:
+    worker = worker_container(manifests, deployment)["resources"]["requests"]
+    pool = worker_deployment(manifests, deployment)["metadata"]["labels"]["maas/gpu-pool"]
+    assert pool == members(deployment)[0].hardware
+    (buffer,) = [m for m in capacity_buffers(manifests) if m["metadata"]["labels"]["maas/gpu-pool"] == pool]
     held = pod_spec(buffer)["containers"][0]["resources"]["requests"]
     assert millicores(worker["cpu"]) <= millicores(held["cpu"])
     assert mebibytes(worker["memory"]) <= mebibytes(held["memory"])
@@ -384,12 +544,12 @@ def test_base_templates_name_no_catalog_model() -> None:
         assert not [model for model in MODELS if model in text], template.name
 
 
-def test_render_cli_writes_one_file_per_model_and_removes_stale_ones(tmp_path: Path) -> None:
+def test_render_cli_writes_one_file_per_deployment_and_removes_stale_ones(tmp_path: Path) -> None:
     (tmp_path / "20-model-worker-retired.yaml").write_text("---\n")
     assert render.main(["--out", str(tmp_path), "--project-id", PROJECT_ID, "--buffer-replicas", "l4=3"]) == 0
     written = sorted(path.name for path in tmp_path.glob("*.yaml"))
     assert written == sorted(
-        ["00-cluster.yaml", "10-capacity-reservation.yaml", *(f"20-model-worker-{model}.yaml" for model in MODELS)]
+        ["00-cluster.yaml", "10-capacity-reservation.yaml", *(f"20-model-worker-{name}.yaml" for name in DEPLOYMENTS)]
     )
     buffers = list(yaml.safe_load_all((tmp_path / "10-capacity-reservation.yaml").read_text()))
     assert find(buffers, "Deployment", "capacity-reservation-l4")["spec"]["replicas"] == 3
@@ -398,8 +558,8 @@ def test_render_cli_writes_one_file_per_model_and_removes_stale_ones(tmp_path: P
 def test_render_cli_prints_every_manifest_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1"]) == 0
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert len(of_kind(printed, "ScaledObject")) == len(MODELS)
-    assert {worker_container(printed, model)["image"] for model in MODELS} == {"example.com/worker:1"}
+    assert len(of_kind(printed, "ScaledObject")) == len(DEPLOYMENTS)
+    assert {worker_container(printed, name)["image"] for name in DEPLOYMENTS} == {"example.com/worker:1"}
 
 
 def test_rendering_is_deterministic() -> None:
@@ -409,9 +569,12 @@ def test_rendering_is_deterministic() -> None:
     assert first == second
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_every_maas_variable_given_to_the_worker_is_read_by_the_settings(manifests: list[Manifest], model: str) -> None:
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_every_maas_variable_given_to_the_worker_is_read_by_the_settings(
+    manifests: list[Manifest], deployment: str
+) -> None:
     # A misspelt variable would be ignored silently and the worker would fall back to a local default.
     settings_source = (REPO_ROOT / "contract" / "settings.py").read_text()
-    names = [entry["name"] for entry in worker_container(manifests, model)["env"] if entry["name"].startswith("MAAS_")]
+    env = worker_container(manifests, deployment)["env"]
+    names = [entry["name"] for entry in env if entry["name"].startswith("MAAS_")]
     assert [name for name in names if f'"{name}"' not in settings_source] == []
