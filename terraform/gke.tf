@@ -57,6 +57,16 @@ resource "google_container_cluster" "workers" {
     workload_pool = "${var.project_id}.svc.id.goog"
   }
 
+  # Managed Service for Prometheus: its collectors scrape the workers' /metrics (the PodMonitoring
+  # objects infra/k8s renders). The Pub/Sub backlog KEDA scales on is a Cloud Monitoring system metric,
+  # queryable through the same PromQL endpoint without any collector.
+  monitoring_config {
+    enable_components = ["SYSTEM_COMPONENTS"]
+    managed_prometheus {
+      enabled = true
+    }
+  }
+
   datapath_provider           = "ADVANCED_DATAPATH"
   enable_intranode_visibility = true
   enable_shielded_nodes       = true

@@ -19,7 +19,7 @@ resource "google_service_account" "worker" {
 
 resource "google_service_account" "keda" {
   account_id   = "maas-keda"
-  display_name = "KEDA operator: reads Pub/Sub backlog metrics to scale the model workers"
+  display_name = "KEDA operator: reads Pub/Sub backlog metrics (PromQL) to scale the model workers"
 
   depends_on = [google_project_service.enabled]
 }
@@ -33,8 +33,9 @@ resource "google_service_account" "gke_nodes" {
 
 # --- API -------------------------------------------------------------------------------------
 
+# Both priorities: the API picks the topic from the request's priority.
 resource "google_pubsub_topic_iam_member" "api_publishes_requests" {
-  for_each = local.models
+  for_each = local.request_queues
 
   topic  = google_pubsub_topic.requests[each.key].name
   role   = "roles/pubsub.publisher"
@@ -109,10 +110,22 @@ resource "google_service_account_iam_member" "worker_workload_identity" {
   depends_on = [google_container_cluster.workers]
 }
 
+# Both priorities of every model: a worker serves every model of its deployment and takes high
+# priority first.
 resource "google_pubsub_subscription_iam_member" "worker_pulls_requests" {
-  for_each = local.models
+  for_each = local.request_queues
 
   subscription = google_pubsub_subscription.workers[each.key].name
+  role         = "roles/pubsub.subscriber"
+  member       = google_service_account.worker.member
+}
+
+# Workers also pull the dead-letter subscription, to answer each dead-lettered request with an error
+# reply instead of leaving its client to time out.
+resource "google_pubsub_subscription_iam_member" "worker_answers_dead_letters" {
+  for_each = local.models
+
+  subscription = google_pubsub_subscription.dead_letter[each.key].name
   role         = "roles/pubsub.subscriber"
   member       = google_service_account.worker.member
 }
@@ -137,8 +150,10 @@ resource "google_storage_bucket_iam_member" "worker_uses_payloads" {
 
 # --- Worker autoscaling (KEDA) ----------------------------------------------------------------
 
-# KEDA's gcp-pubsub scaler reads each worker subscription's backlog from Cloud Monitoring as the
-# KEDA operator's Kubernetes service account. Metric reads cannot be scoped below the project.
+# KEDA's prometheus scaler reads the worker subscriptions' backlog from Cloud Monitoring through its
+# PromQL endpoint (Managed Service for Prometheus), as the KEDA operator's Kubernetes service account.
+# roles/monitoring.viewer holds monitoring.timeSeries.list, which PromQL queries need; metric reads
+# cannot be scoped below the project.
 resource "google_service_account_iam_member" "keda_workload_identity" {
   service_account_id = google_service_account.keda.name
   role               = "roles/iam.workloadIdentityUser"

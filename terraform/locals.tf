@@ -2,17 +2,48 @@
 # contract/naming.py; tests/infra/test_terraform.py renders them for every catalog model and
 # compares them with that module, so change both together.
 locals {
-  # The model catalog is the single list of served models: one request topic, worker
-  # subscription, dead-letter topic and alert set per entry.
+  # The model catalog is the single list of served models: two request queues (one per priority),
+  # a dead-letter queue and an alert set per entry. Only models.yaml: models.local.yaml holds the
+  # local stack's synthetic models and never reaches production.
   catalog_path = "${path.module}/../contract/models.yaml"
   catalog      = yamldecode(file(local.catalog_path))
-  models       = local.catalog.models
+
+  # The catalog fields Terraform reads, one uniform object per model. Fields the catalog may leave
+  # out (runner, worker_group, weights_path for non-diffusers runners) go through try(), so a model
+  # that omits them still decodes; everything else is a required field of contract.catalog.ModelSpec.
+  models = {
+    for name, spec in local.catalog.models : name => {
+      runner                  = try(spec.runner, "diffusers")
+      weights_path            = try(spec.weights_path, "")
+      hardware                = spec.hardware
+      gpu_sharing             = spec.gpu_sharing
+      worker_group            = coalesce(try(spec.worker_group, null), name)
+      request_timeout_seconds = spec.request_timeout_seconds
+      ack_deadline_seconds    = spec.ack_deadline_seconds
+      max_delivery_attempts   = spec.max_delivery_attempts
+    }
+  }
 
   # The BigQuery log table schema is the one the API validates its rows against.
   inference_log_schema_path = "${path.module}/../contract/inference_log_schema.json"
 
-  request_topic_names            = { for model in keys(local.models) : model => "maas-requests-${model}" }
-  worker_subscription_names      = { for model in keys(local.models) : model => "maas-requests-${model}-workers" }
+  # contract.naming.PRIORITIES, and the suffix each adds to a request topic and its subscription.
+  priority_suffixes = {
+    high   = "-high"
+    normal = ""
+  }
+
+  # One request queue (topic and worker subscription) per model and priority, keyed "model/priority"
+  # so that adding a model or a priority never renumbers another queue.
+  request_queues = {
+    for pair in setproduct(keys(local.models), keys(local.priority_suffixes)) : "${pair[0]}/${pair[1]}" => {
+      model    = pair[0]
+      priority = pair[1]
+    }
+  }
+
+  request_topic_names            = { for key, queue in local.request_queues : key => "maas-requests-${queue.model}${local.priority_suffixes[queue.priority]}" }
+  worker_subscription_names      = { for key, queue in local.request_queues : key => "maas-requests-${queue.model}${local.priority_suffixes[queue.priority]}-workers" }
   dead_letter_topic_names        = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter" }
   dead_letter_subscription_names = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter-sub" }
   replies_topic_name             = "maas-replies"

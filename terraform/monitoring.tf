@@ -2,21 +2,22 @@
 # or slowing down. Every policy notifies var.alert_notification_channels.
 
 # A request still unacknowledged after its own timeout has been abandoned by the client: the
-# workers for this model are not keeping up (too few nodes, GPU quota, or crashing workers).
+# workers for this model are not keeping up (too few nodes, GPU quota, or crashing workers). One
+# policy per model and priority, so a starved normal queue behind a busy high one shows up too.
 resource "google_monitoring_alert_policy" "request_queue_backlog" {
-  for_each = local.models
+  for_each = local.request_queues
 
-  display_name          = "maas: ${each.key} requests waiting longer than their timeout"
+  display_name          = "maas: ${each.value.model} ${each.value.priority}-priority requests waiting longer than their timeout"
   combiner              = "OR"
   notification_channels = var.alert_notification_channels
-  user_labels           = merge(local.labels, { maas-model = each.key })
+  user_labels           = merge(local.labels, { maas-model = each.value.model, maas-priority = each.value.priority })
 
   conditions {
-    display_name = "Oldest unacked request on ${local.worker_subscription_names[each.key]} older than ${each.value.request_timeout_seconds}s"
+    display_name = "Oldest unacked request on ${local.worker_subscription_names[each.key]} older than ${local.models[each.value.model].request_timeout_seconds}s"
     condition_threshold {
       filter          = "resource.type = \"pubsub_subscription\" AND resource.labels.subscription_id = \"${local.worker_subscription_names[each.key]}\" AND metric.type = \"pubsub.googleapis.com/subscription/oldest_unacked_message_age\""
       comparison      = "COMPARISON_GT"
-      threshold_value = each.value.request_timeout_seconds
+      threshold_value = local.models[each.value.model].request_timeout_seconds
       duration        = "${var.alert_duration_seconds}s"
 
       aggregations {
@@ -28,13 +29,16 @@ resource "google_monitoring_alert_policy" "request_queue_backlog" {
 
   documentation {
     mime_type = "text/markdown"
-    content   = "Requests for model `${each.key}` wait longer than the model's request timeout. Check the worker Deployment's replicas and pending pods, the GPU node pool's autoscaler events and GPU quota."
+    content   = "${title(each.value.priority)}-priority requests for model `${each.value.model}` wait longer than the model's request timeout. Check the worker Deployment serving it (`model-worker-${local.models[each.value.model].worker_group}`): replicas and pending pods, the GPU node pool's autoscaler events and GPU quota."
   }
 
   depends_on = [google_project_service.enabled]
 }
 
-# Any message on a dead-letter subscription is a request that failed max_delivery_attempts times.
+# A request that failed max_delivery_attempts times is moved to the model's dead-letter topic. The
+# workers answer it with an error reply and acknowledge it, so the dead-letter subscription is
+# usually empty: the first condition catches the dead-lettering itself, the second dead-lettered
+# requests nobody answers (the model's workers are down).
 resource "google_monitoring_alert_policy" "dead_lettered_requests" {
   for_each = local.models
 
@@ -44,12 +48,28 @@ resource "google_monitoring_alert_policy" "dead_lettered_requests" {
   user_labels           = merge(local.labels, { maas-model = each.key })
 
   conditions {
-    display_name = "Undelivered messages on ${local.dead_letter_subscription_names[each.key]}"
+    display_name = "Requests moved from ${each.key}'s worker subscriptions to ${local.dead_letter_topic_names[each.key]}"
+    condition_threshold {
+      filter          = "resource.type = \"pubsub_subscription\" AND resource.labels.subscription_id = one_of(${join(", ", [for priority in keys(local.priority_suffixes) : "\"${local.worker_subscription_names["${each.key}/${priority}"]}\""])}) AND metric.type = \"pubsub.googleapis.com/subscription/dead_letter_message_count\""
+      comparison      = "COMPARISON_GT"
+      threshold_value = 0
+      duration        = "0s"
+
+      aggregations {
+        alignment_period     = "60s"
+        per_series_aligner   = "ALIGN_DELTA"
+        cross_series_reducer = "REDUCE_SUM"
+      }
+    }
+  }
+
+  conditions {
+    display_name = "Unanswered messages on ${local.dead_letter_subscription_names[each.key]}"
     condition_threshold {
       filter          = "resource.type = \"pubsub_subscription\" AND resource.labels.subscription_id = \"${local.dead_letter_subscription_names[each.key]}\" AND metric.type = \"pubsub.googleapis.com/subscription/num_undelivered_messages\""
       comparison      = "COMPARISON_GT"
       threshold_value = 0
-      duration        = "0s"
+      duration        = "${var.alert_duration_seconds}s"
 
       aggregations {
         alignment_period   = "60s"
@@ -60,7 +80,7 @@ resource "google_monitoring_alert_policy" "dead_lettered_requests" {
 
   documentation {
     mime_type = "text/markdown"
-    content   = "Requests for model `${each.key}` failed ${each.value.max_delivery_attempts} deliveries and were parked on `${local.dead_letter_subscription_names[each.key]}`. Inspect them there (pull without ack), fix the cause, then replay or acknowledge them."
+    content   = "Requests for model `${each.key}` failed ${local.models[each.key].max_delivery_attempts} deliveries and were moved to `${local.dead_letter_topic_names[each.key]}`; their clients got an error reply from a worker. Find them in the worker logs and the inference log (status error), fix the cause. Messages left on `${local.dead_letter_subscription_names[each.key]}` were not answered: check that the model's workers run."
   }
 
   depends_on = [google_project_service.enabled]

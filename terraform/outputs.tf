@@ -19,18 +19,47 @@ output "cluster_location" {
 }
 
 output "request_topics" {
-  description = "Request topic name per catalog model."
-  value       = { for model, topic in google_pubsub_topic.requests : model => topic.name }
+  description = "Request topic names per catalog model and priority ({model = {high = ..., normal = ...}})."
+  value = {
+    for model in keys(local.models) : model => {
+      for priority in keys(local.priority_suffixes) : priority => google_pubsub_topic.requests["${model}/${priority}"].name
+    }
+  }
 }
 
 output "worker_subscriptions" {
-  description = "Worker subscription name per catalog model."
-  value       = { for model, subscription in google_pubsub_subscription.workers : model => subscription.name }
+  description = "Worker subscription names per catalog model and priority ({model = {high = ..., normal = ...}})."
+  value = {
+    for model in keys(local.models) : model => {
+      for priority in keys(local.priority_suffixes) : priority => google_pubsub_subscription.workers["${model}/${priority}"].name
+    }
+  }
 }
 
 output "dead_letter_subscriptions" {
-  description = "Dead-letter subscription name per catalog model, where failed requests are kept."
+  description = "Dead-letter subscription name per catalog model; the workers answer what lands there with an error reply."
   value       = { for model, subscription in google_pubsub_subscription.dead_letter : model => subscription.name }
+}
+
+output "worker_deployments" {
+  description = "Worker Deployment (catalog worker_group, or the model itself) and the models each serves, as infra/k8s/render.py renders them."
+  value = {
+    for group in distinct([for model in values(local.models) : model.worker_group]) : "model-worker-${group}" => sort([
+      for name, model in local.models : name if model.worker_group == group
+    ])
+  }
+}
+
+output "model_weights_uris" {
+  description = "Where each diffusers model's weights must be uploaded (the catalog's weights_path in the model bucket)."
+  value = {
+    for name, model in local.models : name => "gs://${google_storage_bucket.models.name}/${model.weights_path}" if model.runner == "diffusers"
+  }
+}
+
+output "prometheus_query_url" {
+  description = "PromQL endpoint of Cloud Monitoring (Managed Service for Prometheus) that KEDA's prometheus scaler queries."
+  value       = "https://monitoring.googleapis.com/v1/projects/${var.project_id}/location/global/prometheus"
 }
 
 output "replies_topic" {

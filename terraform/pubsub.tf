@@ -1,12 +1,13 @@
-# Pub/Sub: one request queue per catalog model (competing workers, retries, dead letters) and the
-# shared replies topic. Per-request reply subscriptions are created at runtime by the API.
+# Pub/Sub: per catalog model, one request queue per priority (competing workers, retries) and one
+# dead-letter queue both priorities park failing requests on; the shared replies topic. Per-request
+# reply subscriptions are created at runtime by the API.
 
 resource "google_pubsub_topic" "requests" {
   #checkov:skip=CKV_GCP_83:Google-managed encryption; messages hold prompts and GCS URIs, no secrets, and a CMEK key ring would be one more thing to provision per project.
-  for_each = local.models
+  for_each = local.request_queues
 
   name   = local.request_topic_names[each.key]
-  labels = merge(local.labels, { maas-model = each.key })
+  labels = merge(local.labels, { maas-model = each.value.model, maas-priority = each.value.priority })
 
   depends_on = [google_project_service.enabled]
 }
@@ -22,14 +23,16 @@ resource "google_pubsub_topic" "dead_letter" {
 }
 
 resource "google_pubsub_subscription" "workers" {
-  for_each = local.models
+  for_each = local.request_queues
 
   name   = local.worker_subscription_names[each.key]
   topic  = google_pubsub_topic.requests[each.key].id
-  labels = merge(local.labels, { maas-model = each.key })
+  labels = merge(local.labels, { maas-model = each.value.model, maas-priority = each.value.priority })
 
-  # Workers extend the lease while a batch runs; the catalog sizes the deadline to one batch.
-  ack_deadline_seconds = each.value.ack_deadline_seconds
+  # Short on purpose: the worker extends the lease while a request waits and runs, so a crashed
+  # worker's requests are redelivered within seconds (the catalog keeps it under a third of the
+  # request timeout).
+  ack_deadline_seconds = local.models[each.value.model].ack_deadline_seconds
 
   # A request older than this is long past its own deadline; keeping it longer only makes workers
   # reply "expired" to it.
@@ -42,11 +45,11 @@ resource "google_pubsub_subscription" "workers" {
     maximum_backoff = "${var.request_retry_maximum_backoff_seconds}s"
   }
 
-  # A request that keeps failing (e.g. a poison input that crashes the pipeline) is parked instead
-  # of being redelivered forever.
+  # A request that keeps failing (e.g. a poison input that crashes the pipeline) is moved to the
+  # model's one dead-letter topic, whichever priority it came in on.
   dead_letter_policy {
-    dead_letter_topic     = google_pubsub_topic.dead_letter[each.key].id
-    max_delivery_attempts = each.value.max_delivery_attempts
+    dead_letter_topic     = google_pubsub_topic.dead_letter[each.value.model].id
+    max_delivery_attempts = local.models[each.value.model].max_delivery_attempts
   }
 
   # The worker subscription must never be deleted for inactivity (e.g. a model idle for weeks).
@@ -57,8 +60,9 @@ resource "google_pubsub_subscription" "workers" {
   depends_on = [google_pubsub_topic_iam_member.dead_letter_publisher]
 }
 
-# Messages published to a topic without a subscription are dropped: this keeps every dead-lettered
-# request for inspection and replay.
+# Messages published to a topic without a subscription are dropped. The workers pull this one and
+# answer each dead-lettered request with an error reply, so its client is not left waiting for the
+# timeout; retention keeps what no worker answered (all workers down) for inspection and replay.
 resource "google_pubsub_subscription" "dead_letter" {
   for_each = local.models
 
@@ -84,7 +88,7 @@ resource "google_pubsub_topic" "replies" {
 }
 
 # Dead-lettering is done by the Pub/Sub service agent: it must publish to the dead-letter topic and
-# acknowledge (subscribe to) the source subscription.
+# acknowledge (subscribe to) every source subscription, the high-priority one included.
 resource "google_pubsub_topic_iam_member" "dead_letter_publisher" {
   for_each = local.models
 
@@ -94,7 +98,7 @@ resource "google_pubsub_topic_iam_member" "dead_letter_publisher" {
 }
 
 resource "google_pubsub_subscription_iam_member" "dead_letter_forwarder" {
-  for_each = local.models
+  for_each = local.request_queues
 
   subscription = google_pubsub_subscription.workers[each.key].name
   role         = "roles/pubsub.subscriber"

@@ -152,6 +152,22 @@ def per_model_name(local_name: str, model: str) -> str:
     return render(match.group(2), {match.group(1): model})
 
 
+def per_queue_name(local_name: str, model: str, priority: str) -> str:
+    """Render a `{ for key, queue in local.request_queues : key => "<template>" }` naming local."""
+    expr = expression(locals_()[local_name])
+    match = re.fullmatch(r'\{\s*for (\w+), (\w+) in local\.request_queues\s*:\s*\1 => "(.*)"\s*\}', expr, re.S)
+    assert match, f"local.{local_name} is not a name per request queue: {expr!r}"
+    queue = match.group(2)
+    suffix = locals_()["priority_suffixes"][priority]
+    return render(
+        match.group(3),
+        {
+            f"{queue}.model": model,
+            f"local.priority_suffixes[{queue}.priority]": suffix,
+        },
+    )
+
+
 def project_name(local_name: str) -> str:
     return render(locals_()[local_name], {"var.project_id": EXAMPLE_PROJECT})
 
@@ -213,17 +229,74 @@ def test_example_sets_every_required_variable_and_only_declared_ones():
 
 
 def test_catalog_is_read_from_the_file_the_code_reads():
+    # models.yaml only: the local overlay's synthetic models must never get production queues.
     assert resolve_module_path(locals_()["catalog_path"]) == DEFAULT_CATALOG_PATH.resolve()
     assert expression(locals_()["catalog"]) == "yamldecode(file(local.catalog_path))"
-    assert expression(locals_()["models"]) == "local.catalog.models"
+    code = [
+        line
+        for path in TERRAFORM_DIR.glob("*.tf")
+        for line in path.read_text().splitlines()
+        if not line.lstrip().startswith("#")
+    ]
+    assert not [line for line in code if "models.local.yaml" in line]
+
+
+def _catalog_fields_read() -> tuple[dict[str, str], str]:
+    """{attribute: expression} of the per-model object local.models builds, and the loop's spec variable."""
+    expr = expression(locals_()["models"])
+    match = re.fullmatch(r"\{\s*for (\w+), (\w+) in local\.catalog\.models\s*:\s*\1 => \{(.*)\}\s*\}", expr, re.S)
+    assert match, f"local.models must build one object per catalog entry: {expr!r}"
+    body = match.group(3)
+    fields = dict(re.findall(r"(\w+)\s*=\s*(.+?)(?:\n|,\s*(?=\w+\s*=)|$)", body))
+    return fields, match.group(2)
+
+
+def test_terraform_reads_only_required_catalog_fields_without_a_fallback():
+    # An optional catalog field (runner, worker_group, weights_path, ...) may be absent from a model:
+    # yamldecode then has no such attribute, and reading it without try() fails the whole plan.
+    fields, spec = _catalog_fields_read()
+    assert fields, "local.models reads no catalog field"
+    required = {name for name, field in ModelSpec.model_fields.items() if field.is_required()}
+    unguarded = set()
+    for value in fields.values():
+        guarded = set(re.findall(rf"try\({spec}\.(\w+)", value))
+        unguarded |= set(re.findall(rf"(?<![\w.]){spec}\.(\w+)", value)) - guarded
+        assert guarded <= set(ModelSpec.model_fields), f"try() reads fields the catalog does not have: {guarded}"
+    assert unguarded <= required, f"optional catalog fields read without try(): {sorted(unguarded - required)}"
+
+
+def test_terraform_defaults_for_optional_catalog_fields_are_the_catalogs():
+    fields, spec = _catalog_fields_read()
+    assert fields["runner"] == f'try({spec}.runner, "{ModelSpec.model_fields["runner"].default}")'
+    assert fields["weights_path"] == f'try({spec}.weights_path, "{ModelSpec.model_fields["weights_path"].default}")'
+    # A model without a worker_group is its own deployment (ModelSpec.deployment).
+    assert fields["worker_group"] == f"coalesce(try({spec}.worker_group, null), name)"
+
+
+def test_terraform_priorities_are_the_codes():
+    assert tuple(sorted(locals_()["priority_suffixes"])) == tuple(sorted(naming.PRIORITIES))
+    queues = expression(locals_()["request_queues"])
+    assert "setproduct(keys(local.models), keys(local.priority_suffixes))" in queues
+    assert '"${pair[0]}/${pair[1]}"' in queues, "request queues must be keyed model/priority"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("priority", naming.PRIORITIES)
+@pytest.mark.parametrize(
+    ("local_name", "contract_name"),
+    [
+        ("request_topic_names", naming.request_topic),
+        ("worker_subscription_names", naming.worker_subscription),
+    ],
+)
+def test_per_queue_names_match_the_code(model, priority, local_name, contract_name):
+    assert per_queue_name(local_name, model, priority) == contract_name(model, priority)
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize(
     ("local_name", "contract_name"),
     [
-        ("request_topic_names", naming.request_topic),
-        ("worker_subscription_names", naming.worker_subscription),
         ("dead_letter_topic_names", naming.dead_letter_topic),
         ("dead_letter_subscription_names", naming.dead_letter_subscription),
     ],
@@ -244,10 +317,15 @@ def _is_per_catalog_model(body: dict) -> bool:
     return expression(body.get("for_each", "")) == "local.models"
 
 
-def test_each_catalog_model_gets_a_request_topic_and_a_dead_letter_topic():
+def _is_per_request_queue(body: dict) -> bool:
+    """One per catalog model and priority (local.request_queues, keyed model/priority)."""
+    return expression(body.get("for_each", "")) == "local.request_queues"
+
+
+def test_each_catalog_model_gets_a_request_topic_per_priority_and_one_dead_letter_topic():
     requests = resource("google_pubsub_topic", "requests")
     dead_letter = resource("google_pubsub_topic", "dead_letter")
-    assert _is_per_catalog_model(requests) and _is_per_catalog_model(dead_letter)
+    assert _is_per_request_queue(requests) and _is_per_catalog_model(dead_letter)
     assert expression(requests["name"]) == "local.request_topic_names[each.key]"
     assert expression(dead_letter["name"]) == "local.dead_letter_topic_names[each.key]"
 
@@ -259,16 +337,22 @@ def test_replies_topic_is_declared_once():
 
 
 def test_worker_subscription_settings_come_from_the_catalog():
+    # Both priorities of a model share its ack deadline, delivery attempts and one dead-letter topic.
     workers = resource("google_pubsub_subscription", "workers")
-    assert _is_per_catalog_model(workers)
+    assert _is_per_request_queue(workers)
     assert expression(workers["name"]) == "local.worker_subscription_names[each.key]"
     assert expression(workers["topic"]) == "google_pubsub_topic.requests[each.key].id"
-    assert expression(workers["ack_deadline_seconds"]) == "each.value.ack_deadline_seconds"
+    assert expression(workers["ack_deadline_seconds"]) == "local.models[each.value.model].ack_deadline_seconds"
     dead_letter_policy = block(workers, "dead_letter_policy")
-    assert expression(dead_letter_policy["dead_letter_topic"]) == "google_pubsub_topic.dead_letter[each.key].id"
-    assert expression(dead_letter_policy["max_delivery_attempts"]) == "each.value.max_delivery_attempts"
-    # each.value is the catalog entry: the attributes read must be catalog fields.
-    assert {"ack_deadline_seconds", "max_delivery_attempts"} <= set(ModelSpec.model_fields)
+    assert expression(dead_letter_policy["dead_letter_topic"]) == "google_pubsub_topic.dead_letter[each.value.model].id"
+    assert (
+        expression(dead_letter_policy["max_delivery_attempts"])
+        == "local.models[each.value.model].max_delivery_attempts"
+    )
+    # local.models holds catalog fields under their catalog names.
+    fields, spec = _catalog_fields_read()
+    for field in ("ack_deadline_seconds", "max_delivery_attempts"):
+        assert field in ModelSpec.model_fields and fields[field] == f"{spec}.{field}"
     retry = block(workers, "retry_policy")
     assert retry.get("minimum_backoff") and retry.get("maximum_backoff")
     assert workers.get("message_retention_duration")
@@ -280,6 +364,8 @@ def test_catalog_queue_settings_are_valid_for_pubsub(model):
     spec = CATALOG.models[model]
     assert 10 <= spec.ack_deadline_seconds <= 600
     assert 5 <= spec.max_delivery_attempts <= 100
+    # Short, because workers extend leases: a crashed worker's request is redelivered in time.
+    assert spec.ack_deadline_seconds <= spec.request_timeout_seconds / 3
 
 
 def test_nothing_dead_lettered_is_lost():
@@ -300,7 +386,7 @@ def test_pubsub_service_agent_can_move_requests_to_the_dead_letter_topic():
     assert publisher["role"] == "roles/pubsub.publisher"
     assert expression(publisher["member"]) == "local.pubsub_service_agent"
     forwarder = resource("google_pubsub_subscription_iam_member", "dead_letter_forwarder")
-    assert _is_per_catalog_model(forwarder)
+    assert _is_per_request_queue(forwarder), "the service agent must acknowledge on both priorities' subscriptions"
     assert expression(forwarder["subscription"]) == "google_pubsub_subscription.workers[each.key].name"
     assert forwarder["role"] == "roles/pubsub.subscriber"
     assert expression(forwarder["member"]) == "local.pubsub_service_agent"
@@ -397,7 +483,7 @@ def test_api_publishes_to_each_request_topic_only():
     grants = _grants("google_pubsub_topic_iam_member", "google_service_account.api.member")
     by_role = {(expression(body["topic"]), body["role"]): body for body in grants.values()}
     publish = by_role[("google_pubsub_topic.requests[each.key].name", "roles/pubsub.publisher")]
-    assert _is_per_catalog_model(publish)
+    assert _is_per_request_queue(publish), "the API must publish to the high-priority topics too"
     assert ("google_pubsub_topic.replies.name", "roles/pubsub.subscriber") in by_role
     assert len(by_role) == 2
 
@@ -448,10 +534,15 @@ def test_workers_run_as_their_own_account_through_workload_identity():
 
 def test_worker_grants_cover_exactly_what_the_worker_touches():
     member = "google_service_account.worker.member"
-    subscriptions = list(_grants("google_pubsub_subscription_iam_member", member).values())
-    assert len(subscriptions) == 1 and _is_per_catalog_model(subscriptions[0])
-    assert expression(subscriptions[0]["subscription"]) == "google_pubsub_subscription.workers[each.key].name"
-    assert subscriptions[0]["role"] == "roles/pubsub.subscriber"
+    subscriptions = {
+        (expression(b["subscription"]), b["role"], expression(b["for_each"]))
+        for b in _grants("google_pubsub_subscription_iam_member", member).values()
+    }
+    assert subscriptions == {
+        # Both priorities, and the dead letters the workers answer with an error reply.
+        ("google_pubsub_subscription.workers[each.key].name", "roles/pubsub.subscriber", "local.request_queues"),
+        ("google_pubsub_subscription.dead_letter[each.key].name", "roles/pubsub.subscriber", "local.models"),
+    }
     topics = {(expression(b["topic"]), b["role"]) for b in _grants("google_pubsub_topic_iam_member", member).values()}
     assert topics == {("google_pubsub_topic.replies.name", "roles/pubsub.publisher")}
     bucket_grants = _grants("google_storage_bucket_iam_member", member).values()
@@ -577,16 +668,21 @@ def test_reply_modes_are_the_ones_the_code_accepts():
 # --- Alerts and outputs --------------------------------------------------------------------------
 
 
-def test_each_catalog_model_has_queue_and_dead_letter_alerts():
+def test_each_request_queue_has_a_backlog_alert_and_each_model_a_dead_letter_alert():
     backlog = resource("google_monitoring_alert_policy", "request_queue_backlog")
     dead_letter = resource("google_monitoring_alert_policy", "dead_lettered_requests")
-    assert _is_per_catalog_model(backlog) and _is_per_catalog_model(dead_letter)
+    assert _is_per_request_queue(backlog), "both priorities' oldest unacked age must be watched"
+    assert _is_per_catalog_model(dead_letter)
     backlog_condition = block(block(backlog, "conditions"), "condition_threshold")
     assert "local.worker_subscription_names[each.key]" in backlog_condition["filter"]
     assert "oldest_unacked_message_age" in backlog_condition["filter"]
-    dead_letter_condition = block(block(dead_letter, "conditions"), "condition_threshold")
-    assert "local.dead_letter_subscription_names[each.key]" in dead_letter_condition["filter"]
-    assert "num_undelivered_messages" in dead_letter_condition["filter"]
+    assert expression(backlog_condition["threshold_value"]) == "local.models[each.value.model].request_timeout_seconds"
+    filters = [block(condition, "condition_threshold")["filter"] for condition in dead_letter["conditions"]]
+    moved, unanswered = filters
+    assert "dead_letter_message_count" in moved and "local.worker_subscription_names" in moved
+    assert "keys(local.priority_suffixes)" in moved, "requests dead-lettered from either priority must alert"
+    assert "local.dead_letter_subscription_names[each.key]" in unanswered
+    assert "num_undelivered_messages" in unanswered
 
 
 def test_api_alerts_watch_the_api_service():
@@ -597,11 +693,36 @@ def test_api_alerts_watch_the_api_service():
         assert expression(policy["notification_channels"]) == "var.alert_notification_channels"
 
 
+def test_keda_can_read_the_backlog_through_promql():
+    binding = resource("google_service_account_iam_member", "keda_workload_identity")
+    assert binding["role"] == "roles/iam.workloadIdentityUser"
+    roles = {
+        expression(body["role"])
+        for body in _grants("google_project_iam_member", "google_service_account.keda.member").values()
+    }
+    # monitoring.timeSeries.list is what Cloud Monitoring's PromQL API checks.
+    assert roles == {"roles/monitoring.viewer"}
+
+
+def test_promql_endpoint_is_the_one_the_scaled_objects_query():
+    render_module = _manifest_renderer()
+    url = render(outputs()["prometheus_query_url"]["value"], {"var.project_id": EXAMPLE_PROJECT})
+    assert url == render_module.PROMETHEUS_SERVER_ADDRESS.format(project_id=EXAMPLE_PROJECT)
+
+
+def test_cluster_runs_managed_prometheus_to_scrape_the_workers():
+    config = block(resource("google_container_cluster", "workers"), "monitoring_config")
+    assert block(config, "managed_prometheus")["enabled"] is True
+
+
 def test_outputs_tell_operators_where_everything_is():
     expected = {
         "api_url",
         "cluster_name",
         "request_topics",
+        "worker_subscriptions",
+        "worker_deployments",
+        "prometheus_query_url",
         "replies_topic",
         "model_bucket",
         "payload_bucket",
