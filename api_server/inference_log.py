@@ -25,7 +25,7 @@ from contract.messages import InferenceReply
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2
-MAX_BACKOFF_SECONDS = 30.0
+MAX_BACKOFF_SECONDS = 10.0
 
 
 def _timestamp(epoch_ms: int | float | None) -> datetime | None:
