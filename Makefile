@@ -5,7 +5,7 @@ VENV_BQ := .venv-bq
 VENV_CHECKOV := .venv-checkov
 PY := $(VENV)/bin/python
 
-.PHONY: install run up down test test-fast lint format bench clean system-deps
+.PHONY: analytics install run up down test test-fast lint format bench clean system-deps
 
 install: system-deps $(VENV)/.installed $(VENV_BQ)/.installed
 
@@ -56,6 +56,10 @@ format: $(VENV)/.installed
 # A bounded benchmark suite on its own stack (port offset 40000); QUICK=1 runs a ~2-minute subset.
 bench: install
 	$(PY) -m bench.suite $(if $(QUICK),--quick,)
+
+# The analytics views from the local stack's BigQuery emulator: make analytics [SINCE=7d] [MODEL=name]
+analytics: $(VENV)/.installed
+	$(PY) -m analytics --stack .stack --since $(or $(SINCE),7d) $(if $(MODEL),--model $(MODEL),)
 
 clean:
 	rm -rf .stack .pytest_cache .ruff_cache

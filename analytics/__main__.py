@@ -7,6 +7,8 @@ python -m analytics billing_by_api_key_daily --since 2026-11-01 --model sd15-txt
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import sys
 from datetime import UTC, date, datetime, timedelta
@@ -93,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("views", nargs="*", help=f"views to print (default: all): {', '.join(view_names())}")
     parser.add_argument("--since", default="7d", help="7d, 12h or an ISO date (default 7d); 'all' for no bound")
     parser.add_argument("--model", help="only this model")
+    parser.add_argument("--stack", type=Path, help="a local stack directory: query its BigQuery emulator")
     args = parser.parse_args(argv)
+    if args.stack is not None:
+        stack_file = args.stack / "stack.json"
+        if not stack_file.exists():
+            parser.error(f"{stack_file} not found: is the local stack up (`make up`)?")
+        os.environ.update({k: v for k, v in json.loads(stack_file.read_text()).items() if k.isupper()})
     unknown = sorted(set(args.views) - set(view_names()))
     if unknown:
         parser.error(f"unknown views {unknown}; choose from {view_names()}")
