@@ -74,6 +74,7 @@ class ReplyFinisher:
 
     def _finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> None:
         try:
+            pictures = [as_pil(image) for image in images]
             predictions = [
                 Prediction(
                     image=self._payloads.pack(_png_bytes(image), naming.result_object(pending.request_id, index)),
@@ -81,7 +82,7 @@ class ReplyFinisher:
                     width=image.width,
                     height=image.height,
                 )
-                for index, (item, image) in enumerate(zip(pending.items, images, strict=True))
+                for index, (item, image) in enumerate(zip(pending.items, pictures, strict=True))
             ]
         except Exception as exc:  # noqa: BLE001 - e.g. the payload bucket is unreachable: retry the request
             log.exception("could not keep the images of %s; handing it back", pending.request_id)
@@ -147,6 +148,17 @@ class ReplyFinisher:
     def close(self) -> None:
         """Waits for every answer in flight."""
         self._pool.shutdown(wait=True)
+
+
+def as_pil(image):
+    """A PIL image from a runner's output: PIL already, or a float array in [0, 1] as diffusers returns it."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    import numpy as np
+
+    return Image.fromarray((np.clip(image, 0, 1) * 255).round().astype("uint8"))
 
 
 def _png_bytes(image) -> bytes:

@@ -140,7 +140,8 @@ class Triage:
         for index, instance in enumerate(request.instances):
             image = None
             if self._needs_image[spec.name]:
-                image = self._image(instance.image, spec.limits.max_input_pixels)
+                # Resized here, on the puller's thread, so the device thread only runs the model.
+                image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(
                 GenerationItem(
                     prompt=instance.prompt,

@@ -109,7 +109,10 @@ class DiffusionRunner:
         log.info("warm-up at batch sizes %s took %.2fs", sizes, time.perf_counter() - started)
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
-        """One pipeline call for all items; one generator per item, so each gets the image it would get alone."""
+        """One pipeline call for all items; one generator per item, so each gets the image it would get alone.
+
+        Returns float arrays (height x width x 3, in [0, 1]) as diffusers' `output_type="np"` gives them.
+        """
         torch = self._torch
         count = len(items)
         if self._compiled:
@@ -120,11 +123,13 @@ class DiffusionRunner:
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
             "callback_on_step_end": _step_callback(on_step, params.num_inference_steps),
+            # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
+            "output_type": "np",
         }
         if any(item.negative_prompt for item in items):
             kwargs["negative_prompt"] = [item.negative_prompt or "" for item in items]
         if self.needs_image:
-            kwargs["image"] = [item.image.convert("RGB").resize((params.width, params.height)) for item in items]
+            kwargs["image"] = [item.image for item in items]  # decoded and resized off this thread, at intake
             kwargs["strength"] = params.strength
         else:
             kwargs["width"], kwargs["height"] = params.width, params.height
