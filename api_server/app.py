@@ -3,26 +3,50 @@
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 
 from flask import Flask, g, request
 
+from api_server import metrics
 from api_server.errors import register_error_handlers
-from api_server.routes import health, models, predict
+from api_server.options import ApiOptions
+from api_server.routes import health, jobs, models, predict
+from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
+from api_server.serving import build_serving
 from contract.settings import Settings
 
 log = logging.getLogger("api_server")
 
 
-def create_app(settings: Settings | None = None, services: Services | None = None) -> Flask:
+def create_app(
+    settings: Settings | None = None, services: Services | None = None, options: ApiOptions | None = None
+) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.json.sort_keys = False
-    app.extensions["maas"] = services or build_services(settings)
+    services = services or build_services(settings)
+    app.extensions["maas"] = services
+    app.extensions["maas_serving"] = build_serving(settings, services, options)
     register_error_handlers(app)
-    for blueprint in (health.bp, models.bp, predict.bp):
+    for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp):
         app.register_blueprint(blueprint)
+
+    @app.before_request
+    def _start():
+        g.request_id = uuid.uuid4().hex
+        g.started = time.perf_counter()
+
+    @app.after_request
+    def _measure(response):
+        response.headers.setdefault("X-Request-Id", g.get("request_id", ""))
+        route = request.url_rule.rule if request.url_rule else "unmatched"
+        if route != "/metrics":
+            metrics.REQUESTS.labels(route, request.method, str(response.status_code)).inc()
+            metrics.LATENCY.labels(route).observe(time.perf_counter() - g.get("started", time.perf_counter()))
+        return response
 
     @app.after_request
     def _access_log(response):

@@ -30,6 +30,10 @@ class ApiKeyAuth:
 
     def authenticate(self, request: Request) -> str:
         """Returns the key's id (a digest prefix, safe to log) or raises 401."""
+        return self.identify(request)[0]
+
+    def identify(self, request: Request) -> tuple[str, str]:
+        """The key's id and its full SHA-256 digest (for per-key permissions), or raises 401."""
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -39,4 +43,4 @@ class ApiKeyAuth:
         digest = api_key_digest(key.strip())
         if not any(hmac.compare_digest(digest, known) for known in self._digests):
             raise ApiError(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        return digest[:12]
+        return digest[:12], digest

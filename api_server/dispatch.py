@@ -40,10 +40,14 @@ class InferenceDispatcher:
         spec: ModelSpec,
         timings: DispatchTimings,
         priority: naming.Priority = "normal",
-    ) -> InferenceReply:
-        """Subscribe, publish, wait: raises 503 if the queue is unreachable and 504 when no reply comes in time."""
+        deadline_ms: int | None = None,
+    ) -> InferenceReply | None:
+        """Subscribe, publish, wait up to the model's timeout: raises 503 if the queue is unreachable and returns
+        None when no reply comes in time. A `deadline_ms` beyond the wait keeps the request runnable after it
+        (a sync request turned into a job)."""
         timeout = spec.request_timeout_seconds
-        deadline_ms = int((time.time() + timeout) * 1000)
+        wait_until = time.time() + timeout
+        deadline_ms = deadline_ms or int(wait_until * 1000)
         started = time.perf_counter()
         try:
             pending = self._waiter.expect(request.request_id)
@@ -55,25 +59,30 @@ class InferenceDispatcher:
             started = time.perf_counter()
             attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
             attributes.update(self._waiter.request_attributes())
-            topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
-            try:
-                self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(
-                    timeout=PUBLISH_TIMEOUT_SECONDS
-                )
-            except Exception as exc:  # publish futures raise transport and timeout errors alike
-                log.error("publish to %s failed: %s", topic, exc)
-                raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
+            self._publish(request, spec, attributes, priority)
             timings.publish_ms = _ms_since(started)
             started = time.perf_counter()
-            reply = pending.wait(max(0.0, deadline_ms / 1000 - time.time()))
+            reply = pending.wait(max(0.0, wait_until - time.time()))
             timings.wait_ms = _ms_since(started)
         finally:
             started = time.perf_counter()
             pending.close()
             timings.cleanup_ms = _ms_since(started)
-        if reply is None:
-            raise ApiError(504, f"no reply from {spec.name} within {timeout}s")
         return reply
+
+    def submit(self, request: InferenceRequest, spec: ModelSpec, deadline_ms: int, priority: naming.Priority) -> None:
+        """Publish only (a job): nobody waits for the reply message; the worker's stored reply is read later."""
+        self._publish(request, spec, request_attributes(request, self._replies_topic, deadline_ms, priority), priority)
+
+    def _publish(self, request: InferenceRequest, spec: ModelSpec, attributes: dict, priority: naming.Priority) -> None:
+        topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
+        try:
+            self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(
+                timeout=PUBLISH_TIMEOUT_SECONDS
+            )
+        except Exception as exc:  # publish futures raise transport and timeout errors alike
+            log.error("publish to %s failed: %s", topic, exc)
+            raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
 
 
 def _ms_since(started: float) -> float:

@@ -19,14 +19,17 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def error_response(status: int, message: str, field: str | None = None, headers: dict | None = None):
+def error_body(status: int, message: str, field: str | None = None, request_id: str | None = None) -> dict:
     body: dict = {"code": status, "message": message}
     if field:
         body["field"] = field
-    request_id = g.get("request_id")
     if request_id:
         body["request_id"] = request_id
-    response = jsonify({"error": body})
+    return {"error": body}
+
+
+def error_response(status: int, message: str, field: str | None = None, headers: dict | None = None):
+    response = jsonify(error_body(status, message, field, g.get("request_id")))
     response.status_code = status
     response.headers.update(headers or {})
     return response

@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from typing import Protocol
 
+import redis
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from pydantic import ValidationError
@@ -61,6 +62,15 @@ def reply_subscription_request(name: str, topic: str, attribute: str, value: str
         "labels": naming.REPLY_SUBSCRIPTION_LABEL,
         "expiration_policy": {"ttl": SUBSCRIPTION_TTL},
     }
+
+
+def _stored(results: ResultStore, request_id: str) -> InferenceReply | None:
+    """The worker's stored reply; None while Redis is unreachable (the reply message still arrives)."""
+    try:
+        return results.get(request_id)
+    except redis.RedisError as exc:
+        log.warning("result store unavailable while waiting for %s: %s", request_id, exc)
+        return None
 
 
 def _parse_reply(message: pubsub_v1.types.PubsubMessage) -> InferenceReply | None:
@@ -128,10 +138,10 @@ class _SubscriptionReply:
                         return reply
             # Checked on a clock, not only on empty pulls: other requests' replies can keep the pull busy.
             if time.monotonic() >= next_store_check:
-                if (stored := self._results.get(self._request_id)) is not None:
+                if (stored := _stored(self._results, self._request_id)) is not None:
                     return stored
                 next_store_check = time.monotonic() + RESULT_POLL_SECONDS
-        return self._results.get(self._request_id)
+        return _stored(self._results, self._request_id)
 
     def close(self) -> None:
         try:
@@ -221,9 +231,9 @@ class _RoutedReply:
         while (remaining := deadline - time.monotonic()) > 0:
             if self._event.wait(min(remaining, RESULT_POLL_SECONDS)):
                 return self._reply
-            if (stored := self._results.get(self._request_id)) is not None:
+            if (stored := _stored(self._results, self._request_id)) is not None:
                 return stored
-        return self._reply or self._results.get(self._request_id)
+        return self._reply or _stored(self._results, self._request_id)
 
     def close(self) -> None:
         self._forget()

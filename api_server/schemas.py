@@ -6,6 +6,7 @@ import base64
 import binascii
 import io
 import secrets
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -31,6 +32,8 @@ class ParametersIn(BaseModel):
     height: int | None = Field(default=None, ge=64)
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     negative_prompt: str | None = Field(default=None, max_length=2000)
+    # Not a generation parameter: it picks the queue (only for API keys configured for it), not the image.
+    priority: Literal["high", "normal"] | None = None
 
     @field_validator("width", "height")
     @classmethod
@@ -106,8 +109,12 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     return params
 
 
-def decode_input_image(data: str, field: str) -> bytes:
-    """Base64 PNG/JPEG to bytes, checked to be a real image so a bad one fails here, not on the GPU."""
+def decode_input_image(data: str, field: str, max_pixels: int | None = None) -> bytes:
+    """Base64 PNG/JPEG to bytes, checked to be a real image so a bad one fails here, not on the GPU.
+
+    The pixel count comes from the header alone (`Image.open` does not decode), so an image above
+    `max_pixels` (a decompression bomb) is refused before any of it is decoded.
+    """
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -118,7 +125,14 @@ def decode_input_image(data: str, field: str) -> bytes:
         with Image.open(io.BytesIO(raw)) as image:
             if image.format not in ("PNG", "JPEG", "WEBP"):
                 raise ApiError(422, f"{field}: must be PNG, JPEG or WebP, not {image.format}", field)
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ApiError(
+                    422, f"{field}: {width}x{height} exceeds the model's limit of {max_pixels} pixels", field
+                )
             image.verify()
+    except Image.DecompressionBombError as exc:
+        raise ApiError(422, f"{field}: image too large", field) from exc
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ApiError(422, f"{field}: not a readable image", field) from exc
     return raw

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import redis
 from google.cloud import pubsub_v1
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from api_server.auth import ApiKeyAuth
 from api_server.bigquery_write import StorageWriteSink, write_client
@@ -39,8 +41,16 @@ class Services:
         self.publisher.stop()
 
 
+def api_redis_client(url: str) -> redis.Redis:
+    """One immediate retry (a connection gone stale across a Redis restart), no backoff: redis-py's default
+    retries for ~3 s, which every request would pay while Redis is down."""
+    return redis.Redis.from_url(
+        url, socket_timeout=5, socket_connect_timeout=2, retry=Retry(NoBackoff(), 1), health_check_interval=30
+    )
+
+
 def build_services(settings: Settings) -> Services:
-    redis_client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    redis_client = api_redis_client(settings.redis_url)
     results = ResultStore(redis_client, settings.result_ttl_seconds)
     subscriber = clients.subscriber_client()
     if settings.reply_mode == "per-instance":

@@ -1,32 +1,53 @@
-"""POST /v1/models/<model>:predict: validate, queue, wait, answer; one inference log row whatever happens."""
+"""POST /v1/models/<model>:predict (and, through `accept`, job submission): validate, then answer from the
+cache, an identical request in flight, an Idempotency-Key record, or the model; one inference log row
+whatever happens."""
 
 from __future__ import annotations
 
-import base64
+import hashlib
+import json
 import time
-import uuid
 from datetime import UTC, datetime
 
-from flask import Blueprint, current_app, g, jsonify, request
+import redis
+from flask import Blueprint, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from api_server import metrics
+from api_server.cache import cache_key, cache_policy
 from api_server.dispatch import DispatchTimings
-from api_server.errors import ApiError
+from api_server.errors import ApiError, error_body
+from api_server.flights import (
+    CoordinationUnavailableError,
+    FingerprintMismatchError,
+    FlightPolicy,
+    ResponseRecord,
+    Role,
+    StillRunningError,
+)
+from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
-from api_server.schemas import decode_input_image, parse_body, resolve_parameters
-from contract.messages import InferenceRequest, RequestInstance
-from contract.payloads import PayloadError
 
 bp = Blueprint("predict", __name__)
 
 REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500, "cancelled": 409}
+JSON = {"Content-Type": "application/json"}
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
+# Retryable answers are not kept for an Idempotency-Key: the retry should run.
+NOT_KEPT_FOR_IDEMPOTENCY = (429, 503)
 
 
 @bp.post("/v1/models/<model>:predict")
 def predict(model: str):
+    return accept(model, respond_async="respond-async" in request.headers.get("Prefer", "").lower())
+
+
+def accept(model: str, respond_async: bool) -> Response:
+    """A predict body in, the response out: 200 with the images, or 202 with a job when async (asked for,
+    or the sync wait ran out)."""
     services = current_app.extensions["maas"]
+    serving = current_app.extensions["maas_serving"]
     started = time.perf_counter()
-    g.request_id = uuid.uuid4().hex
     row = InferenceLogRow(
         request_id=g.request_id,
         created_at=datetime.now(UTC),
@@ -37,8 +58,13 @@ def predict(model: str):
         cache_hit=False,
     )
     try:
-        response = _predict(services, model, row, started)
-        row.status, row.http_status = "ok", 200
+        record, cache = _answer(services, serving, model, row, started, respond_async)
+        row.http_status, row.status = record.status, _log_status(record.status)
+        if record.status >= 400:
+            row.error = json.loads(record.body)["error"]["message"][:1024]
+        response = Response(record.body, status=record.status, headers=record.headers)
+        if cache:
+            response.headers["X-Cache"] = cache
         return response
     except ApiError as error:
         row.http_status, row.status, row.error = error.status, _log_status(error.status), error.message[:1024]
@@ -52,11 +78,16 @@ def predict(model: str):
 
 
 def _log_status(http_status: int) -> str:
-    return {504: "timeout", 503: "unavailable"}.get(http_status, "rejected" if http_status < 500 else "error")
+    if http_status == 202:
+        return "accepted"
+    return {200: "ok", 504: "timeout", 503: "unavailable"}.get(
+        http_status, "rejected" if http_status < 500 else "error"
+    )
 
 
-def _predict(services, model: str, row: InferenceLogRow, started: float):
-    row.api_key_id = services.auth.authenticate(request)
+def _answer(services, serving, model: str, row: InferenceLogRow, started: float, respond_async: bool):
+    key_id, digest = services.auth.identify(request)
+    row.api_key_id = key_id
     spec = services.catalog.get(model)
     if spec is None:
         raise ApiError(404, f"unknown model {model!r}; GET /v1/models lists them")
@@ -64,33 +95,115 @@ def _predict(services, model: str, row: InferenceLogRow, started: float):
     payload = request.get_json(silent=True)
     if payload is None:
         raise ApiError(400, "body must be a JSON object (Content-Type: application/json)")
-    body = parse_body(payload)
-    params = resolve_parameters(body, spec)
-    row.num_images, row.width, row.height = len(body.instances), params.width, params.height
-    row.num_inference_steps, row.seed = params.num_inference_steps, params.seed
-    instances = []
-    for index, instance in enumerate(body.instances):
-        image = None
-        if instance.image:
-            raw = decode_input_image(instance.image, f"instances.{index}.image")
-            image = services.payloads.pack(
-                raw, f"inputs/{g.request_id}/{index}", content_type="application/octet-stream"
-            )
-        instances.append(RequestInstance(prompt=instance.prompt, image=image))
-    inference_request = InferenceRequest(
-        request_id=g.request_id, model=spec.name, model_version=spec.version, instances=instances, parameters=params
+    prepared = serving.inference.prepare(spec, payload, g.request_id, digest)
+    row.num_images, row.width, row.height = len(prepared.prompts), prepared.params.width, prepared.params.height
+    row.num_inference_steps, row.seed = prepared.params.num_inference_steps, prepared.params.seed
+
+    key = cache_key(spec, prepared.params, prepared.prompts, prepared.images) if prepared.deterministic else None
+    bypass = "no-cache" in request.headers.get("Cache-Control", "").lower()
+    outcome: dict[str, str] = {}
+
+    def run_sync() -> ResponseRecord:
+        return _run_sync(serving, prepared, key_id, row, started)
+
+    def through_cache() -> ResponseRecord:
+        if key is None:
+            metrics.CACHE.labels("uncacheable").inc()
+            return run_sync()
+        policy = cache_policy(spec, serving.options.cache_ttl_seconds, serving.options.cache_max_entry_bytes)
+        if bypass:
+            metrics.CACHE.labels("bypass").inc()
+            record = run_sync()
+            serving.cache_flights.store(key, record, policy)
+            outcome["cache"] = "miss"
+            return record
+        record, role = serving.cache_flights.run(key, "", run_sync, policy)
+        _count_cache(role, outcome)
+        if role is Role.FOLLOWER and record.status == 202:
+            _share_job(serving, record, key_id)
+        return record
+
+    def submit_job() -> ResponseRecord:
+        if key is not None and not bypass and (hit := serving.cache_flights.lookup(key)) is not None:
+            _count_cache(Role.STORED, outcome)
+            return hit
+        return _submit_job(serving, prepared, key_id)
+
+    compute = submit_job if respond_async else through_cache
+    idempotency_key = request.headers.get("Idempotency-Key")
+    if idempotency_key is None:
+        record = compute()
+    else:
+        record = _idempotent(serving, spec, key_id, idempotency_key, model, payload, respond_async, compute, outcome)
+    row.cache_hit = outcome.get("cache") == "hit"
+    return record, outcome.get("cache")
+
+
+def _count_cache(role: Role, outcome: dict) -> None:
+    if role is Role.STORED:
+        metrics.CACHE.labels("hit").inc()
+        outcome["cache"] = "hit"
+    elif role is Role.FOLLOWER:
+        metrics.CACHE.labels("hit").inc()
+        metrics.COALESCED.inc()
+        outcome["cache"] = "hit"
+    else:
+        metrics.CACHE.labels("miss" if role is Role.LEADER else "unavailable").inc()
+        outcome["cache"] = "miss"
+
+
+def _idempotent(serving, spec, key_id, idempotency_key, model, payload, respond_async, compute, outcome):
+    if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LENGTH:
+        raise ApiError(422, f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} characters", "Idempotency-Key")
+    canonical = json.dumps([model, respond_async, payload], sort_keys=True, separators=(",", ":"))
+    fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
+    key = f"maas:idem:{key_id}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+    ttl = serving.options.idempotency_ttl_seconds
+    policy = FlightPolicy(
+        keep_for=lambda record: None if record.status in NOT_KEPT_FOR_IDEMPOTENCY else ttl,
+        lease_seconds=spec.request_timeout_seconds + 10,
+        wait_seconds=spec.request_timeout_seconds + 5,
+        strict=True,
     )
-    timings = DispatchTimings()
-    reply = services.dispatcher.run(inference_request, spec, timings)
-    row.worker_id, row.queue_ms, row.inference_ms = reply.worker_id, reply.queue_ms, reply.inference_ms
-    if reply.status != "ok":
-        raise ApiError(REPLY_STATUS_HTTP[reply.status], reply.error or f"model worker answered {reply.status}")
-    response = jsonify(
-        {
-            "predictions": [_prediction_json(services, prediction) for prediction in reply.predictions],
-            "model": spec.name,
-            "model_version": spec.version,
-            "request_id": g.request_id,
+    try:
+        record, role = serving.flights.run(key, fingerprint, compute, policy)
+    except FingerprintMismatchError as exc:
+        raise ApiError(422, "Idempotency-Key: already used with a different request body", "Idempotency-Key") from exc
+    except StillRunningError as exc:
+        raise ApiError(
+            409, "a request with this Idempotency-Key is still running", headers={"Retry-After": "1"}
+        ) from exc
+    except CoordinationUnavailableError as exc:
+        raise ApiError(
+            503, "Idempotency-Key cannot be honoured right now (state store unavailable)", headers={"Retry-After": "5"}
+        ) from exc
+    if role in (Role.STORED, Role.FOLLOWER):
+        metrics.IDEMPOTENT_REPLAYS.inc()
+        outcome["replayed"] = "true"
+        record = ResponseRecord(record.status, record.body, {**record.headers, "Idempotent-Replayed": "true"})
+    return record
+
+
+def _run_sync(serving, prepared: PreparedRequest, key_id: str, row: InferenceLogRow, started: float) -> ResponseRecord:
+    try:
+        timings = DispatchTimings()
+        # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
+        deadline_ms = serving.inference.job_deadline_ms()
+        metrics.INFLIGHT_WAITS.inc()
+        try:
+            reply = serving.inference.run(prepared, timings, deadline_ms)
+        finally:
+            metrics.INFLIGHT_WAITS.dec()
+        if reply is None:
+            return _hand_over_as_job(serving, prepared, key_id, deadline_ms)
+        row.worker_id, row.queue_ms, row.inference_ms = reply.worker_id, reply.queue_ms, reply.inference_ms
+        if reply.status != "ok":
+            raise ApiError(REPLY_STATUS_HTTP[reply.status], reply.error or f"model worker answered {reply.status}")
+        body = {
+            "predictions": serving.inference.predictions(reply),
+            "model": prepared.spec.name,
+            "model_version": prepared.spec.version,
+            "request_id": prepared.request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - started) * 1000, 2),
                 "queue": round(reply.queue_ms, 2),
@@ -101,20 +214,55 @@ def _predict(services, model: str, row: InferenceLogRow, started: float):
                 "cleanup": timings.cleanup_ms,
             },
         }
-    )
-    response.headers["X-Request-Id"] = g.request_id
-    return response
+        return ResponseRecord(200, json.dumps(body).encode(), dict(JSON))
+    except ApiError as error:
+        return _error_record(error, prepared.request_id)
 
 
-def _prediction_json(services, prediction) -> dict:
+def _hand_over_as_job(serving, prepared: PreparedRequest, key_id: str, deadline_ms: int) -> ResponseRecord:
+    spec = prepared.spec
     try:
-        png = services.payloads.unpack(prediction.image)
-    except PayloadError as exc:
-        raise ApiError(500, f"result unavailable: {exc}") from exc
-    return {
-        "image_b64": base64.b64encode(png).decode("ascii"),
-        "mime_type": "image/png",
-        "seed": prediction.seed,
-        "width": prediction.width,
-        "height": prediction.height,
-    }
+        serving.jobs.create(prepared.request_id, key_id, spec, deadline_ms)
+    except redis.RedisError as exc:
+        serving.redis.failed(exc)
+        return _error_record(ApiError(504, f"no reply from {spec.name} within {spec.request_timeout_seconds}s"))
+    metrics.JOBS.labels("converted").inc()
+    return _job_record(
+        prepared, f"no reply from {spec.name} within {spec.request_timeout_seconds}s; still queued as a job"
+    )
+
+
+def _submit_job(serving, prepared: PreparedRequest, key_id: str) -> ResponseRecord:
+    deadline_ms = serving.inference.job_deadline_ms()
+    try:
+        serving.jobs.create(prepared.request_id, key_id, prepared.spec, deadline_ms)
+    except redis.RedisError as exc:
+        serving.redis.failed(exc)
+        return _error_record(ApiError(503, "job store unavailable, retry later", headers={"Retry-After": "5"}))
+    try:
+        serving.inference.submit(prepared, deadline_ms)
+    except ApiError as error:
+        return _error_record(error, prepared.request_id)
+    metrics.JOBS.labels("submitted").inc()
+    return _job_record(prepared, None)
+
+
+def _job_record(prepared: PreparedRequest, message: str | None) -> ResponseRecord:
+    location = f"/v1/jobs/{prepared.request_id}"
+    body = {"id": prepared.request_id, "status": "queued", "model": prepared.spec.name, "links": {"self": location}}
+    if message:
+        body["message"] = message
+    return ResponseRecord(202, json.dumps(body).encode(), {**JSON, "Location": location})
+
+
+def _share_job(serving, record: ResponseRecord, key_id: str) -> None:
+    """A coalesced caller handed the leader's job link may read that job too."""
+    try:
+        serving.jobs.share(json.loads(record.body)["id"], key_id)
+    except redis.RedisError as exc:
+        serving.redis.failed(exc)
+
+
+def _error_record(error: ApiError, request_id: str | None = None) -> ResponseRecord:
+    body = error_body(error.status, error.message, error.field, request_id or g.get("request_id"))
+    return ResponseRecord(error.status, json.dumps(body).encode(), {**JSON, **error.headers})

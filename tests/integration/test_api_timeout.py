@@ -36,8 +36,11 @@ def ghost_app(stack, settings, tmp_path_factory):
     app.extensions["maas"].close()
 
 
-def test_reply_that_never_comes_is_504_and_the_subscription_is_deleted(ghost_app, auth_headers, settings, bigquery):
-    response = ghost_app.test_client().post(
+def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted(
+    ghost_app, auth_headers, settings, bigquery
+):
+    client = ghost_app.test_client()
+    response = client.post(
         f"/v1/models/{GHOST}:predict",
         json={
             "instances": [{"prompt": "nobody listens"}],
@@ -45,24 +48,24 @@ def test_reply_that_never_comes_is_504_and_the_subscription_is_deleted(ghost_app
         },
         headers=auth_headers,
     )
-    assert response.status_code == 504
-    error = response.get_json()["error"]
-    assert GHOST in error["message"]
+    # The work is not lost: the request stays queued as a job the caller can poll.
+    assert response.status_code == 202
+    accepted = response.get_json()
+    assert GHOST in accepted["message"] and response.headers["Location"] == f"/v1/jobs/{accepted['id']}"
+    assert client.get(response.headers["Location"], headers=auth_headers).get_json()["status"] == "queued"
     subscription = clients.subscriber_client().subscription_path(
-        settings.project_id, naming.reply_subscription(error["request_id"])
+        settings.project_id, naming.reply_subscription(accepted["id"])
     )
     with pytest.raises(exceptions.NotFound):
         clients.subscriber_client().get_subscription(request={"subscription": subscription})
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    rows = query_rows(
-        bigquery, f"SELECT status, http_status FROM {table} WHERE request_id = '{error['request_id']}'", 1
-    )
-    assert rows == [{"status": "timeout", "http_status": 504}]
+    rows = query_rows(bigquery, f"SELECT status, http_status FROM {table} WHERE request_id = '{accepted['id']}'", 1)
+    assert rows == [{"status": "accepted", "http_status": 202}]
     # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
     subscriber = clients.subscriber_client()
     queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))
     pulled = subscriber.pull(request={"subscription": queued, "max_messages": 10}, timeout=10)
-    assert error["request_id"] in {m.message.attributes["request_id"] for m in pulled.received_messages}
+    assert accepted["id"] in {m.message.attributes["request_id"] for m in pulled.received_messages}
 
 
 def test_queue_unavailable_is_503(stack, auth_headers, tmp_path):

@@ -1,0 +1,228 @@
+"""Runs one computation per key across API processes: a Redis lease per key, the others wait for its outcome.
+
+Used twice: identical cacheable predict requests in flight together are coalesced (one inference, every
+caller gets the same bytes), and requests repeating an Idempotency-Key are answered by the first one.
+
+Within a process, callers of the same key wait on an in-memory event behind one local caller; across
+processes, that caller takes the Redis lease (`SET NX PX`) or polls for the lease holder's outcome.
+A waiter that outlives its bound, or sees the lease vanish with no outcome (its holder died), computes
+by itself. Without Redis every process still coalesces its own callers and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import redis
+
+from api_server import metrics
+from api_server.redis_state import RedisState
+
+log = logging.getLogger(__name__)
+# Outcomes not kept for later callers stay this long, for the callers already waiting on them.
+SETTLED_TTL_SECONDS = 30
+POLL_FIRST_SECONDS = 0.01
+POLL_MAX_SECONDS = 0.1
+
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+@dataclass
+class ResponseRecord:
+    """An HTTP answer as bytes, so every caller of a key gets exactly the same one."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    def encode(self) -> bytes:
+        meta = {"status": self.status, "headers": self.headers, "fingerprint": self.fingerprint}
+        return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ResponseRecord:
+        meta, _, body = raw.partition(b"\n")
+        parsed = json.loads(meta)
+        return cls(parsed["status"], body, parsed["headers"], parsed["fingerprint"])
+
+
+class Role(StrEnum):
+    LEADER = "leader"  # computed it
+    FOLLOWER = "follower"  # waited for an identical request's computation
+    STORED = "stored"  # found a kept outcome (a cache hit, an idempotent replay)
+    ALONE = "alone"  # computed without coordination (Redis down, or the wait ran out)
+
+
+class FingerprintMismatchError(Exception):
+    """The key is in use with a different request body (an Idempotency-Key reused for another request)."""
+
+
+class CoordinationUnavailableError(Exception):
+    """A strict flight could not be coordinated (Redis down): computing anyway could run it twice."""
+
+
+class StillRunningError(Exception):
+    """A strict flight's holder is still computing after the caller's wait ran out."""
+
+
+@dataclass(frozen=True)
+class FlightPolicy:
+    # Seconds to keep an outcome for later callers (None: only for those already waiting).
+    keep_for: Callable[[ResponseRecord], int | None]
+    # Longer than the computation can take: a lease that outlives its holder only delays the next caller.
+    lease_seconds: float
+    # How long a caller waits for another's outcome before computing by itself.
+    wait_seconds: float
+    # Strict flights never compute without the lease (idempotency): they raise instead of going alone.
+    strict: bool = False
+
+
+@dataclass
+class _LocalFlight:
+    fingerprint: str
+    done: threading.Event = field(default_factory=threading.Event)
+    record: ResponseRecord | None = None
+    error: Exception | None = None
+
+
+class SharedFlights:
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+        self._lock = threading.Lock()
+        self._local: dict[str, _LocalFlight] = {}
+        self._release = state.client.register_script(_RELEASE)
+
+    def lookup(self, key: str, fingerprint: str = "") -> ResponseRecord | None:
+        """The kept outcome for `key`, or None (also when Redis is down)."""
+        if not self._state.available():
+            return None
+        try:
+            raw = self._state.client.get(key)
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+            return None
+        self._state.succeeded()
+        return self._check(ResponseRecord.decode(raw), fingerprint) if raw else None
+
+    def store(self, key: str, record: ResponseRecord, policy: FlightPolicy) -> None:
+        ttl = policy.keep_for(record)
+        if ttl is None or not self._state.available():
+            return
+        try:
+            self._state.client.set(key, record.encode(), ex=ttl)
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+
+    def run(
+        self, key: str, fingerprint: str, compute: Callable[[], ResponseRecord], policy: FlightPolicy
+    ) -> tuple[ResponseRecord, Role]:
+        with self._lock:
+            flight = self._local.get(key)
+            first = flight is None
+            if first:
+                flight = self._local[key] = _LocalFlight(fingerprint)
+        if not first:
+            return self._follow_local(flight, fingerprint, compute, policy)
+        try:
+            flight.record, role = self._run_shared(key, fingerprint, compute, policy)
+            return flight.record, role
+        except Exception as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                self._local.pop(key, None)
+            flight.done.set()
+
+    def _follow_local(self, flight: _LocalFlight, fingerprint: str, compute, policy) -> tuple[ResponseRecord, Role]:
+        if flight.fingerprint != fingerprint:
+            raise FingerprintMismatchError
+        metrics.INFLIGHT_WAITS.inc()
+        try:
+            finished = flight.done.wait(policy.wait_seconds)
+        finally:
+            metrics.INFLIGHT_WAITS.dec()
+        if finished and flight.record is not None:
+            return flight.record, Role.FOLLOWER
+        if isinstance(flight.error, FingerprintMismatchError):
+            raise FingerprintMismatchError
+        if policy.strict:
+            raise StillRunningError
+        return compute(), Role.ALONE
+
+    def _run_shared(self, key: str, fingerprint: str, compute, policy: FlightPolicy) -> tuple[ResponseRecord, Role]:
+        lease_key, settled_key = f"{key}:lease", f"{key}:settled"
+        token = f"{fingerprint}|{uuid.uuid4().hex}"
+        deadline = time.monotonic() + policy.wait_seconds
+        pause = POLL_FIRST_SECONDS
+        waiting = False
+        client = self._state.client
+        try:
+            while True:
+                if not self._state.available():
+                    return _alone(compute, policy, CoordinationUnavailableError), Role.ALONE
+                try:
+                    kept, settled, holder = client.mget(key, settled_key, lease_key)
+                    # A settled outcome answers only callers that waited for it; a newcomer runs afresh.
+                    for raw in (kept, settled if waiting else None):
+                        if raw:
+                            record = self._check(ResponseRecord.decode(raw), fingerprint)
+                            return record, (Role.FOLLOWER if waiting else Role.STORED)
+                    if holder is not None and holder.decode().split("|", 1)[0] != fingerprint:
+                        raise FingerprintMismatchError
+                    leader = holder is None and client.set(
+                        lease_key, token, nx=True, px=int(policy.lease_seconds * 1000)
+                    )
+                    self._state.succeeded()
+                except redis.RedisError as exc:
+                    self._state.failed(exc)
+                    return _alone(compute, policy, CoordinationUnavailableError), Role.ALONE
+                if leader:
+                    return self._lead(key, lease_key, settled_key, token, fingerprint, compute, policy), Role.LEADER
+                if time.monotonic() >= deadline:
+                    log.warning("gave up waiting for the holder of %s", lease_key)
+                    return _alone(compute, policy, StillRunningError), Role.ALONE
+                if not waiting:
+                    waiting = True
+                    metrics.INFLIGHT_WAITS.inc()
+                time.sleep(pause)
+                pause = min(pause * 1.5, POLL_MAX_SECONDS)
+        finally:
+            if waiting:
+                metrics.INFLIGHT_WAITS.dec()
+
+    def _lead(self, key, lease_key, settled_key, token, fingerprint, compute, policy: FlightPolicy) -> ResponseRecord:
+        computed = compute()
+        record = ResponseRecord(computed.status, computed.body, computed.headers, fingerprint)
+        ttl = policy.keep_for(record)
+        try:
+            pipe = self._state.client.pipeline(transaction=False)
+            if ttl is not None:
+                pipe.set(key, record.encode(), ex=ttl)
+            else:
+                pipe.set(settled_key, record.encode(), ex=SETTLED_TTL_SECONDS)
+            pipe.execute()
+            self._release(keys=[lease_key], args=[token])
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+        return record
+
+    @staticmethod
+    def _check(record: ResponseRecord, fingerprint: str) -> ResponseRecord:
+        if record.fingerprint != fingerprint:
+            raise FingerprintMismatchError
+        return record
+
+
+def _alone(compute: Callable[[], ResponseRecord], policy: FlightPolicy, refusal: type[Exception]) -> ResponseRecord:
+    if policy.strict:
+        raise refusal
+    return compute()

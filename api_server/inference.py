@@ -1,0 +1,117 @@
+"""The inference service: validates a predict body, submits it to its model's queue and awaits the reply.
+
+It knows nothing of HTTP: sync predict, jobs, the cache, coalescing and idempotency build on `prepare`,
+`submit` and `run` as separate steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+
+from api_server.dispatch import DispatchTimings, InferenceDispatcher
+from api_server.errors import ApiError
+from api_server.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
+from contract import naming
+from contract.catalog import ModelSpec
+from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
+from contract.payloads import PayloadCodec, PayloadError
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: parameters resolved, input images decoded, nothing uploaded or published yet."""
+
+    request_id: str
+    spec: ModelSpec
+    body: PredictBody
+    params: GenerationParameters
+    images: list[bytes | None]
+    priority: naming.Priority
+
+    @property
+    def deterministic(self) -> bool:
+        """An explicit seed makes the output a function of the request: cacheable and coalescible."""
+        return self.body.parameters.seed is not None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [instance.prompt for instance in self.body.instances]
+
+
+class InferenceService:
+    def __init__(
+        self,
+        dispatcher: InferenceDispatcher,
+        payloads: PayloadCodec,
+        job_deadline_seconds: int,
+        high_priority_keys: frozenset[str] = frozenset(),
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._payloads = payloads
+        self._job_deadline_seconds = job_deadline_seconds
+        self._high_priority_keys = high_priority_keys
+
+    def prepare(self, spec: ModelSpec, payload: object, request_id: str, key_digest: str) -> PreparedRequest:
+        body = parse_body(payload)
+        params = resolve_parameters(body, spec)
+        priority = body.parameters.priority or "normal"
+        if priority == "high" and key_digest not in self._high_priority_keys:
+            raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")
+        images = [
+            decode_input_image(instance.image, f"instances.{index}.image", spec.limits.max_input_pixels)
+            if instance.image
+            else None
+            for index, instance in enumerate(body.instances)
+        ]
+        return PreparedRequest(request_id, spec, body, params, images, priority)
+
+    def job_deadline_ms(self) -> int:
+        return int((time.time() + self._job_deadline_seconds) * 1000)
+
+    def submit(self, prepared: PreparedRequest, deadline_ms: int) -> None:
+        """Publishes the request and returns at once (a job); raises 503 if the queue is unreachable."""
+        self._dispatcher.submit(self._request(prepared), prepared.spec, deadline_ms, prepared.priority)
+
+    def run(self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int) -> InferenceReply | None:
+        """Publishes and waits up to the model's request timeout; None if no reply came by then."""
+        return self._dispatcher.run(self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms)
+
+    def predictions(self, reply: InferenceReply) -> list[dict]:
+        return [self._prediction_json(prediction) for prediction in reply.predictions]
+
+    def _request(self, prepared: PreparedRequest) -> InferenceRequest:
+        instances = [
+            RequestInstance(
+                prompt=prompt,
+                image=None
+                if image is None
+                else self._payloads.pack(
+                    image,
+                    naming.input_object(prepared.request_id, index),
+                    content_type="application/octet-stream",
+                ),
+            )
+            for index, (prompt, image) in enumerate(zip(prepared.prompts, prepared.images, strict=True))
+        ]
+        return InferenceRequest(
+            request_id=prepared.request_id,
+            model=prepared.spec.name,
+            model_version=prepared.spec.version,
+            instances=instances,
+            parameters=prepared.params,
+        )
+
+    def _prediction_json(self, prediction) -> dict:
+        try:
+            png = self._payloads.unpack(prediction.image)
+        except PayloadError as exc:
+            raise ApiError(500, f"result unavailable: {exc}") from exc
+        return {
+            "image_b64": base64.b64encode(png).decode("ascii"),
+            "mime_type": "image/png",
+            "seed": prediction.seed,
+            "width": prediction.width,
+            "height": prediction.height,
+        }

@@ -1,0 +1,89 @@
+"""Jobs: POST /v1/models/<model>/jobs submits and answers 202; GET /v1/jobs/<id> reads; DELETE cancels."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import redis
+from flask import Blueprint, current_app, jsonify, request
+
+from api_server import metrics
+from api_server.errors import ApiError
+from api_server.jobs import JobState
+from api_server.routes.predict import REPLY_STATUS_HTTP, accept
+
+bp = Blueprint("jobs", __name__)
+FINISHED = ("succeeded", "failed", "expired")
+
+
+@bp.post("/v1/models/<model>/jobs")
+def submit(model: str):
+    return accept(model, respond_async=True)
+
+
+@bp.get("/v1/jobs/<job_id>")
+def read(job_id: str):
+    job = _owned_job(job_id)
+    metrics.JOB_STATES.labels(job.status).inc()
+    return jsonify(_view(job))
+
+
+@bp.delete("/v1/jobs/<job_id>")
+def cancel(job_id: str):
+    job = _owned_job(job_id)
+    if job.status in FINISHED:
+        raise ApiError(409, f"job {job_id} already finished ({job.status})")
+    if job.status != "cancelled":
+        serving = current_app.extensions["maas_serving"]
+        _guarded(lambda: serving.jobs.cancel(job_id))
+        metrics.JOBS.labels("cancelled").inc()
+        job.status, job.progress = "cancelled", None
+    return jsonify(_view(job))
+
+
+def _owned_job(job_id: str) -> JobState:
+    services = current_app.extensions["maas"]
+    key_id = services.auth.authenticate(request)
+    serving = current_app.extensions["maas_serving"]
+    job = _guarded(lambda: serving.jobs.get(job_id, key_id)) if len(job_id) <= 64 else None
+    if job is None:  # another key's job is as absent as one that never existed
+        raise ApiError(404, f"no job {job_id!r}")
+    return job
+
+
+def _guarded(action):
+    serving = current_app.extensions["maas_serving"]
+    try:
+        result = action()
+    except redis.RedisError as exc:
+        serving.redis.failed(exc)
+        raise ApiError(503, "job store unavailable, retry later", headers={"Retry-After": "5"}) from exc
+    serving.redis.succeeded()
+    return result
+
+
+def _view(job: JobState) -> dict:
+    view: dict = {
+        "id": job.job_id,
+        "status": job.status,
+        "model": job.model,
+        "model_version": job.model_version,
+        "created_at": datetime.fromtimestamp(job.created_ms / 1000, UTC).isoformat(),
+        "links": {"self": f"/v1/jobs/{job.job_id}"},
+    }
+    if job.progress is not None:
+        view["progress"] = {"step": job.progress.step, "total": job.progress.total}
+    reply = job.reply
+    if reply is not None and job.status == "succeeded":
+        serving = current_app.extensions["maas_serving"]
+        view["result"] = {
+            "predictions": serving.inference.predictions(reply),
+            "timings_ms": {"queue": round(reply.queue_ms, 2), "inference": round(reply.inference_ms, 2)},
+        }
+    elif reply is not None:
+        view["error"] = {
+            "code": REPLY_STATUS_HTTP[reply.status],
+            "message": reply.error or f"model worker answered {reply.status}",
+            "kind": reply.error_kind,
+        }
+    return view

@@ -1,0 +1,48 @@
+"""What the predict and job routes build on, beside `Services`: the inference service, the shared flights
+(cache, coalescing, idempotency) and the job store, each over Redis that may be down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from api_server.flights import SharedFlights
+from api_server.inference import InferenceService
+from api_server.jobs import JobStore
+from api_server.options import ApiOptions
+from api_server.redis_state import RedisState
+from api_server.services import api_redis_client
+from contract.results import ResultStore
+from contract.settings import Settings
+
+
+@dataclass
+class Serving:
+    options: ApiOptions
+    inference: InferenceService
+    redis: RedisState
+    # The cache's flights run on MAAS_CACHE_REDIS_URL when set (an instance of its own with allkeys-lru).
+    cache_flights: SharedFlights
+    flights: SharedFlights
+    jobs: JobStore
+    results: ResultStore
+
+
+def build_serving(settings: Settings, services, options: ApiOptions | None = None) -> Serving:
+    options = options or ApiOptions.from_env()
+    state = RedisState(services.redis, options.redis_retry_seconds)
+    cache_state = state
+    if options.cache_redis_url:
+        cache_state = RedisState(api_redis_client(options.cache_redis_url), options.redis_retry_seconds)
+    results = ResultStore(services.redis, settings.result_ttl_seconds)
+    high_priority = getattr(settings, "high_priority_key_sha256", frozenset())
+    return Serving(
+        options=options,
+        inference=InferenceService(
+            services.dispatcher, services.payloads, options.job_deadline_seconds, frozenset(high_priority)
+        ),
+        redis=state,
+        cache_flights=SharedFlights(cache_state),
+        flights=SharedFlights(state),
+        jobs=JobStore(services.redis, results, settings.result_ttl_seconds),
+        results=results,
+    )
