@@ -34,11 +34,10 @@ def build_serving(settings: Settings, services, options: ApiOptions | None = Non
     if options.cache_redis_url:
         cache_state = RedisState(api_redis_client(options.cache_redis_url), options.redis_retry_seconds)
     results = ResultStore(services.redis, settings.result_ttl_seconds)
-    high_priority = getattr(settings, "high_priority_key_sha256", frozenset())
     return Serving(
         options=options,
         inference=InferenceService(
-            services.dispatcher, services.payloads, options.job_deadline_seconds, frozenset(high_priority)
+            services.dispatcher, services.payloads, options.job_deadline_seconds, settings.high_priority_key_sha256
         ),
         redis=state,
         cache_flights=SharedFlights(cache_state),

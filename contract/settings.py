@@ -60,6 +60,8 @@ class Settings:
     max_request_bytes: int = 8 * 1024 * 1024
     result_ttl_seconds: int = 3600
     api_key_sha256: frozenset[str] = field(default_factory=frozenset)
+    # API keys (by SHA-256 digest) allowed to send `priority: high`; MAAS_HIGH_PRIORITY_KEYS for local use.
+    high_priority_key_sha256: frozenset[str] = field(default_factory=frozenset)
     instance_id: str = ""
     # Worker
     models: tuple[str, ...] = ()
@@ -109,6 +111,12 @@ class Settings:
             max_request_bytes=int(env.get("MAAS_MAX_REQUEST_BYTES", cls.max_request_bytes)),
             result_ttl_seconds=int(env.get("MAAS_RESULT_TTL_SECONDS", cls.result_ttl_seconds)),
             api_key_sha256=frozenset(digests),
+            high_priority_key_sha256=frozenset(
+                {
+                    *_csv(env.get("MAAS_HIGH_PRIORITY_KEY_SHA256")),
+                    *(api_key_digest(key) for key in _csv(env.get("MAAS_HIGH_PRIORITY_KEYS"))),
+                }
+            ),
             instance_id=instance.lower().replace("_", "-").replace(".", "-"),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
