@@ -4,42 +4,64 @@ VENV := .venv
 VENV_BQ := .venv-bq
 VENV_CHECKOV := .venv-checkov
 PY := $(VENV)/bin/python
+# One install step: says what it does, runs it, says how long it took. $(call step,what,command)
+step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done in %ss\n' $$(( $$(date +%s) - started ))
 
 .PHONY: analytics install run up down test test-fast lint format bench clean system-deps
+
+.PHONY: status restart bootstrap
 
 install: system-deps $(VENV)/.installed $(VENV_BQ)/.installed
 
 # Redis comes from Debian; the Pub/Sub emulator (Cloud SDK) and Java are expected on the machine.
 system-deps:
 	@command -v redis-server >/dev/null || { \
-	  echo "Installing redis-server from Debian"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	  echo "==> Installing redis-server from Debian"; started=$$(date +%s); \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null && \
+	  echo "    done in $$(( $$(date +%s) - started ))s"; }
 	@command -v java >/dev/null || { echo "Java is required by the Pub/Sub emulator" >&2; exit 1; }
 	@command -v gcloud >/dev/null || { echo "The Google Cloud SDK (Pub/Sub emulator) is required" >&2; exit 1; }
 
 $(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt
-	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
-	touch $@
+	$(call step,Creating the virtualenv $(VENV),test -d $(VENV) || $(PYTHON) -m venv $(VENV))
+	$(call step,Installing requirements-dev.txt into $(VENV) (torch CPU and diffusers: about two minutes the first time),$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt)
+	@touch $@
 
 $(VENV_BQ)/.installed: requirements-bq.txt
-	test -d $(VENV_BQ) || $(PYTHON) -m venv $(VENV_BQ)
-	$(VENV_BQ)/bin/pip install -q --disable-pip-version-check -r requirements-bq.txt
-	touch $@
+	$(call step,Creating the virtualenv $(VENV_BQ) (the BigQuery emulator),test -d $(VENV_BQ) || $(PYTHON) -m venv $(VENV_BQ))
+	$(call step,Installing requirements-bq.txt into $(VENV_BQ),$(VENV_BQ)/bin/pip install -q --disable-pip-version-check -r requirements-bq.txt)
+	@touch $@
 
 $(VENV_CHECKOV)/.installed: requirements-checkov.txt
-	test -d $(VENV_CHECKOV) || $(PYTHON) -m venv $(VENV_CHECKOV)
-	$(VENV_CHECKOV)/bin/pip install -q --disable-pip-version-check -r requirements-checkov.txt
-	touch $@
+	$(call step,Creating the virtualenv $(VENV_CHECKOV) (the Terraform scanner),test -d $(VENV_CHECKOV) || $(PYTHON) -m venv $(VENV_CHECKOV))
+	$(call step,Installing requirements-checkov.txt into $(VENV_CHECKOV),$(VENV_CHECKOV)/bin/pip install -q --disable-pip-version-check -r requirements-checkov.txt)
+	@touch $@
 
+# The stack: `run` in the foreground, `up` in the background (both supervise the API and the workers).
 run: install
-	$(PY) -m emulators.stack run
+	@$(PY) -m emulators.stack run
 
 up: install
-	$(PY) -m emulators.stack up
+	@$(PY) -m emulators.stack up
 
 down:
-	@test -x $(PY) && $(PY) -m emulators.stack down || true
+	@if test -x $(PY); then $(PY) -m emulators.stack down; else echo "Nothing is running (no $(VENV) yet)."; fi
+
+# Each component with its pid, port and health; exit status 1 when one is not healthy, 3 when none runs.
+status: $(VENV)/.installed
+	@$(PY) -m emulators.stack status
+
+# Restart one component on purpose: make restart COMPONENT=api, or make restart-api (names: make status).
+restart: $(VENV)/.installed
+	@test -n "$(COMPONENT)" || { echo "usage: make restart COMPONENT=<name> (see make status)" >&2; exit 2; }
+	@$(PY) -m emulators.stack restart $(COMPONENT)
+
+restart-%: $(VENV)/.installed
+	@$(PY) -m emulators.stack restart $*
+
+# Re-create whatever is missing (topics, subscriptions, buckets, table, views), e.g. after a Pub/Sub restart.
+bootstrap: $(VENV)/.installed
+	@$(PY) -m emulators.stack bootstrap
 
 # The infrastructure tests run checkov from its own virtualenv.
 test: install $(VENV_CHECKOV)/.installed

@@ -2,7 +2,8 @@
 
 import os
 
-bind = f"0.0.0.0:{os.environ.get('PORT', '8080')}"
+# All interfaces in the container (Cloud Run routes to it); the local stack sets MAAS_API_HOST=127.0.0.1.
+bind = f"{os.environ.get('MAAS_API_HOST', '0.0.0.0')}:{os.environ.get('PORT', '8080')}"  # noqa: S104
 workers = int(os.environ.get("MAAS_API_WORKERS", "2"))
 # Requests spend their time waiting for a reply, not computing: threads, not processes, carry them.
 worker_class = "gthread"

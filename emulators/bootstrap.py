@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from string import Template
 
@@ -18,23 +19,31 @@ log = logging.getLogger(__name__)
 ANALYTICS_SQL_DIR = Path(__file__).resolve().parent.parent / "infra" / "sql"
 
 
-def bootstrap(settings: Settings, catalog: ModelCatalog) -> None:
-    bootstrap_pubsub(settings, catalog)
-    bootstrap_storage(settings)
-    bootstrap_bigquery(settings)
+def bootstrap(settings: Settings, catalog: ModelCatalog) -> list[str]:
+    """Creates whatever is missing; returns the names of what it created (empty when all was there)."""
+    return [*bootstrap_pubsub(settings, catalog), *bootstrap_storage(settings), *bootstrap_bigquery(settings)]
 
 
-def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
+def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> list[str]:
     project = settings.project_id
     publisher = pubsub_v1.PublisherClient()
     subscriber = pubsub_v1.SubscriberClient()
+    created: list[str] = []
+
+    def topic(name: str) -> None:
+        if ensure_topic(publisher, name):
+            created.append(name)
+
+    def subscription(request: dict) -> None:
+        if ensure_subscription(subscriber, request):
+            created.append(request["name"])
+
     with subscriber:
-        ensure_topic(publisher, publisher.topic_path(project, naming.REPLIES_TOPIC))
+        topic(publisher.topic_path(project, naming.REPLIES_TOPIC))
         for spec in catalog.models.values():
             dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
-            ensure_topic(publisher, dead_letter)
-            ensure_subscription(
-                subscriber,
+            topic(dead_letter)
+            subscription(
                 {
                     "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name)),
                     "topic": dead_letter,
@@ -42,13 +51,12 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
                 },
             )
             for priority in naming.PRIORITIES:
-                topic = publisher.topic_path(project, naming.request_topic(spec.name, priority))
-                ensure_topic(publisher, topic)
-                ensure_subscription(
-                    subscriber,
+                request_topic = publisher.topic_path(project, naming.request_topic(spec.name, priority))
+                topic(request_topic)
+                subscription(
                     {
                         "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name, priority)),
-                        "topic": topic,
+                        "topic": request_topic,
                         "ack_deadline_seconds": spec.ack_deadline_seconds,
                         "dead_letter_policy": {
                             "dead_letter_topic": dead_letter,
@@ -58,44 +66,64 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> None:
                     },
                 )
 
+    return created
 
-def ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> None:
+
+def ensure_topic(publisher: pubsub_v1.PublisherClient, topic: str) -> bool:
+    """Creates the topic unless it exists; True when it was created."""
     try:
         publisher.create_topic(request={"name": topic})
-        log.info("created topic %s", topic)
     except exceptions.AlreadyExists:
-        pass
+        return False
+    log.info("created topic %s", topic)
+    return True
 
 
-def ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -> None:
+def ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -> bool:
+    """Creates the subscription unless it exists; True when it was created."""
     try:
         subscriber.create_subscription(request=request)
-        log.info("created subscription %s", request["name"])
     except exceptions.AlreadyExists:
-        pass
+        return False
+    log.info("created subscription %s", request["name"])
+    return True
 
 
-def bootstrap_storage(settings: Settings) -> None:
+def bootstrap_storage(settings: Settings) -> list[str]:
     client = clients.storage_client(settings)
+    created = []
     for name in (settings.model_bucket, settings.payload_bucket):
         try:
             client.create_bucket(name)
-            log.info("created bucket %s", name)
         except exceptions.Conflict:
-            pass
+            continue
+        log.info("created bucket %s", name)
+        created.append(f"gs://{name}")
+    return created
 
 
-def bootstrap_bigquery(settings: Settings) -> None:
+def bootstrap_bigquery(settings: Settings) -> list[str]:
     client = clients.bigquery_client(settings)
-    dataset = bigquery.Dataset(f"{settings.project_id}.{settings.dataset}")
-    client.create_dataset(dataset, exists_ok=True)
+    created = []
+
+    def ensure(table: bigquery.Table | bigquery.Dataset, create: Callable) -> None:
+        name = f"{table.project}.{table.dataset_id}" + (f".{table.table_id}" if hasattr(table, "table_id") else "")
+        try:
+            create(table)
+        except exceptions.Conflict:
+            return
+        log.info("created %s", name)
+        created.append(name)
+
+    ensure(bigquery.Dataset(f"{settings.project_id}.{settings.dataset}"), client.create_dataset)
     table = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{settings.log_table}", schema=bigquery_schema())
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
-    client.create_table(table, exists_ok=True)
+    ensure(table, client.create_table)
     for path in sorted(ANALYTICS_SQL_DIR.glob("*.sql")):
         # The same files and template variables Terraform's templatefile() uses.
         query = Template(path.read_text()).substitute(project_id=settings.project_id, dataset=settings.dataset)
         view = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{path.stem}")
         view.view_query = query
-        client.create_table(view, exists_ok=True)
+        ensure(view, client.create_table)
+    return created

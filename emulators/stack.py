@@ -1,16 +1,22 @@
-"""The whole local stack: emulators, bootstrap, tiny model, API server and one worker per catalog model.
+"""The whole local stack: emulators, bootstrap, tiny model, API server, one worker per deployment, a supervisor.
 
-    python -m emulators.stack run    # foreground; Ctrl-C stops everything
-    python -m emulators.stack up     # background; returns once the API answers ready
-    python -m emulators.stack down   # stops what `up` started, by PID
+    python -m emulators.stack run              # foreground; Ctrl-C stops everything
+    python -m emulators.stack up               # background; returns once the API and every worker are ready
+    python -m emulators.stack down             # stops what `up` started, by PID
+    python -m emulators.stack status           # each component: pid, port, health
+    python -m emulators.stack restart NAME     # restarts one component (api, worker-..., pubsub, gcs, bigquery, redis)
+    python -m emulators.stack bootstrap        # re-creates topics, subscriptions, buckets, table and views
+    python -m emulators.stack supervise        # what `up` runs in the background: restarts the API and workers
 
 Ports and the stack directory come from MAAS_STACK_* variables (see the README); the tests start a
-second stack beside a developer's with MAAS_STACK_PORT_OFFSET.
+second stack beside a developer's with MAAS_STACK_PORT_OFFSET. Once a stack is up, its settings are
+recorded in `<stack dir>/stack.json`, and every later command on that directory uses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,19 +24,30 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from contract.catalog import load_catalog
 from contract.settings import LOCAL_DEFAULT_API_KEY
-from emulators.processes import ProcessRegistry, StartupError, http_ok, redis_ok
+from emulators.processes import (
+    ProcessRegistry,
+    StartupError,
+    http_ok,
+    http_probe,
+    redis_ok,
+    wait_port_free,
+)
 
 log = logging.getLogger("emulators.stack")
 ROOT = Path(__file__).resolve().parent.parent
 EMULATORS = ("pubsub", "gcs", "bigquery", "redis")
+SUPERVISOR = "supervisor"
 # The synthetic `noop` and `sleep` models, served locally beside the catalog's diffusion models.
 LOCAL_CATALOG_OVERLAY = ROOT / "contract" / "models.local.yaml"
+LOCAL_HOST = "127.0.0.1"
 
 
 def local_catalog():
@@ -61,6 +78,29 @@ class StackConfig:
             api_keys=keys or LOCAL_DEFAULT_API_KEY,
             api_keys_from_env=bool(keys),
         )
+
+    @property
+    def record_path(self) -> Path:
+        return self.stack_dir / "stack.json"
+
+    def save(self) -> None:
+        """Records the settings, so `status`, `restart` and the supervisor act on the stack as it was started."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        settings = {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}
+        record = {"api_url": self.api_url, **self.client_env(), "config": settings}
+        self.stack_dir.mkdir(parents=True, exist_ok=True)
+        self.record_path.write_text(json.dumps(record, indent=2))
+        self.record_path.chmod(0o600)  # it holds the stack's API keys
+
+    @classmethod
+    def load(cls, stack_dir: Path) -> StackConfig | None:
+        try:
+            settings = json.loads((stack_dir / "stack.json").read_text())["config"]
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+        known = {f.name: f for f in fields(cls)}
+        values = {k: Path(v) if k in ("stack_dir", "tiny_model_dir") else v for k, v in settings.items() if k in known}
+        return cls(**values)
 
     def port(self, default: int) -> int:
         return default + self.port_offset
@@ -94,7 +134,7 @@ class StackConfig:
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"http://{LOCAL_HOST}:{self.api_port}"
 
     def client_env(self) -> dict[str, str]:
         """What a process needs to reach this stack's emulators through the official clients."""
@@ -117,6 +157,21 @@ class StackConfig:
         env["MAAS_CATALOG_OVERLAY"] = str(LOCAL_CATALOG_OVERLAY)
         env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode})
         return env
+
+
+@dataclass(frozen=True)
+class Component:
+    """One process of the stack: how it starts, where it listens, how to tell it has started and is healthy."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(repr=False)
+    cwd: Path | None
+    port: int | None
+    started: Callable[[], bool] = field(repr=False)
+    health: Callable[[], tuple[bool, str]] = field(repr=False)
+    start_timeout: float = 60.0
+    supervised: bool = False
 
 
 def pubsub_emulator_binary() -> str:
@@ -144,78 +199,241 @@ def bigquery_python() -> str:
     return str(python)
 
 
-def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:
+def _http_health(url: str) -> Callable[[], tuple[bool, str]]:
+    def health() -> tuple[bool, str]:
+        status, body = http_probe(url)
+        if 200 <= status < 300:
+            return True, "ready"
+        if status == 0:
+            return False, body
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # the API answers JSON, workers plain text
+            body = json.loads(body)["error"]["message"]
+        return False, f"{status}: {body}"
+
+    return health
+
+
+def _url_started(url: str) -> Callable[[], bool]:
+    return lambda: http_ok(url)
+
+
+def emulator_components(config: StackConfig) -> list[Component]:
     env = {**os.environ, "BQEMU_ENABLE_FORMAT_EXTENSIONS": "false"}
     data = config.stack_dir / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    registry.start(
-        "pubsub",
-        [pubsub_emulator_binary(), "--host=127.0.0.1", f"--port={config.pubsub_port}"],
+    pubsub_url = f"http://{LOCAL_HOST}:{config.pubsub_port}/"
+    gcs_url = f"http://{LOCAL_HOST}:{config.gcs_port}/storage/v1/b"
+    bigquery_url = f"http://{LOCAL_HOST}:{config.bigquery_port}/bigquery/v2/projects/{config.project_id}/datasets"
+    return [
+        Component(
+            "pubsub",
+            (pubsub_emulator_binary(), f"--host={LOCAL_HOST}", f"--port={config.pubsub_port}"),
+            env,
+            data,
+            config.pubsub_port,
+            _url_started(pubsub_url),
+            _http_health(pubsub_url),
+        ),
+        Component(
+            "gcs",
+            # On disk, so a restart keeps the buckets, the uploaded model and the payloads.
+            (
+                gcs_emulator_binary(),
+                "-scheme",
+                "http",
+                "-host",
+                LOCAL_HOST,
+                "-port",
+                str(config.gcs_port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(data / "gcs"),
+                "-public-host",
+                f"{LOCAL_HOST}:{config.gcs_port}",
+                "-log-level",
+                "warn",
+            ),  # fmt: skip
+            env,
+            data,
+            config.gcs_port,
+            _url_started(gcs_url),
+            _http_health(gcs_url),
+        ),
+        Component(
+            "bigquery",
+            # --data-dir makes the emulator file-backed (DuckDB): tables and rows survive a restart.
+            (
+                bigquery_python(),
+                str(ROOT / "emulators" / "bigquery_launcher.py"),
+                f"--rest-host={LOCAL_HOST}",
+                f"--rest-port={config.bigquery_port}",
+                f"--grpc-host={LOCAL_HOST}",
+                f"--grpc-port={config.bigquery_grpc_port}",
+                f"--data-dir={data / 'bigquery'}",
+                f"--project={config.project_id}",
+                "--log-level=warning",
+            ),  # fmt: skip
+            env,
+            data,
+            config.bigquery_port,
+            _url_started(bigquery_url),
+            _http_health(bigquery_url),
+        ),
+        Component(
+            "redis",
+            # Loopback only, no persistence: results and progress are caches.
+            (
+                "redis-server",
+                "--port",
+                str(config.redis_port),
+                "--bind",
+                LOCAL_HOST,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ),
+            dict(os.environ),
+            data,
+            config.redis_port,
+            lambda: redis_ok(config.redis_port),
+            lambda: (True, "ready") if redis_ok(config.redis_port) else (False, "not answering PING"),
+            start_timeout=15,
+        ),
+    ]
+
+
+def api_component(config: StackConfig) -> Component:
+    env = {
+        **config.service_env(),
+        "PORT": str(config.api_port),
+        "MAAS_API_HOST": LOCAL_HOST,
+        "MAAS_API_WORKERS": str(config.api_workers),
+    }
+    argv = (sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.wsgi:app")
+    return Component(
+        "api",
+        argv,
         env,
-        cwd=data,
+        ROOT,
+        config.api_port,
+        _url_started(f"{config.api_url}/healthz"),
+        _http_health(f"{config.api_url}/readyz"),
+        supervised=True,
     )
-    registry.start(
-        "gcs",
-        [
-            gcs_emulator_binary(),
-            "-scheme",
-            "http",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(config.gcs_port),
-            "-backend",
-            "memory",
-            "-public-host",
-            f"127.0.0.1:{config.gcs_port}",
-            "-log-level",
-            "warn",
-        ],  # fmt: skip
+
+
+def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
+    """The environment of the worker serving one deployment (a group of catalog models)."""
+    models = [spec.name for spec in local_catalog().deployments()[deployment]]
+    return {
+        **config.service_env(),
+        "MAAS_MODELS": ",".join(models),
+        "MAAS_WORKER_HEALTH_PORT": str(config.worker_health_port(index)),
+        "MAAS_WORKER_HEALTH_HOST": LOCAL_HOST,
+        "MAAS_WEIGHTS_CACHE_DIR": str(config.stack_dir / "weights"),
+        # Workers share this machine's cores; one thread each keeps them from thrashing.
+        "MAAS_TORCH_THREADS": "1",
+    }
+
+
+def worker_components(config: StackConfig) -> list[Component]:
+    """One worker per deployment, its probe port numbered in catalog order."""
+    workers = []
+    for index, deployment in enumerate(local_catalog().deployments()):
+        probes = f"http://{LOCAL_HOST}:{config.worker_health_port(index)}"
+        workers.append(
+            Component(
+                f"worker-{deployment}",
+                (sys.executable, "-m", "model_worker"),
+                worker_env(config, deployment, index),
+                ROOT,
+                config.worker_health_port(index),
+                _url_started(f"{probes}/startupz"),
+                _http_health(f"{probes}/readyz"),
+                start_timeout=180,
+                supervised=True,
+            )
+        )
+    return workers
+
+
+def supervisor_component(config: StackConfig) -> Component:
+    env = {**os.environ, "MAAS_STACK_DIR": str(config.stack_dir), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    registry = ProcessRegistry(config.stack_dir)
+    return Component(
+        SUPERVISOR,
+        (sys.executable, "-m", "emulators.stack", "supervise"),
         env,
+        ROOT,
+        None,
+        lambda: registry.is_running(SUPERVISOR),
+        lambda: (True, "running") if registry.is_running(SUPERVISOR) else (False, "not running"),
+        start_timeout=10,
     )
-    registry.start(
-        "bigquery",
-        [
-            bigquery_python(),
-            str(ROOT / "emulators" / "bigquery_launcher.py"),
-            f"--rest-port={config.bigquery_port}",
-            f"--grpc-port={config.bigquery_grpc_port}",
-            f"--project={config.project_id}",
-            "--log-level=warning",
-        ],
-        env,
-        cwd=data,
-    )
-    start_redis(config, registry)
-    registry.wait_until("pubsub", lambda: http_ok(f"http://127.0.0.1:{config.pubsub_port}/"), timeout=60)
-    registry.wait_until("gcs", lambda: http_ok(f"http://127.0.0.1:{config.gcs_port}/storage/v1/b"), timeout=30)
-    registry.wait_until(
-        "bigquery",
-        lambda: http_ok(f"http://127.0.0.1:{config.bigquery_port}/bigquery/v2/projects/{config.project_id}/datasets"),
-        timeout=60,
-    )
-    registry.wait_until("redis", lambda: redis_ok(config.redis_port), timeout=15)
+
+
+def components(config: StackConfig) -> dict[str, Component]:
+    """Every process of the stack, in start order."""
+    parts = [*emulator_components(config), api_component(config), *worker_components(config)]
+    parts.append(supervisor_component(config))
+    return {part.name: part for part in parts}
+
+
+def start_component(registry: ProcessRegistry, component: Component) -> subprocess.Popen:
+    if component.port is not None and not wait_port_free(component.port, timeout=10):
+        raise StartupError(f"{component.name}: port {component.port} is in use by a process this stack did not start")
+    if component.cwd is not None:
+        component.cwd.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    process = registry.start(component.name, component.argv, component.env, cwd=component.cwd)
+    log.debug("%s started (pid %d) in %.1fs", component.name, process.pid, time.monotonic() - started)
+    return process
+
+
+def _start_and_wait(config: StackConfig, registry: ProcessRegistry, names: list[str]) -> None:
+    """Starts `names` together, then waits for each to answer, with one line per component."""
+    parts = components(config)
+    started = time.monotonic()
+    for name in names:
+        start_component(registry, parts[name])
+    for name in names:
+        part = parts[name]
+        registry.wait_until(name, part.started, timeout=part.start_timeout)
+        port = f", port {part.port}" if part.port else ""
+        log.info("%s up (pid %s%s) after %.1fs", name, registry.pid(name), port, time.monotonic() - started)
+
+
+def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:
+    _start_and_wait(config, registry, list(EMULATORS))
 
 
 def start_redis(config: StackConfig, registry: ProcessRegistry) -> None:
-    """Redis on the stack's port, loopback only, no persistence: results and progress are caches."""
-    data = config.stack_dir / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    registry.start(
-        "redis",
-        ["redis-server", "--port", str(config.redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        dict(os.environ),
-        cwd=data,
-    )
+    """Starts Redis without waiting (a restart in the tests uses the command the stack uses)."""
+    start_component(registry, components(config)["redis"])
 
 
-def bootstrap_resources(config: StackConfig) -> None:
+def start_api(config: StackConfig, registry: ProcessRegistry) -> None:
+    start_component(registry, api_component(config))
+
+
+def start_workers(config: StackConfig, registry: ProcessRegistry) -> list[str]:
+    """One worker per deployment; returns the process names."""
+    names = []
+    for worker in worker_components(config):
+        start_component(registry, worker)
+        names.append(worker.name)
+    return names
+
+
+def bootstrap_resources(config: StackConfig) -> list[str]:
+    """Creates what is missing (topics, subscriptions, buckets, dataset, table, views); returns what it created."""
     from contract.settings import Settings
     from emulators.bootstrap import bootstrap
 
     os.environ.update(config.client_env())
     settings = Settings.from_env({**os.environ, "MAAS_CATALOG_OVERLAY": str(LOCAL_CATALOG_OVERLAY)})
-    bootstrap(settings, settings.catalog())
+    return bootstrap(settings, settings.catalog())
 
 
 def publish_tiny_model(config: StackConfig) -> None:
@@ -232,105 +450,212 @@ def publish_tiny_model(config: StackConfig) -> None:
         raise StartupError(f"tiny model build/upload failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
 
 
-def start_api(config: StackConfig, registry: ProcessRegistry) -> None:
-    env = {**config.service_env(), "PORT": str(config.api_port), "MAAS_API_WORKERS": str(config.api_workers)}
-    argv = [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.wsgi:app"]
-    registry.start("api", argv, env, cwd=ROOT)
+def running(registry: ProcessRegistry) -> list[str]:
+    return [name for name in registry.names() if registry.is_running(name)]
 
 
-def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
-    """The environment of the worker serving one deployment (a group of catalog models)."""
-    models = [spec.name for spec in local_catalog().deployments()[deployment]]
-    return {
-        **config.service_env(),
-        "MAAS_MODELS": ",".join(models),
-        "MAAS_WORKER_HEALTH_PORT": str(config.worker_health_port(index)),
-        "MAAS_WORKER_HEALTH_HOST": "127.0.0.1",
-        "MAAS_WEIGHTS_CACHE_DIR": str(config.stack_dir / "weights"),
-        # Workers share this machine's cores; one thread each keeps them from thrashing.
-        "MAAS_TORCH_THREADS": "1",
-    }
+def recorded_or(config: StackConfig) -> StackConfig:
+    """The settings the stack in `config.stack_dir` was started with, if it was; else `config`."""
+    return StackConfig.load(config.stack_dir) or config
 
 
-def start_workers(config: StackConfig, registry: ProcessRegistry) -> list[str]:
-    """One worker per deployment; returns the process names."""
-    names = []
-    for index, deployment in enumerate(local_catalog().deployments()):
-        name = f"worker-{deployment}"
-        registry.start(name, [sys.executable, "-m", "model_worker"], worker_env(config, deployment, index), cwd=ROOT)
-        names.append(name)
-    return names
+def up(config: StackConfig, supervise: bool = True) -> StackConfig:
+    """Starts what is not running and returns once the API is ready and every worker has warmed up.
 
-
-def up(config: StackConfig) -> None:
-    """Starts everything and returns once the API is ready and every worker has warmed up."""
-    started = time.monotonic()
+    A stack already running in the same directory is left alone: `up` twice is `up` once. Components
+    missing from a partly running stack are started; on failure only what this call started is stopped.
+    """
+    begun = time.monotonic()
     registry = ProcessRegistry(config.stack_dir)
+    live = running(registry)
+    if live:
+        config = recorded_or(config)
+    for stale in set(registry.names()) - set(live):
+        registry.forget(stale)
+    wanted = [name for name in components(config) if supervise or name != SUPERVISOR]
+    missing = [name for name in wanted if name not in live]
+    if not missing:
+        log.info("the stack in %s is already up; nothing started", config.stack_dir)
+        return config
+    if live:
+        log.info("the stack in %s is partly up; starting %s", config.stack_dir, ", ".join(missing))
+    config.save()
+    before = set(live)
     try:
-        start_emulators(config, registry)
-        log.info("emulators ready in %.1fs", time.monotonic() - started)
-        bootstrap_resources(config)
-        start_api(config, registry)
-        publish_tiny_model(config)
-        workers = start_workers(config, registry)
-        registry.wait_until("api", lambda: http_ok(f"{config.api_url}/readyz"), timeout=60)
-        for index, name in enumerate(workers):
-            url = f"http://127.0.0.1:{config.worker_health_port(index)}/startupz"
-            registry.wait_until(name, lambda url=url: http_ok(url), timeout=180)
+        emulators = [name for name in EMULATORS if name in missing]
+        if emulators:
+            _start_and_wait(config, registry, emulators)
+        step = time.monotonic()
+        created = bootstrap_resources(config)
+        log.info("bootstrap: %d resources created in %.1fs", len(created), time.monotonic() - step)
+        services = [name for name in missing if name not in EMULATORS and name != SUPERVISOR]
+        if any(name.startswith("worker-") for name in services):
+            step = time.monotonic()
+            publish_tiny_model(config)
+            log.info("tiny model built and uploaded in %.1fs", time.monotonic() - step)
+        if services:
+            _start_and_wait(config, registry, services)
+            ready = components(config)["api"].health
+            registry.wait_until("api", lambda: ready()[0], timeout=60)
+        if SUPERVISOR in missing:
+            _start_and_wait(config, registry, [SUPERVISOR])
     except BaseException:
-        down(config)
+        started = [name for name in registry.names() if name not in before]
+        if started:
+            log.error("start-up failed; stopping what this command started: %s", ", ".join(started))
+            _stop(registry, started)
         raise
-    (config.stack_dir / "stack.json").write_text(
-        json.dumps({"api_url": config.api_url, **config.client_env()}, indent=2)
-    )
-    log.info("stack ready in %.1fs at %s", time.monotonic() - started, config.api_url)
+    log.info("stack ready in %.1fs at %s", time.monotonic() - begun, config.api_url)
+    return config
 
 
-def down(config: StackConfig) -> None:
+def _stop(registry: ProcessRegistry, names: list[str]) -> None:
+    """Supervisor first (so it restarts nothing), then API and workers, then emulators, then anything else."""
+    first = [name for name in names if name == SUPERVISOR]
+    emulators = [name for name in names if name in EMULATORS]
+    services = [name for name in names if name not in (*first, *emulators)]
+    registry.stop_all(stages=[first, services, emulators])
+
+
+def down(config: StackConfig) -> list[str]:
+    """Stops every process of the stack by PID; returns their names (empty when nothing was running)."""
     registry = ProcessRegistry(config.stack_dir)
-    workers = [name for name in registry.names() if name.startswith("worker-")]
-    registry.stop_all(stages=[[*workers, "api"], EMULATORS])
+    live = running(registry)
+    for stale in set(registry.names()) - set(live):
+        registry.forget(stale)
+    if live:
+        _stop(registry, live)
+    return live
 
 
-def banner(config: StackConfig) -> str:
+def restart(config: StackConfig, name: str) -> None:
+    """Stops one component and starts it again with the same command, port and environment."""
+    parts = components(config)
+    if name not in parts:
+        raise StartupError(f"unknown component {name!r}; one of: {', '.join(parts)}")
+    part = parts[name]
+    registry = ProcessRegistry(config.stack_dir)
+    begun = time.monotonic()
+    with registry.lock(name):  # the supervisor leaves it alone meanwhile
+        registry.stop(name)
+        start_component(registry, part)
+    registry.wait_until(name, part.started, timeout=part.start_timeout)
+    log.info("%s restarted (pid %s) in %.1fs", name, registry.pid(name), time.monotonic() - begun)
+    if name == "pubsub":
+        log.warning("the Pub/Sub emulator starts empty: run `make bootstrap` to re-create topics and subscriptions")
+
+
+def status(config: StackConfig) -> tuple[str, bool]:
+    """A table of every component (pid, port, uptime, health, restarts) and whether all are healthy."""
+    from emulators.supervisor import load_state
+
+    registry = ProcessRegistry(config.stack_dir)
+    restarts = load_state(config.stack_dir / "supervisor.json")
+    rows = [("component", "pid", "port", "up", "health")]
+    healthy = True
+    for name, part in components(config).items():
+        if registry.is_running(name):
+            ok, health = part.health()
+            count = restarts.get(name, {}).get("restarts", 0)
+            if count:
+                health += f" (restarted {count}x)"
+            uptime = _duration(registry.uptime(name) or 0)
+            pid = str(registry.pid(name))
+        else:
+            ok, health, uptime, pid = False, "stopped" if registry.pid(name) is None else "exited", "-", "-"
+        healthy &= ok
+        rows.append((name, pid, str(part.port or "-"), uptime, _short(health, config.project_id)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
+        for row in rows
+    ]
+    header = f"Stack in {config.stack_dir} (port offset {config.port_offset}), API {config.api_url}"
+    return "\n".join([header, *lines]), healthy
+
+
+def _short(health: str, project_id: str, limit: int = 160) -> str:
+    health = health.replace(f"projects/{project_id}/subscriptions/", "")
+    return health if len(health) <= limit else health[: limit - 3] + "..."
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def bootstrap_command(config: StackConfig) -> list[str]:
+    unreachable = [
+        f"{name} (port {part.port})"
+        for name, part in components(config).items()
+        if name in ("pubsub", "gcs", "bigquery") and not part.started()
+    ]
+    if unreachable:
+        raise StartupError(f"not answering: {', '.join(unreachable)}; is the stack up? (`make status`)")
+    begun = time.monotonic()
+    created = bootstrap_resources(config)
+    for name in created:
+        log.info("created %s", name)
+    log.info("bootstrap: %d created, the rest already there, in %.1fs", len(created), time.monotonic() - begun)
+    return created
+
+
+def supervise(config: StackConfig) -> None:
+    """Restarts the API and the workers when they exit, until SIGTERM; `up` runs it in the background."""
+    from emulators.supervisor import Supervisor
+
+    registry = ProcessRegistry(config.stack_dir)
+    parts = components(config)
+    starters = {
+        name: (lambda part=part: start_component(registry, part)) for name, part in parts.items() if part.supervised
+    }
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    Supervisor(registry, starters, watched=EMULATORS, state_path=config.stack_dir / "supervisor.json").run(stop)
+
+
+def banner(config: StackConfig, foreground: bool) -> str:
     model = load_catalog().names()[-1]  # a diffusion model; `noop` and `sleep` are served too
     key_note = (
         "" if config.api_keys_from_env else f"  (MAAS_API_KEYS is unset: using the local key {LOCAL_DEFAULT_API_KEY!r})"
     )
     key = config.api_keys.split(",")[0]
+    stop = "Ctrl-C stops everything." if foreground else "`make down` stops everything; `make status` shows it."
     return f"""
 The stack is up: API at {config.api_url}, models {", ".join(local_catalog().names())}
 API key: {key}{key_note}
 Logs: {config.stack_dir / "logs"}
 
-Try it:
+Try it (the image is saved to lighthouse.png):
   curl -s -X POST {config.api_url}/v1/models/{model}:predict \\
     -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
-    -d '{{"instances": [{{"prompt": "a lighthouse at dawn"}}], "parameters": {{"seed": 7, "num_inference_steps": 4, "width": 256, "height": 256}}}}'
+    -d '{{"instances": [{{"prompt": "a lighthouse at dawn"}}], "parameters": {{"seed": 7, "num_inference_steps": 4, "width": 256, "height": 256}}}}' \\
+    | python3 emulators/save_images.py lighthouse
 
-Ctrl-C stops everything.
+{stop}
 """
 
 
 def run(config: StackConfig) -> None:
-    stop = {"requested": False}
-
-    def request_stop(signum: int, _frame) -> None:
-        stop["requested"] = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    up(config)
-    print(banner(config), flush=True)
+    """`up` in the foreground: prints the supervisor's log until Ctrl-C, then stops what it started."""
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     registry = ProcessRegistry(config.stack_dir)
-    try:
-        while not stop["requested"]:
-            dead = [name for name in registry.names() if not registry.is_running(name)]
-            if dead:
-                log.error("%s exited; stopping the stack. Last log lines:\n%s", dead, registry.log_tail(dead[0]))
-                break
-            time.sleep(1.0)
-    finally:
+    owned = not running(registry)
+    config = up(config)
+    print(banner(config, foreground=owned), flush=True)
+    if not owned:
+        print("(This stack was already running: Ctrl-C leaves it running.)", flush=True)
+    supervisor_log = registry.log_path(SUPERVISOR)
+    with open(supervisor_log, errors="replace") as follow:
+        follow.seek(0, os.SEEK_END)
+        while not stop.wait(0.5):
+            for line in follow.readlines():
+                print(line, end="", flush=True)
+    if owned:
         print("Stopping the stack...", flush=True)
         down(config)
         print("Stopped.", flush=True)
@@ -338,17 +663,39 @@ def run(config: StackConfig) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # One line per created resource is for `bootstrap`; `up` prints the count.
+    logging.getLogger("emulators.bootstrap").setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(description="Run the local stack.")
-    parser.add_argument("command", choices=["run", "up", "down"])
+    parser.add_argument("command", choices=["run", "up", "down", "status", "restart", "bootstrap", "supervise"])
+    parser.add_argument("component", nargs="?", help="restart: the component to restart (see `status`)")
     args = parser.parse_args()
     config = StackConfig.from_env()
     try:
-        {"run": run, "up": up, "down": down}[args.command](config)
+        if args.command == "run":
+            run(config)
+        elif args.command == "up":
+            print(banner(up(config), foreground=False), flush=True)
+        elif args.command == "down":
+            stopped = down(recorded_or(config))
+            print(f"Stopped {', '.join(stopped)}." if stopped else f"Nothing is running in {config.stack_dir}.")
+        elif args.command == "status":
+            if not running(ProcessRegistry(config.stack_dir)):
+                print(f"Nothing is running in {config.stack_dir}.")
+                sys.exit(3)
+            table, healthy = status(recorded_or(config))
+            print(table)
+            sys.exit(0 if healthy else 1)
+        elif args.command == "restart":
+            if not args.component:
+                parser.error(f"restart needs a component: {', '.join(components(recorded_or(config)))}")
+            restart(recorded_or(config), args.component)
+        elif args.command == "bootstrap":
+            bootstrap_command(recorded_or(config))
+        else:
+            supervise(recorded_or(config))
     except StartupError as exc:
         log.error("%s", exc)
         sys.exit(1)
-    if args.command == "up":
-        print(banner(config).replace("Ctrl-C stops everything.", "`make down` stops everything."), flush=True)
 
 
 if __name__ == "__main__":
