@@ -27,13 +27,13 @@ class Readiness:
     Checked at most once per READINESS_CACHE_SECONDS; concurrent probes share one check.
     """
 
-    def __init__(self, services, clock=time.monotonic) -> None:
+    def __init__(self, services, bigquery=None, clock=time.monotonic) -> None:
         self._services = services
+        self._bigquery = bigquery  # built on first use unless given
         self._clock = clock
         self._lock = threading.Lock()
         self._checked_at: float | None = None
         self._problems: list[str] = []
-        self._bigquery = None
         self._topics_unlistable = False
 
     def problems(self) -> list[str]:
