@@ -48,9 +48,11 @@ class ProgressReporter:
     def start(self) -> None:
         self._thread.start()
 
-    def begin(self, batch: list[PendingRequest], total: int) -> None:
+    def begin(self, batch: list[PendingRequest]) -> None:
+        # The total is the pipeline's own step count (a scheduler may add steps, img2img runs fewer), known
+        # from its first step callback: nothing is written before it.
         with self._lock:
-            self._batch, self._step = batch, (0, total)
+            self._batch, self._step = batch, (0, 0)
 
     def update(self, step: int, total: int) -> None:
         self._step = (step, total)  # one tuple assignment: atomic, no lock on the device thread
@@ -63,7 +65,7 @@ class ProgressReporter:
         while not self._stopped.wait(PROGRESS_INTERVAL_SECONDS):
             with self._lock:
                 batch, (step, total) = list(self._batch), self._step
-            if not batch:
+            if not batch or not total:
                 continue
             state = (id(batch[0]), step)
             try:
@@ -141,7 +143,7 @@ class DeviceLoop:
             if all(pending.abandoned() for pending in batch):
                 raise BatchAbandonedError
 
-        self._progress.begin(batch, params.num_inference_steps)
+        self._progress.begin(batch)
         began = time.perf_counter()
         try:
             self.calls += 1

@@ -51,7 +51,8 @@ def test_worker_sigkilled_mid_batch_has_its_requests_answered_by_the_other(stack
     victim = extra_worker("synthetic")
     pid = ProcessRegistry(stack.stack_dir).pid(victim)
     threading.Timer(2.0, lambda: os.kill(pid, signal.SIGKILL)).start()
-    sent = keep_sending(worker_client, seconds=5)
+    # More in flight than one worker holds (a running batch and a full pool: 16), so both have work when it dies.
+    sent = keep_sending(worker_client, seconds=5, concurrency=24)
     replies = assert_answered_in_time(worker_client, sent)
     # The kill must have caught requests in the victim's hands: they came back on a later delivery attempt.
     assert any(reply.attempt >= 2 for reply in replies.values()), "the kill hit no request in flight"
