@@ -85,6 +85,17 @@ class InferenceLogRow:
         if reply.error_kind and not self.error_kind:
             self.error_kind = reply.error_kind
 
+    @classmethod
+    def from_json(cls, row: dict) -> InferenceLogRow:
+        """The inverse of `to_json` (a row kept in Redis while its job runs)."""
+        names = {field.name: field for field in fields(cls)}
+        values = {}
+        for name, value in row.items():
+            if name in names and isinstance(value, str) and "datetime" in str(names[name].type):
+                value = datetime.fromisoformat(value)
+            values[name] = value
+        return cls(**values)
+
     def to_json(self) -> dict:
         row = {}
         for field in fields(self):

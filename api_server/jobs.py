@@ -7,6 +7,7 @@ else the denoising progress, else queued.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ from contract.results import ResultStore
 # A queued job nobody picked up this long after its deadline is reported expired (no worker will run it).
 EXPIRY_GRACE_MS = 30_000
 REPLY_STATE = {"ok": "succeeded", "error": "failed", "expired": "expired", "cancelled": "cancelled"}
+
+
+UNLOGGED_JOBS_KEY = "maas:jobs:unlogged"
 
 
 def job_key(job_id: str) -> str:
@@ -86,6 +90,33 @@ class JobStore:
         elif time.time() * 1000 > state.deadline_ms + EXPIRY_GRACE_MS:
             state.status = "expired"
         return state
+
+    def defer_log_row(self, job_id: str, row: dict, deadline_ms: int) -> None:
+        """Keeps the job's partial log row until the job ends (see `job_log.py`)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), "log_row", json.dumps(row))
+        pipe.zadd(UNLOGGED_JOBS_KEY, {job_id: deadline_ms})
+        pipe.execute()
+
+    def ended_unlogged(self, limit: int = 500) -> list[tuple[str, dict, InferenceReply | None]]:
+        """(job id, partial row, reply or None when it expired unanswered) for unlogged jobs that ended."""
+        now_ms = time.time() * 1000
+        ended = []
+        for raw_id, deadline_ms in self._redis.zrange(UNLOGGED_JOBS_KEY, 0, limit - 1, withscores=True):
+            job_id = raw_id.decode()
+            reply = self._results.get(job_id)
+            if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
+                continue
+            raw_row = self._redis.hget(job_key(job_id), "log_row")
+            if raw_row is None:  # the job record expired: nothing left to complete
+                self._redis.zrem(UNLOGGED_JOBS_KEY, job_id)
+                continue
+            ended.append((job_id, json.loads(raw_row), reply))
+        return ended
+
+    def claim_log_row(self, job_id: str) -> bool:
+        """True for exactly one caller: that one writes the row."""
+        return bool(self._redis.zrem(UNLOGGED_JOBS_KEY, job_id))
 
     def cancel(self, job_id: str) -> None:
         """Marks the job cancelled: a queued request is answered `cancelled` unrun, a running batch stops."""

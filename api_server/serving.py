@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
+from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
 from api_server.options import ApiOptions
 from api_server.redis_state import RedisState
@@ -25,6 +26,7 @@ class Serving:
     flights: SharedFlights
     jobs: JobStore
     results: ResultStore
+    job_log: JobLogFinisher
 
 
 def build_serving(settings: Settings, services, options: ApiOptions | None = None) -> Serving:
@@ -34,6 +36,9 @@ def build_serving(settings: Settings, services, options: ApiOptions | None = Non
     if options.cache_redis_url:
         cache_state = RedisState(api_redis_client(options.cache_redis_url), options.redis_retry_seconds)
     results = ResultStore(services.redis, settings.result_ttl_seconds)
+    jobs = JobStore(services.redis, results, settings.result_ttl_seconds)
+    job_log = JobLogFinisher(jobs, services.inference_log)
+    job_log.start()
     return Serving(
         options=options,
         inference=InferenceService(
@@ -42,6 +47,7 @@ def build_serving(settings: Settings, services, options: ApiOptions | None = Non
         redis=state,
         cache_flights=SharedFlights(cache_state),
         flights=SharedFlights(state),
-        jobs=JobStore(services.redis, results, settings.result_ttl_seconds),
+        jobs=jobs,
         results=results,
+        job_log=job_log,
     )

@@ -56,25 +56,55 @@ def accept(model: str, respond_async: bool) -> Response:
         http_status=500,
         api_instance=services.settings.instance_id,
         cache_hit=False,
+        endpoint="job" if respond_async else "sync",
+        reply_mode=services.waiter.mode,
     )
     try:
         record, cache = _answer(services, serving, model, row, started, respond_async)
         row.http_status, row.status = record.status, _log_status(record.status)
         if record.status >= 400:
             row.error = json.loads(record.body)["error"]["message"][:1024]
+            row.error_kind = row.error_kind or _error_kind(record.status)
         response = Response(record.body, status=record.status, headers=record.headers)
         if cache:
             response.headers["X-Cache"] = cache
         return response
     except ApiError as error:
         row.http_status, row.status, row.error = error.status, _log_status(error.status), error.message[:1024]
+        row.error_kind = _error_kind(error.status)
         raise
     except HTTPException as error:  # raised by Flask itself, e.g. 413 while reading the body
         row.http_status, row.status, row.error = error.code or 500, _log_status(error.code or 500), error.name
+        row.error_kind = _error_kind(error.code or 500)
         raise
     finally:
         row.total_ms = round((time.perf_counter() - started) * 1000, 2)
-        services.inference_log.write(row)
+        _write_log_row(services, serving, row)
+
+
+def _write_log_row(services, serving, row: InferenceLogRow) -> None:
+    """Now, or, for a job this request created, when the job ends (its row then carries the outcome)."""
+    deferred = g.pop("deferred_job_deadline_ms", None)
+    if deferred is not None and row.http_status == 202:
+        try:
+            serving.jobs.defer_log_row(row.request_id, row.to_json(), deferred)
+            return
+        except redis.RedisError as exc:
+            serving.redis.failed(exc)  # written now, as accepted: a row without its outcome beats no row
+        except ValueError:
+            pass  # an invalid row: the writer logs it in full
+    services.inference_log.write(row)
+
+
+ERROR_KINDS = {
+    400: "bad_request", 401: "unauthenticated", 403: "forbidden", 404: "not_found", 409: "conflict",
+    413: "too_large", 422: "invalid_request", 429: "rate_limited", 500: "internal", 503: "unavailable",
+    504: "timeout",
+}  # fmt: skip
+
+
+def _error_kind(http_status: int) -> str:
+    return ERROR_KINDS.get(http_status, "rejected" if http_status < 500 else "internal")
 
 
 def _log_status(http_status: int) -> str:
@@ -98,6 +128,8 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
     prepared = serving.inference.prepare(spec, payload, g.request_id, digest)
     row.num_images, row.width, row.height = len(prepared.prompts), prepared.params.width, prepared.params.height
     row.num_inference_steps, row.seed = prepared.params.num_inference_steps, prepared.params.seed
+    row.priority = prepared.priority
+    row.input_bytes = sum(len(image) for image in prepared.images if image)
 
     key = cache_key(spec, prepared.params, prepared.prompts, prepared.images) if prepared.deterministic else None
     bypass = "no-cache" in request.headers.get("Cache-Control", "").lower()
@@ -127,7 +159,7 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
         if key is not None and not bypass and (hit := serving.cache_flights.lookup(key)) is not None:
             _count_cache(Role.STORED, outcome)
             return hit
-        return _submit_job(serving, prepared, key_id)
+        return _submit_job(serving, prepared, key_id, row)
 
     compute = submit_job if respond_async else through_cache
     idempotency_key = request.headers.get("Idempotency-Key")
@@ -135,7 +167,9 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
         record = compute()
     else:
         record = _idempotent(serving, spec, key_id, idempotency_key, model, payload, respond_async, compute, outcome)
-    row.cache_hit = outcome.get("cache") == "hit"
+    row.cache_hit = outcome.get("cache") == "hit" and not outcome.get("coalesced")
+    row.coalesced = bool(outcome.get("coalesced"))
+    row.idempotent_replay = bool(outcome.get("replayed"))
     return record, outcome.get("cache")
 
 
@@ -147,6 +181,7 @@ def _count_cache(role: Role, outcome: dict) -> None:
         metrics.CACHE.labels("hit").inc()
         metrics.COALESCED.inc()
         outcome["cache"] = "hit"
+        outcome["coalesced"] = "true"
     else:
         metrics.CACHE.labels("miss" if role is Role.LEADER else "unavailable").inc()
         outcome["cache"] = "miss"
@@ -195,12 +230,14 @@ def _run_sync(serving, prepared: PreparedRequest, key_id: str, row: InferenceLog
         finally:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
-            return _hand_over_as_job(serving, prepared, key_id, deadline_ms)
-        row.worker_id, row.queue_ms, row.inference_ms = reply.worker_id, reply.queue_ms, reply.inference_ms
+            return _hand_over_as_job(serving, prepared, key_id, deadline_ms, row)
+        row.record_reply(reply, published_ms=time.time() * 1000 - timings.wait_ms - timings.cleanup_ms)
         if reply.status != "ok":
             raise ApiError(REPLY_STATUS_HTTP[reply.status], reply.error or f"model worker answered {reply.status}")
+        predictions = serving.inference.predictions(reply)
+        row.output_bytes = sum(len(prediction["image_b64"]) * 3 // 4 for prediction in predictions)
         body = {
-            "predictions": serving.inference.predictions(reply),
+            "predictions": predictions,
             "model": prepared.spec.name,
             "model_version": prepared.spec.version,
             "request_id": prepared.request_id,
@@ -219,20 +256,24 @@ def _run_sync(serving, prepared: PreparedRequest, key_id: str, row: InferenceLog
         return _error_record(error, prepared.request_id)
 
 
-def _hand_over_as_job(serving, prepared: PreparedRequest, key_id: str, deadline_ms: int) -> ResponseRecord:
+def _hand_over_as_job(
+    serving, prepared: PreparedRequest, key_id: str, deadline_ms: int, row: InferenceLogRow
+) -> ResponseRecord:
     spec = prepared.spec
     try:
         serving.jobs.create(prepared.request_id, key_id, spec, deadline_ms)
     except redis.RedisError as exc:
         serving.redis.failed(exc)
         return _error_record(ApiError(504, f"no reply from {spec.name} within {spec.request_timeout_seconds}s"))
+    row.job_id, row.endpoint = prepared.request_id, "job"
+    g.deferred_job_deadline_ms = deadline_ms
     metrics.JOBS.labels("converted").inc()
     return _job_record(
         prepared, f"no reply from {spec.name} within {spec.request_timeout_seconds}s; still queued as a job"
     )
 
 
-def _submit_job(serving, prepared: PreparedRequest, key_id: str) -> ResponseRecord:
+def _submit_job(serving, prepared: PreparedRequest, key_id: str, row: InferenceLogRow) -> ResponseRecord:
     deadline_ms = serving.inference.job_deadline_ms()
     try:
         serving.jobs.create(prepared.request_id, key_id, prepared.spec, deadline_ms)
@@ -244,6 +285,8 @@ def _submit_job(serving, prepared: PreparedRequest, key_id: str) -> ResponseReco
     except ApiError as error:
         return _error_record(error, prepared.request_id)
     metrics.JOBS.labels("submitted").inc()
+    row.job_id = prepared.request_id
+    g.deferred_job_deadline_ms = deadline_ms
     return _job_record(prepared, None)
 
 

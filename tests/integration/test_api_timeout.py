@@ -11,6 +11,7 @@ from google.api_core import exceptions
 from api_server.app import create_app
 from contract import clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
+from contract.messages import InferenceReply
 from contract.settings import Settings
 from emulators.bootstrap import bootstrap_pubsub
 from tests.conftest import query_rows
@@ -58,9 +59,26 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     )
     with pytest.raises(exceptions.NotFound):
         clients.subscriber_client().get_subscription(request={"subscription": subscription})
+    # Its log row waits for the job's outcome: here a worker answers `expired` (as one would that pulled it late).
+    serving = ghost_app.extensions["maas_serving"]
+    serving.results.put(
+        InferenceReply(
+            request_id=accepted["id"], model=GHOST, model_version="1", status="expired", error_kind="expired",
+            error="deadline passed before a worker was free", worker_id="late-worker", attempt=1,
+        )
+    )  # fmt: skip
+    assert serving.job_log.finish_ended() >= 1
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    rows = query_rows(bigquery, f"SELECT status, http_status FROM {table} WHERE request_id = '{accepted['id']}'", 1)
-    assert rows == [{"status": "accepted", "http_status": 202}]
+    sql = f"SELECT status, http_status, endpoint, job_id, worker_id FROM {table} WHERE request_id = '{accepted['id']}'"
+    assert query_rows(bigquery, sql, 1) == [
+        {
+            "status": "expired",
+            "http_status": 202,
+            "endpoint": "job",
+            "job_id": accepted["id"],
+            "worker_id": "late-worker",
+        }
+    ]
     # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
     subscriber = clients.subscriber_client()
     queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))

@@ -1,0 +1,62 @@
+"""Writes a job's inference log row when the job ends, not when it is accepted, so the row carries the outcome.
+
+An accepted job's partial row waits in Redis with the job (`JobStore.defer_log_row`). Every API process
+looks at the unlogged jobs once a second; a job whose reply the worker stored (or whose deadline passed
+unanswered) is claimed with ZREM, which succeeds in exactly one process, and its completed row written.
+A job is therefore logged once even if the process that accepted it died.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from api_server.inference_log import InferenceLogRow, InferenceLogWriter
+from api_server.jobs import JobStore
+
+log = logging.getLogger(__name__)
+JOB_STATUS = {"ok": "ok", "error": "error", "expired": "expired", "cancelled": "cancelled"}
+
+
+class JobLogFinisher:
+    def __init__(self, jobs: JobStore, inference_log: InferenceLogWriter, interval: float = 1.0) -> None:
+        self._jobs = jobs
+        self._log = inference_log
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job-log", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self.finish_ended()
+            except redis.RedisError as exc:
+                log.debug("job log rows wait for Redis: %s", exc)
+            except Exception:  # noqa: BLE001 - the next round tries again; a row is never half written
+                log.exception("could not write job log rows")
+
+    def finish_ended(self) -> int:
+        """Writes the rows of jobs that ended; returns how many."""
+        written = 0
+        for job_id, row_json, reply in self._jobs.ended_unlogged():
+            if not self._jobs.claim_log_row(job_id):
+                continue  # another API process writes this one
+            row = InferenceLogRow.from_json(row_json)
+            if reply is None:
+                row.status, row.error_kind, row.error = "expired", "expired", "no worker answered before the deadline"
+            else:
+                row.record_reply(reply)
+                row.status = JOB_STATUS[reply.status]
+                if reply.status != "ok":
+                    row.error = (reply.error or reply.status)[:1024]
+            self._log.write(row)
+            written += 1
+        return written
+
+    def stop(self) -> None:
+        self._stopped.set()
