@@ -10,7 +10,6 @@ from flask import Flask, g, request
 
 from api_server import metrics
 from api_server.errors import register_error_handlers
-from api_server.options import ApiOptions
 from api_server.routes import health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
@@ -20,16 +19,14 @@ from contract.settings import Settings
 log = logging.getLogger("api_server")
 
 
-def create_app(
-    settings: Settings | None = None, services: Services | None = None, options: ApiOptions | None = None
-) -> Flask:
+def create_app(settings: Settings | None = None, services: Services | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.json.sort_keys = False
     services = services or build_services(settings)
     app.extensions["maas"] = services
-    app.extensions["maas_serving"] = build_serving(settings, services, options)
+    app.extensions["maas_serving"] = build_serving(settings, services)
     register_error_handlers(app)
     for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp):
         app.register_blueprint(blueprint)

@@ -9,7 +9,6 @@ from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
-from api_server.options import ApiOptions
 from api_server.redis_state import RedisState
 from api_server.services import api_redis_client
 from contract.results import ResultStore
@@ -18,7 +17,7 @@ from contract.settings import Settings
 
 @dataclass
 class Serving:
-    options: ApiOptions
+    settings: Settings
     inference: InferenceService
     redis: RedisState
     # The cache's flights run on MAAS_CACHE_REDIS_URL when set (an instance of its own with allkeys-lru).
@@ -29,20 +28,19 @@ class Serving:
     job_log: JobLogFinisher
 
 
-def build_serving(settings: Settings, services, options: ApiOptions | None = None) -> Serving:
-    options = options or ApiOptions.from_env()
-    state = RedisState(services.redis, options.redis_retry_seconds)
+def build_serving(settings: Settings, services) -> Serving:
+    state = RedisState(services.redis, settings.redis_retry_seconds)
     cache_state = state
-    if options.cache_redis_url:
-        cache_state = RedisState(api_redis_client(options.cache_redis_url), options.redis_retry_seconds)
+    if settings.cache_redis_url:
+        cache_state = RedisState(api_redis_client(settings.cache_redis_url), settings.redis_retry_seconds)
     results = ResultStore(services.redis, settings.result_ttl_seconds)
     jobs = JobStore(services.redis, results, settings.result_ttl_seconds)
     job_log = JobLogFinisher(jobs, services.inference_log)
     job_log.start()
     return Serving(
-        options=options,
+        settings=settings,
         inference=InferenceService(
-            services.dispatcher, services.payloads, options.job_deadline_seconds, settings.high_priority_key_sha256
+            services.dispatcher, services.payloads, settings.job_deadline_seconds, settings.high_priority_key_sha256
         ),
         redis=state,
         cache_flights=SharedFlights(cache_state),

@@ -63,6 +63,17 @@ class Settings:
     # API keys (by SHA-256 digest) allowed to send `priority: high`; MAAS_HIGH_PRIORITY_KEYS for local use.
     high_priority_key_sha256: frozenset[str] = field(default_factory=frozenset)
     instance_id: str = ""
+    # API: cache, idempotency, jobs
+    # Cached predict responses live this long; entries larger than the cap are never cached.
+    cache_ttl_seconds: int = 24 * 3600
+    cache_max_entry_bytes: int = 4 * 1024 * 1024
+    # A Redis of its own for the cache (maxmemory + allkeys-lru); unset: the shared MAAS_REDIS_URL.
+    cache_redis_url: str | None = None
+    idempotency_ttl_seconds: int = 24 * 3600
+    # How long a queued job (or a sync request turned into one) may wait for a worker before it expires.
+    job_deadline_seconds: int = 900
+    # After a Redis failure, the API stops trying Redis for this long, then tries again.
+    redis_retry_seconds: float = 1.0
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -118,6 +129,12 @@ class Settings:
                 }
             ),
             instance_id=instance.lower().replace("_", "-").replace(".", "-"),
+            cache_ttl_seconds=int(env.get("MAAS_CACHE_TTL_SECONDS", cls.cache_ttl_seconds)),
+            cache_max_entry_bytes=int(env.get("MAAS_CACHE_MAX_ENTRY_BYTES", cls.cache_max_entry_bytes)),
+            cache_redis_url=env.get("MAAS_CACHE_REDIS_URL") or None,
+            idempotency_ttl_seconds=int(env.get("MAAS_IDEMPOTENCY_TTL_SECONDS", cls.idempotency_ttl_seconds)),
+            job_deadline_seconds=int(env.get("MAAS_JOB_DEADLINE_SECONDS", cls.job_deadline_seconds)),
+            redis_retry_seconds=float(env.get("MAAS_REDIS_RETRY_SECONDS", cls.redis_retry_seconds)),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),

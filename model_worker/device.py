@@ -43,6 +43,7 @@ class ProgressReporter:
         self._step = (0, 0)
         self._written: tuple | None = None
         self._stopped = threading.Event()
+        self._first_step = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
 
     def start(self) -> None:
@@ -56,13 +57,17 @@ class ProgressReporter:
 
     def update(self, step: int, total: int) -> None:
         self._step = (step, total)  # one tuple assignment: atomic, no lock on the device thread
+        if step == 1:
+            self._first_step.set()  # "running" is visible from the first step, not a tick later
 
     def end(self) -> None:
         with self._lock:
             self._batch = []
 
     def _run(self) -> None:
-        while not self._stopped.wait(PROGRESS_INTERVAL_SECONDS):
+        while not self._stopped.is_set():
+            self._first_step.wait(PROGRESS_INTERVAL_SECONDS)
+            self._first_step.clear()
             with self._lock:
                 batch, (step, total) = list(self._batch), self._step
             if not batch or not total:
@@ -86,6 +91,7 @@ class ProgressReporter:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._first_step.set()
 
 
 class DeviceLoop:

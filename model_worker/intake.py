@@ -294,6 +294,10 @@ class DeadLetterResponder:
                 )
             except (exceptions.DeadlineExceeded, exceptions.RetryError):
                 continue
+            except exceptions.NotFound:
+                self._health.report_problem(self.subscription, "subscription does not exist (run the bootstrap)")
+                self.stopping.wait(5.0)
+                continue
             except exceptions.GoogleAPICallError as exc:
                 self._health.report_problem(self.subscription, f"pull failed: {type(exc).__name__}")
                 self.stopping.wait(5.0)

@@ -142,7 +142,7 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
         if key is None:
             metrics.CACHE.labels("uncacheable").inc()
             return run_sync()
-        policy = cache_policy(spec, serving.options.cache_ttl_seconds, serving.options.cache_max_entry_bytes)
+        policy = cache_policy(spec, serving.settings.cache_ttl_seconds, serving.settings.cache_max_entry_bytes)
         if bypass:
             metrics.CACHE.labels("bypass").inc()
             record = run_sync()
@@ -193,7 +193,7 @@ def _idempotent(serving, spec, key_id, idempotency_key, model, payload, respond_
     canonical = json.dumps([model, respond_async, payload], sort_keys=True, separators=(",", ":"))
     fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
     key = f"maas:idem:{key_id}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
-    ttl = serving.options.idempotency_ttl_seconds
+    ttl = serving.settings.idempotency_ttl_seconds
     policy = FlightPolicy(
         keep_for=lambda record: None if record.status in NOT_KEPT_FOR_IDEMPOTENCY else ttl,
         lease_seconds=spec.request_timeout_seconds + 10,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.stack
 def rows_for(bigquery, settings, request_ids: list[str]) -> dict[str, dict]:
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
     ids = ", ".join(f"'{request_id}'" for request_id in request_ids)
-    rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id IN ({ids})", len(request_ids), timeout=30)
+    rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id IN ({ids})", len(request_ids), timeout=60)
     return {row["request_id"]: row for row in rows}
 
 
