@@ -38,6 +38,11 @@ JOB_STATES = Counter("maas_api_job_reads_total", "Job reads by the state they re
 INFLIGHT_WAITS = Gauge(
     "maas_api_inflight_waits", "Requests waiting for a worker's reply or another request", multiprocess_mode="livesum"
 )
+LIMIT_DECISIONS = Counter(
+    "maas_api_limit_decisions_total",
+    "Rate and concurrency limit decisions: admitted, rate_limited, concurrency_limited, unenforced (Redis down)",
+    ["decision"],
+)
 REDIS_UP = Gauge("maas_api_redis_up", "1 while Redis answers, 0 after a failure", multiprocess_mode="livemin")
 REDIS_UP.set(1)
 

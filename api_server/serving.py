@@ -9,6 +9,7 @@ from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
+from api_server.limits import KeyLimits, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.services import api_redis_client
 from contract.results import ResultStore
@@ -26,6 +27,7 @@ class Serving:
     jobs: JobStore
     results: ResultStore
     job_log: JobLogFinisher
+    limiter: RequestLimiter
 
 
 def build_serving(settings: Settings, services) -> Serving:
@@ -48,4 +50,7 @@ def build_serving(settings: Settings, services) -> Serving:
         jobs=jobs,
         results=results,
         job_log=job_log,
+        limiter=RequestLimiter(
+            state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
+        ),
     )

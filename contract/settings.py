@@ -13,6 +13,9 @@ from contract import naming
 
 ReplyMode = Literal["per-request", "per-instance"]
 LOCAL_DEFAULT_API_KEY = "local-dev-key"
+# Per-key limits in production when MAAS_RATE_LIMIT_PER_MINUTE / MAAS_CONCURRENCY_LIMIT are unset.
+PRODUCTION_RATE_LIMIT = 600
+PRODUCTION_CONCURRENCY_LIMIT = 32
 
 
 def _csv(value: str | None) -> list[str]:
@@ -27,6 +30,18 @@ def _flag(value: str | None) -> bool:
     if value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
+
+
+def _key_limits(value: str | None) -> dict[str, tuple[int, int]]:
+    """`DIGEST=PER_MINUTE/CONCURRENT,...` (0: unlimited) into {digest: (per minute, concurrent)}."""
+    limits = {}
+    for entry in _csv(value):
+        digest, _, pair = entry.partition("=")
+        per_minute, _, concurrent = pair.partition("/")
+        if len(digest.strip()) != 64 or not per_minute.strip().isdigit() or not concurrent.strip().isdigit():
+            raise ValueError(f"MAAS_KEY_LIMITS: expected SHA256=PER_MINUTE/CONCURRENT, got {entry[:20]!r}...")
+        limits[digest.strip().lower()] = (int(per_minute), int(concurrent))
+    return limits
 
 
 def api_key_digest(key: str) -> str:
@@ -74,6 +89,10 @@ class Settings:
     job_deadline_seconds: int = 900
     # After a Redis failure, the API stops trying Redis for this long, then tries again.
     redis_retry_seconds: float = 1.0
+    # Per-API-key limits (0: unlimited), and per-key overrides: SHA-256 digest -> (per minute, concurrent).
+    rate_limit_per_minute: int = 0
+    concurrency_limit: int = 0
+    key_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -135,6 +154,14 @@ class Settings:
             idempotency_ttl_seconds=int(env.get("MAAS_IDEMPOTENCY_TTL_SECONDS", cls.idempotency_ttl_seconds)),
             job_deadline_seconds=int(env.get("MAAS_JOB_DEADLINE_SECONDS", cls.job_deadline_seconds)),
             redis_retry_seconds=float(env.get("MAAS_REDIS_RETRY_SECONDS", cls.redis_retry_seconds)),
+            # Unset: unlimited on the local stack (benchmarks, tests), a guard in production.
+            rate_limit_per_minute=int(
+                env.get("MAAS_RATE_LIMIT_PER_MINUTE") or (PRODUCTION_RATE_LIMIT if stage == "production" else 0)
+            ),
+            concurrency_limit=int(
+                env.get("MAAS_CONCURRENCY_LIMIT") or (PRODUCTION_CONCURRENCY_LIMIT if stage == "production" else 0)
+            ),
+            key_limits=_key_limits(env.get("MAAS_KEY_LIMITS")),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),

@@ -27,6 +27,7 @@ from api_server.flights import (
 )
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
+from api_server.limits import NO_LEASE
 
 bp = Blueprint("predict", __name__)
 
@@ -78,6 +79,7 @@ def accept(model: str, respond_async: bool) -> Response:
         row.error_kind = _error_kind(error.code or 500)
         raise
     finally:
+        serving.limiter.release(g.pop("limit_lease", NO_LEASE))
         row.total_ms = round((time.perf_counter() - started) * 1000, 2)
         _write_log_row(services, serving, row)
 
@@ -122,6 +124,8 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
     if spec is None:
         raise ApiError(404, f"unknown model {model!r}; GET /v1/models lists them")
     row.model_version, row.task = spec.version, spec.task
+    # A lease, not a counter: a process that dies holding it frees the slot after the request's timeout.
+    g.limit_lease = serving.limiter.admit(key_id, digest, spec.request_timeout_seconds)
     payload = request.get_json(silent=True)
     if payload is None:
         raise ApiError(400, "body must be a JSON object (Content-Type: application/json)")

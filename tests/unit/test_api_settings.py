@@ -1,0 +1,26 @@
+"""The API's settings: per-key limits parse strictly, and their defaults depend on the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from contract.settings import PRODUCTION_RATE_LIMIT, Settings
+
+
+def test_key_limits_map_digests_to_rate_and_concurrency():
+    digest = "a" * 64
+    settings = Settings.from_env({"MAAS_KEY_LIMITS": f"{digest.upper()}=120/4, {'b' * 64}=0/0"})
+    assert settings.key_limits == {digest: (120, 4), "b" * 64: (0, 0)}
+
+
+@pytest.mark.parametrize("value", ["abc=1/1", f"{'a' * 64}=1", f"{'a' * 64}=x/1", f"{'a' * 64}=-1/1"])
+def test_malformed_key_limits_are_refused(value):
+    with pytest.raises(ValueError, match="MAAS_KEY_LIMITS"):
+        Settings.from_env({"MAAS_KEY_LIMITS": value})
+
+
+def test_limits_default_to_unlimited_locally_and_to_a_guard_in_production():
+    assert (Settings.from_env({}).rate_limit_per_minute, Settings.from_env({}).concurrency_limit) == (0, 0)
+    production = Settings.from_env({"MAAS_ENV": "production", "MAAS_API_KEY_SHA256": "a" * 64})
+    assert production.rate_limit_per_minute == PRODUCTION_RATE_LIMIT and production.concurrency_limit > 0
+    assert Settings.from_env({"MAAS_RATE_LIMIT_PER_MINUTE": "0", "MAAS_ENV": "production"}).rate_limit_per_minute == 0
