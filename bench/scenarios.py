@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 import sys
 import time
@@ -17,10 +19,17 @@ from emulators.stack import ROOT, StackConfig, local_catalog
 
 # The tiny diffusion model at the size and step count the issue names: small enough for 2 CPU cores.
 TINY_PARAMETERS = {"num_inference_steps": 4, "width": 64, "height": 64}
+# Seeds never repeat within a run (nor, almost surely, across runs on one Redis): with the API's result
+# cache, a repeated seeded request would be a cache hit, not the path being measured.
+_SEEDS = itertools.count(random.SystemRandom().randrange(2**20, 2**30))
+
+
+def fresh_seed() -> int:
+    return next(_SEEDS)
 
 
 def predict_body(model: str, seed: int) -> dict:
-    """A one-image request with its own seed (distinct seeds: no cache hit, no coalescing)."""
+    """A one-image request with the given seed (callers pass `fresh_seed()`: no cache hit, no coalescing)."""
     parameters = {"seed": seed, **(TINY_PARAMETERS if model.startswith("sd15") else {"num_inference_steps": 4})}
     return {"instances": [{"prompt": f"bench request {seed}"}], "parameters": parameters}
 
@@ -64,7 +73,7 @@ def job_caller(api_url: str, key: str, model: str, poll_seconds: float = 0.01) -
             started = time.perf_counter()
             try:
                 submitted = session.post(
-                    f"{api_url}/v1/models/{model}/jobs", json=predict_body(model, number), timeout=30
+                    f"{api_url}/v1/models/{model}/jobs", json=predict_body(model, fresh_seed()), timeout=30
                 )
                 if submitted.status_code != 202:
                     return Sample(started, time.perf_counter(), False, error=f"submit HTTP {submitted.status_code}")
@@ -91,7 +100,7 @@ def job_caller(api_url: str, key: str, model: str, poll_seconds: float = 0.01) -
 def cache_available(api_url: str, key: str) -> bool:
     """The result cache exists when a repeated seeded request says `X-Cache: hit`."""
     headers = {"Authorization": f"Bearer {key}"}
-    body = predict_body("noop", 424242)
+    body = predict_body("noop", fresh_seed())
     for _ in range(2):
         response = requests.post(f"{api_url}/v1/models/noop:predict", json=body, headers=headers, timeout=30)
     return response.headers.get("X-Cache", "").lower() == "hit"
@@ -100,7 +109,7 @@ def cache_available(api_url: str, key: str) -> bool:
 def jobs_available(api_url: str, key: str) -> bool:
     """Async jobs exist when submitting one answers 202."""
     response = requests.post(
-        f"{api_url}/v1/models/noop/jobs", json=predict_body("noop", 1), headers={"Authorization": f"Bearer {key}"},
+        f"{api_url}/v1/models/noop/jobs", json=predict_body("noop", fresh_seed()), headers={"Authorization": f"Bearer {key}"},
         timeout=30,
     )  # fmt: skip
     return response.status_code == 202

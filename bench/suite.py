@@ -30,6 +30,7 @@ from bench.pubsub_floor import PubSubRoundTrips
 from bench.scenarios import (
     BenchApi,
     cache_available,
+    fresh_seed,
     job_caller,
     jobs_available,
     predict_body,
@@ -122,7 +123,7 @@ class Suite:
                 before_batches = worker_batches(self.config, model)
                 row = self.measure(
                     model, mode, concurrency,
-                    predict_caller(api.url, self.key, model, lambda n, model=model: predict_body(model, n)),
+                    predict_caller(api.url, self.key, model, lambda _n, model=model: predict_body(model, fresh_seed())),
                 )  # fmt: skip
                 row["admin_ops"] = admin_ops.difference(before_ops, admin_ops.read_counts(self.redis))
                 images, calls = (a - b for a, b in zip(worker_batches(self.config, model), before_batches, strict=True))
@@ -137,7 +138,7 @@ class Suite:
     def optional_features(self, api: BenchApi) -> None:
         self.available["cache"] = cache_available(api.url, self.key)
         if self.available["cache"]:
-            fixed = predict_body("noop", 7)
+            fixed = predict_body("noop", fresh_seed())
             self.measure("noop cache hits", api.mode, 32, predict_caller(api.url, self.key, "noop", lambda n: fixed))
         else:
             self.unavailable["noop cache hits c=32"] = "not available yet (no X-Cache header)"

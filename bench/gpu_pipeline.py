@@ -1,0 +1,319 @@
+"""SD-1.5-sized random-weight pipeline on a CUDA GPU: the direct pipeline beside the worker's runner, eager and compiled.
+
+Builds the pipeline from configuration (no download): UNet 320/640/1280/1280 with cross-attention 768 and
+attention head dim 8, VAE 128/256/512/512, a 12-layer 768-wide CLIP text encoder with 12 heads, random
+weights scaled by 0.5 so fp16 activations stay finite, saved once as fp16 safetensors. Then, at 512x512,
+25 steps, fp16:
+
+- direct: the diffusers pipeline called back to back at batch 1, 4, 8, 16;
+- worker: the worker's `DiffusionRunner` behind its own pool, device loop and finisher (PNG encode,
+  result store, publish: in memory, no emulators), fed a stream of single-image requests;
+- compiled: the same with `MAAS_TORCH_COMPILE`'s path (fused QKV, channels-last, torch.compile at the
+  batch buckets), its artifacts saved; then a fresh process with only those artifacts (an empty inductor
+  cache) is timed from its start to its first answered request.
+
+    .venv/bin/python -m bench.gpu_pipeline                         # every stage
+    .venv/bin/python -m bench.gpu_pipeline --stages direct worker  # eager only (compiling takes minutes)
+
+Needs only PyTorch with CUDA and the worker's packages. Without a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("direct", "worker", "compiled", "warm-start")
+WEIGHT_SCALE = 0.5
+
+
+def build_sd15_sized(out_dir: Path) -> Path:
+    """The pipeline, from configuration, saved in fp16; built once per directory."""
+    if (out_dir / "model_index.json").exists():
+        return out_dir
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    from model_worker.tiny_pipeline import build_tokenizer
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(320, 640, 1280, 1280),
+        layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        cross_attention_dim=768,
+        attention_head_dim=8,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        sample_size=512,
+    )
+    tokenizer_dir = out_dir / "tokenizer"
+    bos_id, eos_id = build_tokenizer(tokenizer_dir)  # model_max_length 77, as SD 1.5's
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            hidden_act="quick_gelu",
+            projection_dim=768,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+        )
+    )
+    with torch.no_grad():
+        for module in (unet, vae, text_encoder):
+            for parameter in module.parameters():
+                parameter.mul_(WEIGHT_SCALE)
+    scheduler = PNDMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
+    )
+    pipeline = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )  # fmt: skip
+    pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+class LocalBucket:
+    """Stands in for the model bucket where the worker keeps its compile artifacts: files in a directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def blob(self, name: str) -> LocalBlob:
+        return LocalBlob(self.directory / name.replace("/", "__"))
+
+
+class LocalBlob:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def download_as_bytes(self) -> bytes:
+        return self.path.read_bytes()
+
+    def upload_from_string(self, data: bytes, content_type: str | None = None) -> None:
+        self.path.write_bytes(data)
+
+
+def sd15_spec():
+    from emulators.stack import local_catalog
+
+    return local_catalog().get("sd15-txt2img")
+
+
+def generation_parameters(spec, steps: int, size: int):
+    from contract.messages import GenerationParameters
+
+    return GenerationParameters(
+        seed=0, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale, width=size, height=size
+    )
+
+
+def direct_rate(pipeline, batch: int, params, seconds: float, min_calls: int = 2) -> float:
+    """Images/s of back-to-back pipeline calls (after one warm-up call), timed with the GPU synchronized."""
+    import torch
+
+    def call(seed: int) -> None:
+        with torch.inference_mode():
+            pipeline(
+                prompt=[f"bench {seed + i}" for i in range(batch)],
+                num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale,
+                width=params.width,
+                height=params.height,
+                generator=[torch.Generator(device="cpu").manual_seed(seed + i) for i in range(batch)],
+            )
+
+    call(0)
+    torch.cuda.synchronize()
+    calls, started = 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - started < seconds:
+        call(calls * batch)
+        calls += 1
+    torch.cuda.synchronize()
+    return calls * batch / (time.perf_counter() - started)
+
+
+def worker_rate(runner, spec, params, seconds_hint: float, direct_guess: float | None) -> dict:
+    from bench.worker_harness import worker_images_per_second
+
+    batch = spec.max_batch_size
+    images = max(3 * batch, int(seconds_hint * (direct_guess or 2.0)) // batch * batch)
+    return worker_images_per_second(runner, spec, params, batch, images=images, warmup_images=batch)
+
+
+def compile_cache(workdir: Path, spec):
+    from contract import naming
+    from model_worker.pipeline import CompileCache, compile_cache_key
+
+    name = naming.compile_cache_object(spec.weights_path, compile_cache_key(spec))
+    return CompileCache(LocalBucket(workdir / "compile-cache"), name)
+
+
+def warm_start_child(weights: Path, workdir: Path, launched: float, steps: int, size: int) -> None:
+    """In a fresh process: load, compile from saved artifacts only, warm up, answer one request."""
+    from model_worker.pipeline import DiffusionRunner
+    from model_worker.runners import GenerationItem
+
+    spec = sd15_spec()
+    runner = DiffusionRunner(spec, weights, compile_unet=True, compile_cache=compile_cache(workdir, spec))
+    runner.warm_up()
+    runner.generate(
+        [GenerationItem(prompt="first", seed=1)], generation_parameters(spec, steps, size), lambda s, t: None
+    )
+    print(json.dumps({"first_request_s": time.time() - launched}), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--seconds", type=float, default=15.0, help="measurement time per point")
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="weights and compile artifacts")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_pipeline.json")
+    parser.add_argument("--warm-start-child", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            f"No CUDA GPU here (torch {torch.__version__}, CUDA available: no): nothing measured. "
+            "bench/gpu_pipeline.py builds an SD-1.5-sized fp16 pipeline and needs an NVIDIA GPU; run it there."
+        )
+        return 0
+    weights = args.workdir / "sd15-sized"
+    if args.warm_start_child is not None:
+        warm_start_child(weights, args.workdir, args.warm_start_child, args.steps, args.size)
+        return 0
+
+    import diffusers
+
+    from model_worker.pipeline import DiffusionRunner
+
+    device = torch.cuda.get_device_name(0)
+    print(f"{device}, torch {torch.__version__}, diffusers {diffusers.__version__}", flush=True)
+    started = time.perf_counter()
+    build_sd15_sized(weights)
+    print(f"pipeline ready in {weights} ({time.perf_counter() - started:.0f}s)", flush=True)
+    spec = sd15_spec()
+    params = generation_parameters(spec, args.steps, args.size)
+    result: dict = {"device": device, "torch": torch.__version__, "steps": args.steps, "size": args.size}
+    if args.json.exists():
+        result = {**json.loads(args.json.read_text()), **result}  # stages run in separate calls add up
+
+    if "direct" in args.stages:
+        pipeline = diffusers.StableDiffusionPipeline.from_pretrained(
+            weights, torch_dtype=torch.float16, use_safetensors=True, safety_checker=None,
+            requires_safety_checker=False,
+        ).to("cuda")  # fmt: skip
+        pipeline.set_progress_bar_config(disable=True)
+        result["direct"] = {}
+        for batch in args.batches:
+            rate = direct_rate(pipeline, batch, params, args.seconds)
+            result["direct"][str(batch)] = rate
+            print(f"direct eager batch {batch}: {rate:.2f} img/s", flush=True)
+        del pipeline
+        torch.cuda.empty_cache()
+
+    guess = result.get("direct", {}).get(str(spec.max_batch_size))
+    if "worker" in args.stages:
+        runner = DiffusionRunner(spec, weights)
+        runner.warm_up()
+        result["worker"] = worker_rate(runner, spec, params, args.seconds, guess)
+        print(f"worker eager, single-image requests: {result['worker']['images_per_s']:.2f} img/s "
+              f"in batches of {spec.max_batch_size}", flush=True)  # fmt: skip
+        del runner
+        torch.cuda.empty_cache()
+
+    if "compiled" in args.stages:
+        began = time.perf_counter()
+        runner = DiffusionRunner(spec, weights, compile_unet=True, compile_cache=compile_cache(args.workdir, spec))
+        runner.warm_up()  # compiles every batch bucket, then saves the artifacts
+        result["compile_seconds"] = time.perf_counter() - began
+        print(f"compiled and warmed up in {result['compile_seconds']:.0f}s", flush=True)
+        # The compiled pipeline object itself, called directly: the compiled counterpart of `direct`.
+        compiled_direct = direct_rate(runner._pipeline, spec.max_batch_size, params, args.seconds)  # noqa: SLF001
+        result["direct_compiled"] = {str(spec.max_batch_size): compiled_direct}
+        print(f"direct compiled batch {spec.max_batch_size}: {compiled_direct:.2f} img/s", flush=True)
+        result["worker_compiled"] = worker_rate(runner, spec, params, args.seconds, compiled_direct)
+        print(f"worker compiled, single-image requests: {result['worker_compiled']['images_per_s']:.2f} img/s",
+              flush=True)  # fmt: skip
+        del runner
+        torch.cuda.empty_cache()
+
+    if "warm-start" in args.stages:
+        with tempfile.TemporaryDirectory(prefix="inductor-empty-") as empty:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": empty, "TRITON_CACHE_DIR": empty}
+            argv = [sys.executable, "-m", "bench.gpu_pipeline", "--workdir", str(args.workdir), "--steps",
+                    str(args.steps), "--size", str(args.size), "--warm-start-child", str(time.time())]  # fmt: skip
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode == 0 and lines:
+            result["warm_start_first_request_s"] = json.loads(lines[-1])["first_request_s"]
+            print(f"fresh process with saved artifacts: first request answered "
+                  f"{result['warm_start_first_request_s']:.0f}s after start", flush=True)  # fmt: skip
+        else:
+            result["warm_start_error"] = done.stderr[-2000:]
+            print(f"warm start failed:\n{done.stderr[-2000:]}", flush=True)
+
+    print_summary(result, spec.max_batch_size)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def print_summary(result: dict, batch: int) -> None:
+    direct = result.get("direct", {})
+    print("\n| path | " + " | ".join(f"batch {b}" for b in direct) + " |")
+    print("|---|" + "---|" * len(direct))
+    print("| diffusers direct, eager | " + " | ".join(f"{v:.2f}" for v in direct.values()) + " |")
+    checks = [
+        ("eager", direct.get(str(batch)), result.get("worker")),
+        ("compiled", result.get("direct_compiled", {}).get(str(batch)), result.get("worker_compiled")),
+    ]
+    print("\nTargets (printed, not asserted):")
+    for name, reference, worker in checks:
+        if reference and worker:
+            rate = worker["images_per_s"]
+            verdict = "PASS" if rate >= 0.9 * reference else "MISS"
+            print(f"  {verdict} worker {name}, single-image requests: {rate:.2f} img/s vs 90% of direct "
+                  f"batch {batch} {0.9 * reference:.2f}")  # fmt: skip
+    if "warm_start_first_request_s" in result:
+        seconds = result["warm_start_first_request_s"]
+        print(
+            f"  {'PASS' if seconds <= 60 else 'MISS'} first request of a fresh compiled worker: {seconds:.0f}s (target 60s)"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
