@@ -7,10 +7,11 @@ import time
 import uuid
 
 from flask import Flask, g, request
+from werkzeug.routing import BaseConverter
 
 from api_server import metrics
 from api_server.errors import register_error_handlers
-from api_server.routes import health, jobs, models, predict
+from api_server.routes import docs, health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
 from api_server.serving import build_serving
@@ -19,16 +20,22 @@ from contract.settings import Settings
 log = logging.getLogger("api_server")
 
 
+class ModelNameConverter(BaseConverter):
+    regex = "[^/:]+"
+
+
 def create_app(settings: Settings | None = None, services: Services | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.json.sort_keys = False
+    # A model name never holds ':', so GET /v1/models/noop:predict is the predict path's 405, not a 404 model.
+    app.url_map.converters["model"] = ModelNameConverter
     services = services or build_services(settings)
     app.extensions["maas"] = services
     app.extensions["maas_serving"] = build_serving(settings, services)
     register_error_handlers(app)
-    for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp):
+    for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp, docs.bp):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -39,7 +46,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     @app.after_request
     def _measure(response):
         response.headers.setdefault("X-Request-Id", g.get("request_id", ""))
-        route = request.url_rule.rule if request.url_rule else "unmatched"
+        route = request.url_rule.rule.replace("<model:model>", "<model>") if request.url_rule else "unmatched"
         if route != "/metrics":
             metrics.REQUESTS.labels(route, request.method, str(response.status_code)).inc()
             metrics.LATENCY.labels(route).observe(time.perf_counter() - g.get("started", time.perf_counter()))

@@ -112,6 +112,9 @@ class StorageWriteSink:
             responses = list(self._client.append_rows(iter([request]), timeout=APPEND_TIMEOUT_SECONDS))
         except exceptions.NotFound as exc:
             raise StreamLostError(str(exc)) from exc
+        if not responses:
+            # A server going down can close the stream without answering: that is not a commit.
+            raise exceptions.ServiceUnavailable("the append got no response")
         for response in responses:
             if response.row_errors:
                 raise RowsRejectedError("; ".join(f"row {e.index}: {e.message}" for e in response.row_errors))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, g, jsonify
+from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,13 @@ def register_error_handlers(app: Flask) -> None:
     def _http_error(error: HTTPException):
         if error.code == 413:
             return error_response(413, f"request body exceeds {app.config['MAX_CONTENT_LENGTH']} bytes")
-        return error_response(error.code or 500, error.description or error.name)
+        # werkzeug's own headers (a 405's Allow) without its HTML content type
+        headers = {name: value for name, value in error.get_headers() if name.lower() != "content-type"}
+        if error.code == 405:
+            return error_response(
+                405, f"{request.method} is not allowed here; allowed: {headers.get('Allow')}", None, headers
+            )
+        return error_response(error.code or 500, error.description or error.name, None, headers)
 
     @app.errorhandler(Exception)
     def _unexpected(error: Exception):

@@ -126,6 +126,11 @@ class _SubscriptionReply:
                 received = list(response.received_messages)
             except exceptions.DeadlineExceeded:
                 received = []
+            except exceptions.GoogleAPICallError as exc:
+                # Pub/Sub restarting or this subscription gone with it: the worker's stored reply still answers.
+                log.warning("reply pull on %s failed (%s); watching the result store", self.subscription, exc)
+                received = []
+                time.sleep(min(RESULT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
             if received:
                 self._subscriber.acknowledge(
                     request={"subscription": self.subscription, "ack_ids": [m.ack_id for m in received]}

@@ -8,7 +8,7 @@ import io
 import secrets
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.errors import ApiError
 from contract.catalog import ModelSpec
@@ -17,34 +17,31 @@ from contract.messages import GenerationParameters
 MAX_SEED = 2**31 - 1
 
 
+# Strict: `"4"` or `true` for a number is refused, not coerced; NaN and infinities are refused by name.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class InstanceIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     prompt: str = Field(min_length=1, max_length=2000)
     image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image only")
 
 
 class ParametersIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
-    width: int | None = Field(default=None, ge=64)
-    height: int | None = Field(default=None, ge=64)
+    width: int | None = Field(default=None, ge=64, multiple_of=8)
+    height: int | None = Field(default=None, ge=64, multiple_of=8)
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     negative_prompt: str | None = Field(default=None, max_length=2000)
     # Not a generation parameter: it picks the queue (only for API keys configured for it), not the image.
     priority: Literal["high", "normal"] | None = None
 
-    @field_validator("width", "height")
-    @classmethod
-    def _multiple_of_8(cls, value: int | None) -> int | None:
-        if value is not None and value % 8:
-            raise ValueError("must be a multiple of 8")
-        return value
-
 
 class PredictBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     instances: list[InstanceIn] = Field(min_length=1)
     parameters: ParametersIn = Field(default_factory=ParametersIn)
 
@@ -55,7 +52,16 @@ def parse_body(payload: object) -> PredictBody:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(422, f"{field}: {first['msg']}", field=field) from exc
+        raise ApiError(422, f"{field}: {_message(first)}", field=field) from exc
+
+
+def _message(error: dict) -> str:
+    """pydantic's message, without the internal class names its type errors carry."""
+    if error["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        return "must be a JSON object"
+    if error["type"] == "finite_number":
+        return "must be a finite number"
+    return error["msg"]
 
 
 def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParameters:

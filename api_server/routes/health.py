@@ -8,8 +8,10 @@ import time
 
 from flask import Blueprint, current_app, jsonify
 from google.api_core import exceptions
+from spectree import Response
 
 from api_server.errors import ApiError
+from api_server.openapi import PUBLIC, Health, Ready, documented, errors
 from contract import clients, naming
 
 bp = Blueprint("health", __name__)
@@ -94,12 +96,16 @@ class Readiness:
 
 
 @bp.get("/healthz")
+@documented(Response(HTTP_200=Health), security=PUBLIC, tags=["operations"])
 def healthz():
+    """Liveness"""
     return jsonify({"status": "ok"})
 
 
 @bp.get("/readyz")
+@documented(Response(HTTP_200=Ready, **errors(503)), security=PUBLIC, tags=["operations"])
 def readyz():
+    """Readiness: 503 naming what is missing unless Redis, the topics and the log table are there"""
     services = current_app.extensions["maas"]
     readiness = current_app.extensions.setdefault("maas_readiness", Readiness(services))
     problems = readiness.problems()

@@ -6,30 +6,43 @@ from datetime import UTC, datetime
 
 import redis
 from flask import Blueprint, current_app, jsonify, request
+from spectree import Response
 
 from api_server import metrics
 from api_server.errors import ApiError
 from api_server.jobs import JobState
+from api_server.openapi import INFERENCE_RESPONSES, InferenceHeaders, JobView, documented, errors
 from api_server.routes.predict import REPLY_STATUS_HTTP, accept
+from api_server.schemas import PredictBody
 
 bp = Blueprint("jobs", __name__)
 FINISHED = ("succeeded", "failed", "expired")
 
 
-@bp.post("/v1/models/<model>/jobs")
+@bp.post("/v1/models/<model:model>/jobs")
+@documented(INFERENCE_RESPONSES, json=PredictBody, headers=InferenceHeaders, tags=["jobs"])
 def submit(model: str):
+    """Submit a job
+
+    Answers 202 at once with the job (200 when the result cache already holds the answer)."""
     return accept(model, respond_async=True)
 
 
 @bp.get("/v1/jobs/<job_id>")
+@documented(Response(HTTP_200=JobView, **errors(401, 404, 503)), tags=["jobs"])
 def read(job_id: str):
+    """Read a job: its status, progress, result or error"""
     job = _owned_job(job_id)
     metrics.JOB_STATES.labels(job.status).inc()
     return jsonify(_view(job))
 
 
 @bp.delete("/v1/jobs/<job_id>")
+@documented(Response(HTTP_200=JobView, **errors(401, 404, 409, 503)), tags=["jobs"])
 def cancel(job_id: str):
+    """Cancel a job
+
+    A queued job never runs; a running one stops at its next step. 409 once finished."""
     job = _owned_job(job_id)
     if job.status in FINISHED:
         raise ApiError(409, f"job {job_id} already finished ({job.status})")

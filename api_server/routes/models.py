@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify, request
+from spectree import Response
 
 from api_server.errors import ApiError
+from api_server.openapi import ModelInfo, ModelList, documented, errors
 
 bp = Blueprint("models", __name__)
 
@@ -22,14 +24,18 @@ def _public(spec) -> dict:
 
 
 @bp.get("/v1/models")
+@documented(Response(HTTP_200=ModelList, **errors(401)), tags=["models"])
 def list_models():
+    """The catalog: names, versions, tasks, defaults and limits"""
     services = current_app.extensions["maas"]
     services.auth.authenticate(request)
     return jsonify({"models": [_public(spec) for _, spec in sorted(services.catalog.models.items())]})
 
 
-@bp.get("/v1/models/<model>")
+@bp.get("/v1/models/<model:model>")
+@documented(Response(HTTP_200=ModelInfo, **errors(401, 404)), tags=["models"])
 def get_model(model: str):
+    """One model of the catalog"""
     services = current_app.extensions["maas"]
     services.auth.authenticate(request)
     spec = services.catalog.get(model)

@@ -28,6 +28,8 @@ from api_server.flights import (
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
 from api_server.limits import NO_LEASE
+from api_server.openapi import INFERENCE_RESPONSES, InferenceHeaders, documented
+from api_server.schemas import PredictBody
 
 bp = Blueprint("predict", __name__)
 
@@ -38,8 +40,13 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 NOT_KEPT_FOR_IDEMPOTENCY = (429, 503)
 
 
-@bp.post("/v1/models/<model>:predict")
+@bp.post("/v1/models/<model:model>:predict")
+@documented(INFERENCE_RESPONSES, json=PredictBody, headers=InferenceHeaders, tags=["inference"])
 def predict(model: str):
+    """Generate images
+
+    Waits for the worker's reply: 200 with the images, or 202 with a job if the wait runs out (or at once
+    with `Prefer: respond-async`)."""
     return accept(model, respond_async="respond-async" in request.headers.get("Prefer", "").lower())
 
 
@@ -126,7 +133,10 @@ def _answer(services, serving, model: str, row: InferenceLogRow, started: float,
     row.model_version, row.task = spec.version, spec.task
     # A lease, not a counter: a process that dies holding it frees the slot after the request's timeout.
     g.limit_lease = serving.limiter.admit(key_id, digest, spec.request_timeout_seconds)
-    payload = request.get_json(silent=True)
+    try:
+        payload = request.get_json(silent=True)
+    except RecursionError:  # nested deeper than the parser's recursion limit
+        raise ApiError(400, "body: JSON nested too deeply") from None
     if payload is None:
         raise ApiError(400, "body must be a JSON object (Content-Type: application/json)")
     prepared = serving.inference.prepare(spec, payload, g.request_id, digest)
