@@ -132,9 +132,10 @@ class _SubscriptionReply:
                 received = []
                 time.sleep(min(RESULT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
             if received:
-                self._subscriber.acknowledge(
-                    request={"subscription": self.subscription, "ack_ids": [m.ack_id for m in received]}
-                )
+                with contextlib.suppress(exceptions.GoogleAPICallError):  # the subscription is deleted after anyway
+                    self._subscriber.acknowledge(
+                        request={"subscription": self.subscription, "ack_ids": [m.ack_id for m in received]}
+                    )
             for item in received:
                 # The emulator does not apply the filter: other requests' replies arrive here too.
                 if item.message.attributes.get(Attr.REQUEST_ID) == self._request_id:

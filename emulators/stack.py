@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -60,6 +61,8 @@ class StackConfig:
     project_id: str = "maas-local"
     port_offset: int = 0
     api_workers: int = 1
+    # Worker processes per deployment (the chaos suite runs two, so one can die while the other serves).
+    worker_replicas: int = 1
     reply_mode: str = "per-request"
     api_keys: str = LOCAL_DEFAULT_API_KEY
     api_keys_from_env: bool = False
@@ -74,6 +77,7 @@ class StackConfig:
             project_id=env.get("MAAS_PROJECT_ID", "maas-local"),
             port_offset=int(env.get("MAAS_STACK_PORT_OFFSET", "0")),
             api_workers=int(env.get("MAAS_API_WORKERS", "1")),
+            worker_replicas=int(env.get("MAAS_STACK_WORKER_REPLICAS", "1")),
             reply_mode=env.get("MAAS_REPLY_MODE", "per-request"),
             api_keys=keys or LOCAL_DEFAULT_API_KEY,
             api_keys_from_env=bool(keys),
@@ -338,13 +342,18 @@ def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, st
 
 
 def worker_components(config: StackConfig) -> list[Component]:
-    """One worker per deployment, its probe port numbered in catalog order."""
+    """`worker_replicas` workers per deployment (`worker-{deployment}`, then `-2`, `-3`...); probe ports in
+    catalog order, the first replicas' first."""
     workers = []
-    for index, deployment in enumerate(local_catalog().deployments()):
+    deployments = list(local_catalog().deployments())
+    for replica, (position, deployment) in itertools.product(
+        range(max(1, config.worker_replicas)), enumerate(deployments)
+    ):
+        index = replica * len(deployments) + position
         probes = f"http://{LOCAL_HOST}:{config.worker_health_port(index)}"
         workers.append(
             Component(
-                f"worker-{deployment}",
+                f"worker-{deployment}" + (f"-{replica + 1}" if replica else ""),
                 (sys.executable, "-m", "model_worker"),
                 worker_env(config, deployment, index),
                 ROOT,

@@ -1,0 +1,207 @@
+"""The fault scenarios: traffic through the API while a fault is injected into the real processes.
+
+Every process is signalled by the PID the stack recorded and brought back with the stack's own commands
+(`emulators.stack.restart`, the bootstrap, or its supervisor), exactly as an operator would by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chaos.traffic import Outcome, Traffic, predict_body
+from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
+from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import StackConfig, bootstrap_resources, restart
+
+
+@dataclass
+class ChaosContext:
+    """The stack under test and the clients the checks use."""
+
+    config: StackConfig
+    settings: object
+    bigquery: object
+    subscriber: object
+    headers: dict[str, str]
+    timeouts: dict[str, float]
+    row_wait_seconds: float = 90.0
+
+    @property
+    def registry(self) -> ProcessRegistry:
+        return ProcessRegistry(self.config.stack_dir)
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        pid = self.registry.pid(name)
+        if pid is None:
+            raise RuntimeError(f"{name} is not running")
+        os.killpg(pid, sig)
+
+    def restart(self, name: str) -> None:
+        restart(self.config, name)
+
+    def bootstrap(self) -> None:
+        bootstrap_resources(self.config)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """The API answers /readyz 200 and every worker is running again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers_up = all(self.registry.is_running(n) for n in self.registry.names() if n.startswith("worker-"))
+            if workers_up and http_ok(f"{self.config.api_url}/readyz", timeout=3):
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the stack did not become ready again")
+
+
+Fault = tuple[float, Callable[[ChaosContext], None]]
+
+
+def run_scenario(
+    ctx: ChaosContext,
+    name: str,
+    model: str,
+    concurrency: int,
+    seconds: float,
+    faults: list[Fault],
+    body: Callable[[int], dict] | None = None,
+    extra: Callable[[ChaosContext], list[Outcome]] | None = None,
+) -> ScenarioResult:
+    """Traffic for `seconds`; each fault runs at its offset; then every answer and row is checked."""
+    result = ScenarioResult(name)
+    began = time.monotonic()
+    traffic = Traffic(ctx.config.api_url, ctx.headers, model, concurrency, ctx.timeouts[model], body).start()
+    extra_outcomes: list[Outcome] = []
+    extra_thread = None
+    if extra is not None:
+        extra_thread = threading.Thread(target=lambda: extra_outcomes.extend(extra(ctx)), daemon=True)
+        extra_thread.start()
+    for at, fault in sorted(faults, key=lambda item: item[0]):
+        time.sleep(max(0.0, at - (time.monotonic() - began)))
+        try:
+            fault(ctx)
+        except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, not hidden
+            result.notes.append(f"fault at {at}s failed: {exc}")
+    time.sleep(max(0.0, seconds - (time.monotonic() - began)))
+    outcomes = traffic.stop()
+    if extra_thread is not None:
+        extra_thread.join(600)
+    outcomes += extra_outcomes
+    result.record(outcomes)
+    ctx.wait_ready()
+    expected = [outcome.request_id for outcome in outcomes if outcome.request_id]
+    copies = row_copies(ctx.bigquery, ctx.settings, expected, ctx.row_wait_seconds)
+    result.record_rows(expected, copies)
+    result.ran_after_deadline = late_runs(ctx.bigquery, ctx.settings, expected, ctx.timeouts)
+    result.leaked_subscriptions = len(leaked_reply_subscriptions(ctx.subscriber, ctx.settings.project_id))
+    result.seconds = round(time.monotonic() - began, 1)
+    return result
+
+
+def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:
+    replicas = [f"worker-{deployment}", f"worker-{deployment}-2"]
+    counter = {"n": 0}
+
+    def fault(ctx: ChaosContext) -> None:
+        name = replicas[counter["n"] % len(replicas)]
+        counter["n"] += 1
+        if ctx.registry.is_running(name):
+            ctx.signal(name, signal.SIGKILL)  # the supervisor starts it again, as Kubernetes would
+
+    return fault
+
+
+def worker_kill(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
+    kill = _sigkill_worker("synthetic")
+    faults = [(at, kill) for at in range(5, int(seconds) - 5, 10)]
+    return run_scenario(ctx, "worker SIGKILL every 10 s", "sleep", 12, seconds, faults)
+
+
+def redis_outage(ctx: ChaosContext, seconds: float = 35, outage: float = 20) -> ScenarioResult:
+    faults = [(5, lambda c: c.signal("redis", signal.SIGKILL)), (5 + outage, lambda c: c.restart("redis"))]
+    return run_scenario(ctx, f"Redis killed {outage:.0f} s", "sleep", 8, seconds, faults)
+
+
+def bigquery_pause(ctx: ChaosContext, seconds: float = 45, pause: float = 30) -> ScenarioResult:
+    faults = [
+        (5, lambda c: c.signal("bigquery", signal.SIGSTOP)),
+        (5 + pause, lambda c: c.signal("bigquery", signal.SIGCONT)),
+    ]
+    return run_scenario(ctx, f"BigQuery SIGSTOP {pause:.0f} s", "noop", 8, seconds, faults)
+
+
+def bigquery_restart(ctx: ChaosContext, seconds: float = 30) -> ScenarioResult:
+    return run_scenario(ctx, "BigQuery killed, restarted", "noop", 8, seconds, [(5, lambda c: c.restart("bigquery"))])
+
+
+def pubsub_restart(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
+    def restart_and_bootstrap(c: ChaosContext) -> None:
+        c.restart("pubsub")
+        c.bootstrap()
+
+    return run_scenario(ctx, "Pub/Sub killed, restarted, bootstrap", "noop", 8, seconds, [(5, restart_and_bootstrap)])
+
+
+def _long_requests(
+    count: int, width: int = 256, steps: int = 20, cancel_job: bool = False
+) -> Callable[[ChaosContext], list[Outcome]]:
+    """Long tiny-diffusion requests in flight while the fault happens (`cancel_job`: their clients give up)."""
+
+    def send(ctx: ChaosContext) -> list[Outcome]:
+        from chaos.traffic import Client
+
+        client = Client(ctx.config.api_url, ctx.headers)
+        body = predict_body("long", seed=1, width=width, height=width, num_inference_steps=steps)
+        timeout = ctx.timeouts["sd15-txt2img"]
+        return [client.predict("sd15-txt2img", body, timeout, {"long"}, cancel_job) for _ in range(count)]
+
+    return send
+
+
+def api_sigterm(ctx: ChaosContext, seconds: float = 30) -> ScenarioResult:
+    return run_scenario(
+        ctx, "API SIGTERM under load", "sleep", 8, seconds, [(5, lambda c: c.signal("api", signal.SIGTERM))],
+        extra=_long_requests(2),
+    )  # fmt: skip
+
+
+def worker_sigterm(ctx: ChaosContext, seconds: float = 30) -> ScenarioResult:
+    faults = [(5, lambda c: c.signal("worker-synthetic", signal.SIGTERM))]
+    return run_scenario(ctx, "worker SIGTERM under load", "sleep", 12, seconds, faults)
+
+
+def poison(ctx: ChaosContext, seconds: float = 30) -> ScenarioResult:
+    def body(index: int) -> dict:
+        prompt = "!crash poison" if index % 10 == 0 else f"good {uuid.uuid4().hex[:6]}"
+        return predict_body(prompt, seed=index)
+
+    return run_scenario(ctx, "poison request among good ones", "sleep", 8, seconds, [], body=body)
+
+
+def abandoned_long(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
+    def body(index: int) -> dict:
+        return predict_body(f"short {uuid.uuid4().hex[:6]}", seed=index, width=64, height=64, num_inference_steps=2)
+
+    return run_scenario(
+        ctx, "abandoned long request ahead of short ones", "sd15-txt2img", 4, seconds, [], body=body,
+        extra=_long_requests(1, width=1024, steps=50, cancel_job=True),
+    )  # fmt: skip
+
+
+SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
+    "worker-kill": worker_kill,
+    "redis-outage": redis_outage,
+    "bigquery-pause": bigquery_pause,
+    "bigquery-restart": bigquery_restart,
+    "pubsub-restart": pubsub_restart,
+    "api-sigterm": api_sigterm,
+    "worker-sigterm": worker_sigterm,
+    "poison": poison,
+    "abandoned-long": abandoned_long,
+}
+QUICK = ("worker-kill", "redis-outage", "api-sigterm")

@@ -1,0 +1,135 @@
+"""What a scenario proved: every request answered in time, one log row per request, nothing leaked."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from chaos.traffic import Outcome
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    sent: int = 0
+    ok: int = 0
+    errors_by_status: Counter = field(default_factory=Counter)
+    unanswered: int = 0
+    undocumented: int = 0
+    rows: int = 0
+    duplicate_rows: int = 0
+    missing_rows: int = 0
+    leaked_subscriptions: int = 0
+    ran_after_deadline: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    expected_failures: set[int] = field(default_factory=set)
+
+    @property
+    def passed(self) -> bool:
+        return not (
+            self.unanswered
+            or self.undocumented
+            or self.duplicate_rows
+            or self.missing_rows
+            or self.leaked_subscriptions
+            or self.ran_after_deadline
+        )
+
+    def record(self, outcomes: list[Outcome]) -> None:
+        self.sent += len(outcomes)
+        for outcome in outcomes:
+            if not outcome.on_time:
+                self.unanswered += 1
+            elif not outcome.documented:
+                self.undocumented += 1
+            elif outcome.status == 200 or outcome.job_status == "succeeded":
+                self.ok += 1
+            else:
+                self.errors_by_status[
+                    outcome.status if outcome.job_status is None else f"202:{outcome.job_status}"
+                ] += 1
+
+    def record_rows(self, expected_ids: list[str], copies: dict[str, int]) -> None:
+        self.rows = sum(copies.values())
+        self.duplicate_rows = sum(count - 1 for count in copies.values() if count > 1)
+        self.missing_rows = sum(1 for request_id in expected_ids if request_id not in copies)
+
+
+COLUMNS = (
+    "scenario", "sent", "ok", "errors (status: n)", "unanswered", "rows", "dup rows", "missing rows",
+    "leaked subs", "run late", "result",
+)  # fmt: skip
+
+
+def table(results: list[ScenarioResult]) -> str:
+    """A markdown table, one line per scenario."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for result in results:
+        errors = ", ".join(f"{status}: {count}" for status, count in sorted(result.errors_by_status.items(), key=str))
+        cells = [
+            result.name, result.sent, result.ok, errors or "-", result.unanswered + result.undocumented, result.rows,
+            result.duplicate_rows, result.missing_rows, result.leaked_subscriptions, result.ran_after_deadline,
+            "PASS" if result.passed else "FAIL",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def row_copies(bigquery, settings, request_ids: list[str], wait_seconds: float) -> dict[str, int]:
+    """Rows per request id in the raw table (not a view: duplicates must show), waiting for late writes."""
+    if not request_ids:
+        return {}
+    table_name = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    deadline = time.monotonic() + wait_seconds
+    copies: dict[str, int] = {}
+    while True:
+        copies = {}
+        for start in range(0, len(request_ids), 500):
+            ids = ", ".join(f"'{request_id}'" for request_id in request_ids[start : start + 500])
+            sql = f"SELECT request_id, COUNT(*) AS copies FROM {table_name} WHERE request_id IN ({ids}) GROUP BY 1"
+            try:
+                copies.update({row["request_id"]: row["copies"] for row in bigquery.query(sql).result()})
+            except Exception:  # noqa: BLE001 - the emulator refuses concurrent queries now and then: ask again
+                time.sleep(0.5)
+        if len(copies) >= len(request_ids) or time.monotonic() > deadline:
+            return copies
+        time.sleep(1.0)
+
+
+def late_runs(bigquery, settings, request_ids: list[str], timeouts: dict[str, float]) -> int:
+    """Requests a worker started after their deadline (model timeout past receipt), from their log rows."""
+    if not request_ids:
+        return 0
+    table_name = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    late = 0
+    for start in range(0, len(request_ids), 500):
+        ids = ", ".join(f"'{request_id}'" for request_id in request_ids[start : start + 500])
+        sql = (
+            f"SELECT model, endpoint, created_at, worker_started_at FROM {table_name} "
+            f"WHERE request_id IN ({ids}) AND worker_started_at IS NOT NULL"
+        )
+        for row in bigquery.query(sql).result():
+            if row["endpoint"] == "job":
+                continue  # a sync request turned job keeps running by design (the job deadline applies)
+            waited = (row["worker_started_at"] - row["created_at"]).total_seconds()
+            late += waited > timeouts.get(row["model"], 60)
+    return late
+
+
+def leaked_reply_subscriptions(subscriber, project_id: str, settle_seconds: float = 5.0) -> list[str]:
+    """Per-request reply subscriptions still present once the traffic has stopped and settled."""
+    from contract import naming
+
+    prefix = naming.reply_subscription("")
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        names = [
+            subscription.name.rsplit("/", 1)[-1]
+            for subscription in subscriber.list_subscriptions(request={"project": f"projects/{project_id}"})
+            if subscription.name.rsplit("/", 1)[-1].startswith(prefix)
+        ]
+        if not names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.5)
