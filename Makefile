@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # One install step: says what it does, runs it, says how long it took. $(call step,what,command)
 step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done in %ss\n' $$(( $$(date +%s) - started ))
 
-.PHONY: analytics install run up down test test-fast lint format bench clean system-deps
+.PHONY: analytics chaos install run up down test test-fast lint format bench clean system-deps
 
 .PHONY: status restart bootstrap
 
@@ -78,6 +78,10 @@ format: $(VENV)/.installed
 # A bounded benchmark suite on its own stack (port offset 40000); QUICK=1 runs a ~2-minute subset.
 bench: install
 	$(PY) -m bench.suite $(if $(QUICK),--quick,)
+
+# Faults and bad inputs against a stack of its own (two workers per model); non-zero exit if anything was lost.
+chaos: install
+	$(PY) -m chaos $(if $(QUICK),--quick,)
 
 # The analytics views from the local stack's BigQuery emulator: make analytics [SINCE=7d] [MODEL=name]
 analytics: $(VENV)/.installed

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
 from emulators.processes import ProcessRegistry, http_ok
-from emulators.stack import StackConfig, bootstrap_resources, restart
+from emulators.stack import StackConfig, bootstrap_resources, components, restart
 
 
 @dataclass
@@ -49,10 +49,10 @@ class ChaosContext:
         bootstrap_resources(self.config)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
-        """The API answers /readyz 200 and every worker is running again."""
+        """The API answers /readyz 200 and every worker of the stack is running again (the supervisor's work)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            workers_up = all(self.registry.is_running(n) for n in self.registry.names() if n.startswith("worker-"))
+            workers_up = all(self.registry.is_running(name) for name in components(self.config) if "worker-" in name)
             if workers_up and http_ok(f"{self.config.api_url}/readyz", timeout=3):
                 return
             time.sleep(0.5)
