@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from api_server.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.errors import ApiError
 from api_server.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
+from api_server.webhooks import WebhookTargetPolicy
 from contract import naming
 from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
@@ -29,6 +30,7 @@ class PreparedRequest:
     params: GenerationParameters
     images: list[bytes | None]
     priority: naming.Priority
+    webhook_url: str | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -47,7 +49,9 @@ class InferenceService:
         payloads: PayloadCodec,
         job_deadline_seconds: int,
         high_priority_keys: frozenset[str] = frozenset(),
+        webhook_targets: WebhookTargetPolicy | None = None,
     ) -> None:
+        self._webhook_targets = webhook_targets or WebhookTargetPolicy(enabled=False)
         self._dispatcher = dispatcher
         self._payloads = payloads
         self._job_deadline_seconds = job_deadline_seconds
@@ -65,7 +69,8 @@ class InferenceService:
             else None
             for index, instance in enumerate(body.instances)
         ]
-        return PreparedRequest(request_id, spec, body, params, images, priority)
+        webhook_url = self._webhook_targets.check(body.webhook_url) if body.webhook_url is not None else None
+        return PreparedRequest(request_id, spec, body, params, images, priority, webhook_url)
 
     def job_deadline_ms(self) -> int:
         return int((time.time() + self._job_deadline_seconds) * 1000)

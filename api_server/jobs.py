@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import redis
 
@@ -23,6 +24,10 @@ REPLY_STATE = {"ok": "succeeded", "error": "failed", "expired": "expired", "canc
 
 
 UNLOGGED_JOBS_KEY = "maas:jobs:unlogged"
+WEBHOOK_JOBS_KEY = "maas:jobs:webhooks"
+ENDED = ("succeeded", "failed", "expired", "cancelled")
+# The HTTP status a reply's outcome is answered with (a job's `error.code`).
+REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500, "cancelled": 409}
 
 
 def job_key(job_id: str) -> str:
@@ -66,10 +71,12 @@ class JobStore:
         """Another key's identical request was coalesced into this job: it may read it too."""
         self._redis.hset(job_key(job_id), f"owner:{owner}", "1")
 
-    def get(self, job_id: str, owner: str) -> JobState | None:
-        """The job as `owner` may see it; None when it does not exist or belongs to another key."""
+    def get(self, job_id: str, owner: str | None) -> JobState | None:
+        """The job as `owner` may see it; None when it does not exist or belongs to another key.
+
+        `owner=None` reads any job (the API's own background work, never a caller's request)."""
         record = {key.decode(): value.decode() for key, value in self._redis.hgetall(job_key(job_id)).items()}
-        if record.get(f"owner:{owner}") != "1":
+        if "model" not in record or (owner is not None and record.get(f"owner:{owner}") != "1"):
             return None
         state = JobState(
             job_id=job_id,
@@ -118,7 +125,58 @@ class JobStore:
         """True for exactly one caller: that one writes the row."""
         return bool(self._redis.zrem(UNLOGGED_JOBS_KEY, job_id))
 
+    def add_webhook(self, job_id: str, url: str, deadline_ms: int) -> None:
+        """Registers the job's webhook, called once when the job ends (see `webhooks.py`)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), "webhook_url", url)
+        pipe.zadd(WEBHOOK_JOBS_KEY, {job_id: deadline_ms})
+        pipe.execute()
+
+    def ended_with_webhook(self, limit: int = 500) -> list[tuple[JobState, str]]:
+        """(job, webhook URL) for jobs with an undelivered webhook that have ended."""
+        ended = []
+        for raw_id in self._redis.zrange(WEBHOOK_JOBS_KEY, 0, limit - 1):
+            job_id = raw_id.decode()
+            job = self.get(job_id, None)
+            url = self._redis.hget(job_key(job_id), "webhook_url")
+            if job is None or url is None:  # the job record expired: nobody left to tell
+                self._redis.zrem(WEBHOOK_JOBS_KEY, job_id)
+            elif job.status in ENDED:
+                ended.append((job, url.decode()))
+        return ended
+
+    def claim_webhook(self, job_id: str) -> bool:
+        """True for exactly one caller across API processes: that one delivers the webhook."""
+        return bool(self._redis.zrem(WEBHOOK_JOBS_KEY, job_id))
+
     def cancel(self, job_id: str) -> None:
         """Marks the job cancelled: a queued request is answered `cancelled` unrun, a running batch stops."""
         self._results.cancel(job_id)
         self._redis.hset(job_key(job_id), "cancelled_ms", int(time.time() * 1000))
+
+
+def job_view(job: JobState, predictions) -> dict:
+    """A job as `GET /v1/jobs/{id}` and its webhook show it; `predictions` turns a reply into image JSON."""
+    view: dict = {
+        "id": job.job_id,
+        "status": job.status,
+        "model": job.model,
+        "model_version": job.model_version,
+        "created_at": datetime.fromtimestamp(job.created_ms / 1000, UTC).isoformat(),
+        "links": {"self": f"/v1/jobs/{job.job_id}"},
+    }
+    if job.progress is not None:
+        view["progress"] = {"step": job.progress.step, "total": job.progress.total}
+    reply = job.reply
+    if reply is not None and job.status == "succeeded":
+        view["result"] = {
+            "predictions": predictions(reply),
+            "timings_ms": {"queue": round(reply.queue_ms, 2), "inference": round(reply.inference_ms, 2)},
+        }
+    elif reply is not None:
+        view["error"] = {
+            "code": REPLY_STATUS_HTTP[reply.status],
+            "message": reply.error or f"model worker answered {reply.status}",
+            "kind": reply.error_kind,
+        }
+    return view

@@ -44,6 +44,11 @@ class PredictBody(BaseModel):
     model_config = STRICT
     instances: list[InstanceIn] = Field(min_length=1)
     parameters: ParametersIn = Field(default_factory=ParametersIn)
+    webhook_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="https URL called once when the request ends as a job (signed: X-MaaS-Signature)",
+    )
 
 
 def parse_body(payload: object) -> PredictBody:

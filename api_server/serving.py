@@ -12,6 +12,7 @@ from api_server.jobs import JobStore
 from api_server.limits import KeyLimits, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.services import api_redis_client
+from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract.results import ResultStore
 from contract.settings import Settings
 
@@ -28,6 +29,7 @@ class Serving:
     results: ResultStore
     job_log: JobLogFinisher
     limiter: RequestLimiter
+    webhooks: WebhookNotifier
 
 
 def build_serving(settings: Settings, services) -> Serving:
@@ -39,17 +41,34 @@ def build_serving(settings: Settings, services) -> Serving:
     jobs = JobStore(services.redis, results, settings.result_ttl_seconds)
     job_log = JobLogFinisher(jobs, services.inference_log)
     job_log.start()
+    targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
+    inference = InferenceService(
+        services.dispatcher,
+        services.payloads,
+        settings.job_deadline_seconds,
+        settings.high_priority_key_sha256,
+        targets,
+    )
+    webhooks = WebhookNotifier(
+        jobs,
+        inference.predictions,
+        targets,
+        settings.webhook_signing_secret,
+        attempts=settings.webhook_attempts,
+        ca_file=settings.webhook_ca_file,
+    )
+    if settings.webhook_signing_secret:  # a process that cannot sign must not claim deliveries
+        webhooks.start()
     return Serving(
         settings=settings,
-        inference=InferenceService(
-            services.dispatcher, services.payloads, settings.job_deadline_seconds, settings.high_priority_key_sha256
-        ),
+        inference=inference,
         redis=state,
         cache_flights=SharedFlights(cache_state),
         flights=SharedFlights(state),
         jobs=jobs,
         results=results,
         job_log=job_log,
+        webhooks=webhooks,
         limiter=RequestLimiter(
             state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
         ),

@@ -93,6 +93,12 @@ class Settings:
     rate_limit_per_minute: int = 0
     concurrency_limit: int = 0
     key_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Job webhooks: signed with this secret (unset: webhooks refused), tried this many times.
+    webhook_signing_secret: str = ""
+    webhook_attempts: int = 5
+    # Test-only: trust this CA for webhook receivers and allow loopback receivers (refused in production).
+    webhook_ca_file: str | None = None
+    webhook_allow_loopback: bool = False
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -121,6 +127,8 @@ class Settings:
         reply_mode = env.get("MAAS_REPLY_MODE", "per-request")
         if reply_mode not in ("per-request", "per-instance"):
             raise ValueError(f"MAAS_REPLY_MODE must be 'per-request' or 'per-instance', not {reply_mode!r}")
+        if stage == "production" and _flag(env.get("MAAS_WEBHOOK_ALLOW_LOOPBACK")):
+            raise ValueError("MAAS_WEBHOOK_ALLOW_LOOPBACK is for tests; production never calls loopback webhooks")
         instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
         return cls(
             env=stage,  # type: ignore[arg-type]
@@ -162,6 +170,10 @@ class Settings:
                 env.get("MAAS_CONCURRENCY_LIMIT") or (PRODUCTION_CONCURRENCY_LIMIT if stage == "production" else 0)
             ),
             key_limits=_key_limits(env.get("MAAS_KEY_LIMITS")),
+            webhook_signing_secret=env.get("MAAS_WEBHOOK_SIGNING_SECRET", ""),
+            webhook_attempts=int(env.get("MAAS_WEBHOOK_ATTEMPTS", cls.webhook_attempts)),
+            webhook_ca_file=env.get("MAAS_WEBHOOK_CA_FILE") or None,
+            webhook_allow_loopback=_flag(env.get("MAAS_WEBHOOK_ALLOW_LOOPBACK")),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),

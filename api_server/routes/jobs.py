@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import redis
 from flask import Blueprint, current_app, jsonify, request
 from spectree import Response
 
 from api_server import metrics
 from api_server.errors import ApiError
-from api_server.jobs import JobState
+from api_server.jobs import JobState, job_view
 from api_server.openapi import INFERENCE_RESPONSES, InferenceHeaders, JobView, documented, errors
-from api_server.routes.predict import REPLY_STATUS_HTTP, accept
+from api_server.routes.predict import accept
 from api_server.schemas import PredictBody
 
 bp = Blueprint("jobs", __name__)
@@ -76,27 +74,4 @@ def _guarded(action):
 
 
 def _view(job: JobState) -> dict:
-    view: dict = {
-        "id": job.job_id,
-        "status": job.status,
-        "model": job.model,
-        "model_version": job.model_version,
-        "created_at": datetime.fromtimestamp(job.created_ms / 1000, UTC).isoformat(),
-        "links": {"self": f"/v1/jobs/{job.job_id}"},
-    }
-    if job.progress is not None:
-        view["progress"] = {"step": job.progress.step, "total": job.progress.total}
-    reply = job.reply
-    if reply is not None and job.status == "succeeded":
-        serving = current_app.extensions["maas_serving"]
-        view["result"] = {
-            "predictions": serving.inference.predictions(reply),
-            "timings_ms": {"queue": round(reply.queue_ms, 2), "inference": round(reply.inference_ms, 2)},
-        }
-    elif reply is not None:
-        view["error"] = {
-            "code": REPLY_STATUS_HTTP[reply.status],
-            "message": reply.error or f"model worker answered {reply.status}",
-            "kind": reply.error_kind,
-        }
-    return view
+    return job_view(job, current_app.extensions["maas_serving"].inference.predictions)

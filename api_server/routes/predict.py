@@ -27,13 +27,13 @@ from api_server.flights import (
 )
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
+from api_server.jobs import REPLY_STATUS_HTTP
 from api_server.limits import NO_LEASE
 from api_server.openapi import INFERENCE_RESPONSES, InferenceHeaders, documented
 from api_server.schemas import PredictBody
 
 bp = Blueprint("predict", __name__)
 
-REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500, "cancelled": 409}
 JSON = {"Content-Type": "application/json"}
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 # Retryable answers are not kept for an Idempotency-Key: the retry should run.
@@ -281,6 +281,7 @@ def _hand_over_as_job(
         return _error_record(ApiError(504, f"no reply from {spec.name} within {spec.request_timeout_seconds}s"))
     row.job_id, row.endpoint = prepared.request_id, "job"
     g.deferred_job_deadline_ms = deadline_ms
+    _add_webhook(serving, prepared, deadline_ms)
     metrics.JOBS.labels("converted").inc()
     return _job_record(
         prepared, f"no reply from {spec.name} within {spec.request_timeout_seconds}s; still queued as a job"
@@ -294,6 +295,7 @@ def _submit_job(serving, prepared: PreparedRequest, key_id: str, row: InferenceL
     except redis.RedisError as exc:
         serving.redis.failed(exc)
         return _error_record(ApiError(503, "job store unavailable, retry later", headers={"Retry-After": "5"}))
+    _add_webhook(serving, prepared, deadline_ms)
     try:
         serving.inference.submit(prepared, deadline_ms)
     except ApiError as error:
@@ -302,6 +304,15 @@ def _submit_job(serving, prepared: PreparedRequest, key_id: str, row: InferenceL
     row.job_id = prepared.request_id
     g.deferred_job_deadline_ms = deadline_ms
     return _job_record(prepared, None)
+
+
+def _add_webhook(serving, prepared: PreparedRequest, deadline_ms: int) -> None:
+    if prepared.webhook_url is None:
+        return
+    try:
+        serving.jobs.add_webhook(prepared.request_id, prepared.webhook_url, deadline_ms)
+    except redis.RedisError as exc:
+        serving.redis.failed(exc)  # the job itself was just stored; its webhook is lost with Redis
 
 
 def _job_record(prepared: PreparedRequest, message: str | None) -> ResponseRecord:
