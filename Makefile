@@ -75,7 +75,7 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# A bounded benchmark suite on its own stack (port offset 40000); QUICK=1 runs a ~2-minute subset.
+# A bounded benchmark suite on its own stack (port offset 12000); QUICK=1 runs a ~2-minute subset.
 bench: install
 	$(PY) -m bench.suite $(if $(QUICK),--quick,)
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.suite            # full suite (under 10 minutes on 2 cores)
     .venv/bin/python -m bench.suite --quick    # a ~2-minute subset
 
-Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 40000 / .stack-bench) if it is running,
+Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 12000 / .stack-bench) if it is running,
 else brings one up there and stops it at the end. Runs the benchmark's own API process (the real app,
 with its Pub/Sub admin calls counted: `bench.counted_api`) in each reply mode in turn, beside the stack's
 workers. Writes results.json, results.md and the plots under bench/results/ (bench/results/quick/).
@@ -58,7 +58,7 @@ def plan(quick: bool) -> dict:
 
 def bench_config() -> StackConfig:
     env = dict(os.environ)
-    env.setdefault("MAAS_STACK_PORT_OFFSET", "40000")
+    env.setdefault("MAAS_STACK_PORT_OFFSET", "12000")  # below 32768, where ephemeral ports begin
     env.setdefault("MAAS_STACK_DIR", str(ROOT / ".stack-bench"))
     return StackConfig.from_env(env)
 
