@@ -62,6 +62,8 @@ class ReplyFinisher:
         self._leases = leases
         self._metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="finisher")
+        self._in_flight = threading.Condition()
+        self._publishing = 0
         self.redis_trouble = RedisTrouble()
 
     def answer(self, message: HeldMessage, reply: InferenceReply, store: bool = True) -> Future:
@@ -102,37 +104,52 @@ class ReplyFinisher:
                 self.redis_trouble.warn("store", exc)
                 self._metrics.errors.labels(kind="result_store").inc()
         try:
-            self._publish(reply, message.attributes)
-        except Exception:
-            log.exception("reply for %s not published; handing the request back", reply.request_id)
-            self._metrics.errors.labels(kind="reply_publish").inc()
-            self._leases.release(message)
+            future = self._publish(reply, message.attributes)
+        except Exception as exc:  # noqa: BLE001 - the publisher refused at once (e.g. it is shut down)
+            self._not_published(message, reply, exc)
             return
-        try:
-            self._leases.ack(message)
-        except Exception:  # noqa: BLE001 - the redelivery is answered from the store or the same way again
-            log.warning("ack of %s failed; a redelivery will be answered again", reply.request_id, exc_info=True)
-        self._metrics.requests.labels(model=reply.model, status=reply.status).inc()
-        log.info(
-            "request %s %s",
-            reply.request_id,
-            reply.status,
-            extra={
-                "fields": {
-                    "request_id": reply.request_id,
-                    "model": reply.model,
-                    "status": reply.status,
-                    "error_kind": reply.error_kind,
-                    "batch_id": reply.batch_id,
-                    "batch_size": reply.batch_size,
-                    "queue_ms": round(reply.queue_ms, 1),
-                    "inference_ms": round(reply.inference_ms, 1),
-                    "attempt": reply.attempt,
-                }
-            },
-        )
+        with self._in_flight:
+            self._publishing += 1
+        # The ack waits for the publish, but no thread does: the callback acks (batched) or hands back.
+        future.add_done_callback(lambda done: self._published(message, reply, done))
 
-    def _publish(self, reply: InferenceReply, request_attributes: dict[str, str]) -> None:
+    def _published(self, message: HeldMessage, reply: InferenceReply, future) -> None:
+        try:
+            error = future.exception()
+            if error is not None:
+                self._not_published(message, reply, error)
+                return
+            self._leases.ack(message)
+            self._metrics.requests.labels(model=reply.model, status=reply.status).inc()
+            log.info(
+                "request %s %s",
+                reply.request_id,
+                reply.status,
+                extra={
+                    "fields": {
+                        "request_id": reply.request_id,
+                        "model": reply.model,
+                        "status": reply.status,
+                        "error_kind": reply.error_kind,
+                        "batch_id": reply.batch_id,
+                        "batch_size": reply.batch_size,
+                        "queue_ms": round(reply.queue_ms, 1),
+                        "inference_ms": round(reply.inference_ms, 1),
+                        "attempt": reply.attempt,
+                    }
+                },
+            )
+        finally:
+            with self._in_flight:
+                self._publishing -= 1
+                self._in_flight.notify_all()
+
+    def _not_published(self, message: HeldMessage, reply: InferenceReply, error: BaseException) -> None:
+        log.error("reply for %s not published (%s); handing the request back", reply.request_id, error)
+        self._metrics.errors.labels(kind="reply_publish").inc()
+        self._leases.release(message)
+
+    def _publish(self, reply: InferenceReply, request_attributes: dict[str, str]):
         attributes = {
             Attr.REQUEST_ID: reply.request_id,
             Attr.MODEL: reply.model,
@@ -141,13 +158,13 @@ class ReplyFinisher:
         if Attr.INSTANCE in request_attributes:
             attributes[Attr.INSTANCE] = request_attributes[Attr.INSTANCE]
         topic = request_attributes.get(Attr.REPLY_TO) or self._replies_topic
-        self._publisher.publish(topic, reply.model_dump_json().encode(), **attributes).result(
-            timeout=PUBLISH_TIMEOUT_SECONDS
-        )
+        return self._publisher.publish(topic, reply.model_dump_json().encode(), **attributes)
 
     def close(self) -> None:
-        """Waits for every answer in flight."""
+        """Waits for every answer in flight, publishes included."""
         self._pool.shutdown(wait=True)
+        with self._in_flight:
+            self._in_flight.wait_for(lambda: self._publishing == 0, timeout=PUBLISH_TIMEOUT_SECONDS)
 
 
 def as_pil(image):

@@ -176,7 +176,20 @@ class FakePublisher:
         if self._fail:
             raise ConnectionError("pubsub unreachable")
         self._log.append("publish")
-        return SimpleNamespace(result=lambda timeout: "id")
+        return DoneFuture()
+
+
+class DoneFuture:
+    """A publish future that has already succeeded (or failed with `error`)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self._error = error
+
+    def exception(self):
+        return self._error
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)
 
 
 class FakeLeases:
@@ -221,6 +234,20 @@ def test_a_reply_that_cannot_be_published_hands_the_request_back():
     log: list[str] = []
     finisher(log, fail_publish=True).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
     assert log == ["store", "release"]
+
+
+def test_a_publish_that_fails_later_hands_the_request_back_and_acks_nothing():
+    log: list[str] = []
+
+    class LaterFailingPublisher(FakePublisher):
+        def publish(self, topic, data, **attributes):
+            self._log.append("publish")
+            return DoneFuture(TimeoutError("no answer from Pub/Sub"))
+
+    answerer = finisher(log)
+    answerer._publisher = LaterFailingPublisher(log)
+    answerer.answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
+    assert log == ["store", "publish", "release"]
 
 
 def test_redis_down_does_not_stop_the_reply():
