@@ -10,6 +10,7 @@ from flask import Flask, g, request
 from werkzeug.routing import BaseConverter
 
 from api_server import metrics
+from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
 from api_server.routes import docs, health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
@@ -35,6 +36,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.extensions["maas"] = services
     app.extensions["maas_serving"] = build_serving(settings, services)
     register_error_handlers(app)
+    app.wsgi_app = ChunkedBodyReader(app.wsgi_app, settings.max_request_bytes)
     for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp, docs.bp):
         app.register_blueprint(blueprint)
 
