@@ -131,10 +131,16 @@ class InferenceLogWriter:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._stopped.is_set()
+
     def write(self, row: InferenceLogRow) -> None:
-        """Never raises and never blocks on I/O: called on the request path."""
+        """Never raises and never blocks on I/O: called on the request path (after `close`, it spools at once)."""
         try:
             self._queue.put(row.to_json())
+            if self.closed:
+                self.spool_queued()  # no thread moves it any more: straight to disk, sent by the next process
         except ValueError as exc:
             self.stats["invalid"] += 1
             log.error(

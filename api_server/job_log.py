@@ -43,8 +43,10 @@ class JobLogFinisher:
     def finish_ended(self) -> int:
         """Writes the rows of jobs that ended; returns how many."""
         written = 0
+        if self._log.closed:
+            return 0  # shutting down: another process claims and writes these
         for job_id, row_json, reply in self._jobs.ended_unlogged():
-            if not self._jobs.claim_log_row(job_id):
+            if self._log.closed or not self._jobs.claim_log_row(job_id):
                 continue  # another API process writes this one
             row = InferenceLogRow.from_json(row_json)
             if reply is None:

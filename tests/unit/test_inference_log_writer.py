@@ -186,3 +186,12 @@ def test_rows_bigquery_rejects_are_logged_in_full_and_the_rest_go_on(tmp_path, c
 
 def test_the_write_api_row_message_has_every_schema_column():
     assert [field.name for field in row_descriptor().field] == [field["name"] for field in log_schema_fields()]
+
+
+def test_a_row_written_after_close_goes_straight_to_the_spool(tmp_path):
+    log_writer = writer(tmp_path, FakeStream(fail=100))
+    log_writer.close(send_seconds=0.1)
+    assert log_writer.closed
+    log_writer.write(row("late"))
+    [segment] = tmp_path.glob("*.jsonl")
+    assert '"late"' in segment.read_text()
