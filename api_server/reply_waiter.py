@@ -31,6 +31,9 @@ from contract.results import ResultStore
 log = logging.getLogger(__name__)
 # Real Pub/Sub's minimum expiration: an abandoned subscription (crashed API process) deletes itself a day later.
 SUBSCRIPTION_TTL = timedelta(days=1)
+# Epoch seconds at creation, as a label: Pub/Sub does not expose a subscription's creation time, and the
+# janitor (api_server/janitor.py) needs its age to tell a leaked subscription from one still waited on.
+CREATED_LABEL = "maas-created"
 RESULT_POLL_SECONDS = 1.0
 
 
@@ -52,14 +55,15 @@ class ReplyWaiter(Protocol):
     def close(self) -> None: ...
 
 
-def reply_subscription_request(name: str, topic: str, attribute: str, value: str) -> dict:
+def reply_subscription_request(name: str, topic: str, attribute: str, value: str, created: float | None = None) -> dict:
     """A filtered, labelled, expiring subscription on the replies topic: leaked ones are found and removed."""
+    created = time.time() if created is None else created
     return {
         "name": name,
         "topic": topic,
         "filter": f'attributes.{attribute} = "{value}"',
         "ack_deadline_seconds": 10,
-        "labels": naming.REPLY_SUBSCRIPTION_LABEL,
+        "labels": {**naming.REPLY_SUBSCRIPTION_LABEL, CREATED_LABEL: str(int(created))},
         "expiration_policy": {"ttl": SUBSCRIPTION_TTL},
     }
 

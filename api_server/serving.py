@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
+from api_server.janitor import JanitorTask, build_janitor_task
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
 from api_server.limits import KeyLimits, RequestLimiter
@@ -30,6 +31,7 @@ class Serving:
     job_log: JobLogFinisher
     limiter: RequestLimiter
     webhooks: WebhookNotifier
+    janitor: JanitorTask | None = None
 
 
 def build_serving(settings: Settings, services) -> Serving:
@@ -59,6 +61,9 @@ def build_serving(settings: Settings, services) -> Serving:
     )
     if settings.webhook_signing_secret:  # a process that cannot sign must not claim deliveries
         webhooks.start()
+    janitor = build_janitor_task(settings, services.catalog, services.redis)
+    if janitor is not None:
+        janitor.start()
     return Serving(
         settings=settings,
         inference=inference,
@@ -69,6 +74,7 @@ def build_serving(settings: Settings, services) -> Serving:
         results=results,
         job_log=job_log,
         webhooks=webhooks,
+        janitor=janitor,
         limiter=RequestLimiter(
             state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
         ),

@@ -99,6 +99,10 @@ class Settings:
     # Test-only: trust this CA for webhook receivers and allow loopback receivers (refused in production).
     webhook_ca_file: str | None = None
     webhook_allow_loopback: bool = False
+    # Reply-subscription janitor in the API process (0: off), and the age past which a leaked one is deleted
+    # (0: the longest catalog request timeout plus ten minutes).
+    janitor_interval_seconds: int = 0
+    janitor_older_than_seconds: int = 0
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -174,6 +178,8 @@ class Settings:
             webhook_attempts=int(env.get("MAAS_WEBHOOK_ATTEMPTS", cls.webhook_attempts)),
             webhook_ca_file=env.get("MAAS_WEBHOOK_CA_FILE") or None,
             webhook_allow_loopback=_flag(env.get("MAAS_WEBHOOK_ALLOW_LOOPBACK")),
+            janitor_interval_seconds=int(env.get("MAAS_JANITOR_INTERVAL_SECONDS") or 0),
+            janitor_older_than_seconds=int(env.get("MAAS_JANITOR_OLDER_THAN_SECONDS") or 0),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),

@@ -9,7 +9,7 @@ import pytest
 import redis
 from google.api_core import exceptions
 
-from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
+from api_server.reply_waiter import CREATED_LABEL, PerInstanceReplyWaiter, PerRequestReplyWaiter
 from contract import clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.results import ResultStore
@@ -97,7 +97,8 @@ def test_per_request_subscription_is_filtered_labelled_and_expires(settings, res
     try:
         subscription = clients.subscriber_client().get_subscription(request={"subscription": pending.subscription})
         assert subscription.filter == f'attributes.request_id = "{request_id}"'
-        assert dict(subscription.labels) == naming.REPLY_SUBSCRIPTION_LABEL
+        labels = dict(subscription.labels)
+        assert labels.pop(CREATED_LABEL).isdigit() and labels == naming.REPLY_SUBSCRIPTION_LABEL
         assert subscription.expiration_policy.ttl.total_seconds() == 86400
     finally:
         pending.close()

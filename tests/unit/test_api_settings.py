@@ -24,3 +24,16 @@ def test_limits_default_to_unlimited_locally_and_to_a_guard_in_production():
     production = Settings.from_env({"MAAS_ENV": "production", "MAAS_API_KEY_SHA256": "a" * 64})
     assert production.rate_limit_per_minute == PRODUCTION_RATE_LIMIT and production.concurrency_limit > 0
     assert Settings.from_env({"MAAS_RATE_LIMIT_PER_MINUTE": "0", "MAAS_ENV": "production"}).rate_limit_per_minute == 0
+
+
+def test_janitor_is_off_by_default_and_its_age_defaults_past_the_longest_request_timeout():
+    from api_server.janitor import janitor_age, longest_request_timeout
+
+    settings = Settings.from_env({})
+    catalog = settings.catalog()
+    assert settings.janitor_interval_seconds == 0
+    assert janitor_age(settings, catalog) == longest_request_timeout(catalog) + 600
+    configured = Settings.from_env({"MAAS_JANITOR_INTERVAL_SECONDS": "600", "MAAS_JANITOR_OLDER_THAN_SECONDS": "3600"})
+    assert configured.janitor_interval_seconds == 600 and janitor_age(configured, catalog) == 3600
+    with pytest.raises(ValueError, match="live waits"):
+        janitor_age(Settings.from_env({"MAAS_JANITOR_OLDER_THAN_SECONDS": "100"}), catalog)
