@@ -120,10 +120,17 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
     ensure(table, client.create_table)
-    for path in sorted(ANALYTICS_SQL_DIR.glob("*.sql")):
+    # The base views (infra/sql/base) first: the analytics views read them.
+    for path in [*sorted((ANALYTICS_SQL_DIR / "base").glob("*.sql")), *sorted(ANALYTICS_SQL_DIR.glob("*.sql"))]:
         # The same files and template variables Terraform's templatefile() uses.
         query = Template(path.read_text()).substitute(project_id=settings.project_id, dataset=settings.dataset)
         view = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{path.stem}")
         view.view_query = query
         ensure(view, client.create_table)
+        # A view kept from an earlier run (the emulator keeps its data) follows the file as it is now.
+        existing = client.get_table(view.reference)
+        if existing.view_query != query:
+            existing.view_query = query
+            client.update_table(existing, ["view_query"])
+            log.info("updated view %s", path.stem)
     return created

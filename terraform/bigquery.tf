@@ -38,6 +38,29 @@ resource "google_bigquery_table" "inference_log" {
   deletion_protection = var.deletion_protection
 }
 
+# Each infra/sql/base/<view>.sql becomes the view <view>, before the analytics views that read it.
+resource "google_bigquery_table" "analytics_base_views" {
+  #checkov:skip=CKV_GCP_80:A view stores no data of its own to encrypt.
+  #checkov:skip=CKV_GCP_121:A view holds no data and is rebuilt from infra/sql; protection would only block removing a view whose SQL file was deleted.
+  for_each = local.analytics_base_sql_files
+
+  dataset_id = google_bigquery_dataset.maas.dataset_id
+  table_id   = trimsuffix(each.key, ".sql")
+  labels     = local.labels
+
+  view {
+    query = templatefile("${local.analytics_sql_dir}/base/${each.key}", {
+      project_id = var.project_id
+      dataset    = google_bigquery_dataset.maas.dataset_id
+    })
+    use_legacy_sql = false
+  }
+
+  deletion_protection = false
+
+  depends_on = [google_bigquery_table.inference_log]
+}
+
 # Each infra/sql/<view>.sql becomes the view <view>. The SQL refers to the log table as
 # `${project_id}.${dataset}.inference_log`; see README.md, "Analytics views".
 resource "google_bigquery_table" "analytics_views" {
@@ -60,5 +83,5 @@ resource "google_bigquery_table" "analytics_views" {
   # Views are derived from files in the repository and cheap to recreate.
   deletion_protection = false
 
-  depends_on = [google_bigquery_table.inference_log]
+  depends_on = [google_bigquery_table.inference_log, google_bigquery_table.analytics_base_views]
 }

@@ -58,6 +58,8 @@ locals {
   # may hold no files; fileset then yields an empty set and no views are created.
   analytics_sql_dir   = "${path.module}/../infra/sql"
   analytics_sql_files = fileset(local.analytics_sql_dir, "*.sql")
+  # Views the analytics views read (e.g. the log with one row per request id), created before them.
+  analytics_base_sql_files = fileset("${local.analytics_sql_dir}/base", "*.sql")
 
   # Workers run under this Kubernetes service account; infra/k8s manifests create it.
   worker_namespace       = "maas"

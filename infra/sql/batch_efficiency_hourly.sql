@@ -1,14 +1,5 @@
 -- Worker batching per hour and model: pipeline calls, images per call, and a device-utilisation proxy
 -- (seconds of pipeline calls over the hour's seconds of the workers that ran them).
--- One row per request id: a retried write can land twice, a view never counts it twice.
-WITH log AS (
-  SELECT * EXCEPT (copy)
-  FROM (
-    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
-    FROM `${project_id}.${dataset}.inference_log`
-  )
-  WHERE copy = 1
-)
 SELECT
   hour,
   model,
@@ -26,7 +17,7 @@ FROM (
     MAX(worker_id) AS worker_id,
     MAX(batch_size) AS images,
     MAX(inference_ms) / 1000 AS seconds
-  FROM log
+  FROM `${project_id}.${dataset}.inference_log_unique`
   WHERE batch_id IS NOT NULL AND NOT IFNULL(cache_hit, FALSE) AND NOT IFNULL(coalesced, FALSE)
     AND NOT IFNULL(idempotent_replay, FALSE)
   GROUP BY batch_id, model

@@ -1,14 +1,5 @@
 -- Usage per API key per day: the billing view. GPU seconds are the request's share of its pipeline call
 -- (its images over the batch's images); cache hits, coalesced requests and idempotent replays used no GPU.
--- One row per request id: a retried write can land twice, a view never counts it twice.
-WITH log AS (
-  SELECT * EXCEPT (copy)
-  FROM (
-    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
-    FROM `${project_id}.${dataset}.inference_log`
-  )
-  WHERE copy = 1
-)
 SELECT
   DATE(created_at) AS day,
   api_key_id,
@@ -25,5 +16,5 @@ SELECT
       0
     )
   ) AS gpu_seconds
-FROM log
+FROM `${project_id}.${dataset}.inference_log_unique`
 GROUP BY day, api_key_id, model

@@ -1,13 +1,4 @@
 -- How many requests the cache, in-flight coalescing and idempotent replays answered without a GPU.
--- One row per request id: a retried write can land twice, a view never counts it twice.
-WITH log AS (
-  SELECT * EXCEPT (copy)
-  FROM (
-    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
-    FROM `${project_id}.${dataset}.inference_log`
-  )
-  WHERE copy = 1
-)
 SELECT
   DATE(created_at) AS day,
   model,
@@ -17,5 +8,5 @@ SELECT
   COUNTIF(idempotent_replay) AS idempotent_replays,
   SAFE_DIVIDE(COUNTIF(cache_hit), COUNT(*)) AS cache_hit_rate,
   SAFE_DIVIDE(COUNTIF(coalesced), COUNT(*)) AS coalescing_rate
-FROM log
+FROM `${project_id}.${dataset}.inference_log_unique`
 GROUP BY day, model

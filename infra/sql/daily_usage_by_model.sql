@@ -1,13 +1,4 @@
 -- Requests per day and model, by outcome: the usage figure billing and capacity planning start from.
--- One row per request id: a retried write can land twice, a view never counts it twice.
-WITH log AS (
-  SELECT * EXCEPT (copy)
-  FROM (
-    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
-    FROM `${project_id}.${dataset}.inference_log`
-  )
-  WHERE copy = 1
-)
 SELECT
   DATE(created_at) AS day,
   model,
@@ -18,5 +9,5 @@ SELECT
   SUM(IF(status = 'ok', num_images, 0)) AS images,
   AVG(IF(status = 'ok', total_ms, NULL)) AS avg_total_ms,
   AVG(IF(status = 'ok', inference_ms, NULL)) AS avg_inference_ms
-FROM log
+FROM `${project_id}.${dataset}.inference_log_unique`
 GROUP BY day, model

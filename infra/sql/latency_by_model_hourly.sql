@@ -1,13 +1,4 @@
 -- Latency percentiles of successful requests per hour and model: total time and time waiting in the queue.
--- One row per request id: a retried write can land twice, a view never counts it twice.
-WITH log AS (
-  SELECT * EXCEPT (copy)
-  FROM (
-    SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY created_at) AS copy
-    FROM `${project_id}.${dataset}.inference_log`
-  )
-  WHERE copy = 1
-)
 SELECT
   TIMESTAMP_TRUNC(created_at, HOUR) AS hour,
   model,
@@ -18,6 +9,6 @@ SELECT
   APPROX_QUANTILES(queue_ms, 100)[OFFSET(50)] AS p50_queue_ms,
   APPROX_QUANTILES(queue_ms, 100)[OFFSET(95)] AS p95_queue_ms,
   APPROX_QUANTILES(queue_ms, 100)[OFFSET(99)] AS p99_queue_ms
-FROM log
+FROM `${project_id}.${dataset}.inference_log_unique`
 WHERE status = 'ok'
 GROUP BY hour, model

@@ -466,7 +466,21 @@ def test_analytics_views_are_one_per_sql_file_in_infra_sql():
     assert "project_id" in query and "dataset" in query
 
 
-@pytest.mark.parametrize("sql_file", sorted((REPO_ROOT / "infra" / "sql").glob("*.sql")), ids=lambda path: path.name)
+def test_analytics_base_views_are_created_before_the_views_that_read_them():
+    assert expression(locals_()["analytics_base_sql_files"]) == 'fileset("${local.analytics_sql_dir}/base", "*.sql")'
+    base = resource("google_bigquery_table", "analytics_base_views")
+    assert expression(base["for_each"]) == "local.analytics_base_sql_files"
+    assert expression(block(base, "view")["query"]).startswith(
+        'templatefile("${local.analytics_sql_dir}/base/${each.key}"'
+    )
+    views = resource("google_bigquery_table", "analytics_views")
+    assert "google_bigquery_table.analytics_base_views" in [expression(item) for item in views["depends_on"]]
+
+
+ALL_SQL = sorted((REPO_ROOT / "infra" / "sql").glob("**/*.sql"))
+
+
+@pytest.mark.parametrize("sql_file", ALL_SQL, ids=lambda path: path.name)
 def test_analytics_sql_uses_only_the_template_variables_terraform_passes(sql_file):
     used = set(re.findall(r"(?<!\$)\$\{\s*(\w+)\s*\}", sql_file.read_text()))
     assert used <= {"project_id", "dataset"}, f"{sql_file.name} uses template variables {sorted(used)}"
