@@ -16,6 +16,8 @@ from api_server.routes import docs, health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
 from api_server.serving import build_serving
+from api_server.tracing import trace_from_headers
+from contract.jsonlog import bind_context, unbind_context
 from contract.settings import Settings
 
 log = logging.getLogger("api_server")
@@ -44,6 +46,15 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     def _start():
         g.request_id = uuid.uuid4().hex
         g.started = time.perf_counter()
+        # Every line logged while this request is handled carries its id and trace (contract/jsonlog.py).
+        trace = trace_from_headers(request.headers)
+        fields = {"request_id": g.request_id, **(trace.log_fields(settings.project_id) if trace else {})}
+        g.log_context = bind_context(fields)
+
+    @app.teardown_request
+    def _end(_error):
+        if (token := g.pop("log_context", None)) is not None:
+            unbind_context(token)
 
     @app.after_request
     def _measure(response):
@@ -57,6 +68,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     @app.after_request
     def _access_log(response):
         if request.path not in ("/healthz", "/readyz"):
+            latency = time.perf_counter() - g.get("started", time.perf_counter())
             log.info(
                 "%s %s %d",
                 request.method,
@@ -68,10 +80,9 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
                             "requestMethod": request.method,
                             "requestUrl": request.path,
                             "status": response.status_code,
+                            "responseSize": str(response.calculate_content_length() or 0),
+                            "latency": f"{latency:.6f}s",
                         },
-                        "request_id": g.get("request_id"),
-                        "logging.googleapis.com/trace": request.headers.get("X-Cloud-Trace-Context", "").split("/")[0]
-                        or None,
                     }
                 },
             )

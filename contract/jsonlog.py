@@ -1,11 +1,27 @@
-"""One JSON object per log line, with `severity` and `message`, as Cloud Logging parses it."""
+"""One JSON object per log line, with `severity` and `message`, as Cloud Logging parses it.
+
+Fields bound with `bind_context` (the API binds the request id and trace while it handles a request) are
+added to every line written in that context, whichever logger writes it.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from contextvars import ContextVar, Token
 from datetime import UTC, datetime
+
+_context: ContextVar[dict | None] = ContextVar("maas_log_context", default=None)
+
+
+def bind_context(fields: dict) -> Token:
+    """Adds `fields` to every line logged in this context (thread) until `unbind_context(token)`."""
+    return _context.set({**(_context.get() or {}), **fields})
+
+
+def unbind_context(token: Token) -> None:
+    _context.reset(token)
 
 
 class JsonFormatter(logging.Formatter):
@@ -16,6 +32,7 @@ class JsonFormatter(logging.Formatter):
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "logger": record.name,
         }
+        entry.update(_context.get() or {})
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
