@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+# The spool's size is re-read from the directory at most this often (a glob and a stat per segment: costly
+# with a backlog); in between, this process adds what it appends. Other processes sharing the directory
+# count from the next re-read, so the cap may be passed by what they append within this time.
+SIZE_REFRESH_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -88,15 +92,21 @@ class LogSpool:
         fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._sequence = time.time_ns()
         self._guard = threading.Lock()
+        self._known_size = 0
+        self._size_read_at = -SIZE_REFRESH_SECONDS
 
     def append(self, rows: list[dict]) -> Segment:
         data = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode()
         with self._guard:
-            if self.size() + len(data) > self.max_bytes:
+            if time.monotonic() - self._size_read_at >= SIZE_REFRESH_SECONDS:
+                self._known_size, self._size_read_at = self.size(), time.monotonic()
+            if self._known_size + len(data) > self.max_bytes:
+                self._size_read_at = -SIZE_REFRESH_SECONDS  # full: look again next time, rows may have been sent
                 raise SpoolFullError(f"spool {self.directory} is full ({self.max_bytes} bytes)")
             self._sequence = max(self._sequence + 1, time.time_ns())
             segment = Segment(self.directory / f"{self._sequence:020d}-{self.owner}.jsonl")
             _write_durably(segment.path, data)
+            self._known_size += len(data)
             return segment
 
     def size(self) -> int:
