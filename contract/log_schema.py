@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 SCHEMA_PATH = Path(__file__).with_name("inference_log_schema.json")
 
 
+@cache
+def _schema_text() -> str:
+    return SCHEMA_PATH.read_text()
+
+
 def log_schema_fields() -> list[dict]:
-    return json.loads(SCHEMA_PATH.read_text())
+    """A fresh copy each call: callers may change it; the file is read once per process."""
+    return json.loads(_schema_text())
+
+
+@cache
+def _fields_by_name() -> dict[str, dict]:
+    return {field["name"]: field for field in log_schema_fields()}
 
 
 def bigquery_schema() -> list:
@@ -20,7 +32,7 @@ def bigquery_schema() -> list:
 
 def validate_row(row: dict) -> dict:
     """Reject rows BigQuery would refuse: the emulator accepts bad rows silently, so check here."""
-    fields = {field["name"]: field for field in log_schema_fields()}
+    fields = _fields_by_name()
     unknown = set(row) - set(fields)
     if unknown:
         raise ValueError(f"unknown log columns: {sorted(unknown)}")
