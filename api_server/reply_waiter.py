@@ -35,6 +35,8 @@ SUBSCRIPTION_TTL = timedelta(days=1)
 # janitor (api_server/janitor.py) needs its age to tell a leaked subscription from one still waited on.
 CREATED_LABEL = "maas-created"
 RESULT_POLL_SECONDS = 1.0
+# After the per-instance reply stream ends (its subscription vanished), it is re-created this much later.
+STREAM_RESTART_SECONDS = 1.0
 
 
 class PendingReply(Protocol):
@@ -177,10 +179,11 @@ class PerInstanceReplyWaiter:
         self._lock = threading.Lock()
         self._waiting: dict[str, _RoutedReply] = {}
         self._streaming = None
+        self._closing = False
 
     def _start(self) -> None:
         with self._lock:
-            if self._streaming is not None:
+            if self._streaming is not None or self._closing:
                 return
             with contextlib.suppress(exceptions.AlreadyExists):
                 self._subscriber.create_subscription(
@@ -189,7 +192,32 @@ class PerInstanceReplyWaiter:
                     )
                 )
             flow = pubsub_v1.types.FlowControl(max_messages=1000)
-            self._streaming = self._subscriber.subscribe(self._subscription, self._route, flow_control=flow)
+            self._streaming = streaming = self._subscriber.subscribe(self._subscription, self._route, flow_control=flow)
+        # Outside the lock: a stream that has already ended calls back at once.
+        streaming.add_done_callback(self._stream_ended)
+
+    def _stream_ended(self, future) -> None:
+        """The stream ends for good when its subscription is gone (a Pub/Sub restart): make it again. Waits
+        meanwhile are answered from the result store."""
+        with self._lock:
+            if self._closing:
+                return
+            self._streaming = None
+        log.warning("reply stream on %s ended (%s); re-creating it", self._subscription, future.exception())
+        timer = threading.Timer(STREAM_RESTART_SECONDS, self._restart)
+        timer.daemon = True
+        timer.start()
+
+    def _restart(self) -> None:
+        try:
+            self._start()
+        except exceptions.GoogleAPICallError as exc:
+            log.warning("could not re-create %s yet: %s", self._subscription, exc)
+            with self._lock:
+                self._streaming = None
+            timer = threading.Timer(STREAM_RESTART_SECONDS, self._restart)
+            timer.daemon = True
+            timer.start()
 
     def _route(self, message) -> None:
         message.ack()
@@ -215,9 +243,12 @@ class PerInstanceReplyWaiter:
         return {Attr.INSTANCE: self._instance_id}
 
     def close(self) -> None:
-        if self._streaming is None:
+        with self._lock:
+            self._closing = True
+            streaming = self._streaming
+        if streaming is None:
             return
-        self._streaming.cancel()
+        streaming.cancel()
         try:
             self._subscriber.delete_subscription(request={"subscription": self._subscription}, timeout=10)
         except exceptions.GoogleAPICallError:

@@ -103,3 +103,32 @@ def test_per_request_subscription_is_filtered_labelled_and_expires(settings, res
     finally:
         pending.close()
     assert not subscription_exists(settings, pending.subscription)
+
+
+def test_per_instance_reply_stream_comes_back_after_its_subscription_vanishes(settings, results):
+    """What a Pub/Sub restart does to a running API: the instance's subscription is gone; it is made again."""
+    subscriber = clients.subscriber_client()
+    waiter = PerInstanceReplyWaiter(subscriber, settings.project_id, f"test-{uuid.uuid4().hex[:8]}", results)
+    try:
+        waiter.expect("warm-up").close()
+        name = subscriber.subscription_path(
+            settings.project_id, naming.instance_reply_subscription(waiter.request_attributes()[Attr.INSTANCE])
+        )
+        subscriber.delete_subscription(request={"subscription": name})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                subscriber.get_subscription(request={"subscription": name})
+                break
+            except exceptions.NotFound:
+                assert time.monotonic() < deadline, "the instance subscription was not re-created"
+                time.sleep(0.2)
+        request_id = uuid.uuid4().hex
+        pending = waiter.expect(request_id)
+        time.sleep(1.0)  # a new subscription only receives what is published after it exists
+        publish_reply(settings, request_id, waiter.request_attributes())
+        reply = pending.wait(10)
+        pending.close()
+        assert reply is not None and reply.request_id == request_id
+    finally:
+        waiter.close()
