@@ -34,7 +34,9 @@ def rows_per_request(bigquery, settings, request_ids: list[str], timeout: float)
     sql = f"SELECT request_id, COUNT(*) AS copies FROM {table} WHERE request_id IN ({ids}) GROUP BY request_id"
     deadline = time.monotonic() + timeout
     while True:
-        counts = {row["request_id"]: row["copies"] for row in bigquery.query(sql).result()}
+        # The emulator has been seen to answer right after a resume with a malformed row: ask again.
+        rows = [dict(row) for row in bigquery.query(sql).result()]
+        counts = {row["request_id"]: row["copies"] for row in rows if "request_id" in row}
         if len(counts) == len(request_ids) or time.monotonic() > deadline:
             return counts
         time.sleep(0.5)
