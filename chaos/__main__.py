@@ -41,21 +41,11 @@ def chaos_config() -> StackConfig:
 
 
 def context(config: StackConfig) -> ChaosContext:
-    from contract import clients
     from contract.settings import Settings
-    from emulators.stack import local_catalog
 
     os.environ.update(config.client_env())
     settings = Settings.from_env({**os.environ, "MAAS_API_KEYS": CHAOS_KEY})
-    timeouts = {name: float(spec.request_timeout_seconds) for name, spec in local_catalog().models.items()}
-    return ChaosContext(
-        config=config,
-        settings=settings,
-        bigquery=clients.bigquery_client(settings),
-        subscriber=clients.subscriber_client(),
-        headers={"Authorization": f"Bearer {CHAOS_KEY}"},
-        timeouts=timeouts,
-    )
+    return ChaosContext.for_stack(config, settings, {"Authorization": f"Bearer {CHAOS_KEY}"})
 
 
 def schemathesis_run(api_url: str, examples: int) -> str:

@@ -8,24 +8,13 @@ import signal
 import pytest
 
 from chaos.scenarios import ChaosContext, _long_requests, run_scenario
-from contract import clients
-from emulators.stack import local_catalog
 
 pytestmark = pytest.mark.stack
 
 
 @pytest.fixture
 def ctx(stack, settings, auth_headers) -> ChaosContext:
-    timeouts = {name: float(spec.request_timeout_seconds) for name, spec in local_catalog().models.items()}
-    return ChaosContext(
-        config=stack,
-        settings=settings,
-        bigquery=clients.bigquery_client(settings),
-        subscriber=clients.subscriber_client(),
-        headers=auth_headers,
-        timeouts=timeouts,
-        row_wait_seconds=60,
-    )
+    return ChaosContext.for_stack(stack, settings, auth_headers, row_wait_seconds=60)
 
 
 def assert_passed(result) -> None:
