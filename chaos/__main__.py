@@ -21,6 +21,7 @@ from pathlib import Path
 from chaos.bad_inputs import bad_input_table, run_bad_inputs
 from chaos.scenarios import QUICK, SCENARIOS, ChaosContext
 from chaos.verdict import table
+from contract.settings import api_key_digest
 from emulators.stack import ROOT, StackConfig, down, up
 
 log = logging.getLogger("chaos")
@@ -28,14 +29,20 @@ RESULTS = ROOT / "chaos" / "results"
 # Below 32768: the ephemeral port range starts there, and a client's port could take one of the stack's.
 PORT_OFFSET = 23000
 CHAOS_KEY = "chaos-key"
+# A second key with tight limits, for the burst scenario: 60 requests a minute, 4 at a time.
+LIMITED_KEY = "chaos-limited-key"
+LIMITED_KEY_LIMITS = (60, 4)
 
 
 def chaos_config() -> StackConfig:
+    # The stack's processes inherit this environment: the API enforces the limited key's limits.
+    per_minute, concurrent = LIMITED_KEY_LIMITS
+    os.environ["MAAS_KEY_LIMITS"] = f"{api_key_digest(LIMITED_KEY)}={per_minute}/{concurrent}"
     return StackConfig(
         stack_dir=Path(os.environ.get("MAAS_CHAOS_STACK_DIR", ROOT / ".stack-chaos")).resolve(),
         port_offset=int(os.environ.get("MAAS_CHAOS_PORT_OFFSET", PORT_OFFSET)),
         worker_replicas=2,
-        api_keys=CHAOS_KEY,
+        api_keys=f"{CHAOS_KEY},{LIMITED_KEY}",
         api_keys_from_env=True,
     )
 
@@ -44,8 +51,11 @@ def context(config: StackConfig) -> ChaosContext:
     from contract.settings import Settings
 
     os.environ.update(config.client_env())
-    settings = Settings.from_env({**os.environ, "MAAS_API_KEYS": CHAOS_KEY})
-    return ChaosContext.for_stack(config, settings, {"Authorization": f"Bearer {CHAOS_KEY}"})
+    settings = Settings.from_env({**os.environ, "MAAS_API_KEYS": f"{CHAOS_KEY},{LIMITED_KEY}"})
+    return ChaosContext.for_stack(
+        config, settings, {"Authorization": f"Bearer {CHAOS_KEY}"},
+        limited_headers={"Authorization": f"Bearer {LIMITED_KEY}"},
+    )  # fmt: skip
 
 
 def schemathesis_run(api_url: str, examples: int) -> str:

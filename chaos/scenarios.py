@@ -31,6 +31,8 @@ class ChaosContext:
     headers: dict[str, str]
     timeouts: dict[str, float]
     row_wait_seconds: float = 90.0
+    # Headers of an API key with tight rate and concurrency limits (the burst scenario), when the stack has one.
+    limited_headers: dict[str, str] | None = None
 
     @classmethod
     def for_stack(cls, config: StackConfig, settings, headers: dict[str, str], **kwargs) -> ChaosContext:
@@ -209,6 +211,35 @@ def abandoned_long(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
     )  # fmt: skip
 
 
+def rate_limited_burst(ctx: ChaosContext, requests_total: int = 500, concurrency: int = 50) -> ScenarioResult:
+    """500 requests at once from a key limited to 60 a minute and 4 at a time: each is served or told 429."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from chaos.traffic import Client
+
+    result = ScenarioResult("burst of 500 on a rate-limited key")
+    if ctx.limited_headers is None:
+        result.notes.append("no rate-limited key configured: skipped")
+        return result
+    began = time.monotonic()
+
+    def send(index: int) -> Outcome:
+        client = Client(ctx.config.api_url, ctx.limited_headers)
+        return client.predict("noop", predict_body(f"burst {index}", seed=index), ctx.timeouts["noop"])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(send, range(requests_total)))
+    result.record(outcomes)
+    if not result.errors_by_status.get(429):
+        result.notes.append("no request was refused: the limits did not apply")
+        result.unanswered += 1  # a limit that does not hold is a failure of this scenario
+    expected = [outcome.request_id for outcome in outcomes if outcome.request_id]
+    result.record_rows(expected, row_copies(ctx.bigquery, ctx.settings, expected, ctx.row_wait_seconds))
+    result.leaked_subscriptions = len(leaked_reply_subscriptions(ctx.subscriber, ctx.settings.project_id))
+    result.seconds = round(time.monotonic() - began, 1)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "worker-kill": worker_kill,
     "redis-outage": redis_outage,
@@ -219,5 +250,6 @@ SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "worker-sigterm": worker_sigterm,
     "poison": poison,
     "abandoned-long": abandoned_long,
+    "rate-limited-burst": rate_limited_burst,
 }
 QUICK = ("worker-kill", "redis-outage", "api-sigterm")
