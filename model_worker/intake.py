@@ -29,11 +29,8 @@ from model_worker.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.runners import GenerationItem
 
 log = logging.getLogger(__name__)
-# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC. Also short because
-# the Pub/Sub emulator (Cloud SDK 528) fails in its gRPC close handler when a client dies mid-pull
-# (NoSuchMethodError in ServerCallImpl.closedInternal) and keeps the dead pull waiting until its deadline:
-# a message handed to it then is never redelivered. Production Pub/Sub redelivers it after the ack deadline.
-PULL_WAIT_SECONDS = 0.5
+# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
+PULL_WAIT_SECONDS = 2.0
 PULL_ERROR_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
 
 
