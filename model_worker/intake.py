@@ -168,7 +168,51 @@ class Triage:
         self._finisher.answer(message, reply)
 
 
-class SubscriptionPuller:
+class SubscriptionLoop:
+    """A thread pulling one subscription: the error handling, readiness reports and backoff both loops share."""
+
+    def __init__(self, subscriber: pubsub_v1.SubscriberClient, subscription: str, health: WorkerHealth, name: str):
+        self.subscription = subscription
+        self._subscriber = subscriber
+        self._health = health
+        self._failures = 0
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _pull(self, max_messages: int) -> list:
+        """One waiting pull; [] when nothing came or it failed (reported to readiness, then backed off)."""
+        try:
+            response = self._subscriber.pull(
+                request={"subscription": self.subscription, "max_messages": max_messages}, timeout=PULL_WAIT_SECONDS
+            )
+        except (exceptions.DeadlineExceeded, exceptions.RetryError):
+            response = None
+        except exceptions.NotFound:
+            self._failed("subscription does not exist (run the bootstrap)")
+            return []
+        except exceptions.GoogleAPICallError as exc:
+            self._failed(f"pull failed: {type(exc).__name__}")
+            return []
+        self._health.clear_problem(self.subscription)
+        self._failures = 0
+        return list(response.received_messages) if response is not None else []
+
+    def _failed(self, reason: str) -> None:
+        self._health.report_problem(self.subscription, reason)
+        self.stopping.wait(PULL_ERROR_BACKOFF_SECONDS[min(self._failures, len(PULL_ERROR_BACKOFF_SECONDS) - 1)])
+        self._failures += 1
+
+
+class SubscriptionPuller(SubscriptionLoop):
     """Pulls one subscription into the pool, never more than the pool has room for."""
 
     def __init__(
@@ -182,49 +226,20 @@ class SubscriptionPuller:
         triage: Triage,
         health: WorkerHealth,
     ) -> None:
-        self.subscription = subscription
-        self._subscriber = subscriber
+        super().__init__(subscriber, subscription, health, f"pull-{spec.name}-{priority}")
         self._spec = spec
         self._priority = priority
         self._pool = pool
         self._leases = leases
         self._triage = triage
-        self._health = health
-        self.stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pull-{spec.name}-{priority}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
 
     def _run(self) -> None:
-        failures = 0
         log.info("pulling %s", self.subscription)
         while not self.stopping.is_set():
             room = self._pool.wait_for_room(self._priority, timeout=1.0)
             if room <= 0 or self.stopping.is_set():
                 continue
-            try:
-                response = self._subscriber.pull(
-                    request={"subscription": self.subscription, "max_messages": room}, timeout=PULL_WAIT_SECONDS
-                )
-            except (exceptions.DeadlineExceeded, exceptions.RetryError):
-                self._health.clear_problem(self.subscription)
-                failures = 0
-                continue
-            except exceptions.NotFound:
-                self._health.report_problem(self.subscription, "subscription does not exist (run the bootstrap)")
-                failures = self._back_off(failures)
-                continue
-            except exceptions.GoogleAPICallError as exc:
-                self._health.report_problem(self.subscription, f"pull failed: {type(exc).__name__}")
-                failures = self._back_off(failures)
-                continue
-            self._health.clear_problem(self.subscription)
-            failures = 0
-            for received in response.received_messages:
+            for received in self._pull(room):
                 self._take(received)
         log.info("stopped pulling %s", self.subscription)
 
@@ -250,12 +265,8 @@ class SubscriptionPuller:
         if pending is not None:
             self._pool.add(pending)
 
-    def _back_off(self, failures: int) -> int:
-        self.stopping.wait(PULL_ERROR_BACKOFF_SECONDS[min(failures, len(PULL_ERROR_BACKOFF_SECONDS) - 1)])
-        return failures + 1
 
-
-class DeadLetterResponder:
+class DeadLetterResponder(SubscriptionLoop):
     """Answers requests that exhausted their delivery attempts, so their clients hear `failed`, not a timeout."""
 
     def __init__(
@@ -269,41 +280,16 @@ class DeadLetterResponder:
         replies: ReplyFactory,
         health: WorkerHealth,
     ) -> None:
-        self.subscription = subscription
-        self._subscriber = subscriber
+        super().__init__(subscriber, subscription, health, f"dead-letter-{spec.name}")
         self._spec = spec
         self._leases = leases
         self._results = results
         self._finisher = finisher
         self._replies = replies
-        self._health = health
-        self.stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"dead-letter-{spec.name}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            try:
-                response = self._subscriber.pull(
-                    request={"subscription": self.subscription, "max_messages": 10}, timeout=PULL_WAIT_SECONDS
-                )
-            except (exceptions.DeadlineExceeded, exceptions.RetryError):
-                continue
-            except exceptions.NotFound:
-                self._health.report_problem(self.subscription, "subscription does not exist (run the bootstrap)")
-                self.stopping.wait(5.0)
-                continue
-            except exceptions.GoogleAPICallError as exc:
-                self._health.report_problem(self.subscription, f"pull failed: {type(exc).__name__}")
-                self.stopping.wait(5.0)
-                continue
-            self._health.clear_problem(self.subscription)
-            for received in response.received_messages:
+            for received in self._pull(10):
                 self._answer(received)
 
     def _answer(self, received) -> None:
