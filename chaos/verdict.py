@@ -90,7 +90,9 @@ def row_copies(bigquery, settings, request_ids: list[str], wait_seconds: float) 
             ids = ", ".join(f"'{request_id}'" for request_id in request_ids[start : start + 500])
             sql = f"SELECT request_id, COUNT(*) AS copies FROM {table_name} WHERE request_id IN ({ids}) GROUP BY 1"
             try:
-                copies.update({row["request_id"]: row["copies"] for row in bigquery.query(sql).result()})
+                rows = [dict(row) for row in bigquery.query(sql).result()]
+                # The emulator has been seen to answer right after a resume with a malformed row: ask again.
+                copies.update({row["request_id"]: row["copies"] for row in rows if "request_id" in row})
             except Exception:  # noqa: BLE001 - the emulator refuses concurrent queries now and then: ask again
                 time.sleep(0.5)
         if len(copies) >= len(request_ids) or time.monotonic() > deadline:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from chaos.verdict import row_copies
 from emulators.processes import ProcessRegistry, http_ok
 
 pytestmark = pytest.mark.stack
@@ -25,21 +26,6 @@ def predict(stack, auth_headers, tag: str) -> str:
     )
     assert response.status_code == 200, response.text
     return response.json()["request_id"]
-
-
-def rows_per_request(bigquery, settings, request_ids: list[str], timeout: float) -> dict[str, int]:
-    """Raw table counts (no view): waits until every id has a row or the time is up."""
-    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    ids = ", ".join(f"'{request_id}'" for request_id in request_ids)
-    sql = f"SELECT request_id, COUNT(*) AS copies FROM {table} WHERE request_id IN ({ids}) GROUP BY request_id"
-    deadline = time.monotonic() + timeout
-    while True:
-        # The emulator has been seen to answer right after a resume with a malformed row: ask again.
-        rows = [dict(row) for row in bigquery.query(sql).result()]
-        counts = {row["request_id"]: row["copies"] for row in rows if "request_id" in row}
-        if len(counts) == len(request_ids) or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.5)
 
 
 @pytest.fixture
@@ -68,7 +54,7 @@ def test_bigquery_stopped_for_30s_under_traffic_loses_and_doubles_no_row(
         while time.monotonic() < deadline:
             sent += list(pool.map(lambda i: predict(stack, auth_headers, f"{tag}-{i}"), range(4)))
     paused_bigquery()
-    counts = rows_per_request(bigquery, settings, sent, timeout=90)
+    counts = row_copies(bigquery, settings, sent, wait_seconds=90)
     assert len(sent) > 40
     assert set(counts) == set(sent), f"{len(set(sent) - set(counts))} rows missing"
     assert set(counts.values()) == {1}, "rows written twice"
@@ -92,5 +78,5 @@ def test_rows_spooled_by_a_killed_api_are_delivered_once_after_its_restart(
     while registry.pid("api") in (None, killed) or not http_ok(f"{stack.api_url}/healthz"):
         assert time.monotonic() < deadline, "the API was not restarted"
         time.sleep(0.2)
-    counts = rows_per_request(bigquery, settings, sent, timeout=60)
+    counts = row_copies(bigquery, settings, sent, wait_seconds=60)
     assert counts == dict.fromkeys(sent, 1)
