@@ -21,6 +21,8 @@ from contract.log_schema import log_schema_fields
 log = logging.getLogger(__name__)
 APPEND_TIMEOUT_SECONDS = 10
 _ALREADY_EXISTS, _NOT_FOUND, _INVALID_ARGUMENT = 6, 5, 3
+# Throttled or unavailable: nothing was committed, the same offset is retried after a backoff.
+_TRY_SAME_OFFSET = {8, 14}  # RESOURCE_EXHAUSTED, UNAVAILABLE
 _PROTO_TYPES = {
     "STRING": descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
     "INTEGER": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
@@ -35,7 +37,7 @@ class RowsRejectedError(Exception):
 
 
 class StreamLostError(Exception):
-    """The write stream no longer exists; the batch must go to a new stream."""
+    """The write stream is gone or cannot be trusted with this batch: it goes to a new stream."""
 
 
 def row_descriptor() -> descriptor_pb2.DescriptorProto:
@@ -123,8 +125,13 @@ class StorageWriteSink:
                 log.info("batch at offset %d of %s was already committed", offset, stream)
             elif code == _NOT_FOUND or code == _INVALID_ARGUMENT and "stream" in response.error.message.lower():
                 raise StreamLostError(response.error.message)
-            elif code:
+            elif code in _TRY_SAME_OFFSET:
                 raise exceptions.from_grpc_status(code, response.error.message)
+            elif code:
+                # Any other refusal: the emulator has been seen to consume the offset and then fail its insert
+                # (its DuckDB connection busy), so a retry there would be told ALREADY_EXISTS and the rows lost.
+                # A new stream cannot lose them.
+                raise StreamLostError(f"append refused ({code}): {response.error.message}")
         with self._lock:
             if stream == self.stream:
                 self.next_offset = max(self.next_offset, offset + len(rows))
