@@ -9,7 +9,7 @@ step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done
 
 .PHONY: analytics chaos install run up down test test-fast lint format bench clean system-deps
 
-.PHONY: status restart bootstrap
+.PHONY: status restart bootstrap browser-deps
 
 install: system-deps $(VENV)/.installed $(VENV_BQ)/.installed
 
@@ -63,8 +63,15 @@ restart-%: $(VENV)/.installed
 bootstrap: $(VENV)/.installed
 	@$(PY) -m emulators.stack bootstrap
 
+# The browser tests drive Debian's headless Chromium through its chromedriver.
+browser-deps:
+	@command -v chromedriver >/dev/null || { \
+	  echo "==> Installing chromium and chromium-driver from Debian (browser tests)"; started=$$(date +%s); \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null && \
+	  echo "    done in $$(( $$(date +%s) - started ))s"; }
+
 # The infrastructure tests run checkov from its own virtualenv.
-test: install $(VENV_CHECKOV)/.installed
+test: install browser-deps $(VENV_CHECKOV)/.installed
 	$(VENV)/bin/pytest
 
 lint: $(VENV)/.installed
