@@ -47,7 +47,8 @@ up: install
 down:
 	@if test -x $(PY); then $(PY) -m emulators.stack down; else echo "Nothing is running (no $(VENV) yet)."; fi
 
-# Each component with its pid, port and health; exit status 1 when one is not healthy, 3 when none runs.
+# Each component with its pid, port and health. The command exits 1 when one is not healthy, 3 when none runs;
+# make turns any failure into its own status 2 (call `.venv/bin/python -m emulators.stack status` to tell them apart).
 status: $(VENV)/.installed
 	@$(PY) -m emulators.stack status
 

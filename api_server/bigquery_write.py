@@ -3,15 +3,17 @@
 Each API process owns one COMMITTED write stream. Every batch is appended at an explicit offset, and a
 retry of the same batch uses the same offset: if the first try was committed after all, BigQuery answers
 ALREADY_EXISTS and the batch counts as written. So a batch is written exactly once while its stream
-lives. If the stream is gone (an emulator restart forgets streams) the batch goes to a new stream; that
-rare case can write a row twice, which is why every analytics view counts one row per request id.
+lives. If the stream is gone (an emulator restart forgets streams) or an append is refused outright, whether
+the batch was committed is unknown: before it goes to a new stream, the table is asked which of its request
+ids it already holds (`written_request_ids`), and only the others are sent. So a row is stored once across a
+stream loss too; the analytics views still count one row per request id, whatever reaches the table.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from google.api_core import exceptions
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -62,13 +64,15 @@ def _message_class(descriptor: descriptor_pb2.DescriptorProto):
 
 
 class StorageWriteSink:
-    def __init__(self, client, table_path: str) -> None:
-        """`client`: a BigQueryWriteClient; `table_path`: projects/{p}/datasets/{d}/tables/{t}."""
+    def __init__(self, client, table_path: str, query_client=None) -> None:
+        """`client`: a BigQueryWriteClient; `table_path`: projects/{p}/datasets/{d}/tables/{t}; `query_client`:
+        a google.cloud.bigquery.Client, which answers `written_request_ids` (without one, none are known)."""
         from google.cloud.bigquery_storage_v1 import types
 
         self._types = types
         self._client = client
         self._table_path = table_path
+        self._query_client = query_client
         self._descriptor = row_descriptor()
         self._row_class = _message_class(self._descriptor)
         self._timestamps = {f["name"] for f in log_schema_fields() if f["type"] == "TIMESTAMP"}
@@ -135,6 +139,32 @@ class StorageWriteSink:
         with self._lock:
             if stream == self.stream:
                 self.next_offset = max(self.next_offset, offset + len(rows))
+
+    def written_request_ids(self, rows: list[dict]) -> set[str]:
+        """Which of the rows' request ids the table holds already (asked before a lost stream's batch is resent).
+
+        The rows' own `created_at` bounds the query to their partitions; it raises when BigQuery cannot answer,
+        and the batch then waits, like any append that fails.
+        """
+        if self._query_client is None or not rows:
+            return set()
+        from google.cloud import bigquery
+
+        _, project, _, dataset, _, table = self._table_path.split("/")
+        created = [datetime.fromisoformat(row["created_at"]) for row in rows]
+        config = bigquery.QueryJobConfig(
+            query_parameters=[
+                bigquery.ArrayQueryParameter("ids", "STRING", [row["request_id"] for row in rows]),
+                bigquery.ScalarQueryParameter("earliest", "TIMESTAMP", min(created) - timedelta(minutes=1)),
+                bigquery.ScalarQueryParameter("latest", "TIMESTAMP", max(created) + timedelta(minutes=1)),
+            ]
+        )
+        sql = (
+            f"SELECT DISTINCT request_id FROM `{project}.{dataset}.{table}` "
+            "WHERE created_at BETWEEN @earliest AND @latest AND request_id IN UNNEST(@ids)"
+        )
+        job = self._query_client.query(sql, job_config=config, timeout=APPEND_TIMEOUT_SECONDS)
+        return {row["request_id"] for row in job.result(timeout=APPEND_TIMEOUT_SECONDS)}
 
 
 def write_client(settings):

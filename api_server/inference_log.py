@@ -208,6 +208,11 @@ class InferenceLogWriter:
     def _send(self, segment: Segment) -> bool:
         rows = segment.rows()
         try:
+            if segment.stream_lost():
+                rows = self._not_yet_written(segment, rows)
+                if not rows:
+                    segment.remove()
+                    return True
             stream = self._sink.open_stream()
             target = segment.target()
             if target is None:
@@ -218,7 +223,7 @@ class InferenceLogWriter:
             log.warning("inference log stream lost (%s); resending on a new stream", exc)
             if segment.target() and segment.target()[0] == self._sink.stream:
                 self._sink.forget_stream()
-            segment.clear_target()
+            segment.mark_stream_lost()
             return False
         except RowsRejectedError as exc:
             self.stats["rejected"] += len(rows)
@@ -236,6 +241,18 @@ class InferenceLogWriter:
         segment.remove()
         self.stats["written"] += len(rows)
         return True
+
+    def _not_yet_written(self, segment: Segment, rows: list[dict]) -> list[dict]:
+        """The rows of a segment whose stream was lost that the table does not hold: a new stream gets only those,
+        so an append committed just before the loss (its answer lost with the stream) is not stored twice."""
+        written = self._sink.written_request_ids(rows)
+        remaining = [row for row in rows if row["request_id"] not in written]
+        if written:
+            log.info("inference log: %d of %d rows were written before the stream was lost", len(written), len(rows))
+        self.stats["written"] += len(rows) - len(remaining)
+        if remaining:
+            segment.keep_only(remaining)
+        return remaining
 
     def close(self, send_seconds: float = 5.0) -> None:
         """SIGTERM: spool what is queued, try to send for a few seconds; what is left is sent after a restart."""

@@ -2,7 +2,8 @@
 
 Rows are appended in segments (one JSON-lines file per flush, fsynced, renamed into place), sent in
 order, and deleted once BigQuery has them. A segment remembers the stream and offset it was first sent
-at, so a retry is recognised by BigQuery as the same batch. Each process holds an flock on a lock file
+at, so a retry is recognised by BigQuery as the same batch; when that stream is lost, the segment is
+marked so, and before it goes to a new stream the rows the table already holds are dropped from it. Each process holds an flock on a lock file
 of its own; segments whose owner's lock is free belong to a process that died, and are adopted and sent
 by the next writer, so rows spooled before a crash are delivered after the restart.
 """
@@ -38,19 +39,35 @@ class Segment:
     def rows(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
+    def _meta(self) -> dict:
+        try:
+            return json.loads(self.meta_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
     def target(self) -> tuple[str, int] | None:
         """The (stream, offset) this segment was first sent at, if it was."""
-        try:
-            meta = json.loads(self.meta_path.read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-        return meta["stream"], meta["offset"]
+        meta = self._meta()
+        return (meta["stream"], meta["offset"]) if "stream" in meta else None
 
     def set_target(self, stream: str, offset: int) -> None:
         _write_durably(self.meta_path, json.dumps({"stream": stream, "offset": offset}).encode())
 
     def clear_target(self) -> None:
         self.meta_path.unlink(missing_ok=True)
+
+    def mark_stream_lost(self) -> None:
+        """Its stream is gone after an append whose outcome is unknown: some of its rows may be in the table."""
+        _write_durably(self.meta_path, json.dumps({"stream_lost": True}).encode())
+
+    def stream_lost(self) -> bool:
+        return bool(self._meta().get("stream_lost"))
+
+    def keep_only(self, rows: list[dict]) -> None:
+        """Rewrites the segment with `rows` (those the table does not hold yet); it becomes a segment never sent."""
+        data = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode()
+        _write_durably(self.path, data)
+        self.clear_target()
 
     def remove(self) -> None:
         self.meta_path.unlink(missing_ok=True)

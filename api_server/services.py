@@ -73,5 +73,5 @@ def build_services(settings: Settings) -> Services:
 
 def build_inference_log(settings: Settings) -> InferenceLogWriter:
     table = f"projects/{settings.project_id}/datasets/{settings.dataset}/tables/{settings.log_table}"
-    sink = StorageWriteSink(write_client(settings), table)
+    sink = StorageWriteSink(write_client(settings), table, query_client=clients.bigquery_client(settings))
     return InferenceLogWriter(sink, LogSpool(Path(settings.log_spool_dir), settings.log_spool_max_bytes))

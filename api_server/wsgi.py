@@ -1,4 +1,4 @@
-"""gunicorn's entry point: `gunicorn --config api_server/gunicorn_conf.py api_server.wsgi:app`.
+"""The Flask app, built once per gunicorn worker; `api_server/asgi.py` serves it (gunicorn's asyncio worker).
 
 Imported in each gunicorn worker after it forks (no preload), so Google clients are created post-fork.
 """

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     report += [table(results)]
+    report += [f"- {result.name}: {note}" for result in results for note in result.notes]
     if bad:
         report += ["", bad_input_table(bad), "", "```", fuzz, "```"]
     text = "\n".join(report)

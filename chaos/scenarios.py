@@ -240,6 +240,37 @@ def rate_limited_burst(ctx: ChaosContext, requests_total: int = 500, concurrency
     return result
 
 
+def slow_clients(ctx: ChaosContext, seconds: float = 20, connections: int = 1000) -> ScenarioResult:
+    """Sequential predicts alone, then beside `connections` idle or slow connections, then alone again: every
+    predict must be answered; the latencies are printed side by side (target: p50 within 10% of alone)."""
+    from chaos.slow_clients import SlowClients, sequential_predicts
+
+    result = ScenarioResult(f"{connections} idle or slow connections")
+    began = time.monotonic()
+    url = ctx.config.api_url
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    alone = sequential_predicts(url, ctx.headers, seconds / 2, "alone")
+    with SlowClients(host, int(port), connections, ctx.headers["Authorization"]) as slow:
+        beside = sequential_predicts(url, ctx.headers, seconds, f"beside {connections} slow connections")
+        held = slow.open_now
+    again = sequential_predicts(url, ctx.headers, seconds / 2, "alone again")
+    for latencies in (alone, beside, again):
+        result.sent += len(latencies.seconds) + len(latencies.failures)
+        result.ok += len(latencies.seconds)
+        result.unanswered += len(latencies.failures)
+    ratio = beside.p50 / ((alone.p50 + again.p50) / 2)
+    result.notes += [
+        alone.line(),
+        beside.line(),
+        again.line(),
+        f"p50 beside / alone {ratio:.2f} (target at most 1.10: {'met' if ratio <= 1.1 else 'MISSED'}); "
+        f"{held} slow connections open at the end, {slow.closed_by_server} closed by the API's read timeouts "
+        f"and reopened, {slow.refused} refused",
+    ]
+    result.seconds = round(time.monotonic() - began, 1)
+    return result
+
+
 SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "worker-kill": worker_kill,
     "redis-outage": redis_outage,
@@ -251,5 +282,6 @@ SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "poison": poison,
     "abandoned-long": abandoned_long,
     "rate-limited-burst": rate_limited_burst,
+    "slow-clients": slow_clients,
 }
 QUICK = ("worker-kill", "redis-outage", "api-sigterm")

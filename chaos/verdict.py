@@ -93,7 +93,7 @@ def row_copies(bigquery, settings, request_ids: list[str], wait_seconds: float) 
                 rows = [dict(row) for row in bigquery.query(sql).result()]
                 # The emulator has been seen to answer right after a resume with a malformed row: ask again.
                 copies.update({row["request_id"]: row["copies"] for row in rows if "request_id" in row})
-            except Exception:  # noqa: BLE001 - the emulator refuses concurrent queries now and then: ask again
+            except Exception:  # noqa: BLE001 - a query sent while a fault still holds the emulator: ask again
                 time.sleep(0.5)
         if len(copies) >= len(request_ids) or time.monotonic() > deadline:
             return copies

@@ -111,11 +111,12 @@ class ModelCatalog(BaseModel):
         return sorted(self.models)
 
     def deployments(self) -> dict[str, list[ModelSpec]]:
-        """Worker deployments and the models each serves, in name order."""
+        """Worker deployments and the models each serves, in catalog order (the files' order, the overlay's
+        last): the local stack numbers the workers' probe ports in this order."""
         groups: dict[str, list[ModelSpec]] = {}
-        for name in self.names():
-            groups.setdefault(self.models[name].deployment, []).append(self.models[name])
-        return dict(sorted(groups.items()))
+        for spec in self.models.values():
+            groups.setdefault(spec.deployment, []).append(spec)
+        return groups
 
 
 @lru_cache(maxsize=8)

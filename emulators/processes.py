@@ -230,7 +230,10 @@ def http_probe(url: str, timeout: float = 1.0) -> tuple[int, str]:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback only
             return response.status, response.read(2000).decode(errors="replace").strip()
     except urllib.error.HTTPError as error:
-        return error.code, error.read(2000).decode(errors="replace").strip()
+        try:
+            return error.code, error.read(2000).decode(errors="replace").strip()
+        except OSError:  # the status came, its body did not in time (a loaded machine): the status is the answer
+            return error.code, ""
     except (urllib.error.URLError, OSError, ValueError) as error:
         return 0, f"not answering ({type(getattr(error, 'reason', error)).__name__})"
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -49,6 +49,15 @@ SUPERVISOR = "supervisor"
 # The synthetic `noop` and `sleep` models, served locally beside the catalog's diffusion models.
 LOCAL_CATALOG_OVERLAY = ROOT / "contract" / "models.local.yaml"
 LOCAL_HOST = "127.0.0.1"
+# Variables that configure the stack's processes (the project's settings, the Google clients, the emulators).
+# Their values at `up` are recorded with the stack, and every later start (`restart`, the supervisor) uses the
+# recorded values, never the caller's: a restarted API is the API that was started.
+CONFIGURING_PREFIXES = ("MAAS_", "PUBSUB_", "STORAGE_", "GOOGLE_", "CLOUDSDK_", "HF_", "PROMETHEUS_", "BQEMU_", "GRPC_")
+
+
+def configuring_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `env` that configure the stack's processes (`CONFIGURING_PREFIXES`)."""
+    return {name: value for name, value in env.items() if name.startswith(CONFIGURING_PREFIXES)}
 
 
 def local_catalog():
@@ -67,6 +76,8 @@ class StackConfig:
     api_keys: str = LOCAL_DEFAULT_API_KEY
     api_keys_from_env: bool = False
     tiny_model_dir: Path = ROOT / ".stack" / "tiny-model"
+    # The configuring variables (`CONFIGURING_PREFIXES`) of the environment the stack was started from.
+    environment: dict[str, str] = field(default_factory=lambda: configuring_variables(os.environ), repr=False)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> StackConfig:
@@ -81,6 +92,7 @@ class StackConfig:
             reply_mode=env.get("MAAS_REPLY_MODE", "per-request"),
             api_keys=keys or LOCAL_DEFAULT_API_KEY,
             api_keys_from_env=bool(keys),
+            environment=configuring_variables(env),
         )
 
     @property
@@ -156,8 +168,13 @@ class StackConfig:
             "GOOGLE_CLOUD_PROJECT": self.project_id,
         }
 
+    def process_env(self) -> dict[str, str]:
+        """The environment every process of the stack starts with: the caller's system variables (PATH, HOME...)
+        and the configuring variables recorded when the stack was started, whatever the caller has set since."""
+        return {**{k: v for k, v in os.environ.items() if not k.startswith(CONFIGURING_PREFIXES)}, **self.environment}
+
     def service_env(self) -> dict[str, str]:
-        env = {**os.environ, **self.client_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env = {**self.process_env(), **self.client_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         env["MAAS_CATALOG_OVERLAY"] = str(LOCAL_CATALOG_OVERLAY)
         env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode})
         return env
@@ -222,7 +239,7 @@ def _url_started(url: str) -> Callable[[], bool]:
 
 
 def emulator_components(config: StackConfig) -> list[Component]:
-    env = {**os.environ, "BQEMU_ENABLE_FORMAT_EXTENSIONS": "false"}
+    env = {**config.process_env(), "BQEMU_ENABLE_FORMAT_EXTENSIONS": "false"}
     data = config.stack_dir / "data"
     pubsub_url = f"http://{LOCAL_HOST}:{config.pubsub_port}/"
     gcs_url = f"http://{LOCAL_HOST}:{config.gcs_port}/storage/v1/b"
@@ -297,7 +314,7 @@ def emulator_components(config: StackConfig) -> list[Component]:
                 "--appendonly",
                 "no",
             ),
-            dict(os.environ),
+            config.process_env(),
             data,
             config.redis_port,
             lambda: redis_ok(config.redis_port),
@@ -314,7 +331,7 @@ def api_component(config: StackConfig) -> Component:
         "MAAS_API_HOST": LOCAL_HOST,
         "MAAS_API_WORKERS": str(config.api_workers),
     }
-    argv = (sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.wsgi:app")
+    argv = (sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app")
     return Component(
         "api",
         argv,
@@ -368,7 +385,12 @@ def worker_components(config: StackConfig) -> list[Component]:
 
 
 def supervisor_component(config: StackConfig) -> Component:
-    env = {**os.environ, "MAAS_STACK_DIR": str(config.stack_dir), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **config.process_env(),
+        "MAAS_STACK_DIR": str(config.stack_dir),
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
     registry = ProcessRegistry(config.stack_dir)
     return Component(
         SUPERVISOR,

@@ -78,10 +78,10 @@ WORKER = parse_dockerfile(WORKER_DOCKERFILE)
 IMAGES = {"api": API, "worker": WORKER}
 
 
-def test_api_image_runs_gunicorn_with_the_projects_config_and_wsgi_app() -> None:
-    assert command(API) == ["gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.wsgi:app"]
+def test_api_image_runs_gunicorn_with_the_projects_config_and_app() -> None:
+    assert command(API) == ["gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app"]
     assert (REPO_ROOT / "api_server" / "gunicorn_conf.py").is_file()
-    assert (REPO_ROOT / "api_server" / "wsgi.py").is_file()
+    assert (REPO_ROOT / "api_server" / "asgi.py").is_file()
 
 
 def test_worker_image_runs_the_model_worker_module() -> None:

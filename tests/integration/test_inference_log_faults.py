@@ -7,12 +7,18 @@ import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import pytest
 import requests
 
+from api_server.bigquery_write import StorageWriteSink, write_client
+from api_server.inference_log import InferenceLogRow, InferenceLogWriter
+from api_server.log_spool import LogSpool
 from chaos.verdict import row_copies
+from contract.log_schema import bigquery_schema
 from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import restart
 
 pytestmark = pytest.mark.stack
 
@@ -80,3 +86,42 @@ def test_rows_spooled_by_a_killed_api_are_delivered_once_after_its_restart(
         time.sleep(0.2)
     counts = row_copies(bigquery, settings, sent, wait_seconds=60)
     assert counts == dict.fromkeys(sent, 1)
+
+
+def test_a_batch_committed_just_before_a_bigquery_restart_is_stored_once(stack, settings, bigquery, tmp_path):
+    from google.cloud import bigquery as bq
+
+    table = f"log_restart_{uuid.uuid4().hex[:8]}"
+    bigquery.create_table(bq.Table(f"{settings.project_id}.{settings.dataset}.{table}", schema=bigquery_schema()))
+    sink = StorageWriteSink(
+        write_client(settings), f"projects/{settings.project_id}/datasets/{settings.dataset}/tables/{table}", bigquery
+    )
+    spool = LogSpool(tmp_path, 1 << 20)
+    now = datetime.now(UTC)
+    rows = [
+        InferenceLogRow(request_id=uuid.uuid4().hex, created_at=now, model="noop", status="ok", http_status=200)
+        for _ in range(5)
+    ]
+    segment = spool.append([row.to_json() for row in rows])
+    # The segment's first append is committed, and then the emulator restarts before its answer arrives:
+    # the stream and the answer are gone, the rows are in the table.
+    stream = sink.open_stream()
+    segment.set_target(stream, 0)
+    sink.append(segment.rows(), stream, 0)
+    restart(stack, "bigquery")
+    log_writer = InferenceLogWriter(sink, spool, spool_interval=60)
+    deadline = time.monotonic() + 60
+    while not log_writer.send_spooled():
+        assert time.monotonic() < deadline, "the segment was never settled"
+        time.sleep(0.5)
+    log_writer.close()
+    ids = [row.request_id for row in rows]
+    counts = {
+        row["request_id"]: row["copies"]
+        for row in bigquery.query(
+            f"SELECT request_id, COUNT(*) AS copies FROM `{settings.project_id}.{settings.dataset}.{table}` GROUP BY 1"
+        ).result()
+    }
+    assert counts == dict.fromkeys(ids, 1)
+    assert list(tmp_path.glob("*.jsonl")) == []
+    bigquery.delete_table(f"{settings.project_id}.{settings.dataset}.{table}")

@@ -9,8 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 import requests
 
+from contract import naming
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
 
@@ -94,10 +96,15 @@ def test_poison_request_ends_on_the_dead_letter_topic_with_the_client_told(worke
     assert replies[poison].error == "failed after 5 delivery attempts"
 
 
-def test_long_request_abandoned_at_its_deadline_frees_the_worker(worker_client):
+def test_long_request_abandoned_at_its_deadline_frees_the_worker(worker_client, settings):
     # 512x512 at 50 steps takes far longer than its 3 s deadline on the tiny CPU pipeline.
     long = worker_client.send("sd15-txt2img", "huge", width=512, height=512, steps=50, timeout=3)
-    time.sleep(0.5)  # let the long one start first
+    # The short one is sent once the long one runs (its progress is written), so it cannot join its batch.
+    progress = redis.Redis.from_url(settings.redis_url)
+    started = time.monotonic()
+    while not progress.exists(naming.progress_key(long)) and long not in worker_client.replies:
+        assert time.monotonic() - started < 30, "the long request never started"
+        time.sleep(0.05)
     short = worker_client.send("sd15-txt2img", "small", timeout=60)
     replies = worker_client.wait([long, short], timeout=60)
     assert replies[long].status == "expired" and "while it ran" in replies[long].error

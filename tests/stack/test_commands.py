@@ -1,19 +1,24 @@
-"""The stack's commands where nothing runs, and the make targets that call them."""
+"""The stack's commands where nothing runs, the make targets that call them, and what a restart starts."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from emulators.processes import ProcessRegistry
-from emulators.stack import ROOT, StackConfig
+from emulators.stack import LOCAL_CATALOG_OVERLAY, ROOT, StackConfig, api_component, recorded_or, worker_components
+
+# Nothing listens in these tests, but a stack directory records its ports: keep them this session's.
+PORT_OFFSET = int(os.environ.get("MAAS_TEST_PORT_OFFSET", "10000"))
 
 
 def stack_command(stack_dir, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MAAS_STACK_DIR": str(stack_dir), "MAAS_STACK_PORT_OFFSET": "31000"}
+    env = {**os.environ, "MAAS_STACK_DIR": str(stack_dir), "MAAS_STACK_PORT_OFFSET": str(PORT_OFFSET)}
     return subprocess.run(
         [sys.executable, "-m", "emulators.stack", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
@@ -45,7 +50,7 @@ def test_stale_pid_files_are_not_taken_for_running_processes(tmp_path):
 
 
 def test_settings_are_recorded_so_later_commands_act_on_the_stack_as_started(tmp_path):
-    config = StackConfig(stack_dir=tmp_path, port_offset=31000, api_keys="k1,k2", api_keys_from_env=True)
+    config = StackConfig(stack_dir=tmp_path, port_offset=PORT_OFFSET, api_keys="k1,k2", api_keys_from_env=True)
     config.save()
     assert StackConfig.load(tmp_path) == config
     assert oct((tmp_path / "stack.json").stat().st_mode & 0o777) == "0o600"
@@ -67,3 +72,49 @@ def test_make_targets_run_the_stack_commands(target, command):
     result = subprocess.run(["make", "-n", *target.split()], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert command in result.stdout
+
+
+def test_make_status_with_nothing_running_fails_with_the_status_the_readme_gives(tmp_path):
+    # make exits 2 whenever a command fails, whatever the command's own status: the README must say so.
+    result = subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", "status"],
+        cwd=ROOT,
+        env={**os.environ, "MAAS_STACK_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "Nothing is running" in result.stdout
+    [row] = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `make status`")]
+    promised = {int(code) for code in re.findall(r"`make status` exits (\d)", row)}
+    assert promised == {2}, row
+    assert "3 when nothing runs" in row  # `python -m emulators.stack status`, the command itself
+
+
+def test_worker_probe_ports_follow_the_catalog_order(tmp_path):
+    order: list[str] = []
+    for path in (ROOT / "contract" / "models.yaml", LOCAL_CATALOG_OVERLAY):
+        for name, spec in yaml.safe_load(path.read_text())["models"].items():
+            if (deployment := spec.get("worker_group") or name) not in order:
+                order.append(deployment)
+    config = StackConfig(stack_dir=tmp_path, port_offset=0, worker_replicas=2)
+    ports = {worker.name: worker.port for worker in worker_components(config)}
+    assert ports == {
+        **{f"worker-{deployment}": 8091 + index for index, deployment in enumerate(order)},
+        **{f"worker-{deployment}-2": 8091 + len(order) + index for index, deployment in enumerate(order)},
+    }
+    assert order[0] == "sd15-txt2img"  # the first model of contract/models.yaml
+
+
+def test_a_restarted_api_gets_the_recorded_environment_not_the_callers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAAS_STACK_DIR", str(tmp_path))
+    monkeypatch.setenv("MAAS_RATE_LIMIT_PER_MINUTE", "7")
+    monkeypatch.delenv("MAAS_CONCURRENCY_LIMIT", raising=False)
+    StackConfig.from_env().save()  # what `make up` records
+    # Later, another shell runs `make restart COMPONENT=api` with settings of its own.
+    monkeypatch.setenv("MAAS_RATE_LIMIT_PER_MINUTE", "99")
+    monkeypatch.setenv("MAAS_CONCURRENCY_LIMIT", "3")
+    env = api_component(recorded_or(StackConfig.from_env())).env
+    assert env["MAAS_RATE_LIMIT_PER_MINUTE"] == "7"
+    assert "MAAS_CONCURRENCY_LIMIT" not in env
+    assert env["PATH"] == os.environ["PATH"]  # the system's variables are the caller's

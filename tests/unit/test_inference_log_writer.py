@@ -36,6 +36,9 @@ class FakeStream:
     def forget_stream(self) -> None:
         self.stream = None
 
+    def written_request_ids(self, rows: list[dict]) -> set[str]:
+        return {row["request_id"] for row in rows} & {row["request_id"] for row in self.rows}
+
     def append(self, rows: list[dict], stream: str, offset: int) -> None:
         if self.fail:
             self.fail -= 1
@@ -104,6 +107,47 @@ def test_a_lost_stream_is_replaced_and_the_rows_resent(tmp_path):
     log_writer.spool_queued()
     assert not log_writer.send_spooled() and log_writer.send_spooled()
     assert sink.committed == {("stream-2", 0): 1}
+    log_writer.close()
+
+
+def test_rows_committed_just_before_their_stream_was_lost_are_not_written_again(tmp_path):
+    class CommitThenLose(FakeStream):
+        """The first append is committed, then the server restarts: its answer and its stream are gone."""
+
+        def append(self, rows, stream, offset):
+            if self.streams == 1 and (stream, offset) in self.committed:
+                raise StreamLostError("Stream not found")
+            super().append(rows, stream, offset)
+            if len(self.committed) == 1 and self.streams == 1:
+                raise ConnectionError("the server went away before answering")
+
+    sink = CommitThenLose()
+    log_writer = writer(tmp_path, sink)
+    log_writer.write(row("a"))
+    log_writer.write(row("b"))
+    log_writer.spool_queued()
+    assert not log_writer.send_spooled()  # committed, answer lost
+    assert not log_writer.send_spooled()  # the retry at the same offset: the stream is gone
+    log_writer.write(row("c"))
+    log_writer.spool_queued()
+    assert log_writer.send_spooled()
+    assert sorted(r["request_id"] for r in sink.rows) == ["a", "b", "c"]
+    assert list(tmp_path.glob("*.jsonl")) == []
+    log_writer.close()
+
+
+def test_a_lost_streams_segment_sends_only_the_rows_the_table_lacks(tmp_path):
+    sink = FakeStream()
+    log_writer = writer(tmp_path, sink)
+    for request_id in ("a", "b", "c"):
+        log_writer.write(row(request_id))
+    log_writer.spool_queued()
+    [segment] = log_writer._spool.pending()
+    sink.rows.append({"request_id": "b"})  # b reached the table before the stream was lost
+    segment.mark_stream_lost()
+    assert log_writer.send_spooled()
+    assert [r["request_id"] for r in sink.rows] == ["b", "a", "c"]
+    assert sink.committed == {("stream-1", 0): 2}
     log_writer.close()
 
 

@@ -1,0 +1,91 @@
+"""The WSGI bridge (api_server/wsgi_bridge.py): the request is read whole before the app runs, within a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from flask import Flask, Response, request
+
+from api_server.wsgi_bridge import WsgiBridge
+
+
+def flask_app(max_bytes: int = 100) -> Flask:
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = max_bytes
+
+    @app.post("/echo")
+    def echo():
+        return {
+            "body": request.get_data(as_text=True),
+            "length": request.content_length,
+            "chunked": "HTTP_TRANSFER_ENCODING" in request.environ,
+        }
+
+    @app.get("/stream")
+    def stream():
+        return Response((f"part {i};" for i in range(3)), content_type="text/plain")
+
+    return app
+
+
+def call(bridge: WsgiBridge, method: str, path: str, messages: list[dict], headers=()) -> tuple[int, dict, bytes]:
+    """One request through the bridge; `messages` are what the client sends, then it goes silent."""
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers), "query_string": b""}
+    sent: list[dict] = []
+
+    async def run() -> None:
+        pending = list(messages)
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(3600)  # a slow client: nothing more arrives
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await bridge(scope, receive, send)
+
+    asyncio.run(run())
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+def test_a_body_sent_in_pieces_reaches_the_app_whole_with_its_length():
+    bridge = WsgiBridge(flask_app(), threads=2, max_body_bytes=100, body_timeout=5)
+    pieces = [{"type": "http.request", "body": part, "more_body": True} for part in (b"ab", b"cd")]
+    status, _, body = call(
+        bridge,
+        "POST",
+        "/echo",
+        [*pieces, {"type": "http.request", "body": b"e", "more_body": False}],
+        headers=[(b"transfer-encoding", b"chunked")],
+    )
+    assert status == 200
+    assert json.loads(body) == {"body": "abcde", "length": 5, "chunked": False}
+
+
+def test_a_body_over_the_limit_is_the_apps_413_without_being_read_whole():
+    bridge = WsgiBridge(flask_app(max_bytes=10), threads=2, max_body_bytes=10, body_timeout=5)
+    chunks = [{"type": "http.request", "body": b"x" * 8, "more_body": True} for _ in range(3)]
+    status, _, _ = call(bridge, "POST", "/echo", chunks)  # never finishes: the limit, not the end, stops it
+    assert status == 413
+    declared = [(b"content-length", b"1000000")]
+    assert call(bridge, "POST", "/echo", [], headers=declared)[0] == 413
+
+
+def test_a_body_that_stops_arriving_is_a_json_408():
+    bridge = WsgiBridge(flask_app(), threads=2, max_body_bytes=100, body_timeout=0.2)
+    status, headers, body = call(bridge, "POST", "/echo", [{"type": "http.request", "body": b"{", "more_body": True}])
+    assert status == 408 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == 408
+
+
+def test_a_streamed_answer_arrives_in_order():
+    bridge = WsgiBridge(flask_app(), threads=2, max_body_bytes=100, body_timeout=5)
+    status, headers, body = call(bridge, "GET", "/stream", [{"type": "http.request", "body": b"", "more_body": False}])
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert body == b"part 0;part 1;part 2;"
