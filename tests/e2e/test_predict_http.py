@@ -206,3 +206,13 @@ def test_health_endpoints(stack):
     assert requests.get(f"{stack.api_url}/healthz", timeout=5).status_code == 200
     ready = requests.get(f"{stack.api_url}/readyz", timeout=5)
     assert ready.status_code == 200 and ready.json()["reply_mode"] == "per-request"
+
+
+def test_an_image_whose_text_chunk_inflates_too_far_is_a_422_not_a_500(stack, auth_headers):
+    from chaos.malformed_images import MALFORMED_IMAGES
+
+    image = MALFORMED_IMAGES["png: zTXt inflating past the text limit, before IDAT"]()
+    body = {"instances": [{"prompt": "x", "image": base64.b64encode(image).decode()}], "parameters": {"seed": 1}}
+    response = predict(stack, IMG2IMG, body, auth_headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "instances.0.image"
