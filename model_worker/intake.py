@@ -25,6 +25,7 @@ from contract.results import ResultStore
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
 from model_worker.leases import LeaseKeeper
+from model_worker.log_context import request_log_context
 from model_worker.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.runners import GenerationItem
 
@@ -246,7 +247,8 @@ class SubscriptionPuller(SubscriptionLoop):
             self._leases.release(message)
             return
         try:
-            pending = self._triage(self._spec, message, self._priority)
+            with request_log_context(message):
+                pending = self._triage(self._spec, message, self._priority)
         except Exception:
             log.exception("could not triage a request on %s; handing it back", self.subscription)
             self._leases.release(message)
