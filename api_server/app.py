@@ -16,9 +16,9 @@ from api_server.routes import docs, health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
 from api_server.serving import build_serving
-from api_server.tracing import trace_from_headers
 from contract.jsonlog import bind_context, unbind_context
 from contract.settings import Settings
+from contract.tracing import reset_current_trace, set_current_trace, trace_from_headers
 
 log = logging.getLogger("api_server")
 
@@ -50,11 +50,14 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         trace = trace_from_headers(request.headers)
         fields = {"request_id": g.request_id, **(trace.log_fields(settings.project_id) if trace else {})}
         g.log_context = bind_context(fields)
+        g.trace_context = set_current_trace(trace)  # carried to the worker on the request message
 
     @app.teardown_request
     def _end(_error):
         if (token := g.pop("log_context", None)) is not None:
             unbind_context(token)
+        if (token := g.pop("trace_context", None)) is not None:
+            reset_current_trace(token)
 
     @app.after_request
     def _measure(response):

@@ -13,7 +13,8 @@ from api_server.errors import ApiError
 from api_server.reply_waiter import ReplyWaiter
 from contract import naming
 from contract.catalog import ModelSpec
-from contract.messages import InferenceReply, InferenceRequest, request_attributes
+from contract.messages import Attr, InferenceReply, InferenceRequest, request_attributes
+from contract.tracing import current_trace
 
 log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_SECONDS = 10
@@ -57,7 +58,7 @@ class InferenceDispatcher:
         timings.subscribe_ms = _ms_since(started)
         try:
             started = time.perf_counter()
-            attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
+            attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
             attributes.update(self._waiter.request_attributes())
             self._publish(request, spec, attributes, priority)
             timings.publish_ms = _ms_since(started)
@@ -72,7 +73,8 @@ class InferenceDispatcher:
 
     def submit(self, request: InferenceRequest, spec: ModelSpec, deadline_ms: int, priority: naming.Priority) -> None:
         """Publish only (a job): nobody waits for the reply message; the worker's stored reply is read later."""
-        self._publish(request, spec, request_attributes(request, self._replies_topic, deadline_ms, priority), priority)
+        attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
+        self._publish(request, spec, attributes, priority)
 
     def _publish(self, request: InferenceRequest, spec: ModelSpec, attributes: dict, priority: naming.Priority) -> None:
         topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
@@ -83,6 +85,13 @@ class InferenceDispatcher:
         except Exception as exc:  # publish futures raise transport and timeout errors alike
             log.error("publish to %s failed: %s", topic, exc)
             raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
+
+
+def _traced(attributes: dict[str, str]) -> dict[str, str]:
+    """Adds the trace of the request being handled, so the worker's lines can be found from it."""
+    if (trace := current_trace()) is not None:
+        attributes[Attr.TRACEPARENT] = trace.traceparent()
+    return attributes
 
 
 def _ms_since(started: float) -> float:

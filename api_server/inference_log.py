@@ -85,6 +85,13 @@ class InferenceLogRow:
         if reply.error_kind and not self.error_kind:
             self.error_kind = reply.error_kind
 
+    def end_job(self, answered_ms: int | None) -> None:
+        """A job's row measures the job, not its 202: `total_ms` from the request's arrival to its result being
+        available (the worker's `answered_ms`; for an unanswered job, now, when its expiry is recorded)."""
+        ended = _timestamp(answered_ms) or datetime.now(UTC)
+        self.replied_at = ended
+        self.total_ms = round(max(0.0, (ended - self.created_at).total_seconds() * 1000), 2)
+
     @classmethod
     def from_json(cls, row: dict) -> InferenceLogRow:
         """The inverse of `to_json` (a row kept in Redis while its job runs)."""

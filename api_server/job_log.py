@@ -51,8 +51,10 @@ class JobLogFinisher:
             row = InferenceLogRow.from_json(row_json)
             if reply is None:
                 row.status, row.error_kind, row.error = "expired", "expired", "no worker answered before the deadline"
+                row.end_job(None)
             else:
                 row.record_reply(reply)
+                row.end_job(reply.answered_ms)
                 row.status = JOB_STATUS[reply.status]
                 if reply.status != "ok":
                     row.error = (reply.error or reply.status)[:1024]

@@ -44,6 +44,23 @@ class JobState:
     status: str
     reply: InferenceReply | None = None
     progress: Progress | None = None
+    cancelled_ms: int | None = None
+
+    @property
+    def started_ms(self) -> int | None:
+        """When a worker began running it: its pipeline call's start (known while it runs, and after)."""
+        if self.reply is not None and self.reply.worker_started_ms is not None:
+            return self.reply.worker_started_ms
+        return self.progress.started_ms if self.progress is not None else None
+
+    @property
+    def finished_ms(self) -> int | None:
+        """When it ended: its answer became available, it was cancelled, or (unanswered) its deadline passed."""
+        if self.status == "cancelled" and self.cancelled_ms is not None:
+            return self.cancelled_ms
+        if self.reply is not None:
+            return self.reply.answered_ms or self.reply.worker_finished_ms
+        return self.deadline_ms if self.status == "expired" else None
 
 
 class JobStore:
@@ -52,7 +69,8 @@ class JobStore:
         self._results = results
         self._ttl = ttl_seconds
 
-    def create(self, job_id: str, owner: str, spec: ModelSpec, deadline_ms: int) -> None:
+    def create(self, job_id: str, owner: str, spec: ModelSpec, deadline_ms: int, created_ms: int | None = None) -> None:
+        """`created_ms`: when the request arrived, for a sync request turned into a job (default: now)."""
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(
             job_key(job_id),
@@ -60,7 +78,7 @@ class JobStore:
                 f"owner:{owner}": "1",
                 "model": spec.name,
                 "model_version": spec.version,
-                "created_ms": int(time.time() * 1000),
+                "created_ms": created_ms if created_ms is not None else int(time.time() * 1000),
                 "deadline_ms": deadline_ms,
             },
         )
@@ -89,7 +107,7 @@ class JobStore:
         state.reply = self._results.get(job_id)
         if "cancelled_ms" in record:
             # Cancelled before it finished (a finished job cannot be cancelled): any result is discarded.
-            state.status, state.reply = "cancelled", None
+            state.status, state.reply, state.cancelled_ms = "cancelled", None, int(record["cancelled_ms"])
         elif state.reply is not None:
             state.status = REPLY_STATE[state.reply.status]
         elif (progress := self._results.get_progress(job_id)) is not None:
@@ -155,6 +173,10 @@ class JobStore:
         self._redis.hset(job_key(job_id), "cancelled_ms", int(time.time() * 1000))
 
 
+def _iso(epoch_ms: int | None) -> str | None:
+    return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
+
+
 def job_view(job: JobState, predictions) -> dict:
     """A job as `GET /v1/jobs/{id}` and its webhook show it; `predictions` turns a reply into image JSON."""
     view: dict = {
@@ -162,7 +184,9 @@ def job_view(job: JobState, predictions) -> dict:
         "status": job.status,
         "model": job.model,
         "model_version": job.model_version,
-        "created_at": datetime.fromtimestamp(job.created_ms / 1000, UTC).isoformat(),
+        "created_at": _iso(job.created_ms),
+        "started_at": _iso(job.started_ms),
+        "finished_at": _iso(job.finished_ms),
         "links": {"self": f"/v1/jobs/{job.job_id}"},
     }
     if job.progress is not None:

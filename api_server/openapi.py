@@ -85,7 +85,11 @@ class JobView(BaseModel):
     status: Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
     model: str
     model_version: str
-    created_at: str
+    created_at: str = Field(description="when the request arrived (a sync request turned into a job included)")
+    started_at: str | None = Field(default=None, description="when a worker began running it; null before")
+    finished_at: str | None = Field(
+        default=None, description="when it ended (result available, cancelled, or expired); null before"
+    )
     links: JobLinks
     progress: JobProgress | None = None
     result: JobResult | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import secrets
 from typing import Literal
 
@@ -12,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.errors import ApiError
 from contract.catalog import ModelSpec
+from contract.images import InputImageError
+from contract.images import decode_input_image as decode_image
 from contract.messages import GenerationParameters
 
 MAX_SEED = 2**31 - 1
@@ -121,29 +122,14 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
 
 
 def decode_input_image(data: str, field: str, max_pixels: int | None = None) -> bytes:
-    """Base64 PNG/JPEG to bytes, checked to be a real image so a bad one fails here, not on the GPU.
-
-    The pixel count comes from the header alone (`Image.open` does not decode), so an image above
-    `max_pixels` (a decompression bomb) is refused before any of it is decoded.
-    """
-    from PIL import Image, UnidentifiedImageError
-
+    """Base64 PNG/JPEG/WebP to bytes, decoded once here so an image any decoder refuses is a 422 naming
+    `field`, never a 500 or a worker error (`contract.images`: header size first, so a bomb costs nothing)."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ApiError(422, f"{field}: not valid base64", field) from exc
     try:
-        with Image.open(io.BytesIO(raw)) as image:
-            if image.format not in ("PNG", "JPEG", "WEBP"):
-                raise ApiError(422, f"{field}: must be PNG, JPEG or WebP, not {image.format}", field)
-            width, height = image.size
-            if max_pixels is not None and width * height > max_pixels:
-                raise ApiError(
-                    422, f"{field}: {width}x{height} exceeds the model's limit of {max_pixels} pixels", field
-                )
-            image.verify()
-    except Image.DecompressionBombError as exc:
-        raise ApiError(422, f"{field}: image too large", field) from exc
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-        raise ApiError(422, f"{field}: not a readable image", field) from exc
+        decode_image(raw, max_pixels)
+    except InputImageError as exc:
+        raise ApiError(422, f"{field}: {exc}", field) from exc
     return raw

@@ -21,11 +21,11 @@ import uuid
 from collections import defaultdict
 
 from api_server.app import create_app
-from api_server.tracing import trace_from_headers
 from bench.api_common import KEY, running_stack
 from bench.loadgen import percentile
 from contract.jsonlog import JsonFormatter, bind_context, unbind_context
 from contract.settings import Settings
+from contract.tracing import trace_from_headers
 
 FEATURES = ("rate and concurrency limits", "cache lookup + coalescing lease", "idempotency", "logging")
 

@@ -24,6 +24,8 @@ class Attr:
     SCHEMA_VERSION = "schema_version"
     # Set on replies in per-instance reply mode so the instance subscription can filter on it.
     INSTANCE = "api_instance"
+    # The client's trace (W3C format) on a request, when it sent one: the worker binds it to its log lines.
+    TRACEPARENT = "traceparent"
 
 
 class Payload(BaseModel):
@@ -95,6 +97,8 @@ class InferenceReply(BaseModel):
     attempt: int = 0
     worker_started_ms: int | None = None
     worker_finished_ms: int | None = None
+    # When this answer became available (stored, then published): a job's end, its log row's end-to-end time.
+    answered_ms: int | None = None
 
 
 class Progress(BaseModel):
@@ -106,6 +110,7 @@ class Progress(BaseModel):
     total: int
     batch_size: int = 1
     updated_ms: int
+    started_ms: int | None = None  # when the pipeline call running it began: a running job's `started_at`
 
 
 def request_attributes(

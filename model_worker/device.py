@@ -20,6 +20,7 @@ from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
 from model_worker.intake import ReplyFactory
 from model_worker.leases import LeaseKeeper
+from model_worker.log_context import message_log_fields
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import PendingRequest, RequestPool
 from model_worker.runners import BatchAbandonedError, Runner
@@ -42,6 +43,8 @@ class ProgressReporter:
         self._batch: list[PendingRequest] = []
         self._step = (0, 0)
         self._written: tuple | None = None
+        self._started_ms = 0
+        self._final: tuple[list[PendingRequest], int, int, int] | None = None
         self._stopped = threading.Event()
         self._first_step = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
@@ -49,11 +52,13 @@ class ProgressReporter:
     def start(self) -> None:
         self._thread.start()
 
-    def begin(self, batch: list[PendingRequest]) -> None:
-        # The total is the pipeline's own step count (a scheduler may add steps, img2img runs fewer), known
-        # from its first step callback: nothing is written before it.
+    def begin(self, batch: list[PendingRequest], started: float | None = None) -> None:
+        """`started` (epoch seconds): the call's start as its replies will state it (`worker_started_ms`)."""
+        # The total (the steps the client asked for; img2img runs its strength's share) comes with the
+        # first step callback: nothing is written before it.
         with self._lock:
             self._batch, self._step = batch, (0, 0)
+            self._started_ms = int((time.time() if started is None else started) * 1000)
 
     def update(self, step: int, total: int) -> None:
         self._step = (step, total)  # one tuple assignment: atomic, no lock on the device thread
@@ -61,33 +66,46 @@ class ProgressReporter:
             self._first_step.set()  # "running" is visible from the first step, not a tick later
 
     def end(self) -> None:
+        # The batch's last step is still written (by the thread): a finished request reads `total` of `total`
+        # while its images are decoded and answered, not the step the last tick happened to catch.
         with self._lock:
+            if self._batch and self._step[1]:
+                self._final = (self._batch, *self._step, self._started_ms)
             self._batch = []
+        self._first_step.set()
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._first_step.wait(PROGRESS_INTERVAL_SECONDS)
             self._first_step.clear()
             with self._lock:
-                batch, (step, total) = list(self._batch), self._step
-            if not batch or not total:
-                continue
-            state = (id(batch[0]), step)
+                batch, (step, total), started_ms = list(self._batch), self._step, self._started_ms
+                final, self._final = self._final, None
             try:
-                if state != self._written:
-                    now_ms = int(time.time() * 1000)
-                    images = sum(p.size for p in batch)
-                    self._results.put_progress(
-                        [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms)
-                         for p in batch]
-                    )  # fmt: skip
-                    self._written = state
+                if final is not None:
+                    self._write(*final)
+                if not batch or not total:
+                    continue
+                self._write(batch, step, total, started_ms)
                 for request_id in self._results.cancelled([p.request_id for p in batch]):
                     for pending in batch:
                         if pending.request_id == request_id:
                             pending.cancelled = True
             except Exception as exc:  # noqa: BLE001 - progress is best effort
                 self._finisher.redis_trouble.warn("progress", exc)
+
+    def _write(self, batch: list[PendingRequest], step: int, total: int, started_ms: int) -> None:
+        state = (id(batch[0]), step)
+        if state == self._written:
+            return
+        now_ms = int(time.time() * 1000)
+        images = sum(p.size for p in batch)
+        self._results.put_progress(
+            [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms,
+                      started_ms=started_ms)
+             for p in batch]
+        )  # fmt: skip
+        self._written = state
 
     def stop(self) -> None:
         self._stopped.set()
@@ -149,7 +167,7 @@ class DeviceLoop:
             if all(pending.abandoned() for pending in batch):
                 raise BatchAbandonedError
 
-        self._progress.begin(batch)
+        self._progress.begin(batch, started)
         began = time.perf_counter()
         try:
             self.calls += 1
@@ -197,8 +215,9 @@ class DeviceLoop:
                 self.run_batch([pending])
             return
         pending = batch[0]
+        traced = {"fields": message_log_fields(pending.message)}  # this request's id and trace
         if isinstance(exc, (ValueError, PayloadError)):
-            log.warning("request %s cannot run: %s", pending.request_id, exc)
+            log.warning("request %s cannot run: %s", pending.request_id, exc, extra=traced)
             self._metrics.errors.labels(kind="bad_input").inc()
             reply = self._replies.make(
                 pending.spec, pending.request_id, pending.message,
@@ -214,6 +233,7 @@ class DeviceLoop:
             pending.message.delivery_attempt,
             pending.spec.max_delivery_attempts,
             exc_info=exc,
+            extra=traced,
         )
         self._metrics.errors.labels(kind="inference_failed").inc()
         self._leases.release(pending.message)

@@ -20,6 +20,7 @@ from contract.messages import Attr, InferenceReply, Prediction
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from model_worker.leases import LeaseKeeper
+from model_worker.log_context import request_log_context
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import HeldMessage, PendingRequest
 
@@ -75,6 +76,10 @@ class ReplyFinisher:
         return self._pool.submit(self._finish, pending, images, reply_fields)
 
     def _finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> None:
+        with request_log_context(pending.message):
+            self._finish_traced(pending, images, reply_fields)
+
+    def _finish_traced(self, pending: PendingRequest, images: list, reply_fields: dict) -> None:
         try:
             pictures = [as_pil(image) for image in images]
             predictions = [
@@ -92,9 +97,15 @@ class ReplyFinisher:
             self._leases.release(pending.message)
             raise exc
         reply = InferenceReply(predictions=predictions, status="ok", **reply_fields)
-        self._answer(pending.message, reply, store=True)
+        self._answer_traced(pending.message, reply, store=True)
 
     def _answer(self, message: HeldMessage, reply: InferenceReply, store: bool) -> None:
+        with request_log_context(message):
+            self._answer_traced(message, reply, store)
+
+    def _answer_traced(self, message: HeldMessage, reply: InferenceReply, store: bool) -> None:
+        if store and reply.answered_ms is None:
+            reply = reply.model_copy(update={"answered_ms": int(time.time() * 1000)})
         if store and reply.request_id:
             try:
                 # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
@@ -114,6 +125,10 @@ class ReplyFinisher:
         future.add_done_callback(lambda done: self._published(message, reply, done))
 
     def _published(self, message: HeldMessage, reply: InferenceReply, future) -> None:
+        with request_log_context(message):
+            self._published_traced(message, reply, future)
+
+    def _published_traced(self, message: HeldMessage, reply: InferenceReply, future) -> None:
         try:
             error = future.exception()
             if error is not None:

@@ -9,7 +9,6 @@ oversized input image gets an error; none of these reach the GPU.
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -19,12 +18,14 @@ from google.cloud import pubsub_v1
 from pydantic import ValidationError
 
 from contract.catalog import ModelSpec
+from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
 from contract.payloads import PayloadCodec, PayloadError
 from contract.results import ResultStore
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
 from model_worker.leases import LeaseKeeper
+from model_worker.log_context import request_log_context
 from model_worker.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.runners import GenerationItem
 
@@ -59,22 +60,11 @@ def deadline_of(attributes: dict[str, str]) -> int | None:
 
 
 def decode_image(data: bytes, max_pixels: int):
-    """Opens an input image, refusing it by its header's size before any pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Opens an input image as the API checked it (`contract.images`); any refusal fails this request alone."""
     try:
-        image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        raise PayloadError(f"input image is larger than {max_pixels} pixels") from exc
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise PayloadError("input image is not a readable image") from exc
-    width, height = image.size
-    if width * height > max_pixels:
-        raise PayloadError(f"input image is {width}x{height}: more than {max_pixels} pixels")
-    try:
-        return image.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise PayloadError("input image is truncated or corrupt") from exc
+        return decode_input_image(data, max_pixels)
+    except InputImageError as exc:
+        raise PayloadError(f"input image: {exc}") from exc
 
 
 class Triage:
@@ -257,7 +247,8 @@ class SubscriptionPuller(SubscriptionLoop):
             self._leases.release(message)
             return
         try:
-            pending = self._triage(self._spec, message, self._priority)
+            with request_log_context(message):
+                pending = self._triage(self._spec, message, self._priority)
         except Exception:
             log.exception("could not triage a request on %s; handing it back", self.subscription)
             self._leases.release(message)

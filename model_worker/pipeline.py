@@ -9,6 +9,7 @@ bucket next to the weights and loaded by the next pod, so it does not pay minute
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,7 +123,7 @@ class DiffusionRunner:
             "num_inference_steps": params.num_inference_steps,
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
-            "callback_on_step_end": _step_callback(on_step, params.num_inference_steps),
+            "callback_on_step_end": _step_callback(on_step, requested_steps(params, self.needs_image)),
             # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
             "output_type": "np",
         }
@@ -138,11 +139,25 @@ class DiffusionRunner:
         return list(output.images[:count])
 
 
-def _step_callback(on_step: StepCallback, requested_steps: int) -> Callable:
+def requested_steps(params: GenerationParameters, image_to_image: bool) -> int:
+    """The denoising steps the client asked for: `num_inference_steps`, or its `strength` share for img2img
+    (diffusers runs `int(steps x strength)` of them)."""
+    steps = params.num_inference_steps
+    if image_to_image and params.strength is not None:
+        return max(1, min(int(steps * params.strength), steps))
+    return steps
+
+
+def _step_callback(on_step: StepCallback, requested: int) -> Callable:
+    """Reports progress on the client's scale: `requested` steps, the last call reporting (requested, requested).
+
+    A scheduler may run more steps than asked (PNDM adds one: 26 for 25); the pipeline's own count is known
+    once its loop has started, and each of its steps is mapped onto the requested ones, rounding up, so
+    the first reports 1 and the last reports `requested`."""
+
     def callback(pipeline, step: int, _timestep, callback_kwargs: dict) -> dict:
-        # img2img runs strength x steps; the pipeline knows the real count once its loop has started.
-        total = getattr(pipeline, "num_timesteps", None) or requested_steps
-        on_step(step + 1, total)
+        actual = max(getattr(pipeline, "num_timesteps", None) or requested, step + 1)
+        on_step(min(requested, math.ceil((step + 1) * requested / actual)), requested)
         return callback_kwargs
 
     return callback

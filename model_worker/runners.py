@@ -6,6 +6,7 @@ exactly the same worker path, so benchmarks and tests measure the orchestration,
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -74,13 +75,14 @@ class SyntheticRunner:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size {self.spec.max_batch_size}")
         if any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
             raise RuntimeError("synthetic pipeline crash (poison prompt)")
+        steps = params.num_inference_steps  # progress on the client's scale, whatever the number of ticks
         with self._device:
             if self._call_seconds > 0:
                 for tick in range(1, self._ticks + 1):
                     time.sleep(self._call_seconds / self._ticks)
-                    on_step(tick, self._ticks)
+                    on_step(math.ceil(tick * steps / self._ticks), steps)
             else:
-                on_step(1, 1)
+                on_step(steps, steps)
         return [Image.new("RGB", (8, 8), _seed_color(item.seed)) for item in items]
 
 

@@ -275,7 +275,8 @@ def _hand_over_as_job(
 ) -> ResponseRecord:
     spec = prepared.spec
     try:
-        serving.jobs.create(prepared.request_id, key_id, spec, deadline_ms)
+        # Created when the request arrived, not when this 202 leaves a model's timeout later.
+        serving.jobs.create(prepared.request_id, key_id, spec, deadline_ms, _epoch_ms(row.created_at))
     except redis.RedisError as exc:
         serving.redis.failed(exc)
         return _error_record(ApiError(504, f"no reply from {spec.name} within {spec.request_timeout_seconds}s"))
@@ -291,7 +292,7 @@ def _hand_over_as_job(
 def _submit_job(serving, prepared: PreparedRequest, key_id: str, row: InferenceLogRow) -> ResponseRecord:
     deadline_ms = serving.inference.job_deadline_ms()
     try:
-        serving.jobs.create(prepared.request_id, key_id, prepared.spec, deadline_ms)
+        serving.jobs.create(prepared.request_id, key_id, prepared.spec, deadline_ms, _epoch_ms(row.created_at))
     except redis.RedisError as exc:
         serving.redis.failed(exc)
         return _error_record(ApiError(503, "job store unavailable, retry later", headers={"Retry-After": "5"}))
@@ -304,6 +305,10 @@ def _submit_job(serving, prepared: PreparedRequest, key_id: str, row: InferenceL
     row.job_id = prepared.request_id
     g.deferred_job_deadline_ms = deadline_ms
     return _job_record(prepared, None)
+
+
+def _epoch_ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
 
 
 def _add_webhook(serving, prepared: PreparedRequest, deadline_ms: int) -> None:

@@ -17,4 +17,5 @@ SELECT
     )
   ) AS gpu_seconds
 FROM `${project_id}.${dataset}.inference_log_unique`
+WHERE model_version IS NOT NULL  -- refused before routing (unknown model, bad key): no model's usage
 GROUP BY day, api_key_id, model

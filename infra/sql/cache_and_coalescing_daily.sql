@@ -9,4 +9,5 @@ SELECT
   SAFE_DIVIDE(COUNTIF(cache_hit), COUNT(*)) AS cache_hit_rate,
   SAFE_DIVIDE(COUNTIF(coalesced), COUNT(*)) AS coalescing_rate
 FROM `${project_id}.${dataset}.inference_log_unique`
+WHERE model_version IS NOT NULL  -- refused before routing (unknown model, bad key): no model's usage
 GROUP BY day, model

@@ -7,4 +7,5 @@ SELECT
   COUNTIF(status != 'ok') AS failed,
   SUM(IF(status = 'ok', num_images, 0)) AS images
 FROM `${project_id}.${dataset}.inference_log_unique`
+WHERE model_version IS NOT NULL  -- refused before routing (unknown model, bad key): no model's usage
 GROUP BY hour, model

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import pytest
 import requests
@@ -15,6 +16,7 @@ from tests.conftest import TEST_API_KEYS
 pytestmark = pytest.mark.stack
 OTHER_KEY = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+TIMES = ("created_at", "started_at", "finished_at")
 
 
 def body(prompt: str, **parameters) -> dict:
@@ -51,6 +53,11 @@ def test_job_is_accepted_then_runs_with_progress_and_succeeds(stack, auth_header
     assert prediction["seed"] == 4 and prediction["image_b64"]
     running = [view for view in seen if view["status"] == "running"]
     assert running and all(1 <= view["progress"]["step"] <= view["progress"]["total"] for view in running)
+    assert all(view["started_at"] and view["finished_at"] is None for view in running), running
+    assert all(view["started_at"] is None for view in seen if view["status"] == "queued")
+    # Times as the worker saw them: its pipeline call's start, and when its answer became available.
+    created, started, finished = (datetime.fromisoformat(final[name]) for name in TIMES)
+    assert created <= started < finished and started.isoformat() == running[0]["started_at"]
 
 
 def test_failed_job_reports_the_error(stack, auth_headers):

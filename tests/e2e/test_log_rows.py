@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import pytest
 import requests
@@ -74,6 +75,12 @@ def test_a_job_is_logged_once_with_its_outcome(stack, auth_headers, bigquery, se
     row = rows_for(bigquery, settings, [job_id])[job_id]
     assert (row["status"], row["http_status"], row["endpoint"], row["job_id"]) == ("ok", 202, "job", job_id)
     assert row["batch_id"] and row["worker_started_at"] is not None
+    # End to end, not the 202: from the request's arrival to its result being available (the job's end).
+    view = requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=auth_headers, timeout=10).json()
+    assert row["replied_at"] == datetime.fromisoformat(view["finished_at"]) >= row["worker_finished_at"]
+    assert abs((row["created_at"] - datetime.fromisoformat(view["created_at"])).total_seconds()) < 0.001
+    end_to_end_ms = (row["replied_at"] - row["created_at"]).total_seconds() * 1000
+    assert row["total_ms"] == pytest.approx(end_to_end_ms, abs=0.5)
 
 
 @pytest.mark.parametrize(
@@ -89,3 +96,5 @@ def test_refused_requests_are_logged_with_their_kind(stack, auth_headers, bigque
     request_id = response.headers["X-Request-Id"]
     row = rows_for(bigquery, settings, [request_id])[request_id]
     assert (row["http_status"], row["error_kind"], row["status"]) == (status, kind, "rejected")
+    # An unknown model is refused before routing: no model version, so no model's usage in the views.
+    assert (row["model_version"] is None) == (status == 404)

@@ -16,6 +16,7 @@ from emulators.bootstrap import ANALYTICS_SQL_DIR, bootstrap_bigquery
 pytestmark = pytest.mark.stack
 DAY1 = datetime(2026, 11, 20, 9, 15, tzinfo=UTC)
 DAY2 = datetime(2026, 11, 21, 17, 40, tzinfo=UTC)
+UNKNOWN_MODEL = "no-such-model-zz"
 
 
 def seeded_rows() -> list[dict]:
@@ -33,6 +34,8 @@ def seeded_rows() -> list[dict]:
                             "request_id": f"r-{day_index}-{model}-{index}",
                             "created_at": start + timedelta(minutes=index),
                             "model": model,
+                            "model_version": "1",
+                            "endpoint": "sync",
                             "api_key_id": key,
                             "status": "ok",
                             "http_status": 200,
@@ -48,11 +51,13 @@ def seeded_rows() -> list[dict]:
                     )
             rows.append(
                 {"request_id": f"hit-{day_index}-{model}", "created_at": start, "model": model, "api_key_id": "key-a",
+                 "model_version": "1", "endpoint": "sync",
                  "status": "ok", "http_status": 200, "num_images": 1, "cache_hit": True, "total_ms": 3.0,
                  "queue_ms": 0.0}
             )  # fmt: skip
             rows.append(
                 {"request_id": f"join-{day_index}-{model}", "created_at": start, "model": model, "api_key_id": "key-b",
+                 "model_version": "1", "endpoint": "sync",
                  "status": "ok", "http_status": 200, "num_images": 1, "coalesced": True, "total_ms": 900.0,
                  "queue_ms": 12.0, "inference_ms": 800.0, "batch_id": f"b-{day_index}-{model}-0", "batch_size": 4}
             )  # fmt: skip
@@ -61,8 +66,21 @@ def seeded_rows() -> list[dict]:
             ):
                 rows.append(
                     {"request_id": f"err-{day_index}-{model}-{error_index}", "created_at": start, "model": model,
+                     "model_version": "1", "endpoint": "sync",
                      "api_key_id": "key-b", "status": status, "error_kind": kind, "http_status": http}
                 )  # fmt: skip
+        for job_index, total_ms in enumerate((4000.0, 6500.0)):  # jobs: end to end, far above the sync times
+            rows.append(
+                {"request_id": f"job-{day_index}-{job_index}", "job_id": f"job-{day_index}-{job_index}",
+                 "created_at": start, "model": "sd15-txt2img", "model_version": "1", "endpoint": "job",
+                 "api_key_id": "key-a", "status": "ok", "http_status": 202, "num_images": 1, "total_ms": total_ms,
+                 "queue_ms": 3000.0 + job_index}
+            )  # fmt: skip
+        # Refused before routing: no catalog model, so no model version; in the errors view only.
+        rows.append(
+            {"request_id": f"unknown-{day_index}", "created_at": start, "model": UNKNOWN_MODEL, "api_key_id": "key-a",
+             "endpoint": "sync", "status": "rejected", "error_kind": "not_found", "http_status": 404}
+        )  # fmt: skip
     rows.append(dict(rows[0]))  # a retried write that landed twice: views must count it once
     return rows
 
@@ -86,10 +104,11 @@ def views(stack, settings):
     client.delete_dataset(f"{settings.project_id}.{dataset}", delete_contents=True, not_found_ok=True)
 
 
-def unique_rows() -> list[dict]:
+def unique_rows(routed_only: bool = False) -> list[dict]:
+    """One row per request id; `routed_only`: without the refusals that never reached a catalog model."""
     seen, unique = set(), []
     for row in seeded_rows():
-        if row["request_id"] not in seen:
+        if row["request_id"] not in seen and (row.get("model_version") or not routed_only):
             seen.add(row["request_id"])
             unique.append(row)
     return unique
@@ -107,7 +126,7 @@ def test_every_sql_file_is_covered_here():
 
 def test_daily_usage_counts_each_request_once(views):
     expected = defaultdict(lambda: {"requests": 0, "succeeded": 0, "failed": 0, "cache_hits": 0, "images": 0})
-    for row in unique_rows():
+    for row in unique_rows(routed_only=True):
         cell = expected[(row["created_at"].date(), row["model"])]
         cell["requests"] += 1
         cell["succeeded" if row["status"] == "ok" else "failed"] += 1
@@ -123,7 +142,7 @@ def test_daily_usage_counts_each_request_once(views):
 def test_hourly_usage_and_busiest_hours(views):
     hourly = defaultdict(int)
     by_hour_of_day = defaultdict(int)
-    for row in unique_rows():
+    for row in unique_rows(routed_only=True):
         hourly[(row["created_at"].replace(minute=0), row["model"])] += 1
         by_hour_of_day[(row["created_at"].hour, row["model"])] += 1
     got = {(r["hour"], r["model"]): r["requests"] for r in views("hourly_usage_by_model", "hour, model")}
@@ -143,8 +162,8 @@ def test_latency_percentiles_match_exact_ones(views):
     groups = defaultdict(list)
     for row in unique_rows():
         if row["status"] == "ok":
-            groups[(row["created_at"].replace(minute=0), row["model"])].append(row)
-    got = {(r["hour"], r["model"]): r for r in views("latency_by_model_hourly", "hour, model")}
+            groups[(row["created_at"].replace(minute=0), row["model"], row["endpoint"])].append(row)
+    got = {(r["hour"], r["model"], r["endpoint"]): r for r in views("latency_by_model_hourly", "hour, model, endpoint")}
     assert set(got) == set(groups)
     for key, rows in groups.items():
         for column in ("total_ms", "queue_ms"):
@@ -155,7 +174,11 @@ def test_latency_percentiles_match_exact_ones(views):
 
 def test_cache_and_coalescing_rates(views):
     for r in views("cache_and_coalescing_daily", "day, model"):
-        rows = [row for row in unique_rows() if (row["created_at"].date(), row["model"]) == (r["day"], r["model"])]
+        rows = [
+            row
+            for row in unique_rows(routed_only=True)
+            if (row["created_at"].date(), row["model"]) == (r["day"], r["model"])
+        ]
         assert r["requests"] == len(rows)
         assert r["cache_hits"] == sum(bool(row.get("cache_hit")) for row in rows) == 1
         assert r["coalesced"] == 1
@@ -180,7 +203,7 @@ def test_error_rate_by_kind(views):
 
 def test_billing_apportions_gpu_seconds_by_batch_share_and_bills_no_gpu_for_cache_hits(views):
     expected = defaultdict(lambda: {"requests": 0, "images": 0, "cache_hits": 0, "gpu_seconds": 0.0})
-    for row in unique_rows():
+    for row in unique_rows(routed_only=True):
         cell = expected[(row["created_at"].date(), row["api_key_id"], row["model"])]
         cell["requests"] += 1
         cell["images"] += row.get("num_images", 0) if row["status"] == "ok" else 0
@@ -219,3 +242,29 @@ def test_the_analytics_command_prints_every_view_filtered_by_model_and_time(view
         assert f"== {path.stem} (" in out
     assert "sd15-txt2img" not in out and "sleep" in out
     assert "2026-11-20" not in out and "2026-11-21" in out
+
+
+def test_a_refusal_before_routing_is_no_models_usage_but_is_an_error(views):
+    for view, order in [
+        ("daily_usage_by_model", "day"), ("hourly_usage_by_model", "hour"), ("busiest_hours", "hour_of_day"),
+        ("billing_by_api_key_daily", "day"), ("cache_and_coalescing_daily", "day"),
+    ]:  # fmt: skip
+        assert UNKNOWN_MODEL not in {r["model"] for r in views(view, order)}, view
+    errors = [r for r in views("errors_by_kind_daily", "day") if r["model"] == UNKNOWN_MODEL]
+    assert [(r["outcome"], r["requests"]) for r in errors] == [("not_found", 1), ("not_found", 1)]
+
+
+def test_job_latency_is_kept_apart_from_sync_latency(views):
+    usage = {(r["day"], r["model"]): r for r in views("daily_usage_by_model", "day, model")}
+    for (day, model), r in usage.items():
+        ok = [
+            row
+            for row in unique_rows()
+            if row["status"] == "ok" and (row["created_at"].date(), row["model"]) == (day, model)
+        ]
+        sync = [row["total_ms"] for row in ok if row["endpoint"] == "sync"]
+        jobs = [row["total_ms"] for row in ok if row["endpoint"] == "job"]
+        assert r["avg_sync_total_ms"] == pytest.approx(sum(sync) / len(sync))
+        assert r["avg_job_total_ms"] == (pytest.approx(sum(jobs) / len(jobs)) if jobs else None)
+    jobs = [r for r in views("latency_by_model_hourly", "hour") if r["endpoint"] == "job"]
+    assert len(jobs) == 2 and all(r["p50_total_ms"] in (4000.0, 6500.0) for r in jobs)

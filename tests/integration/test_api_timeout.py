@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 import uuid
+from datetime import datetime
 
 import pytest
 import yaml
@@ -41,6 +43,7 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     ghost_app, auth_headers, settings, bigquery
 ):
     client = ghost_app.test_client()
+    arrived = time.time()
     response = client.post(
         f"/v1/models/{GHOST}:predict",
         json={
@@ -53,7 +56,12 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     assert response.status_code == 202
     accepted = response.get_json()
     assert GHOST in accepted["message"] and response.headers["Location"] == f"/v1/jobs/{accepted['id']}"
-    assert client.get(response.headers["Location"], headers=auth_headers).get_json()["status"] == "queued"
+    answered = time.time()
+    queued = client.get(response.headers["Location"], headers=auth_headers).get_json()
+    assert queued["status"] == "queued" and queued["started_at"] is None and queued["finished_at"] is None
+    # Created when the request arrived, not when the 202 left the model's timeout (2 s) later.
+    created = datetime.fromisoformat(queued["created_at"]).timestamp()
+    assert arrived - 0.01 <= created < answered - 1.9, (arrived, created, answered)
     subscription = clients.subscriber_client().subscription_path(
         settings.project_id, naming.reply_subscription(accepted["id"])
     )
@@ -65,20 +73,27 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
         InferenceReply(
             request_id=accepted["id"], model=GHOST, model_version="1", status="expired", error_kind="expired",
             error="deadline passed before a worker was free", worker_id="late-worker", attempt=1,
+            answered_ms=int(answered * 1000) + 500,
         )
     )  # fmt: skip
+    ended = client.get(response.headers["Location"], headers=auth_headers).get_json()
+    assert ended["status"] == "expired" and ended["started_at"] is None
+    assert datetime.fromisoformat(ended["finished_at"]).timestamp() == (int(answered * 1000) + 500) / 1000
     assert serving.job_log.finish_ended() >= 1
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    sql = f"SELECT status, http_status, endpoint, job_id, worker_id FROM {table} WHERE request_id = '{accepted['id']}'"
-    assert query_rows(bigquery, sql, 1) == [
-        {
-            "status": "expired",
-            "http_status": 202,
-            "endpoint": "job",
-            "job_id": accepted["id"],
-            "worker_id": "late-worker",
-        }
-    ]
+    columns = "status, http_status, endpoint, job_id, worker_id, created_at, replied_at, total_ms"
+    [row] = query_rows(bigquery, f"SELECT {columns} FROM {table} WHERE request_id = '{accepted['id']}'", 1)
+    # The job's end is the worker's answer, half a second after the 202: its total runs to there, end to end.
+    assert row.pop("created_at").timestamp() == pytest.approx(created, abs=0.001)  # the job's, in ms
+    assert row.pop("replied_at") == datetime.fromisoformat(ended["finished_at"])
+    assert row.pop("total_ms") == pytest.approx((int(answered * 1000) + 500) - created * 1000, abs=1.5)
+    assert row == {
+        "status": "expired",
+        "http_status": 202,
+        "endpoint": "job",
+        "job_id": accepted["id"],
+        "worker_id": "late-worker",
+    }
     # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
     subscriber = clients.subscriber_client()
     queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 
@@ -9,15 +10,18 @@ import pytest
 import redis
 
 from api_server.reply_waiter import PerRequestReplyWaiter
+from chaos.malformed_images import MALFORMED_IMAGES
 from contract import clients, naming
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
     InferenceRequest,
+    Payload,
     RequestInstance,
     request_attributes,
 )
 from contract.results import ResultStore
+from tests.conftest import png_b64
 
 pytestmark = pytest.mark.stack
 MODEL = "sd15-txt2img"
@@ -35,7 +39,7 @@ def make_request(request_id: str) -> InferenceRequest:
 
 
 def send_and_wait(
-    settings, request_id: str, data: bytes, attributes: dict[str, str], timeout: float = 30
+    settings, request_id: str, data: bytes, attributes: dict[str, str], timeout: float = 30, model: str = MODEL
 ) -> InferenceReply | None:
     results = ResultStore(redis.Redis.from_url(settings.redis_url), 60)
     waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
@@ -43,7 +47,7 @@ def send_and_wait(
     pending = waiter.expect(request_id)
     try:
         publisher.publish(
-            publisher.topic_path(settings.project_id, naming.request_topic(MODEL)), data, **attributes
+            publisher.topic_path(settings.project_id, naming.request_topic(model)), data, **attributes
         ).result(10)
         return pending.wait(timeout)
     finally:
@@ -80,3 +84,35 @@ def test_malformed_request_gets_an_error_reply_not_silence(stack, settings):
     reply = send_and_wait(settings, request_id, b'{"not": "a request"}', attributes)
     assert reply is not None and reply.status == "error"
     assert "malformed request" in reply.error
+
+
+# Each refused by a check the worker did not make before (CRCs, frames, format, a text chunk's limit).
+MALFORMED_AT_THE_WORKER = [
+    "png: zTXt inflating past the text limit, before IDAT",
+    "png: wrong IDAT CRC",
+    "png: animated, 3 frames",
+    "gif: a format the models do not take",
+]
+
+
+def test_a_malformed_image_fails_its_request_alone_with_a_clear_reply(stack, settings):
+    """Images the API would refuse, published straight to the worker: each gets a `bad_input` reply naming the
+    problem, and the worker goes on to answer a good image-to-image request."""
+    for name in [*MALFORMED_AT_THE_WORKER, None]:
+        image = png_b64(64, 64) if name is None else base64.b64encode(MALFORMED_IMAGES[name]()).decode()
+        request = make_request(uuid.uuid4().hex).model_copy(
+            update={
+                "model": "sd15-img2img",
+                "instances": [RequestInstance(prompt="fuzz", image=Payload(b64=image))],
+                "parameters": make_request("x").parameters.model_copy(update={"strength": 0.5}),
+            }
+        )
+        attributes = attributes_for(settings, request, int((time.time() + 60) * 1000))
+        data = request.model_dump_json().encode()
+        reply = send_and_wait(settings, request.request_id, data, attributes, model="sd15-img2img")
+        assert reply is not None, name
+        if name is None:
+            assert reply.status == "ok" and len(reply.predictions) == 1
+        else:
+            assert (reply.status, reply.error_kind) == ("error", "bad_input"), (name, reply)
+            assert reply.error.startswith("input image: ") and reply.inference_ms == 0, (name, reply.error)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from api_server.tracing import parse_cloud_trace_context, parse_traceparent, trace_from_headers
 from contract.jsonlog import JsonFormatter, bind_context, unbind_context
+from contract.tracing import parse_cloud_trace_context, parse_traceparent, trace_from_headers
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"

@@ -269,12 +269,12 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 def test_an_oversized_input_image_is_refused_before_it_is_decoded():
-    with pytest.raises(PayloadError, match="8000x8000: more than 4194304 pixels"):
+    with pytest.raises(PayloadError, match="8000x8000 exceeds the model's limit of 4194304 pixels"):
         decode_image(png_header_only(8000, 8000), max_pixels=4_194_304)
     # Beyond Pillow's own bomb limit it refuses at open; the answer is the same kind of error.
-    with pytest.raises(PayloadError, match="larger than 4194304 pixels"):
+    with pytest.raises(PayloadError, match="image too large"):
         decode_image(png_header_only(16000, 16000), max_pixels=4_194_304)
-    with pytest.raises(PayloadError, match="not a readable image"):
+    with pytest.raises(PayloadError, match="not a PNG, JPEG or WebP image"):
         decode_image(b"not an image", max_pixels=4_194_304)
 
 

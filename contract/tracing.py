@@ -1,4 +1,6 @@
-"""Reads a request's trace from `traceparent` or `X-Cloud-Trace-Context`, accepting only well-formed ids.
+"""Reads a request's trace from `traceparent` or `X-Cloud-Trace-Context`, accepting only well-formed ids,
+and carries it across the queue: the API puts it on the request message as a W3C `traceparent`
+attribute (`Attr.TRACEPARENT`), the worker reads it back with the same parser and binds it to its lines.
 
 Both headers come from the client as much as from Google's front end, so nothing of them is echoed: a
 header is either parsed into hex ids (lower-cased, a 64-bit span id) or ignored whole. Overlong values,
@@ -12,6 +14,8 @@ ignored. `traceparent` wins when both are well formed (it is the standard; Cloud
 from __future__ import annotations
 
 import re
+import secrets
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 MAX_HEADER_LENGTH = 128
@@ -33,6 +37,28 @@ class TraceContext:
         if self.sampled is not None:
             fields["logging.googleapis.com/trace_sampled"] = self.sampled
         return fields
+
+    def traceparent(self) -> str:
+        """The W3C header for a message sent on this trace's behalf (a fresh parent span when none came)."""
+        span_id = self.span_id or secrets.token_hex(8)
+        return f"00-{self.trace_id}-{span_id}-{'01' if self.sampled else '00'}"
+
+
+# The trace of the request this thread is handling (the API sets it per request; the dispatcher reads it).
+_current: ContextVar[TraceContext | None] = ContextVar("maas_trace", default=None)
+
+
+def set_current_trace(trace: TraceContext | None):
+    """Makes `trace` the one outgoing messages carry in this context; returns the token to reset it with."""
+    return _current.set(trace)
+
+
+def reset_current_trace(token) -> None:
+    _current.reset(token)
+
+
+def current_trace() -> TraceContext | None:
+    return _current.get()
 
 
 def parse_traceparent(value: str | None) -> TraceContext | None:
