@@ -24,6 +24,8 @@ class Attr:
     SCHEMA_VERSION = "schema_version"
     # Set on replies in per-instance reply mode so the instance subscription can filter on it.
     INSTANCE = "api_instance"
+    # Set on a request the watchdog published again after its holder died: how many times it did so.
+    REDISPATCHES = "redispatches"
 
 
 class Payload(BaseModel):

@@ -408,7 +408,7 @@ def test_oldest_request_age_target_is_within_every_request_timeout(manifests: li
 def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
     catalog = with_local_overlay()
     groups = {name: [spec.name for spec in specs] for name, specs in catalog.deployments().items()}
-    assert groups["synthetic"] == ["noop", "sleep"]
+    assert groups["synthetic"] == ["noop", "sleep", "sleep-long-ack"]
     files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
     assert "20-model-worker-synthetic.yaml" in files
     assert not {"20-model-worker-noop.yaml", "20-model-worker-sleep.yaml"} & set(files)
