@@ -47,3 +47,14 @@ def test_the_table_has_a_line_per_scenario_with_its_verdict():
     text = table([good, bad])
     assert text.splitlines()[0].startswith("| scenario | sent | ok |")
     assert "| good |" in text and text.splitlines()[2].endswith("PASS |") and text.splitlines()[3].endswith("FAIL |")
+
+
+def test_a_killed_workers_held_requests_are_timed_from_the_kill_to_their_answer():
+    answered = [outcome(200, waited) for waited in (5.0, 9.0, 40.0)]
+    for request_id, item in zip("abc", answered, strict=True):
+        item.request_id = request_id
+    result = ScenarioResult("kill")
+    # Killed at 1003 s holding a, b and d; d never got an answer (counted as unanswered elsewhere).
+    result.record_recovery([(1003.0, {"a", "b", "d"})], answered)
+    assert sorted(result.recovery_seconds) == [2.0, 6.0]
+    assert result.recovery() == "2: 6.0 / 6.0" and ScenarioResult("none").recovery() == "-"
