@@ -35,6 +35,7 @@ class ChaosContext:
     limited_headers: dict[str, str] | None = None
     # Each worker SIGKILL of the running scenario: when, and the requests the worker held (holder leases).
     kills: list[tuple[float, set[str]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def for_stack(cls, config: StackConfig, settings, headers: dict[str, str], **kwargs) -> ChaosContext:
@@ -126,6 +127,7 @@ def run_scenario(
     """Traffic for `seconds`; each fault runs at its offset; then every answer and row is checked."""
     result = ScenarioResult(name)
     ctx.kills.clear()
+    ctx.notes.clear()
     began = time.monotonic()
     traffic = Traffic(ctx.config.api_url, ctx.headers, model, concurrency, ctx.timeouts[model], body).start()
     extra_outcomes: list[Outcome] = []
@@ -146,6 +148,7 @@ def run_scenario(
     outcomes += extra_outcomes
     result.record(outcomes)
     result.record_recovery(ctx.kills, outcomes)
+    result.notes += ctx.notes
     ctx.wait_ready()
     expected = [outcome.request_id for outcome in outcomes if outcome.request_id]
     copies = row_copies(ctx.bigquery, ctx.settings, expected, ctx.row_wait_seconds)
@@ -161,9 +164,12 @@ def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:
     counter = {"n": 0}
 
     def fault(ctx: ChaosContext) -> None:
-        name = replicas[counter["n"] % len(replicas)]
+        name, other = replicas[counter["n"] % len(replicas)], replicas[(counter["n"] + 1) % len(replicas)]
         counter["n"] += 1
         if ctx.registry.is_running(name):
+            if not components(ctx.config)[other].health()[0]:
+                # Its requests then wait for a worker to start: the kill-to-answer time says so, this note why.
+                ctx.notes.append(f"{name} killed while {other} was not ready (restarting)")
             ctx.kill_worker(name)  # the supervisor starts it again, as Kubernetes would
 
     return fault
