@@ -45,7 +45,7 @@ def test_a_killed_workers_held_requests_are_answered_by_the_other_once(ctx, extr
     victim = extra_worker("synthetic")
     pid = ctx.registry.pid(victim)
     fault = (2, lambda c: c.kill_worker(victim, holding=True))
-    result = run_scenario(ctx, "worker SIGKILL", LONG_ACK, 16, 6, [fault])
+    result = run_scenario(ctx, "worker SIGKILL", LONG_ACK, 12, 5, [fault])
     assert result.passed and result.ok == result.sent, result  # one row each, none doubled, all answered
     held = ctx.kills[0][1]
     assert held, "the kill caught no request in the victim's hands"
