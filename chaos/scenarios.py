@@ -33,8 +33,9 @@ class ChaosContext:
     row_wait_seconds: float = 90.0
     # Headers of an API key with tight rate and concurrency limits (the burst scenario), when the stack has one.
     limited_headers: dict[str, str] | None = None
-    # Each worker SIGKILL of the running scenario: when, and the requests the worker held (holder leases).
-    kills: list[tuple[float, set[str]]] = field(default_factory=list)
+    # Each worker SIGKILL of the running scenario: when, the requests the worker held (holder leases), and
+    # whether another worker of its deployment was ready to take them.
+    kills: list[tuple[float, set[str], bool]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -75,7 +76,7 @@ class ChaosContext:
         stored = client.mget([naming.result_key(r) for r in held]) if held else []
         return {request_id for request_id, result in zip(held, stored, strict=True) if result is None}
 
-    def kill_worker(self, name: str, holding: bool = False) -> set[str]:
+    def kill_worker(self, name: str, holding: bool = False, other_ready: bool = True) -> set[str]:
         """SIGKILLs a worker and records the requests it held unanswered at that moment (their holder leases outlive
         it by seconds). `holding`: first wait (up to 30 s) for a moment it holds some, found with it stopped."""
         pid = self.registry.pid(name)
@@ -91,7 +92,7 @@ class ChaosContext:
         self.signal(name, signal.SIGKILL)
         killed_at = time.time()
         held = self.held_unanswered(pid)
-        self.kills.append((killed_at, held))
+        self.kills.append((killed_at, held, other_ready))
         return held
 
     def restart(self, name: str) -> None:
@@ -167,10 +168,11 @@ def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:
         name, other = replicas[counter["n"] % len(replicas)], replicas[(counter["n"] + 1) % len(replicas)]
         counter["n"] += 1
         if ctx.registry.is_running(name):
-            if not components(ctx.config)[other].health()[0]:
-                # Its requests then wait for a worker to start: the kill-to-answer time says so, this note why.
+            # With the other replica still restarting, the requests wait for a worker to start: timed apart.
+            other_ready = components(ctx.config)[other].health()[0]
+            if not other_ready:
                 ctx.notes.append(f"{name} killed while {other} was not ready (restarting)")
-            ctx.kill_worker(name)  # the supervisor starts it again, as Kubernetes would
+            ctx.kill_worker(name, other_ready=other_ready)  # the supervisor starts it again, as Kubernetes would
 
     return fault
 

@@ -25,6 +25,7 @@ class ScenarioResult:
     seconds: float = 0.0
     # For each request a SIGKILLed worker held: seconds from the kill to its answer reaching the client.
     recovery_seconds: list[float] = field(default_factory=list)
+    stranded_seconds: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     expected_failures: set[int] = field(default_factory=set)
 
@@ -53,18 +54,26 @@ class ScenarioResult:
                     outcome.status if outcome.job_status is None else f"202:{outcome.job_status}"
                 ] += 1
 
-    def record_recovery(self, kills: list[tuple[float, set[str]]], outcomes: list[Outcome]) -> None:
-        """Kill-to-answer time of each request a killed worker held (an unanswered one counts as unanswered)."""
+    def record_recovery(self, kills: list[tuple[float, set[str], bool]], outcomes: list[Outcome]) -> None:
+        """Kill-to-answer time of each request a killed worker held (an unanswered one counts as unanswered),
+        apart for kills while no other worker of the deployment was ready."""
         answered = {o.request_id: o.answered_at for o in outcomes if o.request_id and o.answered}
-        for killed_at, held in kills:
-            self.recovery_seconds += [answered[r] - killed_at for r in held if r in answered]
+        for killed_at, held, other_ready in kills:
+            times = self.recovery_seconds if other_ready else self.stranded_seconds
+            times += [answered[r] - killed_at for r in held if r in answered]
 
     def recovery(self) -> str:
-        """`n: p50 / max` seconds, or `-` when no kill caught a request."""
-        if not self.recovery_seconds:
-            return "-"
-        ordered = sorted(self.recovery_seconds)
-        return f"{len(ordered)}: {ordered[len(ordered) // 2]:.1f} / {ordered[-1]:.1f}"
+        """`n: p50 / max` seconds (and the same for kills with no other worker up), or `-` when no kill caught a
+        request."""
+
+        def summary(times: list[float]) -> str:
+            ordered = sorted(times)
+            return f"{len(ordered)}: {ordered[len(ordered) // 2]:.1f} / {ordered[-1]:.1f}"
+
+        text = summary(self.recovery_seconds) if self.recovery_seconds else "-"
+        if self.stranded_seconds:
+            text += f" (no other worker up: {summary(self.stranded_seconds)})"
+        return text
 
     def record_rows(self, expected_ids: list[str], copies: dict[str, int]) -> None:
         self.rows = sum(copies.values())
