@@ -183,6 +183,12 @@ def worker_kill(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
     return run_scenario(ctx, "worker SIGKILL every 10 s", "sleep", 12, seconds, faults)
 
 
+def worker_kill_held(ctx: ChaosContext, seconds: float = 20) -> ScenarioResult:
+    """One SIGKILL at a moment the worker holds requests, its twin up: how fast the watchdog gets them answered."""
+    fault = (5, lambda c: c.kill_worker("worker-synthetic", holding=True))
+    return run_scenario(ctx, "worker SIGKILL holding requests, twin up", "sleep", 12, seconds, [fault])
+
+
 def redis_outage(ctx: ChaosContext, seconds: float = 35, outage: float = 20) -> ScenarioResult:
     faults = [(5, lambda c: c.signal("redis", signal.SIGKILL)), (5 + outage, lambda c: c.restart("redis"))]
     return run_scenario(ctx, f"Redis killed {outage:.0f} s", "sleep", 8, seconds, faults)
@@ -285,6 +291,7 @@ def rate_limited_burst(ctx: ChaosContext, requests_total: int = 500, concurrency
 
 SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "worker-kill": worker_kill,
+    "worker-kill-held": worker_kill_held,
     "redis-outage": redis_outage,
     "bigquery-pause": bigquery_pause,
     "bigquery-restart": bigquery_restart,
