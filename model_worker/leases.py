@@ -2,7 +2,7 @@
 
 Two leases per request. Pub/Sub's ack deadline: this thread extends it for everything held (waiting,
 running or being answered) well before it passes. And a holder lease in Redis (`contract.inflight`), a few
-seconds long, on each request taken for the device, heartbeated by the same thread: when this process
+seconds long, on each request taken for the device, heartbeated by a thread of its own: when this process
 dies, the lease lapses within seconds and the watchdog (`watchdog.py`) publishes the request again, instead
 of waiting for the broker's redelivery. Acks are sent in batches by a thread of their own, one call per
 subscription, so answering does not wait on them; answered requests' records are ended in the same pass.
