@@ -13,6 +13,7 @@ from api_server.errors import ApiError
 from api_server.reply_waiter import ReplyWaiter
 from contract import naming
 from contract.catalog import ModelSpec
+from contract.inflight import RequestKeeper
 from contract.messages import Attr, InferenceReply, InferenceRequest, request_attributes
 from contract.tracing import current_trace
 
@@ -29,8 +30,16 @@ class DispatchTimings:
 
 
 class InferenceDispatcher:
-    def __init__(self, publisher: pubsub_v1.PublisherClient, waiter: ReplyWaiter, project_id: str) -> None:
+    def __init__(
+        self,
+        publisher: pubsub_v1.PublisherClient,
+        waiter: ReplyWaiter,
+        project_id: str,
+        keeper: RequestKeeper | None = None,
+    ) -> None:
+        """`keeper`: keeps each published request in Redis, so a dead worker's requests are re-dispatched."""
         self._publisher = publisher
+        self._keeper = keeper
         self._waiter = waiter
         self._project_id = project_id
         self._replies_topic = publisher.topic_path(project_id, naming.REPLIES_TOPIC)
@@ -78,13 +87,14 @@ class InferenceDispatcher:
 
     def _publish(self, request: InferenceRequest, spec: ModelSpec, attributes: dict, priority: naming.Priority) -> None:
         topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
+        data = request.model_dump_json().encode()
         try:
-            self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(
-                timeout=PUBLISH_TIMEOUT_SECONDS
-            )
+            self._publisher.publish(topic, data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
         except Exception as exc:  # publish futures raise transport and timeout errors alike
             log.error("publish to %s failed: %s", topic, exc)
             raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
+        if self._keeper is not None:
+            self._keeper.keep(topic, data, attributes)
 
 
 def _traced(attributes: dict[str, str]) -> dict[str, str]:

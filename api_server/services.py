@@ -18,6 +18,7 @@ from api_server.log_spool import LogSpool
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from contract import clients
 from contract.catalog import ModelCatalog
+from contract.inflight import InflightStore, RequestKeeper
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -58,13 +59,15 @@ def build_services(settings: Settings) -> Services:
     else:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     publisher = clients.publisher_client()
+    # Every published request is kept in Redis until its deadline: the workers' watchdog re-dispatches it.
+    keeper = RequestKeeper(InflightStore(redis_client), settings.redis_retry_seconds)
     return Services(
         settings=settings,
         catalog=settings.catalog(),
         auth=ApiKeyAuth.from_settings(settings),
         publisher=publisher,
         waiter=waiter,
-        dispatcher=InferenceDispatcher(publisher, waiter, settings.project_id),
+        dispatcher=InferenceDispatcher(publisher, waiter, settings.project_id, keeper),
         payloads=PayloadCodec(clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit),
         redis=redis_client,
         inference_log=build_inference_log(settings),

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
@@ -33,6 +33,10 @@ class ChaosContext:
     row_wait_seconds: float = 90.0
     # Headers of an API key with tight rate and concurrency limits (the burst scenario), when the stack has one.
     limited_headers: dict[str, str] | None = None
+    # Each worker SIGKILL of the running scenario: when, the requests the worker held (holder leases), and
+    # whether another worker of its deployment was ready to take them.
+    kills: list[tuple[float, set[str], bool]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def for_stack(cls, config: StackConfig, settings, headers: dict[str, str], **kwargs) -> ChaosContext:
@@ -59,6 +63,37 @@ class ChaosContext:
         if pid is None:
             raise RuntimeError(f"{name} is not running")
         os.killpg(pid, sig)
+
+    def held_unanswered(self, pid: int) -> set[str]:
+        """The requests the worker with `pid` holds (holder leases) that have no stored answer yet."""
+        import redis
+
+        from contract import naming
+        from contract.inflight import InflightStore
+
+        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
+        held = [r for r, holder in InflightStore(client).holders().items() if holder.endswith(f"-{pid}")]
+        stored = client.mget([naming.result_key(r) for r in held]) if held else []
+        return {request_id for request_id, result in zip(held, stored, strict=True) if result is None}
+
+    def kill_worker(self, name: str, holding: bool = False, other_ready: bool = True) -> set[str]:
+        """SIGKILLs a worker and records the requests it held unanswered at that moment (their holder leases outlive
+        it by seconds). `holding`: first wait (up to 30 s) for a moment it holds some, found with it stopped."""
+        pid = self.registry.pid(name)
+        if pid is None:
+            raise RuntimeError(f"{name} is not running")
+        give_up = time.monotonic() + 30
+        while holding and time.monotonic() < give_up:
+            os.killpg(pid, signal.SIGSTOP)  # frozen, it can neither take nor answer: the snapshot is exact
+            if self.held_unanswered(pid):
+                break
+            os.killpg(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        self.signal(name, signal.SIGKILL)
+        killed_at = time.time()
+        held = self.held_unanswered(pid)
+        self.kills.append((killed_at, held, other_ready))
+        return held
 
     def restart(self, name: str) -> None:
         restart(self.config, name)
@@ -92,6 +127,8 @@ def run_scenario(
 ) -> ScenarioResult:
     """Traffic for `seconds`; each fault runs at its offset; then every answer and row is checked."""
     result = ScenarioResult(name)
+    ctx.kills.clear()
+    ctx.notes.clear()
     began = time.monotonic()
     traffic = Traffic(ctx.config.api_url, ctx.headers, model, concurrency, ctx.timeouts[model], body).start()
     extra_outcomes: list[Outcome] = []
@@ -111,6 +148,8 @@ def run_scenario(
         extra_thread.join(600)
     outcomes += extra_outcomes
     result.record(outcomes)
+    result.record_recovery(ctx.kills, outcomes)
+    result.notes += ctx.notes
     ctx.wait_ready()
     expected = [outcome.request_id for outcome in outcomes if outcome.request_id]
     copies = row_copies(ctx.bigquery, ctx.settings, expected, ctx.row_wait_seconds)
@@ -126,10 +165,14 @@ def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:
     counter = {"n": 0}
 
     def fault(ctx: ChaosContext) -> None:
-        name = replicas[counter["n"] % len(replicas)]
+        name, other = replicas[counter["n"] % len(replicas)], replicas[(counter["n"] + 1) % len(replicas)]
         counter["n"] += 1
         if ctx.registry.is_running(name):
-            ctx.signal(name, signal.SIGKILL)  # the supervisor starts it again, as Kubernetes would
+            # With the other replica still restarting, the requests wait for a worker to start: timed apart.
+            other_ready = components(ctx.config)[other].health()[0]
+            if not other_ready:
+                ctx.notes.append(f"{name} killed while {other} was not ready (restarting)")
+            ctx.kill_worker(name, other_ready=other_ready)  # the supervisor starts it again, as Kubernetes would
 
     return fault
 
@@ -138,6 +181,12 @@ def worker_kill(ctx: ChaosContext, seconds: float = 40) -> ScenarioResult:
     kill = _sigkill_worker("synthetic")
     faults = [(at, kill) for at in range(5, int(seconds) - 5, 10)]
     return run_scenario(ctx, "worker SIGKILL every 10 s", "sleep", 12, seconds, faults)
+
+
+def worker_kill_held(ctx: ChaosContext, seconds: float = 20) -> ScenarioResult:
+    """One SIGKILL at a moment the worker holds requests, its twin up: how fast the watchdog gets them answered."""
+    fault = (5, lambda c: c.kill_worker("worker-synthetic", holding=True))
+    return run_scenario(ctx, "worker SIGKILL holding requests, twin up", "sleep", 12, seconds, [fault])
 
 
 def redis_outage(ctx: ChaosContext, seconds: float = 35, outage: float = 20) -> ScenarioResult:
@@ -273,6 +322,7 @@ def slow_clients(ctx: ChaosContext, seconds: float = 20, connections: int = 1000
 
 SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "worker-kill": worker_kill,
+    "worker-kill-held": worker_kill_held,
     "redis-outage": redis_outage,
     "bigquery-pause": bigquery_pause,
     "bigquery-restart": bigquery_restart,

@@ -23,6 +23,9 @@ class ScenarioResult:
     leaked_subscriptions: int = 0
     ran_after_deadline: int = 0
     seconds: float = 0.0
+    # For each request a SIGKILLed worker held: seconds from the kill to its answer reaching the client.
+    recovery_seconds: list[float] = field(default_factory=list)
+    stranded_seconds: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     expected_failures: set[int] = field(default_factory=set)
 
@@ -51,6 +54,27 @@ class ScenarioResult:
                     outcome.status if outcome.job_status is None else f"202:{outcome.job_status}"
                 ] += 1
 
+    def record_recovery(self, kills: list[tuple[float, set[str], bool]], outcomes: list[Outcome]) -> None:
+        """Kill-to-answer time of each request a killed worker held (an unanswered one counts as unanswered),
+        apart for kills while no other worker of the deployment was ready."""
+        answered = {o.request_id: o.answered_at for o in outcomes if o.request_id and o.answered}
+        for killed_at, held, other_ready in kills:
+            times = self.recovery_seconds if other_ready else self.stranded_seconds
+            times += [answered[r] - killed_at for r in held if r in answered]
+
+    def recovery(self) -> str:
+        """`n: p50 / max` seconds (and the same for kills with no other worker up), or `-` when no kill caught a
+        request."""
+
+        def summary(times: list[float]) -> str:
+            ordered = sorted(times)
+            return f"{len(ordered)}: {ordered[len(ordered) // 2]:.1f} / {ordered[-1]:.1f}"
+
+        text = summary(self.recovery_seconds) if self.recovery_seconds else "-"
+        if self.stranded_seconds:
+            text += f" (no other worker up: {summary(self.stranded_seconds)})"
+        return text
+
     def record_rows(self, expected_ids: list[str], copies: dict[str, int]) -> None:
         self.rows = sum(copies.values())
         self.duplicate_rows = sum(count - 1 for count in copies.values() if count > 1)
@@ -59,7 +83,7 @@ class ScenarioResult:
 
 COLUMNS = (
     "scenario", "sent", "ok", "errors (status: n)", "unanswered", "rows", "dup rows", "missing rows",
-    "leaked subs", "run late", "result",
+    "leaked subs", "run late", "held at kill: n, answered after (p50 / max s)", "result",
 )  # fmt: skip
 
 
@@ -71,7 +95,7 @@ def table(results: list[ScenarioResult]) -> str:
         cells = [
             result.name, result.sent, result.ok, errors or "-", result.unanswered + result.undocumented, result.rows,
             result.duplicate_rows, result.missing_rows, result.leaked_subscriptions, result.ran_after_deadline,
-            "PASS" if result.passed else "FAIL",
+            result.recovery(), "PASS" if result.passed else "FAIL",
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)

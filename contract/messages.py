@@ -26,6 +26,8 @@ class Attr:
     INSTANCE = "api_instance"
     # The client's trace (W3C format) on a request, when it sent one: the worker binds it to its log lines.
     TRACEPARENT = "traceparent"
+    # Set on a request the watchdog published again after its holder died: how many times it did so.
+    REDISPATCHES = "redispatches"
 
 
 class Payload(BaseModel):

@@ -89,3 +89,20 @@ def progress_key(request_id: str) -> str:
 def cancel_key(request_id: str) -> str:
     """Redis key whose presence tells workers a request was cancelled: it is skipped or stopped."""
     return f"{PREFIX}:cancel:{request_id}"
+
+
+def inflight_key(request_id: str) -> str:
+    """Redis hash keeping a request's message from publish to deadline, so a watchdog can publish it again."""
+    return f"{PREFIX}:inflight:{request_id}"
+
+
+def holder_key(request_id: str) -> str:
+    """Redis key naming the worker that holds a request; it lapses a few seconds after that worker's last heartbeat."""
+    return f"{PREFIX}:holder:{request_id}"
+
+
+# Redis sorted sets the watchdog scans: requests in flight by deadline (epoch ms), held ones by lease expiry.
+INFLIGHT_DEADLINES_KEY = f"{PREFIX}:inflight:deadlines"
+INFLIGHT_HELD_KEY = f"{PREFIX}:inflight:held"
+# Redis lease naming the one worker whose watchdog runs at a time.
+WATCHDOG_LEADER_KEY = f"{PREFIX}:watchdog:leader"

@@ -15,8 +15,12 @@ class ResultStore:
         self._redis = client
         self._ttl = ttl_seconds
 
-    def put(self, reply: InferenceReply) -> None:
-        self._redis.set(naming.result_key(reply.request_id), reply.model_dump_json(), ex=self._ttl)
+    def put(self, reply: InferenceReply) -> bool:
+        """Stores the request's first answer; False when one was already stored (by a worker the request was
+        re-dispatched to, or the watchdog's `expired`): that one stands, so a request has one answer."""
+        return bool(
+            self._redis.set(naming.result_key(reply.request_id), reply.model_dump_json(), ex=self._ttl, nx=True)
+        )
 
     def get(self, request_id: str) -> InferenceReply | None:
         raw = self._redis.get(naming.result_key(request_id))

@@ -113,6 +113,8 @@ class Settings:
     torch_compile: bool = False
     # Worker threads that encode, upload, store and publish finished requests off the device thread.
     finisher_threads: int = 4
+    # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
+    holder_lease_seconds: float = 3.0
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -187,4 +189,5 @@ class Settings:
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
             torch_compile=_flag(env.get("MAAS_TORCH_COMPILE")),
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
+            holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
         )

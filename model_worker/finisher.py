@@ -110,12 +110,19 @@ class ReplyFinisher:
             try:
                 # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
                 # the notification finds it here.
-                self._results.put(reply)
+                first = self._results.put(reply)
             except Exception as exc:  # noqa: BLE001 - Redis down is not a request failure
                 self.redis_trouble.warn("store", exc)
                 self._metrics.errors.labels(kind="result_store").inc()
+                first = True
+            if not first:
+                # Answered already (re-dispatched while this worker stalled, or expired by the watchdog): that
+                # answer was published and stands; a second, different one must not follow it.
+                log.info("request %s was answered elsewhere first; acking without a second reply", reply.request_id)
+                self._leases.ack(message)
+                return
         try:
-            future = self._publish(reply, message.attributes)
+            future = self.publish_reply(reply, message.attributes)
         except Exception as exc:  # noqa: BLE001 - the publisher refused at once (e.g. it is shut down)
             self._not_published(message, reply, exc)
             return
@@ -164,7 +171,8 @@ class ReplyFinisher:
         self._metrics.errors.labels(kind="reply_publish").inc()
         self._leases.release(message)
 
-    def _publish(self, reply: InferenceReply, request_attributes: dict[str, str]):
+    def publish_reply(self, reply: InferenceReply, request_attributes: dict[str, str]):
+        """Publishes `reply` where the request asked (its `reply_to`, its API instance); returns the future."""
         attributes = {
             Attr.REQUEST_ID: reply.request_id,
             Attr.MODEL: reply.model,

@@ -59,6 +59,14 @@ def deadline_of(attributes: dict[str, str]) -> int | None:
         return None
 
 
+def redispatches_of(attributes: dict[str, str]) -> int:
+    """How many times the watchdog published this request again (0 for the API's own publish)."""
+    try:
+        return max(0, int(attributes.get(Attr.REDISPATCHES, 0)))
+    except ValueError:
+        return 0
+
+
 def decode_image(data: bytes, max_pixels: int):
     """Opens an input image as the API checked it (`contract.images`); any refusal fails this request alone."""
     try:
@@ -234,12 +242,14 @@ class SubscriptionPuller(SubscriptionLoop):
         log.info("stopped pulling %s", self.subscription)
 
     def _take(self, received) -> None:
+        attributes = dict(received.message.attributes)
         message = HeldMessage(
             subscription=self.subscription,
             ack_id=received.ack_id,
-            attributes=dict(received.message.attributes),
+            attributes=attributes,
             data=bytes(received.message.data),
-            delivery_attempt=received.delivery_attempt or 1,
+            # A request the watchdog re-dispatched is a new message: its earlier deliveries count too.
+            delivery_attempt=(received.delivery_attempt or 1) + redispatches_of(attributes),
             received_at=time.time(),
         )
         self._leases.hold(message)
@@ -253,8 +263,15 @@ class SubscriptionPuller(SubscriptionLoop):
             log.exception("could not triage a request on %s; handing it back", self.subscription)
             self._leases.release(message)
             return
-        if pending is not None:
-            self._pool.add(pending)
+        if pending is None:
+            return
+        if not self._leases.take(message, pending.request_id):
+            # Another live worker holds this request (the broker redelivered it, or the watchdog re-dispatched
+            # it, while its holder only stalled): that one answers it, so this copy is dropped, not run twice.
+            log.info("request %s is held by another worker; dropping this copy", pending.request_id)
+            self._leases.ack(message, answered=False)
+            return
+        self._pool.add(pending)
 
 
 class DeadLetterResponder(SubscriptionLoop):

@@ -36,6 +36,10 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.errors = Counter("maas_worker_errors", "Errors by kind", ["kind"], registry=self.registry)
+        self.watchdog = Counter(
+            "maas_worker_watchdog_requests", "Requests the watchdog re-dispatched, expired or failed, by action",
+            ["action"], registry=self.registry,
+        )  # fmt: skip
         self.held_requests = Gauge(
             "maas_worker_held_requests", "Requests pulled and not yet started", registry=self.registry
         )

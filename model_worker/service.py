@@ -18,6 +18,7 @@ import redis
 
 from contract import clients, naming
 from contract.catalog import ModelSpec
+from contract.inflight import InflightStore
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -29,6 +30,7 @@ from model_worker.leases import LeaseKeeper
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import RequestPool
 from model_worker.runners import Runner, build_runner
+from model_worker.watchdog import Watchdog
 
 log = logging.getLogger("model_worker")
 # Redis calls from the worker fail fast: a reply is never held up by the result store.
@@ -82,7 +84,9 @@ class WorkerService:
         by_name = {spec.name: spec for spec in specs}
         deadlines = {path: by_name[name].ack_deadline_seconds for (name, _), path in subscriptions.items()}
         deadlines.update({path: 60 for path in dead_letters.values()})
-        self.leases = LeaseKeeper(self.subscriber, deadlines)
+        worker_id = f"{socket.gethostname()}-{os.getpid()}"
+        inflight = InflightStore(redis_client)
+        self.leases = LeaseKeeper(self.subscriber, deadlines, inflight, worker_id, settings.holder_lease_seconds)
         self.pool = RequestPool(capacity=max(spec.max_batch_size for spec in specs))
         self.finisher = ReplyFinisher(
             self.publisher,
@@ -93,9 +97,11 @@ class WorkerService:
             self.metrics,
             settings.finisher_threads,
         )
-        self.replies = ReplyFactory(
-            f"{socket.gethostname()}-{os.getpid()}", {name: runner.accelerator for name, runner in self.runners.items()}
-        )
+        self.replies = ReplyFactory(worker_id, {name: runner.accelerator for name, runner in self.runners.items()})
+        self.watchdog = Watchdog(
+            inflight, self.results, self.publisher, self.finisher, settings.catalog(), worker_id,
+            settings.holder_lease_seconds, self.metrics,
+        )  # fmt: skip
         triage = Triage(
             self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()}
         )
@@ -142,6 +148,7 @@ class WorkerService:
         """Runs the device loop on the calling thread until `stop()`; then drains and returns."""
         self.leases.start()
         self.progress.start()
+        self.watchdog.start()
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.start()
         self.health.started = True
@@ -158,6 +165,7 @@ class WorkerService:
 
     def _drain(self) -> None:
         started = time.monotonic()
+        self.watchdog.stop()
         held = self.pool.close()
         for pending in held:
             self.leases.release(pending.message)

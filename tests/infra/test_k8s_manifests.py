@@ -408,16 +408,17 @@ def test_oldest_request_age_target_is_within_every_request_timeout(manifests: li
 def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
     catalog = with_local_overlay()
     groups = {name: [spec.name for spec in specs] for name, specs in catalog.deployments().items()}
-    assert groups["synthetic"] == ["noop", "sleep"]
+    assert groups["synthetic"] == ["noop", "sleep", "sleep-long-ack"]
     files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
     assert "20-model-worker-synthetic.yaml" in files
     assert not {"20-model-worker-noop.yaml", "20-model-worker-sleep.yaml"} & set(files)
     group = files["20-model-worker-synthetic.yaml"]
     assert sorted(m["kind"] for m in group) == ["Deployment", "PodDisruptionBudget", "PodMonitoring", "ScaledObject"]
-    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == "noop,sleep"
+    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == "noop,sleep,sleep-long-ack"
     deployment = worker_deployment(group, "synthetic")
-    assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep"
-    expected = {worker_subscription(model, priority) for model in ("noop", "sleep") for priority in PRIORITIES}
+    assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep,sleep-long-ack"
+    models = ("noop", "sleep", "sleep-long-ack")
+    expected = {worker_subscription(model, priority) for model in models for priority in PRIORITIES}
     for trigger in scaled_object_triggers(group, "synthetic").values():
         assert queried_subscriptions(trigger["metadata"]["query"]) == expected
 

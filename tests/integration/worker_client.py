@@ -10,7 +10,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import redis
+
 from contract import clients, naming
+from contract.inflight import InflightStore, RequestKeeper
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
@@ -40,6 +43,8 @@ class WorkerClient:
         self.replies: dict[str, list[Received]] = {}
         self.published_at: dict[str, float] = {}
         self._streaming = self._subscriber.subscribe(self._subscription, self._on_reply)
+        # As the API does: each request is kept until its deadline, so the watchdog can re-dispatch it.
+        self._keeper = RequestKeeper(InflightStore(redis.Redis.from_url(settings.redis_url, socket_timeout=2)))
 
     def _on_reply(self, message) -> None:
         message.ack()
@@ -82,7 +87,9 @@ class WorkerClient:
         attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
         topic = self._publisher.topic_path(self._project, naming.request_topic(model, priority))
         self.published_at[request_id] = time.time()
-        self._publisher.publish(topic, request.model_dump_json().encode(), **attributes).result(timeout=10)
+        data = request.model_dump_json().encode()
+        self._publisher.publish(topic, data, **attributes).result(timeout=10)
+        self._keeper.keep(topic, data, attributes)
         return request_id
 
     def wait(self, request_ids: list[str], timeout: float) -> dict[str, InferenceReply]:

@@ -47,3 +47,16 @@ def test_the_table_has_a_line_per_scenario_with_its_verdict():
     text = table([good, bad])
     assert text.splitlines()[0].startswith("| scenario | sent | ok |")
     assert "| good |" in text and text.splitlines()[2].endswith("PASS |") and text.splitlines()[3].endswith("FAIL |")
+
+
+def test_a_killed_workers_held_requests_are_timed_from_the_kill_to_their_answer():
+    answered = [outcome(200, waited) for waited in (5.0, 9.0, 40.0)]
+    for request_id, item in zip("abc", answered, strict=True):
+        item.request_id = request_id
+    result = ScenarioResult("kill")
+    # Killed at 1003 s holding a, b and d (d never answered: counted as unanswered elsewhere); c's holder was
+    # killed at 1030 s while no other worker was up.
+    result.record_recovery([(1003.0, {"a", "b", "d"}, True), (1030.0, {"c"}, False)], answered)
+    assert sorted(result.recovery_seconds) == [2.0, 6.0] and result.stranded_seconds == [10.0]
+    assert result.recovery() == "2: 6.0 / 6.0 (no other worker up: 1: 10.0 / 10.0)"
+    assert ScenarioResult("none").recovery() == "-"

@@ -212,7 +212,7 @@ def finisher(log: list[str], fail_publish: bool = False, results=None) -> ReplyF
     return ReplyFinisher(
         FakePublisher(log, fail_publish),
         "projects/p/topics/maas-replies",
-        results or SimpleNamespace(put=lambda reply: log.append("store")),
+        results or SimpleNamespace(put=lambda reply: log.append("store") or True),
         SimpleNamespace(pack=lambda data, name: SimpleNamespace(b64="x")),
         FakeLeases(log),
         WorkerMetrics(),
@@ -286,8 +286,8 @@ def test_the_catalog_refuses_an_ack_deadline_that_outlives_a_crash_retry():
 
 
 def test_synthetic_models_share_one_deployment_and_production_has_none():
-    assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == ["noop", "sleep"]
-    assert {"noop", "sleep"}.isdisjoint(load_catalog().names())
+    assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == ["noop", "sleep", "sleep-long-ack"]
+    assert {"noop", "sleep", "sleep-long-ack"}.isdisjoint(load_catalog().names())
 
 
 def test_compiled_batches_are_padded_to_a_fixed_bucket():
