@@ -35,6 +35,13 @@ class WorkerMetrics:
             "Seconds the device waited between pipeline calls",
             registry=self.registry,
         )
+        self.step_images = Histogram(
+            "maas_worker_step_images", "Images per denoising call of a step-scheduled model's running set",
+            ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.running_images = Gauge(
+            "maas_worker_running_images", "Images in the step scheduler's running set", registry=self.registry
+        )
         self.errors = Counter("maas_worker_errors", "Errors by kind", ["kind"], registry=self.registry)
         self.held_requests = Gauge(
             "maas_worker_held_requests", "Requests pulled and not yet started", registry=self.registry
