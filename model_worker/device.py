@@ -3,7 +3,8 @@
 Nothing slow runs on this thread between calls: encoding, uploads, Redis and Pub/Sub happen in the
 finisher, and the pool already holds the next batch, so under load the device goes from one call to the
 next without a gap. A batch nobody waits for any more (every request past its deadline or cancelled) is
-stopped at the next denoising step.
+stopped at the next denoising step. A step-scheduled model runs in a running set instead (`stepping.py`):
+between its steps the loop lets held requests join, and runs nothing else until the set is empty.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from model_worker.leases import LeaseKeeper
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import PendingRequest, RequestPool
 from model_worker.runners import BatchAbandonedError, Runner
+from model_worker.stepping import RunningSet
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_SECONDS = 0.25
 
 
 class ProgressReporter:
-    """Writes the running batch's step to Redis a few times a second and reads cancellations back.
+    """Writes the running requests' steps to Redis a few times a second and reads cancellations back.
+
+    A request-scheduled batch has one step for all (`begin`/`update`/`end`); a step-scheduled running set
+    reports each request's own step (`running`).
 
     A thread of its own, so a slow or dead Redis never stalls the device; writes are throttled, so per-step
     progress costs nothing measurable.
@@ -41,6 +46,7 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._batch: list[PendingRequest] = []
         self._step = (0, 0)
+        self._running: list[tuple[PendingRequest, int, int, int]] = []  # request, step, total, images
         self._written: tuple | None = None
         self._stopped = threading.Event()
         self._first_step = threading.Event()
@@ -64,26 +70,36 @@ class ProgressReporter:
         with self._lock:
             self._batch = []
 
+    def running(self, entries: list[tuple[PendingRequest, int, int, int]]) -> None:
+        """The step scheduler's running set after a step: (request, its step, its total, images sharing the step)."""
+        with self._lock:
+            self._running = entries
+        if any(step == 1 for _, step, _, _ in entries):
+            self._first_step.set()  # a request that just joined shows as running at once
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._first_step.wait(PROGRESS_INTERVAL_SECONDS)
             self._first_step.clear()
             with self._lock:
-                batch, (step, total) = list(self._batch), self._step
-            if not batch or not total:
+                batch, (step, total), entries = list(self._batch), self._step, list(self._running)
+            if batch and total:
+                images = sum(p.size for p in batch)
+                entries += [(pending, step, total, images) for pending in batch]
+            if not entries:
                 continue
-            state = (id(batch[0]), step)
+            state = tuple((id(pending), step) for pending, step, _, _ in entries)
             try:
                 if state != self._written:
                     now_ms = int(time.time() * 1000)
-                    images = sum(p.size for p in batch)
                     self._results.put_progress(
                         [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms)
-                         for p in batch]
+                         for p, step, total, images in entries]
                     )  # fmt: skip
                     self._written = state
-                for request_id in self._results.cancelled([p.request_id for p in batch]):
-                    for pending in batch:
+                tracked = [pending for pending, _, _, _ in entries]
+                for request_id in self._results.cancelled([p.request_id for p in tracked]):
+                    for pending in tracked:
                         if pending.request_id == request_id:
                             pending.cancelled = True
             except Exception as exc:  # noqa: BLE001 - progress is best effort
@@ -116,20 +132,40 @@ class DeviceLoop:
         self._health = health
         self.stopping = threading.Event()
         self.calls = 0
+        self.running = RunningSet(
+            runners, progress, metrics, health, replies.worker_id,
+            finish=self._finisher.finish, fail=self._fail_alone, abandon=self._answer_abandoned,
+        )  # fmt: skip
 
     def run(self) -> None:
+        """Until `stopping`; a running set is then finished (drain), but nobody new joins it."""
         idle_since = time.monotonic()
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() or self.running:
             self._health.beat()
+            if self.running:
+                if not self.stopping.is_set():
+                    joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room)
+                    self._answer_all(abandoned)
+                    self.running.admit(joiners)
+                self.running.step()
+                if not self.running:
+                    idle_since = time.monotonic()
+                continue
             batch, abandoned = self._pool.take_batch(timeout=1.0)
-            self._metrics.held_requests.set(len(self._pool.held()))
-            for pending in abandoned:
-                self._answer_abandoned(pending, "before it started")
+            self._answer_all(abandoned)
             if not batch:
                 continue
             self._metrics.device_idle_seconds.inc(time.monotonic() - idle_since)
+            if batch[0].spec.scheduling == "step":
+                self.running.admit(batch)
+                continue
             self.run_batch(batch)
             idle_since = time.monotonic()
+
+    def _answer_all(self, abandoned: list[PendingRequest]) -> None:
+        self._metrics.held_requests.set(len(self._pool.held()))
+        for pending in abandoned:
+            self._answer_abandoned(pending, "before it started")
 
     def run_batch(self, batch: list[PendingRequest]) -> None:
         spec = batch[0].spec
@@ -196,7 +232,9 @@ class DeviceLoop:
             for pending in batch:
                 self.run_batch([pending])
             return
-        pending = batch[0]
+        self._fail_alone(batch[0], exc)
+
+    def _fail_alone(self, pending: PendingRequest, exc: Exception) -> None:
         if isinstance(exc, (ValueError, PayloadError)):
             log.warning("request %s cannot run: %s", pending.request_id, exc)
             self._metrics.errors.labels(kind="bad_input").inc()

@@ -23,7 +23,7 @@ class WorkerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.inference_seconds = Histogram(
-            "maas_worker_inference_seconds", "Seconds per pipeline call", ["model"], buckets=SECONDS_BUCKETS,
+            "maas_worker_inference_seconds", "Seconds per pipeline call (step scheduling: per request, join to finish)", ["model"], buckets=SECONDS_BUCKETS,
             registry=self.registry,
         )  # fmt: skip
         self.queue_wait_seconds = Histogram(

@@ -56,6 +56,7 @@ class DiffusionRunner:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         self.spec = spec
+        self.weights_dir = weights_dir
         self._torch = torch
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
