@@ -32,7 +32,9 @@ SCHEDULINGS = ("request", "step")
 STEP_MIX = (4, 12)
 SLO_FACTOR = 2.0
 # Offered rates as multiples of the unloaded service rate (1 / mean lone latency of the mix).
-RATE_MULTIPLES = {"full": (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), "quick": (1.5, 3.0, 4.5)}
+RATE_MULTIPLES = {"full": (0.25, 0.5, 1.0, 1.5, 2.0, 3.0), "quick": (0.5, 1.0, 2.0)}
+# Through the whole system each change of scheduling restarts the worker: fewer rates in the quick run.
+SYSTEM_RATE_MULTIPLES = {"full": (0.25, 0.5, 1.0, 1.5, 2.0), "quick": (0.5, 1.5)}
 ATTAINMENT_LEVEL = 0.9
 
 
@@ -237,60 +239,77 @@ def run_arrivals(worker: InProcessWorker, arrivals: list[Arrival], grace: float)
     return latencies, max(last - started, arrivals[-1].at if arrivals else 0.0)
 
 
-def lone_latencies(workers: dict, repeats: int) -> dict[str, dict[str, float]]:
-    """Median latency of a request alone, per scheduling and step count, the two schedulings interleaved."""
-    seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in workers}
-    for repeat in range(repeats):
-        for steps in STEP_MIX:
-            for scheduling, worker in workers.items():
-                pending = pending_request(worker.spec, steps, 1000 + repeat)
-                began = time.perf_counter()
-                worker.submit(pending)
-                worker.wait([pending.request_id], timeout=120)
-                seen[scheduling][steps].append(worker.answered[pending.request_id] - began)
-    return {s: {str(n): sorted(v)[len(v) // 2] * 1000 for n, v in by.items()} for s, by in seen.items()}
+class InProcessBackend:
+    """Both schedulings' in-process workers around one runner, alive together, used one at a time."""
+
+    def __init__(self, runner, spec) -> None:
+        self.workers = {
+            s: InProcessWorker(runner, spec.model_copy(update={"scheduling": s})).start() for s in SCHEDULINGS
+        }
+
+    def lone(self, repeats: int) -> dict[str, dict[str, float]]:
+        """Median latency of a request alone, per scheduling and step count, the two schedulings interleaved."""
+        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in SCHEDULINGS}
+        for repeat in range(repeats):
+            for steps in STEP_MIX:
+                for scheduling, worker in self.workers.items():
+                    pending = pending_request(worker.spec, steps, 1000 + repeat)
+                    began = time.perf_counter()
+                    worker.submit(pending)
+                    worker.wait([pending.request_id], timeout=120)
+                    seen[scheduling][steps].append(worker.answered[pending.request_id] - began)
+        return median_ms(seen)
+
+    def run(self, scheduling: str, arrivals: list[Arrival], grace: float) -> tuple[dict[int, float], float]:
+        return run_arrivals(self.workers[scheduling], arrivals, grace)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
 
 
-def sweep(
-    make_worker: Callable[[str], object],
-    run: Callable[[object, list[Arrival], float], tuple[dict[int, float], float]],
-    lone: Callable[[dict, int], dict],
-    quick: bool,
-    seconds: float,
-    progress: Callable[[str], None] = print,
-) -> dict:
-    """The whole open-loop comparison: lone latencies, then every offered rate for both schedulings in turn."""
-    workers = {s: make_worker(s) for s in SCHEDULINGS}
+def median_ms(seen: dict[str, dict[int, list[float]]]) -> dict[str, dict[str, float]]:
+    return {s: {str(n): sorted(v)[len(v) // 2] * 1000 for n, v in by.items() if v} for s, by in seen.items()}
+
+
+def sweep(backend, multiples: tuple[float, ...], seconds: float, repeats: int, progress: Callable = print) -> dict:
+    """The whole comparison: lone latencies, then each offered rate for both schedulings in turn (the order
+    alternating from one rate to the next, so drift in the machine's load hits both alike)."""
     try:
-        lone_ms = lone(workers, 2 if quick else 3)
-        progress(f"  lone latency ms: {json.dumps(lone_ms)}")
+        lone_ms = backend.lone(repeats)
+        progress(
+            f"  lone latency ms: {json.dumps({s: {n: round(v) for n, v in by.items()} for s, by in lone_ms.items()})}"
+        )
         service_rate = 1000 / (sum(lone_ms["request"].values()) / len(STEP_MIX))
         slo = {n: SLO_FACTOR * lone_ms["request"][str(n)] / 1000 for n in STEP_MIX}
         points: dict[str, list[dict]] = {s: [] for s in SCHEDULINGS}
-        for index, multiple in enumerate(RATE_MULTIPLES["quick" if quick else "full"]):
+        order = list(SCHEDULINGS)
+        for index, multiple in enumerate(multiples):
             rate = multiple * service_rate
             arrivals = poisson_arrivals(rate, seconds, seed=index)
-            # Alternate which scheduling goes first, so drift in the machine's load hits both alike.
-            for scheduling in SCHEDULINGS if index % 2 == 0 else reversed(SCHEDULINGS):
-                latencies, span = run(workers[scheduling], arrivals, seconds * 2 + 10)
-                point = {
-                    "scheduling": scheduling,
-                    "offered_rps": round(rate, 2),
-                    **summarize(arrivals, latencies, span, slo),
-                }
+            for scheduling in order:
+                latencies, span = backend.run(scheduling, arrivals, seconds * 2 + 10)
+                summary = summarize(arrivals, latencies, span, slo)
+                point = {"scheduling": scheduling, "offered_rps": round(rate, 2), **summary}
                 points[scheduling].append(point)
                 progress(
-                    f"  {scheduling:>7} at {rate:5.1f} req/s offered: {point['throughput_rps']:5.1f} req/s, "
+                    f"  {scheduling:>7}-level at {rate:5.1f} req/s offered: {point['throughput_rps']:5.1f} req/s, "
                     f"p50 {point['p50_ms']:.0f} / p95 {point['p95_ms']:.0f} / p99 {point['p99_ms']:.0f} ms, "
                     f"SLO {point['slo_attainment']:.0%} ({point['answered']}/{point['requests']} answered)"
                 )
+            order.reverse()
     finally:
-        for worker in workers.values():
-            worker.stop()
-    result = {"lone_ms": lone_ms, "slo_ms": {str(n): s * 1000 for n, s in slo.items()}, "points": points,
+        backend.close()
+    result = {"lone_ms": lone_ms, "slo_ms": {str(n): v * 1000 for n, v in slo.items()}, "points": points,
               "seconds_per_rate": seconds, "step_mix": list(STEP_MIX)}  # fmt: skip
     result["targets"] = targets(result)
     return result
+
+
+def print_targets(result: dict, progress: Callable = print) -> None:
+    for t in result["targets"]:
+        measured = "–" if t["measured"] is None else f"{t['measured']:.2f}"
+        progress(f"  {t['result']:<11} {t['target']}: {measured} {t['unit']} (target {t['threshold']})")
 
 
 def plot(sweeps: dict[str, dict], path: Path) -> Path:
@@ -323,6 +342,30 @@ def plot(sweeps: dict[str, dict], path: Path) -> Path:
     return path
 
 
+def markdown(sweeps: dict[str, dict]) -> str:
+    """The open-loop tables and targets, for results.md."""
+    lines = ["## Open loop: request-level vs step-level scheduling", ""]
+    for title, result in sweeps.items():
+        lone = result["lone_ms"]
+        lines += [f"### {title}", "",
+                  "lone latency ms (4 / 12 steps): request-level "
+                  f"{lone['request']['4']:.0f} / {lone['request']['12']:.0f}, step-level "
+                  f"{lone['step']['4']:.0f} / {lone['step']['12']:.0f}; SLO = 2x request-level's lone latency",
+                  "", "| offered req/s | scheduling | throughput req/s | p50 ms | p95 ms | p99 ms | SLO attainment |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        rows = sorted((p for s in SCHEDULINGS for p in result["points"][s]), key=lambda p: p["offered_rps"])
+        for p in rows:
+            cells = [f"{p['offered_rps']:.1f}", f"{p['scheduling']}-level", f"{p['throughput_rps']:.1f}"]
+            cells += ["∞" if not math.isfinite(p[k]) else f"{p[k]:.0f}" for k in ("p50_ms", "p95_ms", "p99_ms")]
+            lines.append("| " + " | ".join([*cells, f"{p['slo_attainment']:.0%}"]) + " |")
+        lines += ["", "| target | measured | threshold | result |", "|---|---|---|---|"]
+        for t in result["targets"]:
+            measured = "–" if t["measured"] is None else f"{t['measured']:.2f} {t['unit']}"
+            lines.append(f"| {t['target']} | {measured} | {t['threshold']} {t['unit']} | {t['result']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
@@ -341,15 +384,10 @@ def main() -> None:
     runner = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), args.model_dir, torch_threads=args.threads)
     runner.warm_up()
     seconds = args.seconds or (5.0 if args.quick else 12.0)
-
-    def make_worker(scheduling: str) -> InProcessWorker:
-        return InProcessWorker(runner, spec.model_copy(update={"scheduling": scheduling})).start()
-
-    result = sweep(make_worker, run_arrivals, lone_latencies, args.quick, seconds)
+    multiples = RATE_MULTIPLES["quick" if args.quick else "full"]
+    result = sweep(InProcessBackend(runner, spec), multiples, seconds, repeats=2 if args.quick else 3)
     result.update({"model": args.model, "threads": args.threads, "size": 64})
-    for t in result["targets"]:
-        measured = "–" if t["measured"] is None else f"{t['measured']:.2f}"
-        print(f"  {t['result']:<11} {t['target']}: {measured} {t['unit']} (target {t['threshold']})")
+    print_targets(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

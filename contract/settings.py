@@ -113,6 +113,9 @@ class Settings:
     torch_compile: bool = False
     # Worker threads that encode, upload, store and publish finished requests off the device thread.
     finisher_threads: int = 4
+    # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
+    # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
+    scheduling: str | None = None
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -187,4 +190,5 @@ class Settings:
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
             torch_compile=_flag(env.get("MAAS_TORCH_COMPILE")),
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
+            scheduling=env.get("MAAS_SCHEDULING") or None,
         )
