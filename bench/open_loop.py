@@ -45,12 +45,12 @@ class Arrival:
     seed: int
 
 
-def poisson_arrivals(rate: float, seconds: float, seed: int) -> list[Arrival]:
-    """Exponential gaps at `rate` per second for `seconds`; step counts drawn from STEP_MIX."""
+def poisson_arrivals(rate: float, seconds: float, seed: int, mix: tuple[int, ...] = STEP_MIX) -> list[Arrival]:
+    """Exponential gaps at `rate` per second for `seconds`; step counts drawn evenly from `mix`."""
     draw = random.Random(seed)
     arrivals, at = [], draw.expovariate(rate)
     while at < seconds:
-        arrivals.append(Arrival(at, draw.choice(STEP_MIX), draw.randrange(2**31)))
+        arrivals.append(Arrival(at, draw.choice(mix), draw.randrange(2**31)))
         at += draw.expovariate(rate)
     return arrivals
 
@@ -109,7 +109,7 @@ def targets(sweep: dict) -> list[dict]:
     request_rate, step_rate = highest_rate_keeping(by["request"]), highest_rate_keeping(by["step"])
     ratio = step_rate / request_rate if request_rate and step_rate else None
     rows.append(_target("highest rate keeping 90%: step-level / request-level", ratio, 1.4, True, "x"))
-    for steps in STEP_MIX:
+    for steps in sweep["step_mix"]:
         lone = sweep["lone_ms"]
         ratio = lone["step"][str(steps)] / lone["request"][str(steps)]
         rows.append(_target(f"lone {steps}-step request: step-level / request-level latency", ratio, 1.05, False, "x"))
@@ -133,7 +133,7 @@ class InProcessWorker:
     """The worker's pool, device loop, running set and finisher around one runner; Pub/Sub stands in as a backlog
     the feeder moves into the pool whenever it has room, as the worker's pullers do."""
 
-    def __init__(self, runner, spec) -> None:
+    def __init__(self, runner, spec, size: int = 64) -> None:
         from bench.worker_harness import MemoryRedis, MemoryStorage, NoLeases
         from contract.payloads import PayloadCodec
         from contract.results import ResultStore
@@ -144,7 +144,7 @@ class InProcessWorker:
         from model_worker.metrics import WorkerMetrics
         from model_worker.pool import RequestPool
 
-        self.spec = spec
+        self.spec, self.size = spec, size
         self.answered: dict[str, float] = {}
         self._changed = threading.Condition()
         self.pool = RequestPool(capacity=spec.max_batch_size)
@@ -230,7 +230,7 @@ def run_arrivals(worker: InProcessWorker, arrivals: list[Arrival], grace: float)
         delay = started + arrival.at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        pending = pending_request(worker.spec, arrival.steps, arrival.seed)
+        pending = pending_request(worker.spec, arrival.steps, arrival.seed, worker.size)
         sent.append((pending.request_id, started + arrival.at))
         worker.submit(pending)
     worker.wait([request_id for request_id, _ in sent], timeout=grace)
@@ -242,18 +242,19 @@ def run_arrivals(worker: InProcessWorker, arrivals: list[Arrival], grace: float)
 class InProcessBackend:
     """Both schedulings' in-process workers around one runner, alive together, used one at a time."""
 
-    def __init__(self, runner, spec) -> None:
+    def __init__(self, runner, spec, mix: tuple[int, ...] = STEP_MIX, size: int = 64) -> None:
+        self.mix = mix
         self.workers = {
-            s: InProcessWorker(runner, spec.model_copy(update={"scheduling": s})).start() for s in SCHEDULINGS
+            s: InProcessWorker(runner, spec.model_copy(update={"scheduling": s}), size).start() for s in SCHEDULINGS
         }
 
     def lone(self, repeats: int) -> dict[str, dict[str, float]]:
         """Median latency of a request alone, per scheduling and step count, the two schedulings interleaved."""
-        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in SCHEDULINGS}
+        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in self.mix} for s in SCHEDULINGS}
         for repeat in range(repeats):
-            for steps in STEP_MIX:
+            for steps in self.mix:
                 for scheduling, worker in self.workers.items():
-                    pending = pending_request(worker.spec, steps, 1000 + repeat)
+                    pending = pending_request(worker.spec, steps, 1000 + repeat, worker.size)
                     began = time.perf_counter()
                     worker.submit(pending)
                     worker.wait([pending.request_id], timeout=120)
@@ -280,13 +281,14 @@ def sweep(backend, multiples: tuple[float, ...], seconds: float, repeats: int, p
         progress(
             f"  lone latency ms: {json.dumps({s: {n: round(v) for n, v in by.items()} for s, by in lone_ms.items()})}"
         )
-        service_rate = 1000 / (sum(lone_ms["request"].values()) / len(STEP_MIX))
-        slo = {n: SLO_FACTOR * lone_ms["request"][str(n)] / 1000 for n in STEP_MIX}
+        mix = backend.mix
+        service_rate = 1000 / (sum(lone_ms["request"].values()) / len(mix))
+        slo = {n: SLO_FACTOR * lone_ms["request"][str(n)] / 1000 for n in mix}
         points: dict[str, list[dict]] = {s: [] for s in SCHEDULINGS}
         order = list(SCHEDULINGS)
         for index, multiple in enumerate(multiples):
             rate = multiple * service_rate
-            arrivals = poisson_arrivals(rate, seconds, seed=index)
+            arrivals = poisson_arrivals(rate, seconds, index, mix)
             for scheduling in order:
                 latencies, span = backend.run(scheduling, arrivals, seconds * 2 + 10)
                 summary = summarize(arrivals, latencies, span, slo)
@@ -301,7 +303,7 @@ def sweep(backend, multiples: tuple[float, ...], seconds: float, repeats: int, p
     finally:
         backend.close()
     result = {"lone_ms": lone_ms, "slo_ms": {str(n): v * 1000 for n, v in slo.items()}, "points": points,
-              "seconds_per_rate": seconds, "step_mix": list(STEP_MIX)}  # fmt: skip
+              "seconds_per_rate": seconds, "step_mix": list(mix)}  # fmt: skip
     result["targets"] = targets(result)
     return result
 
@@ -348,9 +350,9 @@ def markdown(sweeps: dict[str, dict]) -> str:
     for title, result in sweeps.items():
         lone = result["lone_ms"]
         lines += [f"### {title}", "",
-                  "lone latency ms (4 / 12 steps): request-level "
-                  f"{lone['request']['4']:.0f} / {lone['request']['12']:.0f}, step-level "
-                  f"{lone['step']['4']:.0f} / {lone['step']['12']:.0f}; SLO = 2x request-level's lone latency",
+                  f"lone latency ms ({' / '.join(map(str, result['step_mix']))} steps): request-level "
+                  f"{' / '.join(f'{v:.0f}' for v in lone['request'].values())}, step-level "
+                  f"{' / '.join(f'{v:.0f}' for v in lone['step'].values())}; SLO = 2x request-level's lone latency",
                   "", "| offered req/s | scheduling | throughput req/s | p50 ms | p95 ms | p99 ms | SLO attainment |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         rows = sorted((p for s in SCHEDULINGS for p in result["points"][s]), key=lambda p: p["offered_rps"])

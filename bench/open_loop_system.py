@@ -37,6 +37,7 @@ class SystemBackend:
         self._env = worker_env(config, deployment, index)
         self._ready = f"http://127.0.0.1:{config.worker_health_port(index)}/readyz"
         self._active: str | None = None
+        self.mix = STEP_MIX
         self._local = threading.local()
         self._held = contextlib.ExitStack()
         self._held.enter_context(self._registry.lock(self._stack_worker))
