@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -25,10 +26,9 @@ def test_sigterm_finishes_the_running_set_and_hands_the_rest_back(stack, worker_
     name = extra_worker(TXT2IMG)
     registry = ProcessRegistry(stack.stack_dir)
     pid = registry.pid(name)
-    environ = dict(
-        entry.split("=", 1) for entry in open(f"/proc/{pid}/environ").read().split("\0") if "=" in entry
-    )
-    port = int(environ["MAAS_WORKER_HEALTH_PORT"])
+    # Its probe port, from its own environment (the fixture picks it).
+    environ = Path(f"/proc/{pid}/environ").read_text().split("\0")
+    port = int(next(entry.split("=", 1)[1] for entry in environ if entry.startswith("MAAS_WORKER_HEALTH_PORT=")))
     # More than the stack's own worker holds (a running set and a full pool: 16), so this one runs some.
     sent = [worker_client.send(TXT2IMG, f"drain {i}", seed=i, steps=25, timeout=90) for i in range(20)]
     deadline = time.monotonic() + 60
