@@ -213,9 +213,9 @@ class Suite:
         api.start("per-instance")
         try:
             backend = SystemBackend(self.config, api.url, self.key)
-            multiples = open_loop.SYSTEM_RATE_MULTIPLES["quick" if self.quick else "full"]
-            result = open_loop.sweep(backend, multiples, 5.0 if self.quick else 12.0, repeats=2 if self.quick else 3,
-                                     progress=lambda line: print(line, flush=True))  # fmt: skip
+            kind = "quick" if self.quick else "full"
+            result = open_loop.sweep(backend, open_loop.SYSTEM_RATE_MULTIPLES[kind], open_loop.REQUESTS_PER_RATE[kind],
+                                     repeats=2 if self.quick else 3, progress=lambda line: print(line, flush=True))  # fmt: skip
             result["worker_restarts"] = backend.restarts
         finally:
             api.stop()
