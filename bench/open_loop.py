@@ -35,9 +35,10 @@ SLO_FACTOR = 2.0
 RATE_MULTIPLES = {"full": (0.5, 1.0, 1.5, 2.0, 3.0), "quick": (0.5, 1.5)}
 # Arrivals per offered rate and scheduling: a count, not a duration, so a slow (shared) machine still gets
 # as many samples at each rate.
-REQUESTS_PER_RATE = {"full": 30, "quick": 12}
+REQUESTS_PER_RATE = {"full": 24, "quick": 12}
 # Through the whole system each change of scheduling restarts the worker: fewer rates in the quick run.
-SYSTEM_RATE_MULTIPLES = {"full": (0.5, 1.0, 1.5, 2.0, 3.0), "quick": (0.5, 1.5)}
+SYSTEM_RATE_MULTIPLES = {"full": (0.5, 1.5, 3.0), "quick": (1.5,)}
+SYSTEM_REQUESTS_PER_RATE = {"full": 16, "quick": 8}
 ATTAINMENT_LEVEL = 0.9
 
 
