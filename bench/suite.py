@@ -284,13 +284,23 @@ def main() -> None:
         "direct": direct,
         "open_loop": sweeps,
     }
+    if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone
+        (out_dir / "open_loop.json").write_text(json.dumps({"meta": result["meta"], "sweeps": sweeps}, indent=2))
+        (out_dir / "open_loop.md").write_text(open_loop.markdown(sweeps))
+        plot = open_loop.plot(sweeps, out_dir / "open_loop.png")
+    if args.open_loop_only:
+        print(f"\nWrote {out_dir / 'open_loop.json'}, {out_dir / 'open_loop.md'}, {plot}")
+        for title, sweep in sweeps.items():
+            print(f"  open loop, {title}:")
+            open_loop.print_targets(sweep, lambda line: print("  " + line))
+        return
     result["admin"] = report.admin_rows(suite.rows)
     result["targets"] = report.evaluate_targets(suite.rows, direct, suite.available)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out_dir / "results.md").write_text(report.markdown(result) + "\n" + open_loop.markdown(sweeps))
     written = report.plots(result, out_dir)
     if sweeps:
-        written.append(open_loop.plot(sweeps, out_dir / "open_loop.png"))
+        written.append(plot)
     print("\nTargets (measured in this run):")
     for t in result["targets"]:
         measured = "–" if t["measured"] is None else f"{t['measured']:.1f}"
