@@ -284,6 +284,7 @@ def main() -> None:
         "direct": direct,
         "open_loop": sweeps,
     }
+    plot = None
     if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone
         (out_dir / "open_loop.json").write_text(json.dumps({"meta": result["meta"], "sweeps": sweeps}, indent=2))
         (out_dir / "open_loop.md").write_text(open_loop.markdown(sweeps))
@@ -299,7 +300,7 @@ def main() -> None:
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out_dir / "results.md").write_text(report.markdown(result) + "\n" + open_loop.markdown(sweeps))
     written = report.plots(result, out_dir)
-    if sweeps:
+    if plot is not None:
         written.append(plot)
     print("\nTargets (measured in this run):")
     for t in result["targets"]:
