@@ -282,7 +282,11 @@ def median_ms(seen: dict[str, dict[int, list[float]]]) -> dict[str, dict[str, fl
     return {s: {str(n): sorted(v)[len(v) // 2] * 1000 for n, v in by.items() if v} for s, by in seen.items()}
 
 
-def sweep(backend, multiples: tuple[float, ...], requests: int, repeats: int, progress: Callable = print) -> dict:
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def sweep(backend, multiples: tuple[float, ...], requests: int, repeats: int, progress: Callable = _print) -> dict:
     """The whole comparison: lone latencies, then each offered rate for both schedulings in turn (the order
     alternating from one rate to the next, so drift in the machine's load hits both alike)."""
     try:
@@ -385,6 +389,7 @@ def main() -> None:
     parser.add_argument("--model", default="sd15-txt2img")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--requests", type=int, help="arrivals per offered rate and scheduling (default 30, quick 12)")
+    parser.add_argument("--multiples", type=float, nargs="+", help="offered rates, as multiples of the service rate")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("MAAS_TORCH_THREADS", "1")))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -398,7 +403,8 @@ def main() -> None:
     runner.warm_up()
     kind = "quick" if args.quick else "full"
     requests = args.requests or REQUESTS_PER_RATE[kind]
-    result = sweep(InProcessBackend(runner, spec), RATE_MULTIPLES[kind], requests, repeats=2 if args.quick else 3)
+    multiples = tuple(args.multiples or RATE_MULTIPLES[kind])
+    result = sweep(InProcessBackend(runner, spec), multiples, requests, repeats=2 if args.quick else 3)
     result.update({"model": args.model, "threads": args.threads, "size": 64})
     print_targets(result)
     if args.json:

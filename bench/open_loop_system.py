@@ -3,15 +3,21 @@
 One worker serves the model at a time, started with `MAAS_SCHEDULING=request` or `=step`; the stack's own
 worker for that deployment is stopped meanwhile (its lock held, so the supervisor leaves it alone) and
 started again at the end. Latency is the client's, from each request's scheduled arrival to its response.
+
+    .venv/bin/python -m bench.open_loop_system --multiples 0.5 1.5 --requests 8 --json out.json   # a running stack
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import requests
 
@@ -114,3 +120,31 @@ class SystemBackend:
             start_component(self._registry, components(self._config)[self._stack_worker])
         finally:
             self._held.close()
+
+
+def main() -> None:
+    from bench import open_loop
+    from bench.scenarios import BenchApi
+    from bench.suite import bench_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--multiples", type=float, nargs="+", default=list(open_loop.SYSTEM_RATE_MULTIPLES["quick"]))
+    parser.add_argument("--requests", type=int, default=open_loop.SYSTEM_REQUESTS_PER_RATE["quick"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = bench_config()
+    os.environ.update(config.client_env())
+    api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
+    api.start("per-instance")
+    try:
+        backend = SystemBackend(config, api.url, config.api_keys.split(",")[0])
+        result = open_loop.sweep(backend, tuple(args.multiples), args.requests, repeats=2)
+    finally:
+        api.stop()
+    open_loop.print_targets(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
