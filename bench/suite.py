@@ -193,7 +193,7 @@ class Suite:
         argv = [sys.executable, "-m", "bench.open_loop", "--json", str(out),
                 "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img"))] + (["--quick"] if self.quick else [])  # fmt: skip
         env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         self.count += 1
         print(f"[{self.count:>2}/{self.total}] open loop, in process:", flush=True)
         print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")), flush=True)
