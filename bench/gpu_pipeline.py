@@ -8,6 +8,8 @@ weights scaled by 0.5 so fp16 activations stay finite, saved once as fp16 safete
 - direct: the diffusers pipeline called back to back at batch 1, 4, 8, 16;
 - worker: the worker's `DiffusionRunner` behind its own pool, device loop and finisher (PNG encode,
   result store, publish: in memory, no emulators), fed a stream of single-image requests;
+- open-loop: `open_loop.py`'s Poisson sweep on this pipeline, request-level against step-level scheduling
+  (half 12-step, half 25-step requests), in process around the worker's stages;
 - compiled: the same with `MAAS_TORCH_COMPILE`'s path (fused QKV, channels-last, torch.compile at the
   batch buckets), its artifacts saved; then a fresh process with only those artifacts (an empty inductor
   cache) is timed from its start to its first answered request.
@@ -30,7 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("direct", "worker", "compiled", "warm-start")
+STAGES = ("direct", "worker", "open-loop", "compiled", "warm-start")
+# The open-loop sweep's step mix on the GPU: the catalog's default 25 and a shorter request beside it.
+GPU_STEP_MIX = (12, 25)
 WEIGHT_SCALE = 0.5
 
 
@@ -246,12 +250,23 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     guess = result.get("direct", {}).get(str(spec.max_batch_size))
-    if "worker" in args.stages:
-        runner = DiffusionRunner(spec, weights)
+    if "worker" in args.stages or "open-loop" in args.stages:
+        runner = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), weights)
         runner.warm_up()
-        result["worker"] = worker_rate(runner, spec, params, args.seconds, guess)
-        print(f"worker eager, single-image requests: {result['worker']['images_per_s']:.2f} img/s "
-              f"in batches of {spec.max_batch_size}", flush=True)  # fmt: skip
+        for scheduling in ("request", "step") if "worker" in args.stages else ():
+            rate = worker_rate(runner, spec.model_copy(update={"scheduling": scheduling}), params, args.seconds, guess)
+            result["worker" if scheduling == spec.scheduling else f"worker_{scheduling}_level"] = rate
+            print(f"worker eager, {scheduling}-level, single-image requests: {rate['images_per_s']:.2f} img/s "
+                  f"in batches of {spec.max_batch_size}", flush=True)  # fmt: skip
+        if "open-loop" in args.stages:
+            from bench import open_loop
+
+            backend = open_loop.InProcessBackend(runner, spec, GPU_STEP_MIX, args.size)
+            multiples = open_loop.RATE_MULTIPLES["full"]
+            result["open_loop"] = open_loop.sweep(backend, multiples, requests=60, repeats=3)
+            open_loop.print_targets(result["open_loop"])
+            open_loop.plot({"H100-class GPU, SD-1.5-sized, 512x512": result["open_loop"]},
+                           args.json.with_name("gpu_open_loop.png"))  # fmt: skip
         del runner
         torch.cuda.empty_cache()
 

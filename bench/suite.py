@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from bench import admin_ops, report
+from bench import admin_ops, open_loop, report
 from bench.breakdown import median_stages
 from bench.loadgen import run_closed_loop, summarize
 from bench.pubsub_floor import PubSubRoundTrips
@@ -76,7 +76,8 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1  # floor, naive, http, cache/jobs, direct
+        # floor, naive, http, cache/jobs, direct, open loop in process and through the system
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 2
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -185,6 +186,42 @@ class Suite:
               flush=True)  # fmt: skip
         return result
 
+    def open_loop_in_process(self) -> dict | None:
+        """The open-loop sweep against the worker's stages alone (a process of its own: one torch thread)."""
+        started = time.monotonic()
+        out = self.out_dir / "open_loop_in_process.json"
+        argv = [sys.executable, "-m", "bench.open_loop", "--json", str(out),
+                "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img"))] + (["--quick"] if self.quick else [])  # fmt: skip
+        env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        self.count += 1
+        print(f"[{self.count:>2}/{self.total}] open loop, in process:", flush=True)
+        print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")), flush=True)
+        if done.returncode != 0:
+            print(f"  failed\n{done.stderr[-2000:]}", flush=True)
+            return None
+        print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
+        return json.loads(out.read_text())
+
+    def open_loop_system(self, api: BenchApi) -> dict | None:
+        """The same sweep through the API, Pub/Sub and the model's worker, one scheduling's worker at a time."""
+        from bench.open_loop_system import SystemBackend
+
+        started = time.monotonic()
+        self.count += 1
+        print(f"[{self.count:>2}/{self.total}] open loop, through the whole system:", flush=True)
+        api.start("per-instance")
+        try:
+            backend = SystemBackend(self.config, api.url, self.key)
+            kind = "quick" if self.quick else "full"
+            result = open_loop.sweep(backend, open_loop.SYSTEM_RATE_MULTIPLES[kind], open_loop.SYSTEM_REQUESTS_PER_RATE[kind],
+                                     repeats=2 if self.quick else 3, progress=lambda line: print(line, flush=True))  # fmt: skip
+            result["worker_restarts"] = backend.restarts
+        finally:
+            api.stop()
+        print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
+        return result
+
 
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -194,6 +231,7 @@ def git_commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
+    parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
     args = parser.parse_args()
     out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick else "")
@@ -213,10 +251,16 @@ def main() -> None:
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
     direct = None
+    sweeps: dict[str, dict] = {}
     try:
-        suite.pubsub()
-        suite.http(api)
-        direct = suite.direct()
+        if not args.open_loop_only:
+            suite.pubsub()
+            suite.http(api)
+            direct = suite.direct()
+        for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
+                           ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
+            if (result := run()) is not None:
+                sweeps[title] = result
     finally:
         api.stop()
         if owned:
@@ -238,17 +282,34 @@ def main() -> None:
         "rows": suite.rows,
         "unavailable": suite.unavailable,
         "direct": direct,
+        "open_loop": sweeps,
     }
+    plot = None
+    if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone
+        (out_dir / "open_loop.json").write_text(json.dumps({"meta": result["meta"], "sweeps": sweeps}, indent=2))
+        (out_dir / "open_loop.md").write_text(open_loop.markdown(sweeps))
+        plot = open_loop.plot(sweeps, out_dir / "open_loop.png")
+    if args.open_loop_only:
+        print(f"\nWrote {out_dir / 'open_loop.json'}, {out_dir / 'open_loop.md'}, {plot}")
+        for title, sweep in sweeps.items():
+            print(f"  open loop, {title}:")
+            open_loop.print_targets(sweep, lambda line: print("  " + line))
+        return
     result["admin"] = report.admin_rows(suite.rows)
     result["targets"] = report.evaluate_targets(suite.rows, direct, suite.available)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    (out_dir / "results.md").write_text(report.markdown(result))
+    (out_dir / "results.md").write_text(report.markdown(result) + "\n" + open_loop.markdown(sweeps))
     written = report.plots(result, out_dir)
+    if plot is not None:
+        written.append(plot)
     print("\nTargets (measured in this run):")
     for t in result["targets"]:
         measured = "–" if t["measured"] is None else f"{t['measured']:.1f}"
         threshold = "–" if t["threshold"] is None else f"{t['threshold']:.1f}"
         print(f"  {t['result']:<18} {t['target']}: {measured} {t['unit']} (target {threshold})")
+    for title, sweep in sweeps.items():
+        print(f"  open loop, {title}:")
+        open_loop.print_targets(sweep, lambda line: print("  " + line))
     for a in result["admin"]:
         allowed = (
             "not capped (admin ops only at process start)"

@@ -187,6 +187,6 @@ def worker_images_per_second(
         "images": counted,
         "seconds": round(seconds, 3),
         "images_per_s": counted / seconds if seconds > 0 else float("nan"),
-        "pipeline_calls": device.calls,
+        "pipeline_calls": device.calls + device.running.calls,  # request-level calls or denoising steps
         "handed_back": leases.released,
     }

@@ -14,6 +14,24 @@ DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
 Task = Literal["text-to-image", "image-to-image"]
 # `noop` and `sleep` are synthetic runners that go through the worker's whole path: benchmarks and tests.
 RunnerKind = Literal["diffusers", "noop", "sleep"]
+# How the worker batches a model's requests. `request`: a batch starts together and runs all its steps
+# before anyone else can join. `step`: a running set shares one denoising call per step; requests join
+# between steps and leave when their own last step is done (continuous batching).
+Scheduling = Literal["step", "request"]
+SCHEDULINGS: tuple[str, ...] = ("step", "request")
+# diffusers schedulers that step one sample set per model call and keep all their state on the instance,
+# so each running item can own one and advance it on its own slice of a shared UNet call. The
+# second-order ones call the model twice per step with a state machine between the calls (Heun, KDPM2),
+# and the SDE solver draws Brownian noise from a tree built for the whole batch's shape: refused for `step`.
+STEPPABLE_SCHEDULERS = frozenset({
+    "PNDMScheduler", "DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler", "DPMSolverMultistepScheduler",
+    "UniPCMultistepScheduler",
+})  # fmt: skip
+NOT_STEPPABLE_SCHEDULERS = frozenset({
+    "HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
+    "DPMSolverSDEScheduler", "DPMSolverSinglestepScheduler",
+})  # fmt: skip
 # The longest ack deadline that still lets a second worker finish a crashed worker's request in time.
 ACK_DEADLINE_SHARE_OF_TIMEOUT = 1 / 3
 
@@ -56,6 +74,11 @@ class ModelSpec(BaseModel):
     # pipeline once (GPU time-sharing between models); unset means a deployment of its own.
     worker_group: str | None = None
     max_batch_size: int = Field(ge=1)
+    # `step` (continuous batching) or `request`; see Scheduling. Checked in `_consistent` for a clear message.
+    scheduling: str = "step"
+    # The diffusers scheduler class the pipeline runs with (its saved config, this class); unset: the one
+    # saved with the weights, checked when the pipeline loads.
+    scheduler: str | None = None
     max_instances_per_request: int = Field(ge=1)
     request_timeout_seconds: int = Field(ge=1)
     ack_deadline_seconds: int = Field(ge=10, le=600)
@@ -72,6 +95,17 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
+        if self.scheduling not in SCHEDULINGS:
+            raise ValueError(
+                f"{self.name}: scheduling {self.scheduling!r} is not one of {', '.join(SCHEDULINGS)} "
+                "(step: requests join a running batch between denoising steps; request: a batch runs to its end)"
+            )
+        if self.scheduler is not None:
+            known = STEPPABLE_SCHEDULERS | NOT_STEPPABLE_SCHEDULERS
+            if self.scheduler not in known:
+                raise ValueError(f"{self.name}: scheduler {self.scheduler!r} is not one of {', '.join(sorted(known))}")
+            if self.scheduling == "step" and self.scheduler not in STEPPABLE_SCHEDULERS:
+                raise ValueError(steppable_error(self.name, self.scheduler))
         if self.runner == "diffusers" and not (self.pipeline and self.weights_path):
             raise ValueError(f"{self.name}: the diffusers runner needs `pipeline` and `weights_path`")
         if self.max_instances_per_request > self.max_batch_size:
@@ -86,6 +120,15 @@ class ModelSpec(BaseModel):
                 f"request_timeout_seconds {self.request_timeout_seconds}, or a crashed worker's requests time out"
             )
         return self
+
+
+def steppable_error(model: str, scheduler: str) -> str:
+    """Why a model cannot use `scheduling: step` with this scheduler (shared by the catalog and the worker)."""
+    return (
+        f"{model}: scheduling: step needs a scheduler that can be stepped per item, and {scheduler} cannot "
+        f"(second-order or batch-wide noise); use one of {', '.join(sorted(STEPPABLE_SCHEDULERS))}, "
+        "or scheduling: request"
+    )
 
 
 class ModelCatalog(BaseModel):

@@ -115,6 +115,9 @@ class Settings:
     finisher_threads: int = 4
     # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
     holder_lease_seconds: float = 3.0
+    # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
+    # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
+    scheduling: str | None = None
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -190,4 +193,5 @@ class Settings:
             torch_compile=_flag(env.get("MAAS_TORCH_COMPILE")),
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
+            scheduling=env.get("MAAS_SCHEDULING") or None,
         )

@@ -3,7 +3,8 @@
 Nothing slow runs on this thread between calls: encoding, uploads, Redis and Pub/Sub happen in the
 finisher, and the pool already holds the next batch, so under load the device goes from one call to the
 next without a gap. A batch nobody waits for any more (every request past its deadline or cancelled) is
-stopped at the next denoising step.
+stopped at the next denoising step. A step-scheduled model runs in a running set instead (`stepping.py`):
+between its steps the loop lets held requests join, and runs nothing else until the set is empty.
 """
 
 from __future__ import annotations
@@ -24,13 +25,23 @@ from model_worker.log_context import message_log_fields
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import PendingRequest, RequestPool
 from model_worker.runners import BatchAbandonedError, Runner
+from model_worker.stepping import RunningSet
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_SECONDS = 0.25
 
 
+# A running request's progress: the request, its step, its total, the images sharing the step, and when
+# its pipeline call (or its place in a running set) started, epoch ms.
+ProgressEntry = tuple[PendingRequest, int, int, int, int]
+
+
 class ProgressReporter:
-    """Writes the running batch's step to Redis a few times a second and reads cancellations back.
+    """Writes the running requests' steps to Redis a few times a second and reads cancellations back.
+
+    A request-scheduled batch has one step for all (`begin`/`update`/`end`); a step-scheduled running set
+    reports each request's own step (`running`). A request's last step is always written, whatever the
+    throttle caught, so a finished request reads `total` of `total` while it is decoded and answered.
 
     A thread of its own, so a slow or dead Redis never stalls the device; writes are throttled, so per-step
     progress costs nothing measurable.
@@ -42,9 +53,10 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._batch: list[PendingRequest] = []
         self._step = (0, 0)
-        self._written: tuple | None = None
         self._started_ms = 0
-        self._final: tuple[list[PendingRequest], int, int, int] | None = None
+        self._running: list[ProgressEntry] = []
+        self._final: list[ProgressEntry] = []
+        self._written: tuple | None = None
         self._stopped = threading.Event()
         self._first_step = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
@@ -66,46 +78,63 @@ class ProgressReporter:
             self._first_step.set()  # "running" is visible from the first step, not a tick later
 
     def end(self) -> None:
-        # The batch's last step is still written (by the thread): a finished request reads `total` of `total`
-        # while its images are decoded and answered, not the step the last tick happened to catch.
         with self._lock:
-            if self._batch and self._step[1]:
-                self._final = (self._batch, *self._step, self._started_ms)
+            self._final += self._batch_entries()
             self._batch = []
         self._first_step.set()
+
+    def running(self, entries: list[tuple[PendingRequest, int, int, int]]) -> None:
+        """The step scheduler's running set after a step: (request, its step, its total, images sharing the step)."""
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            joined = {pending.request_id: started for pending, _, _, _, started in self._running}
+            present = {pending.request_id for pending, _, _, _ in entries}
+            self._final += [entry for entry in self._running if entry[0].request_id not in present]
+            self._running = [
+                (pending, step, total, images, joined.get(pending.request_id, now_ms))
+                for pending, step, total, images in entries
+            ]
+        if any(step == 1 for _, step, _, _ in entries):
+            self._first_step.set()  # a request that just joined shows as running at once
+
+    def _batch_entries(self) -> list[ProgressEntry]:
+        step, total = self._step
+        if not self._batch or not total:
+            return []
+        images = sum(p.size for p in self._batch)
+        return [(pending, step, total, images, self._started_ms) for pending in self._batch]
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._first_step.wait(PROGRESS_INTERVAL_SECONDS)
             self._first_step.clear()
             with self._lock:
-                batch, (step, total), started_ms = list(self._batch), self._step, self._started_ms
-                final, self._final = self._final, None
+                entries = list(self._running) + self._batch_entries()
+                final, self._final = self._final, []
             try:
-                if final is not None:
-                    self._write(*final)
-                if not batch or not total:
+                if final:
+                    self._write(final)
+                if not entries:
                     continue
-                self._write(batch, step, total, started_ms)
-                for request_id in self._results.cancelled([p.request_id for p in batch]):
-                    for pending in batch:
+                state = tuple((id(pending), step) for pending, step, _, _, _ in entries)
+                if state != self._written:
+                    self._write(entries)
+                    self._written = state
+                tracked = [pending for pending, _, _, _, _ in entries]
+                for request_id in self._results.cancelled([p.request_id for p in tracked]):
+                    for pending in tracked:
                         if pending.request_id == request_id:
                             pending.cancelled = True
             except Exception as exc:  # noqa: BLE001 - progress is best effort
                 self._finisher.redis_trouble.warn("progress", exc)
 
-    def _write(self, batch: list[PendingRequest], step: int, total: int, started_ms: int) -> None:
-        state = (id(batch[0]), step)
-        if state == self._written:
-            return
+    def _write(self, entries: list[ProgressEntry]) -> None:
         now_ms = int(time.time() * 1000)
-        images = sum(p.size for p in batch)
         self._results.put_progress(
             [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms,
                       started_ms=started_ms)
-             for p in batch]
+             for p, step, total, images, started_ms in entries]
         )  # fmt: skip
-        self._written = state
 
     def stop(self) -> None:
         self._stopped.set()
@@ -134,20 +163,40 @@ class DeviceLoop:
         self._health = health
         self.stopping = threading.Event()
         self.calls = 0
+        self.running = RunningSet(
+            runners, progress, metrics, health, replies.worker_id,
+            finish=self._finisher.finish, fail=self._fail_alone, abandon=self._answer_abandoned,
+        )  # fmt: skip
 
     def run(self) -> None:
+        """Until `stopping`; a running set is then finished (drain), but nobody new joins it."""
         idle_since = time.monotonic()
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() or self.running:
             self._health.beat()
+            if self.running:
+                if not self.stopping.is_set():
+                    joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room)
+                    self._answer_all(abandoned)
+                    self.running.admit(joiners)
+                self.running.step()
+                if not self.running:
+                    idle_since = time.monotonic()
+                continue
             batch, abandoned = self._pool.take_batch(timeout=1.0)
-            self._metrics.held_requests.set(len(self._pool.held()))
-            for pending in abandoned:
-                self._answer_abandoned(pending, "before it started")
+            self._answer_all(abandoned)
             if not batch:
                 continue
             self._metrics.device_idle_seconds.inc(time.monotonic() - idle_since)
+            if batch[0].spec.scheduling == "step":
+                self.running.admit(batch)
+                continue
             self.run_batch(batch)
             idle_since = time.monotonic()
+
+    def _answer_all(self, abandoned: list[PendingRequest]) -> None:
+        self._metrics.held_requests.set(len(self._pool.held()))
+        for pending in abandoned:
+            self._answer_abandoned(pending, "before it started")
 
     def run_batch(self, batch: list[PendingRequest]) -> None:
         spec = batch[0].spec
@@ -214,7 +263,9 @@ class DeviceLoop:
             for pending in batch:
                 self.run_batch([pending])
             return
-        pending = batch[0]
+        self._fail_alone(batch[0], exc)
+
+    def _fail_alone(self, pending: PendingRequest, exc: Exception) -> None:
         traced = {"fields": message_log_fields(pending.message)}  # this request's id and trace
         if isinstance(exc, (ValueError, PayloadError)):
             log.warning("request %s cannot run: %s", pending.request_id, exc, extra=traced)

@@ -23,7 +23,7 @@ class WorkerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.inference_seconds = Histogram(
-            "maas_worker_inference_seconds", "Seconds per pipeline call", ["model"], buckets=SECONDS_BUCKETS,
+            "maas_worker_inference_seconds", "Seconds per pipeline call (step scheduling: per request, join to finish)", ["model"], buckets=SECONDS_BUCKETS,
             registry=self.registry,
         )  # fmt: skip
         self.queue_wait_seconds = Histogram(
@@ -34,6 +34,13 @@ class WorkerMetrics:
             "maas_worker_device_idle_seconds",
             "Seconds the device waited between pipeline calls",
             registry=self.registry,
+        )
+        self.step_images = Histogram(
+            "maas_worker_step_images", "Images per denoising call of a step-scheduled model's running set",
+            ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.running_images = Gauge(
+            "maas_worker_running_images", "Images in the step scheduler's running set", registry=self.registry
         )
         self.errors = Counter("maas_worker_errors", "Errors by kind", ["kind"], registry=self.registry)
         self.watchdog = Counter(

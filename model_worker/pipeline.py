@@ -1,5 +1,10 @@
 """The diffusers runner: loads a pipeline once, warms it up, and runs a batch of per-item prompts and seeds.
 
+It runs either one pipeline call per batch (`scheduling: request`) or step by step (`scheduling: step`):
+each image gets its own scheduler instance, generator and guidance scale, and any set of images of one
+latent size shares one UNet call per step with a per-sample timestep tensor, whatever their step counts,
+strengths and starting points; the same image as alone, up to float rounding.
+
 On CUDA it runs fp16 with PyTorch's SDPA attention (diffusers' default processor on torch 2). With
 `MAAS_TORCH_COMPILE=1` the UNet is compiled (fused QKV, channels-last) and batches are padded to fixed
 bucket sizes so shapes stay static; the compile artifacts (PyTorch's mega-cache) are saved to the model
@@ -8,15 +13,16 @@ bucket next to the weights and loaded by the next pod, so it does not pay minute
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from contract.catalog import ModelSpec
+from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
 from contract.messages import GenerationParameters
-from model_worker.runners import GenerationItem, StepCallback
+from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class DiffusionRunner:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         self.spec = spec
+        self.weights_dir = weights_dir
         self._torch = torch
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
@@ -61,6 +68,11 @@ class DiffusionRunner:
             weights_dir, torch_dtype=dtype, use_safetensors=True, safety_checker=None, requires_safety_checker=False
         ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
+        if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:
+            scheduler_class = getattr(diffusers, spec.scheduler)
+            self._pipeline.scheduler = scheduler_class.from_config(self._pipeline.scheduler.config)
+        if spec.scheduling == "step":
+            _check_steppable(spec, self._pipeline)
         # Compiled shapes must be static: batches are padded up to the next bucket.
         self._compiled = compile_unet and self._device == "cuda"
         self._compile_cache = compile_cache
@@ -104,7 +116,13 @@ class DiffusionRunner:
         )
         for size in sizes:
             items = [GenerationItem(prompt="warm-up", seed=i, image=image) for i in range(size)]
-            self.generate(items, params, lambda step, total: None)
+            if self.spec.scheduling == "step":
+                running = self.start_items(items, params)
+                while not all(r.finished for r in running):
+                    self.denoise_step(running)
+                self.decode(running)
+            else:
+                self.generate(items, params, lambda step, total: None)
         if self._compiled and self._compile_cache is not None:
             self._compile_cache.save()
         log.info("warm-up at batch sizes %s took %.2fs", sizes, time.perf_counter() - started)
@@ -137,6 +155,147 @@ class DiffusionRunner:
         with torch.inference_mode():
             output = self._pipeline(**kwargs)
         return list(output.images[:count])
+
+    def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        """Encodes the prompts (one text-encoder call) and makes each image's latents with its own generator and
+        scheduler instance, exactly as the pipeline does for one image; img2img starts at its own timestep."""
+        torch, pipe = self._torch, self._pipeline
+        device = pipe._execution_device
+        guided = params.guidance_scale > 1
+        with torch.inference_mode():
+            prompt_embeds, negative_embeds = pipe.encode_prompt(
+                [item.prompt for item in items], device, 1, guided, [item.negative_prompt or "" for item in items]
+            )
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+                scheduler.set_timesteps(params.num_inference_steps, device=device)
+                timesteps = scheduler.timesteps
+                dtype = prompt_embeds.dtype
+                if self.needs_image:
+                    timesteps, latents = self._image_latents(scheduler, item, params, generator, device, dtype)
+                else:
+                    shape = (
+                        1,
+                        pipe.unet.config.in_channels,
+                        params.height // pipe.vae_scale_factor,
+                        params.width // pipe.vae_scale_factor,
+                    )
+                    latents = _randn(shape, generator, device, dtype) * scheduler.init_noise_sigma
+                embeddings = prompt_embeds[index : index + 1]
+                if guided:
+                    embeddings = torch.cat([negative_embeds[index : index + 1], embeddings])
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "embeddings": embeddings,
+                    "guidance": params.guidance_scale if guided else None,
+                    "step_kwargs": _step_kwargs(scheduler, generator),
+                }
+                running.append(RunningItem(item, total=len(timesteps), state=state))
+        return running
+
+    def _image_latents(self, scheduler, item: GenerationItem, params: GenerationParameters, generator, device, dtype):
+        """img2img's `get_timesteps` and `prepare_latents` for one image, on its own scheduler instance."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
+
+        pipe, steps = self._pipeline, params.num_inference_steps
+        start = max(steps - min(int(steps * params.strength), steps), 0)
+        timesteps = scheduler.timesteps[start * scheduler.order :]
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(start * scheduler.order)
+        image = pipe.image_processor.preprocess(item.image).to(device=device, dtype=dtype)
+        init = retrieve_latents(pipe.vae.encode(image), generator=generator) * pipe.vae.config.scaling_factor
+        noise = _randn(init.shape, generator, device, dtype)
+        return timesteps, scheduler.add_noise(init, noise, timesteps[:1].repeat(1))
+
+    def denoise_step(self, running: list[RunningItem]) -> None:
+        """One UNet call over every item (per-sample timesteps, per-sample guidance), then each item's own step."""
+        torch, unet = self._torch, self._pipeline.unet
+        inputs, timesteps, embeddings = [], [], []
+        with torch.inference_mode():
+            for r in running:
+                t = r.state["timesteps"][r.done]
+                latents = r.state["latents"]
+                x = torch.cat([latents] * 2) if r.state["guidance"] is not None else latents
+                inputs.append(r.state["scheduler"].scale_model_input(x, t))
+                timesteps.append(t.reshape(1).to(torch.float32).repeat(x.shape[0]))
+                embeddings.append(r.state["embeddings"])
+            sample, timestep, context = (
+                torch.cat(inputs),
+                torch.cat(timesteps).to(inputs[0].device),
+                torch.cat(embeddings),
+            )
+            rows = sample.shape[0]
+            if self._compiled:  # static shapes: pad the rows up to a compiled bucket, drop the extra outputs
+                size = 2 * next(b for b in batch_buckets(self.spec.max_batch_size) if 2 * b >= rows)
+                sample, timestep, context = (_pad_rows(tensor, size) for tensor in (sample, timestep, context))
+            predicted = unet(sample, timestep, encoder_hidden_states=context, return_dict=False)[0][:rows]
+            offset = 0
+            for r, x in zip(running, inputs, strict=True):
+                noise = predicted[offset : offset + x.shape[0]]
+                offset += x.shape[0]
+                if r.state["guidance"] is not None:
+                    uncond, text = noise.chunk(2)
+                    noise = uncond + r.state["guidance"] * (text - uncond)
+                try:
+                    t = r.state["timesteps"][r.done]
+                    step = r.state["scheduler"].step(
+                        noise, t, r.state["latents"], **r.state["step_kwargs"], return_dict=False
+                    )
+                    r.state["latents"] = step[0]
+                    r.done += 1
+                except Exception as exc:  # noqa: BLE001 - this item fails alone; the others have stepped
+                    r.failure = exc
+
+    def decode(self, running: list[RunningItem]) -> list:
+        """One VAE call for the finished items; float arrays as `output_type="np"` gives them."""
+        torch, pipe = self._torch, self._pipeline
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
+            images = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+            arrays = pipe.image_processor.postprocess(images, output_type="np", do_denormalize=[True] * len(running))
+        for r in running:
+            r.state.clear()  # the latents and scheduler are done with: free them now, not when the reply is sent
+        return list(arrays)
+
+
+def _randn(shape, generator, device, dtype):
+    """diffusers' noise for one image from its own generator (a one-element list, as the pipeline gets it)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(shape, generator=[generator], device=device, dtype=dtype)
+
+
+def _step_kwargs(scheduler, generator) -> dict:
+    """What the pipeline passes to `scheduler.step` besides the tensors (eta 0 for DDIM, the generator)."""
+    accepted = inspect.signature(scheduler.step).parameters
+    kwargs: dict = {}
+    if "eta" in accepted:
+        kwargs["eta"] = 0.0
+    if "generator" in accepted:
+        kwargs["generator"] = [generator]
+    return kwargs
+
+
+def _pad_rows(tensor, rows: int):
+    """Repeats the last row up to `rows` (a compiled UNet's fixed batch)."""
+    import torch
+
+    if tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def _check_steppable(spec: ModelSpec, pipeline) -> None:
+    """Refuses `scheduling: step` for a pipeline whose scheduler or UNet cannot be stepped per item."""
+    name = type(pipeline.scheduler).__name__
+    if name not in STEPPABLE_SCHEDULERS:
+        raise ValueError(steppable_error(spec.name, name))
+    if pipeline.unet.config.time_cond_proj_dim is not None:
+        raise ValueError(f"{spec.name}: scheduling: step does not support guidance-embedding UNets; use request")
 
 
 def requested_steps(params: GenerationParameters, image_to_image: bool) -> int:

@@ -2,8 +2,9 @@
 
 Pullers add what they pulled; the device loop takes the next batch: the oldest high-priority request (else
 the oldest normal one) and every held request that can share its pipeline call, up to the model's
-`max_batch_size` images. Holding no more than one batch beyond the running one is what keeps a backlog
-in Pub/Sub, where an idle worker can take it, instead of in one worker's hands.
+`max_batch_size` images. For a step-scheduled model the device also takes joiners for its running set
+between steps, in the same order. Holding no more than one batch beyond the running one is what keeps a
+backlog in Pub/Sub, where an idle worker can take it, instead of in one worker's hands.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class PendingRequest:
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys can run in one pipeline call."""
+        """Requests with equal keys can run in one pipeline call (or, stepped, in one denoising call)."""
         params = self.request.parameters
+        if self.spec.scheduling == "step":
+            # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
+            return (self.spec.name, params.width, params.height)
         return (
             self.spec.name,
             params.width,
@@ -109,10 +113,7 @@ class RequestPool:
             self._changed.wait_for(lambda: self._held or self._closed, timeout)
             now = time.time()
             abandoned = [p for p in self._held if p.abandoned(now)]
-            live = sorted(
-                (p for p in self._held if not p.abandoned(now)),
-                key=lambda p: (p.priority != "high", p.message.received_at),
-            )
+            live = self._ordered(now)
             batch: list[PendingRequest] = []
             if live:
                 first = live[0]
@@ -125,6 +126,33 @@ class RequestPool:
             self._held = [p for p in self._held if id(p) not in taken]
             self._changed.notify_all()
             return batch, abandoned
+
+    def take_joiners(self, key: tuple, room: int) -> tuple[list[PendingRequest], list[PendingRequest]]:
+        """(requests that join a running set with batch key `key` and `room` images free, abandoned ones); no wait.
+
+        Taken in the device's order (high priority, then oldest), stopping at the first that cannot join: a
+        request for another model or size is not overtaken forever, the running set drains and it goes next.
+        """
+        with self._changed:
+            now = time.time()
+            abandoned = [p for p in self._held if p.abandoned(now)]
+            joiners: list[PendingRequest] = []
+            for candidate in self._ordered(now):
+                if candidate.batch_key != key or candidate.size > room:
+                    break
+                joiners.append(candidate)
+                room -= candidate.size
+            taken = {id(p) for p in joiners + abandoned}
+            if taken:
+                self._held = [p for p in self._held if id(p) not in taken]
+                self._changed.notify_all()
+            return joiners, abandoned
+
+    def _ordered(self, now: float) -> list[PendingRequest]:
+        return sorted(
+            (p for p in self._held if not p.abandoned(now)),
+            key=lambda p: (p.priority != "high", p.message.received_at),
+        )
 
     def close(self) -> list[PendingRequest]:
         """Stops intake and returns what was held, for the caller to hand back to the queue."""

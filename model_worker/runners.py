@@ -1,7 +1,10 @@
 """The runner interface: one pipeline call for a batch of images, each with its own prompt, seed and input.
 
-The diffusers runner lives in `pipeline.py`; the synthetic `noop` and `sleep` runners here go through
-exactly the same worker path, so benchmarks and tests measure the orchestration, not a stub of it.
+A runner also steps: `start_items` prepares images to denoise, `denoise_step` advances a set of them by one
+model call, `decode` turns finished ones into images; the step scheduler (`stepping.py`) uses these for
+models with `scheduling: step`. The diffusers runner lives in `pipeline.py`; the synthetic `noop` and
+`sleep` runners here go through exactly the same worker path, so benchmarks and tests measure the
+orchestration, not a stub of it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contract.catalog import ModelSpec
@@ -32,6 +35,21 @@ class GenerationItem:
     image: Any = None  # a PIL image for image-to-image
 
 
+@dataclass(eq=False)
+class RunningItem:
+    """One image being denoised by the step scheduler: where it is in its own schedule of model calls."""
+
+    item: GenerationItem
+    total: int  # model calls this image needs (its scheduler's timesteps, after img2img's strength)
+    done: int = 0
+    failure: Exception | None = None  # its own scheduler step failed: it fails alone
+    state: dict = field(default_factory=dict)  # the runner's own per-image state (latents, scheduler, ...)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+
 class Runner(Protocol):
     spec: ModelSpec
     accelerator: str
@@ -43,6 +61,16 @@ class Runner(Protocol):
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
         """Images (PIL), one per item, in order. `params.seed` and `params.negative_prompt` are ignored: per item."""
+
+    def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        """Prepares one request's images for stepping (prompt encoding, initial latents, own scheduler)."""
+
+    def denoise_step(self, running: list[RunningItem]) -> None:
+        """Advances each item by one model call, all in one call. Raises only before any item changed; a failure
+        in one item's own scheduler step is kept on that item (`failure`)."""
+
+    def decode(self, running: list[RunningItem]) -> list:
+        """Images of finished items, one per item, in order, in one decoder call."""
 
 
 class BatchAbandonedError(Exception):
@@ -84,6 +112,26 @@ class SyntheticRunner:
             else:
                 on_step(steps, steps)
         return [Image.new("RGB", (8, 8), _seed_color(item.seed)) for item in items]
+
+    def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        return [RunningItem(item, total=params.num_inference_steps) for item in items]
+
+    def denoise_step(self, running: list[RunningItem]) -> None:
+        """One tick of the stand-in GPU (a tenth of a call, whatever the number of items) for every item."""
+        if len(running) > self.spec.max_batch_size:
+            raise ValueError(f"step of {len(running)} items exceeds max_batch_size {self.spec.max_batch_size}")
+        if any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
+            raise RuntimeError("synthetic pipeline crash (poison prompt)")
+        with self._device:
+            if self._call_seconds > 0:
+                time.sleep(self._call_seconds / self._ticks)
+        for r in running:
+            r.done += 1
+
+    def decode(self, running: list[RunningItem]) -> list:
+        from PIL import Image
+
+        return [Image.new("RGB", (8, 8), _seed_color(r.item.seed)) for r in running]
 
 
 def _seed_color(seed: int) -> tuple[int, int, int]:

@@ -44,7 +44,11 @@ def served_specs(settings: Settings) -> list[ModelSpec]:
     unknown = [name for name in settings.models if catalog.get(name) is None]
     if unknown:
         raise ValueError(f"MAAS_MODELS names models not in the catalog: {unknown}")
-    return [catalog.get(name) for name in settings.models]
+    specs = [catalog.get(name) for name in settings.models]
+    if settings.scheduling:
+        # Validated again, so an override gets the catalog's checks (a scheduler that cannot step per item).
+        specs = [type(spec).model_validate({**spec.model_dump(), "scheduling": settings.scheduling}) for spec in specs]
+    return specs
 
 
 class WorkerService:

@@ -30,6 +30,32 @@ def test_catalog_rejects_unknown_fields(tmp_path):
         ModelCatalog.from_yaml(path)
 
 
+def catalog_with(tmp_path, **changes):
+    import yaml
+
+    from contract.catalog import DEFAULT_CATALOG_PATH
+
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    raw["models"]["sd15-txt2img"].update(changes)
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return ModelCatalog.from_yaml(path)
+
+
+def test_catalog_scheduling_is_step_or_request_with_a_clear_error(tmp_path):
+    assert catalog_with(tmp_path, scheduling="request").get("sd15-txt2img").scheduling == "request"
+    with pytest.raises(ValueError, match=r"sd15-txt2img: scheduling 'iteration' is not one of step, request"):
+        catalog_with(tmp_path, scheduling="iteration")
+
+
+def test_catalog_refuses_step_scheduling_for_a_scheduler_that_cannot_step_per_item(tmp_path):
+    with pytest.raises(ValueError, match=r"sd15-txt2img: scheduling: step needs .* HeunDiscreteScheduler cannot"):
+        catalog_with(tmp_path, scheduling="step", scheduler="HeunDiscreteScheduler")
+    assert catalog_with(tmp_path, scheduling="request", scheduler="HeunDiscreteScheduler")
+    with pytest.raises(ValueError, match="scheduler 'FancyScheduler' is not one of"):
+        catalog_with(tmp_path, scheduler="FancyScheduler")
+
+
 def test_log_row_columns_are_the_schema_columns():
     assert {f.name for f in dataclasses.fields(InferenceLogRow)} == {f["name"] for f in log_schema_fields()}
 

@@ -1,0 +1,150 @@
+"""The open-loop sweep of `open_loop.py` through the whole system: HTTP API, Pub/Sub, the model's worker, replies.
+
+One worker serves the model at a time, started with `MAAS_SCHEDULING=request` or `=step`; the stack's own
+worker for that deployment is stopped meanwhile (its lock held, so the supervisor leaves it alone) and
+started again at the end. Latency is the client's, from each request's scheduled arrival to its response.
+
+    .venv/bin/python -m bench.open_loop_system --multiples 0.5 1.5 --requests 8 --json out.json   # a running stack
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+import requests
+
+from bench.open_loop import SCHEDULINGS, STEP_MIX, Arrival, median_ms
+from bench.scenarios import fresh_seed
+from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import ROOT, StackConfig, components, local_catalog, start_component, worker_env
+
+BENCH_WORKER = "bench-open-loop-worker"
+# Enough threads that no arrival waits for a free one at the rates swept (each holds one request).
+CLIENT_THREADS = 192
+
+
+class SystemBackend:
+    def __init__(self, config: StackConfig, api_url: str, key: str, model: str = "sd15-txt2img") -> None:
+        self._config = config
+        self._url = f"{api_url}/v1/models/{model}:predict"
+        self._key = key
+        self._registry = ProcessRegistry(config.stack_dir)
+        deployment = local_catalog().get(model).deployment
+        index = list(local_catalog().deployments()).index(deployment)
+        self._stack_worker = f"worker-{deployment}"
+        self._env = worker_env(config, deployment, index)
+        self._ready = f"http://127.0.0.1:{config.worker_health_port(index)}/readyz"
+        self._active: str | None = None
+        self.mix = STEP_MIX
+        self._local = threading.local()
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(self._registry.lock(self._stack_worker))
+        self._registry.stop(self._stack_worker, timeout=30)
+        self.restarts = 0
+
+    def activate(self, scheduling: str) -> None:
+        if self._active == scheduling:
+            return
+        self._stop_bench_worker()
+        argv = [sys.executable, "-m", "model_worker"]
+        self._registry.start(BENCH_WORKER, argv, {**self._env, "MAAS_SCHEDULING": scheduling}, cwd=ROOT)
+        self._registry.wait_until(BENCH_WORKER, lambda: http_ok(self._ready), timeout=300)
+        self._active = scheduling
+        self.restarts += 1
+
+    def _stop_bench_worker(self) -> None:
+        if self._registry.pid(BENCH_WORKER) is not None:
+            self._registry.stop(BENCH_WORKER, timeout=60)
+        self._active = None
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+            self._local.session.headers["Authorization"] = f"Bearer {self._key}"
+        return self._local.session
+
+    def _call(self, steps: int, seed: int) -> bool:
+        body = {"instances": [{"prompt": f"open loop {seed}"}],
+                "parameters": {"seed": seed, "num_inference_steps": steps, "width": 64, "height": 64}}  # fmt: skip
+        try:
+            return self._session().post(self._url, json=body, timeout=120).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def lone(self, repeats: int) -> dict[str, dict[str, float]]:
+        """Lone latency per scheduling, one worker after the other (a restart between them costs seconds)."""
+        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in SCHEDULINGS}
+        for scheduling in SCHEDULINGS:
+            self.activate(scheduling)
+            self._call(STEP_MIX[0], fresh_seed())  # the first request through a fresh worker and API pays extra
+            for _ in range(repeats):
+                for steps in STEP_MIX:
+                    began = time.perf_counter()
+                    if self._call(steps, fresh_seed()):
+                        seen[scheduling][steps].append(time.perf_counter() - began)
+        return median_ms(seen)
+
+    def run(self, scheduling: str, arrivals: list[Arrival], grace: float) -> tuple[dict[int, float], float]:
+        self.activate(scheduling)
+        answered: dict[int, float] = {}
+        started = time.perf_counter()
+
+        def call(index: int, arrival: Arrival) -> None:
+            if self._call(arrival.steps, fresh_seed()):
+                answered[index] = time.perf_counter()
+
+        with ThreadPoolExecutor(CLIENT_THREADS, thread_name_prefix="open-loop") as pool:
+            futures = []
+            for index, arrival in enumerate(arrivals):
+                delay = started + arrival.at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(pool.submit(call, index, arrival))
+            wait(futures, timeout=grace)
+        latencies = {i: at - (started + arrivals[i].at) for i, at in answered.items()}
+        last = max(answered.values(), default=time.perf_counter())
+        return latencies, max(last - started, arrivals[-1].at if arrivals else 0.0)
+
+    def close(self) -> None:
+        """Stops the benchmark's worker and starts the stack's own again."""
+        try:
+            self._stop_bench_worker()
+            start_component(self._registry, components(self._config)[self._stack_worker])
+        finally:
+            self._held.close()
+
+
+def main() -> None:
+    from bench import open_loop
+    from bench.scenarios import BenchApi
+    from bench.suite import bench_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--multiples", type=float, nargs="+", default=list(open_loop.SYSTEM_RATE_MULTIPLES["quick"]))
+    parser.add_argument("--requests", type=int, default=open_loop.SYSTEM_REQUESTS_PER_RATE["quick"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = bench_config()
+    os.environ.update(config.client_env())
+    api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
+    api.start("per-instance")
+    try:
+        backend = SystemBackend(config, api.url, config.api_keys.split(",")[0])
+        result = open_loop.sweep(backend, tuple(args.multiples), args.requests, repeats=2)
+    finally:
+        api.stop()
+    open_loop.print_targets(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The step scheduler: requests join a running set between denoising steps, leave on their own, keep their images.
+
+The worker's own device loop, pool and running set around the tiny random-weight pipeline (64x64, a few
+steps), in one process; only the finisher and the lease keeper are recorders. Arrivals are placed at exact
+steps by a hook on the runner, so nothing here depends on timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from contract.catalog import load_catalog
+from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
+from emulators.stack import LOCAL_CATALOG_OVERLAY
+from model_worker.device import DeviceLoop
+from model_worker.health import WorkerHealth
+from model_worker.intake import ReplyFactory
+from model_worker.metrics import WorkerMetrics
+from model_worker.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.runners import GenerationItem, SyntheticRunner
+
+CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+TXT2IMG = CATALOG.get("sd15-txt2img").model_copy(update={"scheduling": "step"})
+IMG2IMG = CATALOG.get("sd15-img2img").model_copy(update={"scheduling": "step"})
+SLEEP_STEP = CATALOG.get("sleep").model_copy(update={"scheduling": "step", "name": "sleep"})
+# Pixel values may move by one or two inside a different batch composition (float rounding), no more: the
+# tolerance of the request-level batching tests.
+PIXEL_TOLERANCE = 3
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory) -> dict:
+    import torch
+
+    from model_worker.pipeline import DiffusionRunner
+    from model_worker.tiny_pipeline import build_pipeline
+
+    torch.set_num_threads(1)
+    root: Path = tmp_path_factory.mktemp("tiny")
+    built = {}
+    for spec in (TXT2IMG, IMG2IMG):
+        directory = build_pipeline(root / spec.name, spec.pipeline)
+        built[spec.name] = DiffusionRunner(spec, directory, torch_threads=1)
+    return built
+
+
+class Hooked:
+    """A runner that records the images of each denoising call and runs `after[n]` once call n is done."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.sizes: list[int] = []
+        self.after: dict[int, callable] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def denoise_step(self, running) -> None:
+        self.runner.denoise_step(running)
+        self.sizes.append(len(running))
+        if hook := self.after.pop(len(self.sizes), None):
+            hook()
+
+
+class Outcomes:
+    """The finisher and the lease keeper: records images and reply fields, answers and hand-backs."""
+
+    def __init__(self) -> None:
+        self.images: dict[str, list] = {}
+        self.fields: dict[str, dict] = {}
+        self.answered: dict[str, tuple[str, str | None, str | None]] = {}
+        self.released: list[str] = []
+        self.redis_trouble = SimpleNamespace(warn=lambda *args: None)
+        self._changed = threading.Condition()
+
+    def finish(self, pending, images, fields) -> None:
+        with self._changed:
+            self.images[pending.request_id], self.fields[pending.request_id] = images, fields
+            self._changed.notify_all()
+
+    def answer(self, message, reply, store: bool = True) -> None:
+        with self._changed:
+            self.answered[reply.request_id] = (reply.status, reply.error_kind, reply.error)
+            self._changed.notify_all()
+
+    def release(self, message) -> None:
+        with self._changed:
+            self.released.append(message.ack_id)
+            self._changed.notify_all()
+
+    def wait(self, count: int, timeout: float = 120) -> None:
+        with self._changed:
+            done = self._changed.wait_for(
+                lambda: len(self.images) + len(self.answered) + len(self.released) >= count, timeout
+            )
+        assert done, f"only {self.images.keys() | self.answered.keys()} of {count} answered"
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.seen: dict[str, set[tuple[int, int]]] = {}
+
+    def begin(self, batch) -> None: ...
+    def update(self, step, total) -> None: ...
+    def end(self) -> None: ...
+
+    def running(self, entries) -> None:
+        for pending, step, total, _images in entries:
+            self.seen.setdefault(pending.request_id, set()).add((step, total))
+
+
+class Worker:
+    """One device loop on its own thread over `runners`, fed through its pool."""
+
+    def __init__(self, runners: dict, capacity: int = 8) -> None:
+        self.pool = RequestPool(capacity)
+        self.outcomes = Outcomes()
+        self.progress = Progress()
+        self.loop = DeviceLoop(
+            runners, self.pool, self.outcomes, self.outcomes, ReplyFactory("w1", {}), self.progress,
+            WorkerMetrics(), WorkerHealth(600),
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self.loop.run, daemon=True)
+
+    def __enter__(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.stopping.set()
+        self.pool.close()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive()
+
+
+def request(
+    request_id: str,
+    spec,
+    steps: int = 4,
+    guidance: float = 7.5,
+    seed: int = 1,
+    images: int = 1,
+    strength: float = 0.75,
+    image=None,
+    priority: str = "normal",
+    deadline_in: float | None = 120,
+) -> PendingRequest:
+    params = GenerationParameters(
+        seed=seed, num_inference_steps=steps, guidance_scale=guidance, width=64, height=64, strength=strength
+    )
+    body = InferenceRequest(
+        request_id=request_id, model=spec.name, model_version="1",
+        instances=[RequestInstance(prompt=f"{request_id} prompt") for _ in range(images)], parameters=params,
+    )  # fmt: skip
+    message = HeldMessage("sub", f"ack-{request_id}", {}, b"", 1, time.time())
+    items = [GenerationItem(prompt=f"{request_id} prompt", seed=seed + i, image=image) for i in range(images)]
+    deadline_ms = None if deadline_in is None else int((time.time() + deadline_in) * 1000)
+    return PendingRequest(message, spec, body, items, priority, deadline_ms)
+
+
+def solo(runner, pending: PendingRequest) -> list:
+    """The request's images run alone at request level: one pipeline call of its own."""
+    return runner.generate(pending.items, pending.request.parameters, lambda step, total: None)
+
+
+def assert_same_images(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() * 255 <= PIXEL_TOLERANCE
+
+
+def test_a_request_arriving_while_another_runs_joins_at_the_next_step_with_its_own_steps_and_guidance(runners):
+    runner = Hooked(runners[TXT2IMG.name])
+    first = request("first", TXT2IMG, steps=8, guidance=7.5, seed=3)
+    joiner = request("joiner", TXT2IMG, steps=3, guidance=2.0, seed=9, images=2)
+    with Worker({TXT2IMG.name: runner}) as worker:
+        runner.after[2] = lambda: worker.pool.add(joiner)
+        worker.pool.add(first)
+        worker.outcomes.wait(2)
+    # PNDM runs one call more than the steps asked for: 9 calls for the first, 4 for the joiner from call 3.
+    assert runner.sizes == [1, 1, 3, 3, 3, 3, 1, 1, 1]
+    fields = worker.outcomes.fields
+    assert fields["first"]["batch_id"] == fields["joiner"]["batch_id"]
+    assert fields["first"]["batch_size"] == fields["joiner"]["batch_size"] == 3
+    assert (
+        worker.outcomes.images["joiner"]
+        and fields["joiner"]["worker_finished_ms"] <= fields["first"]["worker_finished_ms"]
+    )
+    assert_same_images(worker.outcomes.images["first"], solo(runner, first))
+    assert_same_images(worker.outcomes.images["joiner"], solo(runner, joiner))
+    # Progress is step i of the N asked for, whatever the scheduler's own count of calls.
+    assert max(worker.progress.seen["first"]) == (8, 8) and max(worker.progress.seen["joiner"]) == (3, 3)
+    assert {total for _, total in worker.progress.seen["first"]} == {8}
+
+
+def test_an_image_to_image_request_joins_mid_run_at_its_own_start_timestep(runners):
+    from PIL import Image
+
+    runner = Hooked(runners[IMG2IMG.name])
+    picture = Image.new("RGB", (64, 64), (200, 80, 40))
+    first = request("first", IMG2IMG, steps=10, strength=0.8, image=picture, seed=2)
+    joiner = request("joiner", IMG2IMG, steps=10, strength=0.4, image=picture, seed=5)
+    with Worker({IMG2IMG.name: runner}) as worker:
+        runner.after[1] = lambda: worker.pool.add(joiner)
+        worker.pool.add(first)
+        worker.outcomes.wait(2)
+    # strength 0.8 of 10 steps: 8 steps (PNDM: 9 calls); strength 0.4: 4 steps, 5 calls, joining at call 2.
+    assert runner.sizes == [1, 2, 2, 2, 2, 2, 1, 1, 1]
+    assert_same_images(worker.outcomes.images["first"], solo(runner, first))
+    assert_same_images(worker.outcomes.images["joiner"], solo(runner, joiner))
+
+
+@pytest.mark.parametrize("how", ["cancelled", "expired"])
+def test_an_abandoned_item_leaves_at_the_next_step_and_the_others_finish_unchanged(runners, how):
+    runner = Hooked(runners[TXT2IMG.name])
+    stays = request("stays", TXT2IMG, steps=6, seed=4)
+    leaves = request("leaves", TXT2IMG, steps=6, seed=7)
+
+    def abandon() -> None:
+        if how == "cancelled":
+            leaves.cancelled = True
+        else:
+            leaves.deadline_ms = int(time.time() * 1000) - 1
+
+    worker = Worker({TXT2IMG.name: runner})
+    runner.after[2] = abandon
+    worker.pool.add(stays)
+    worker.pool.add(leaves)
+    with worker:
+        worker.outcomes.wait(2)
+    assert runner.sizes == [2, 2, 1, 1, 1, 1, 1]
+    status, kind, error = worker.outcomes.answered["leaves"]
+    assert status == kind == how and error.endswith("while it ran")
+    assert_same_images(worker.outcomes.images["stays"], solo(runner, stays))
+
+
+def test_a_poison_request_in_a_running_set_fails_alone():
+    runner = Hooked(SyntheticRunner(SLEEP_STEP))
+    good = [request(f"good-{i}", SLEEP_STEP, steps=5) for i in range(3)]
+    poison = request("poison", SLEEP_STEP, steps=5)
+    poison.items[0] = GenerationItem(prompt="!crash now", seed=1)
+    with Worker({SLEEP_STEP.name: runner}) as worker:
+        runner.after[1] = lambda: [worker.pool.add(p) for p in (poison, *good[1:])]
+        worker.pool.add(good[0])
+        worker.outcomes.wait(4)
+    # The poison fails the shared call; stepped one by one, it fails alone and goes back for a retry.
+    assert worker.outcomes.released == ["ack-poison"] and worker.outcomes.answered == {}
+    assert set(worker.outcomes.images) == {"good-0", "good-1", "good-2"}
+    assert runner.sizes[1:4] == [1, 1, 1] and max(runner.sizes) == 3  # split once, then shared again
+
+
+def test_drain_finishes_the_running_set_and_lets_nobody_join(runners):
+    runner = Hooked(runners[TXT2IMG.name])
+    running = request("running", TXT2IMG, steps=5, seed=11)
+    waiting = request("waiting", TXT2IMG, steps=2, seed=12)
+    worker = Worker({TXT2IMG.name: runner})
+
+    def sigterm() -> None:  # what the worker's SIGTERM handler does: stop; a request is held meanwhile
+        worker.pool.add(waiting)
+        worker.loop.stopping.set()
+
+    runner.after[2] = sigterm
+    worker.pool.add(running)
+    thread = threading.Thread(target=worker.loop.run)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the device loop did not return after finishing its running set"
+    assert runner.sizes == [1] * 6 and set(worker.outcomes.images) == {"running"}
+    # What was held and never joined goes back to Pub/Sub (the service's drain hands it back).
+    assert [p.request_id for p in worker.pool.close()] == ["waiting"]
+    assert_same_images(worker.outcomes.images["running"], solo(runner, running))
+
+
+def test_a_two_model_worker_steps_one_model_and_batches_the_other_by_request(runners):
+    stepped = Hooked(runners[TXT2IMG.name])
+    by_request = SyntheticRunner(CATALOG.get("sleep"), call_seconds=0.05)
+    first = request("stepped-1", TXT2IMG, steps=4, seed=1)
+    batched = [request(f"batched-{i}", CATALOG.get("sleep"), steps=2) for i in range(3)]
+    later = request("stepped-2", TXT2IMG, steps=4, seed=2)
+    with Worker({TXT2IMG.name: stepped, "sleep": by_request}) as worker:
+        # The synthetic model's requests arrive mid-run: they wait for the running set to drain, then run
+        # together in one call; the stepped request behind them is not let in ahead of them.
+        stepped.after[1] = lambda: [worker.pool.add(p) for p in (*batched, later)]
+        worker.pool.add(first)
+        worker.outcomes.wait(5)
+    fields = worker.outcomes.fields
+    assert {fields[p.request_id]["batch_id"] for p in batched} == {fields["batched-0"]["batch_id"]}
+    assert fields["batched-0"]["batch_size"] == 3
+    assert fields["stepped-1"]["worker_finished_ms"] <= fields["batched-0"]["worker_started_ms"]
+    assert fields["batched-0"]["worker_finished_ms"] <= fields["stepped-2"]["worker_started_ms"]
+    assert stepped.sizes == [1] * 10
+    assert_same_images(worker.outcomes.images["stepped-2"], solo(stepped, later))
+
+
+def test_priority_decides_who_joins_a_full_running_set_first():
+    pool = RequestPool(capacity=8)
+    key = request("x", SLEEP_STEP).batch_key
+    pool.add(request("normal-old", SLEEP_STEP, steps=2))
+    pool.add(request("high-new", SLEEP_STEP, steps=9, priority="high"))
+    pool.add(request("normal-new", SLEEP_STEP, steps=3))
+    joiners, _ = pool.take_joiners(key, room=2)
+    assert [p.request_id for p in joiners] == ["high-new", "normal-old"]
+    pool.add(request("other-size", SLEEP_STEP.model_copy(update={"name": "noop"})))
+    assert pool.take_joiners(key, room=0) == ([], [])
+    joiners, _ = pool.take_joiners(key, room=8)
+    assert [p.request_id for p in joiners] == ["normal-new"]
+
+
+def test_a_pipeline_whose_scheduler_cannot_step_per_item_is_refused_at_load(runners):
+    from model_worker.pipeline import DiffusionRunner
+
+    # Allowed by the catalog with `request`; a step-scheduled model with such a scheduler never serves.
+    heun = TXT2IMG.model_copy(update={"scheduling": "request", "scheduler": "HeunDiscreteScheduler"})
+    directory = runners[TXT2IMG.name].weights_dir
+    assert DiffusionRunner(heun, directory).spec.scheduler == "HeunDiscreteScheduler"
+    with pytest.raises(ValueError, match="HeunDiscreteScheduler cannot"):
+        DiffusionRunner(heun.model_copy(update={"scheduling": "step"}), directory)
