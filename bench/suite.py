@@ -193,9 +193,13 @@ class Suite:
         argv = [sys.executable, "-m", "bench.open_loop", "--json", str(out),
                 "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img"))] + (["--quick"] if self.quick else [])  # fmt: skip
         env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         self.count += 1
         print(f"[{self.count:>2}/{self.total}] open loop, in process:", flush=True)
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        except subprocess.TimeoutExpired as exc:
+            print(f"  gave up after {exc.timeout:.0f}s (a crowded machine?)", flush=True)
+            return None
         print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")), flush=True)
         if done.returncode != 0:
             print(f"  failed\n{done.stderr[-2000:]}", flush=True)
