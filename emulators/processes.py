@@ -230,7 +230,11 @@ def http_probe(url: str, timeout: float = 1.0) -> tuple[int, str]:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback only
             return response.status, response.read(2000).decode(errors="replace").strip()
     except urllib.error.HTTPError as error:
-        return error.code, error.read(2000).decode(errors="replace").strip()
+        try:
+            body = error.read(2000).decode(errors="replace").strip()
+        except OSError:  # the status came but not its body in time: a process too busy, still an answer
+            body = ""
+        return error.code, body
     except (urllib.error.URLError, OSError, ValueError) as error:
         return 0, f"not answering ({type(getattr(error, 'reason', error)).__name__})"
 
