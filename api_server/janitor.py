@@ -155,6 +155,8 @@ class JanitorTask:
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 def janitor_age(settings: Settings, catalog: ModelCatalog, older_than: int | None = None) -> int:

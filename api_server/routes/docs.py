@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
 from spectree import Response as SpecResponse
 from spectree.page import PAGE_TEMPLATES
 
 from api_server.openapi import API_SPEC, PUBLIC, documented, openapi_document
+from api_server.state import app_state
 
 bp = Blueprint("docs", __name__)
 
@@ -15,10 +16,9 @@ bp = Blueprint("docs", __name__)
 @documented(SpecResponse("HTTP_200"), security=PUBLIC, tags=["operations"])
 def openapi_json():
     """This document"""
-    document = current_app.extensions.get("maas_openapi")
-    if document is None:
-        names = current_app.extensions["maas"].catalog.names()
-        document = current_app.extensions.setdefault("maas_openapi", openapi_document(names))
+    state = app_state()
+    if (document := state.lazy.get("openapi")) is None:
+        document = state.lazy.setdefault("openapi", openapi_document(state.catalog.names()))
     return jsonify(document)
 
 
