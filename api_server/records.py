@@ -26,6 +26,7 @@ from api_server.limits import NO_LEASE, Lease
 from api_server.redis_state import RedisState
 from api_server.serving import Answer, JobMade, Mode
 from contract.catalog import ModelSpec
+from contract.generation import LOGGED_PARAMETERS
 from contract.outcomes import Outcome
 
 log = logging.getLogger("api_server")
@@ -85,9 +86,9 @@ class RequestRecords:
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
         if (prepared := call.prepared) is not None:
-            row.num_images, row.width, row.height = len(prepared.prompts), prepared.params.width, prepared.params.height
-            row.num_inference_steps, row.seed = prepared.params.num_inference_steps, prepared.params.seed
-            row.priority = prepared.priority
+            for name in LOGGED_PARAMETERS:
+                setattr(row, name, getattr(prepared.params, name))
+            row.num_images, row.priority = len(prepared.prompts), prepared.priority
             row.input_bytes = sum(len(image) for image in prepared.images if image)
         outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
         row.http_status, row.status = http_status, outcome.spec.log_status

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from contract.catalog import ModelSpec
 from contract.messages import InferenceRequest
-from model_worker.runners import GenerationItem
+from model_worker.runners import GenerationItem, batch_key
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,7 @@ class PendingRequest:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can run in one pipeline call."""
-        params = self.request.parameters
-        return (
-            self.spec.name,
-            params.width,
-            params.height,
-            params.num_inference_steps,
-            params.guidance_scale,
-            params.strength,
-            bool(params.negative_prompt),
-        )
+        return (self.spec.name, *batch_key(self.request.parameters))
 
 
 class RequestPool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contract.catalog import ModelSpec
+from contract.generation import PER_CALL_PARAMETERS
 from contract.messages import GenerationParameters
 
 # Called after each denoising step with (step, total); raising from it stops the pipeline call.
@@ -41,7 +42,15 @@ class Runner(Protocol):
     def warm_up(self) -> None: ...
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
-        """Images (PIL), one per item, in order. `params.seed` and `params.negative_prompt` are ignored: per item."""
+        """One image per item, in order: float arrays (height x width x 3, in [0, 1]) from the diffusers runner,
+        PIL images from the synthetic ones; the finisher encodes either as PNG. `params.seed` and
+        `params.negative_prompt` are ignored: each item carries its own."""
+
+
+def batch_key(params: GenerationParameters) -> tuple:
+    """What every runner needs equal across the items of one pipeline call: the parameters it takes once per
+    call (contract/generation.py), and whether negative prompts are given (for all items, or for none)."""
+    return (*(getattr(params, name) for name in PER_CALL_PARAMETERS), bool(params.negative_prompt))
 
 
 class BatchAbandonedError(Exception):
