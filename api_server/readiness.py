@@ -8,7 +8,7 @@ import time
 
 from google.api_core import exceptions
 
-from contract import clients, naming
+from contract import google_clients, naming
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Readiness:
         table = f"{settings.project_id}.{settings.dataset}.{settings.log_table}"
         try:
             if self._bigquery is None:
-                self._bigquery = clients.bigquery_client(settings)
+                self._bigquery = google_clients.bigquery_client(settings)
             self._bigquery.get_table(table, retry=None, timeout=CHECK_TIMEOUT_SECONDS)
         except exceptions.NotFound:
             return [f"bigquery table {table} missing (run the bootstrap)"]

@@ -28,7 +28,7 @@ from api_server.redis_state import RedisState, api_redis_client
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from api_server.serving import ServingStage
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
-from contract import clients
+from contract import google_clients
 from contract.catalog import ModelCatalog
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
@@ -107,14 +107,16 @@ def build_app_state(settings: Settings) -> AppState:
         cache_redis = api_redis_client(settings.cache_redis_url)
         cache_state = RedisState(cache_redis, settings.redis_retry_seconds)
     results = ResultStore(redis_client, settings.result_ttl_seconds)
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     if settings.reply_mode == "per-instance":
         waiter: ReplyWaiter = PerInstanceReplyWaiter(subscriber, settings.project_id, settings.instance_id, results)
     else:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
-    publisher = clients.publisher_client()
+    publisher = google_clients.publisher_client()
     catalog = settings.catalog()
-    payloads = PayloadCodec(clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit)
+    payloads = PayloadCodec(
+        google_clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit
+    )
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
     inference = InferenceService(
         InferenceDispatcher(publisher, waiter, settings.project_id),

@@ -20,7 +20,7 @@ from google.api_core import exceptions
 
 from api_server.app import create_app
 from api_server.state import app_state
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import Outcome
@@ -43,7 +43,7 @@ class ScriptedWorker:
     `reply:none` is never answered."""
 
     def __init__(self, settings: Settings) -> None:
-        self._subscriber = clients.subscriber_client()
+        self._subscriber = google_clients.subscriber_client()
         self._subscription = self._subscriber.subscription_path(settings.project_id, naming.worker_subscription(MODEL))
         self._results = ResultStore(redis.Redis.from_url(settings.redis_url), 600)
         self._stopped = threading.Event()

@@ -10,7 +10,7 @@ from google.api_core import exceptions
 
 from api_server.app import create_app
 from api_server.state import app_state
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import InferenceReply
 from contract.settings import Settings
@@ -55,11 +55,11 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     accepted = response.get_json()
     assert GHOST in accepted["message"] and response.headers["Location"] == f"/v1/jobs/{accepted['id']}"
     assert client.get(response.headers["Location"], headers=auth_headers).get_json()["status"] == "queued"
-    subscription = clients.subscriber_client().subscription_path(
+    subscription = google_clients.subscriber_client().subscription_path(
         settings.project_id, naming.reply_subscription(accepted["id"])
     )
     with pytest.raises(exceptions.NotFound):
-        clients.subscriber_client().get_subscription(request={"subscription": subscription})
+        google_clients.subscriber_client().get_subscription(request={"subscription": subscription})
     # Its log row waits for the job's outcome: here a worker answers `expired` (as one would that pulled it late).
     serving = app_state(ghost_app)
     serving.results.put(
@@ -81,7 +81,7 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
         }
     ]
     # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))
     pulled = subscriber.pull(request={"subscription": queued, "max_messages": 10}, timeout=10)
     assert accepted["id"] in {m.message.attributes["request_id"] for m in pulled.received_messages}

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from api_server.reply_waiter import PerRequestReplyWaiter
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
@@ -38,8 +38,8 @@ def send_and_wait(
     settings, request_id: str, data: bytes, attributes: dict[str, str], timeout: float = 30
 ) -> InferenceReply | None:
     results = ResultStore(redis.Redis.from_url(settings.redis_url), 60)
-    waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
-    publisher = clients.publisher_client()
+    waiter = PerRequestReplyWaiter(google_clients.subscriber_client(), settings.project_id, results)
+    publisher = google_clients.publisher_client()
     pending = waiter.expect(request_id)
     try:
         publisher.publish(

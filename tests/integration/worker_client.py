@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
@@ -31,8 +31,8 @@ class WorkerClient:
 
     def __init__(self, settings) -> None:
         self._project = settings.project_id
-        self._publisher = clients.publisher_client()
-        self._subscriber = clients.subscriber_client()
+        self._publisher = google_clients.publisher_client()
+        self._subscriber = google_clients.subscriber_client()
         self._replies_topic = self._publisher.topic_path(self._project, naming.REPLIES_TOPIC)
         self._subscription = self._subscriber.subscription_path(self._project, f"test-replies-{uuid.uuid4().hex[:8]}")
         self._subscriber.create_subscription(request={"name": self._subscription, "topic": self._replies_topic})
