@@ -75,9 +75,11 @@ browser-deps:
 test: install browser-deps $(VENV_CHECKOV)/.installed
 	$(VENV)/bin/pytest
 
+# The layering contracts ([tool.importlinter] in pyproject.toml) also run in `make test` (tests/unit/test_layering.py).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-logo
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .

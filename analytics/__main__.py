@@ -16,7 +16,7 @@ from pathlib import Path
 
 from google.cloud import bigquery
 
-from contract import clients
+from contract import google_clients
 from contract.settings import Settings
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "infra" / "sql"
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown views {unknown}; choose from {view_names()}")
     settings = Settings.from_env()
     since = None if args.since == "all" else parse_since(args.since)
-    print(report(clients.bigquery_client(settings), settings, args.views or view_names(), since, args.model))
+    print(report(google_clients.bigquery_client(settings), settings, args.views or view_names(), since, args.model))
     return 0
 
 

@@ -2,41 +2,37 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
 from flask import Flask, g, request
 from werkzeug.routing import BaseConverter
 
-from api_server import metrics
+from api_server import records
 from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
 from api_server.routes import docs, health, jobs, models, predict
 from api_server.routes import metrics as metrics_routes
-from api_server.services import Services, build_services
-from api_server.serving import build_serving
+from api_server.state import AppState, build_app_state, install
 from contract.jsonlog import bind_context, unbind_context
 from contract.settings import Settings
 from contract.tracing import reset_current_trace, set_current_trace, trace_from_headers
-
-log = logging.getLogger("api_server")
 
 
 class ModelNameConverter(BaseConverter):
     regex = "[^/:]+"
 
 
-def create_app(settings: Settings | None = None, services: Services | None = None) -> Flask:
+def create_app(settings: Settings | None = None, state: AppState | None = None) -> Flask:
+    """The app with its state built and started; `app_state(app).close()` stops it (gunicorn's worker_exit)."""
     settings = settings or Settings.from_env()
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.json.sort_keys = False
     # A model name never holds ':', so GET /v1/models/noop:predict is the predict path's 405, not a 404 model.
     app.url_map.converters["model"] = ModelNameConverter
-    services = services or build_services(settings)
-    app.extensions["maas"] = services
-    app.extensions["maas_serving"] = build_serving(settings, services)
+    state = state or build_app_state(settings)
+    install(app, state)
     register_error_handlers(app)
     app.wsgi_app = ChunkedBodyReader(app.wsgi_app, settings.max_request_bytes)
     for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp, docs.bp):
@@ -60,35 +56,12 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
             reset_current_trace(token)
 
     @app.after_request
-    def _measure(response):
+    def _record(response):
         response.headers.setdefault("X-Request-Id", g.get("request_id", ""))
-        route = request.url_rule.rule.replace("<model:model>", "<model>") if request.url_rule else "unmatched"
-        if route != "/metrics":
-            metrics.REQUESTS.labels(route, request.method, str(response.status_code)).inc()
-            metrics.LATENCY.labels(route).observe(time.perf_counter() - g.get("started", time.perf_counter()))
+        started = g.get("started", time.perf_counter())
+        records.count_request(request, response, started)
+        records.access_line(request, response, started)
         return response
 
-    @app.after_request
-    def _access_log(response):
-        if request.path not in ("/healthz", "/readyz"):
-            latency = time.perf_counter() - g.get("started", time.perf_counter())
-            log.info(
-                "%s %s %d",
-                request.method,
-                request.path,
-                response.status_code,
-                extra={
-                    "fields": {
-                        "httpRequest": {
-                            "requestMethod": request.method,
-                            "requestUrl": request.path,
-                            "status": response.status_code,
-                            "responseSize": str(response.calculate_content_length() or 0),
-                            "latency": f"{latency:.6f}s",
-                        },
-                    }
-                },
-            )
-        return response
-
+    state.start()
     return app

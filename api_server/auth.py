@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from dataclasses import dataclass
 
 from flask import Request
 
@@ -11,6 +12,14 @@ from api_server.errors import ApiError
 from contract.settings import LOCAL_DEFAULT_API_KEY, Settings, api_key_digest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made the request: the key's id (a digest prefix, safe to log) and its full SHA-256 digest."""
+
+    key_id: str
+    digest: str
 
 
 class ApiKeyAuth:
@@ -31,6 +40,10 @@ class ApiKeyAuth:
     def authenticate(self, request: Request) -> str:
         """Returns the key's id (a digest prefix, safe to log) or raises 401."""
         return self.identify(request)[0]
+
+    def caller(self, request: Request) -> Caller:
+        """The request's caller, or raises 401."""
+        return Caller(*self.identify(request))
 
     def identify(self, request: Request) -> tuple[str, str]:
         """The key's id and its full SHA-256 digest (for per-key permissions), or raises 401."""

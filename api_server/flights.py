@@ -42,16 +42,20 @@ class ResponseRecord:
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""
+    # The `contract.outcomes.Outcome` value it answers with, so a later caller logs the same outcome.
+    outcome: str = ""
 
     def encode(self) -> bytes:
         meta = {"status": self.status, "headers": self.headers, "fingerprint": self.fingerprint}
+        if self.outcome:
+            meta["outcome"] = self.outcome
         return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
 
     @classmethod
     def decode(cls, raw: bytes) -> ResponseRecord:
         meta, _, body = raw.partition(b"\n")
         parsed = json.loads(meta)
-        return cls(parsed["status"], body, parsed["headers"], parsed["fingerprint"])
+        return cls(parsed["status"], body, parsed["headers"], parsed["fingerprint"], parsed.get("outcome", ""))
 
 
 class Role(StrEnum):
@@ -201,7 +205,7 @@ class SharedFlights:
 
     def _lead(self, key, lease_key, settled_key, token, fingerprint, compute, policy: FlightPolicy) -> ResponseRecord:
         computed = compute()
-        record = ResponseRecord(computed.status, computed.body, computed.headers, fingerprint)
+        record = ResponseRecord(computed.status, computed.body, computed.headers, fingerprint, computed.outcome)
         ttl = policy.keep_for(record)
         try:
             pipe = self._state.client.pipeline(transaction=False)

@@ -36,9 +36,10 @@ loglevel = "warning"
 def worker_exit(server, worker):
     """SIGTERM: flush the inference log rows still buffered in this worker."""
     app = getattr(getattr(worker, "asgi", None), "wsgi_app", None) or getattr(worker, "wsgi", None)
-    services = getattr(app, "extensions", {}).get("maas") if app else None
-    if services is not None:
-        services.close()
+    if app is not None and "maas" in getattr(app, "extensions", {}):
+        from api_server.state import app_state
+
+        app_state(app).close()
 
 
 def _json_error(sock, status_int, reason, mesg):

@@ -1,15 +1,17 @@
 """The inference service: validates a predict body, submits it to its model's queue and awaits the reply.
 
-It knows nothing of HTTP: sync predict, jobs, the cache, coalescing and idempotency build on `prepare`,
-`submit` and `run` as separate steps.
+Its refusals are `ApiError`s (a status and a message naming the field), the API's one error type; the
+serving stage (`serving.py`) builds the cache, coalescing, idempotency and jobs on `prepare`, `submit` and
+`run` as separate steps.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from api_server.auth import Caller
 from api_server.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.errors import ApiError
 from api_server.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
@@ -30,7 +32,15 @@ class PreparedRequest:
     params: GenerationParameters
     images: list[bytes | None]
     priority: naming.Priority
+    caller: Caller
+    # The body as sent: what an Idempotency-Key's fingerprint covers.
+    payload: object = None
     webhook_url: str | None = None
+    idempotency_key: str | None = None
+    # `Cache-Control: no-cache`: run the model again and refresh the cache entry.
+    fresh: bool = False
+    # perf_counter() when the request arrived (the answer's `timings_ms.total`).
+    received: float = field(default_factory=time.perf_counter)
 
     @property
     def deterministic(self) -> bool:
@@ -57,11 +67,20 @@ class InferenceService:
         self._job_deadline_seconds = job_deadline_seconds
         self._high_priority_keys = high_priority_keys
 
-    def prepare(self, spec: ModelSpec, payload: object, request_id: str, key_digest: str) -> PreparedRequest:
+    def prepare(
+        self,
+        spec: ModelSpec,
+        payload: object,
+        request_id: str,
+        caller: Caller,
+        idempotency_key: str | None = None,
+        fresh: bool = False,
+        received: float | None = None,
+    ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
         priority = body.parameters.priority or "normal"
-        if priority == "high" and key_digest not in self._high_priority_keys:
+        if priority == "high" and caller.digest not in self._high_priority_keys:
             raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")
         images = [
             decode_input_image(instance.image, f"instances.{index}.image", spec.limits.max_input_pixels)
@@ -70,7 +89,20 @@ class InferenceService:
             for index, instance in enumerate(body.instances)
         ]
         webhook_url = self._webhook_targets.check(body.webhook_url) if body.webhook_url is not None else None
-        return PreparedRequest(request_id, spec, body, params, images, priority, webhook_url)
+        return PreparedRequest(
+            request_id,
+            spec,
+            body,
+            params,
+            images,
+            priority,
+            caller,
+            payload,
+            webhook_url,
+            idempotency_key,
+            fresh,
+            time.perf_counter() if received is None else received,
+        )
 
     def job_deadline_ms(self) -> int:
         return int((time.time() + self._job_deadline_seconds) * 1000)

@@ -155,6 +155,8 @@ class JanitorTask:
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 def janitor_age(settings: Settings, catalog: ModelCatalog, older_than: int | None = None) -> int:
@@ -171,9 +173,11 @@ def janitor_age(settings: Settings, catalog: ModelCatalog, older_than: int | Non
 def build_janitor_task(settings: Settings, catalog: ModelCatalog, redis_client: redis.Redis) -> JanitorTask | None:
     if settings.janitor_interval_seconds <= 0:
         return None
-    from contract import clients
+    from contract import google_clients
 
-    janitor = ReplySubscriptionJanitor(clients.subscriber_client(), settings.project_id, janitor_age(settings, catalog))
+    janitor = ReplySubscriptionJanitor(
+        google_clients.subscriber_client(), settings.project_id, janitor_age(settings, catalog)
+    )
     return JanitorTask(janitor, redis_client, settings.janitor_interval_seconds)
 
 
@@ -188,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         age = janitor_age(settings, catalog, args.older_than)
     except ValueError as exc:
         parser.error(str(exc))
-    from contract import clients
+    from contract import google_clients
 
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     with contextlib.closing(subscriber):
         try:
             swept = ReplySubscriptionJanitor(subscriber, settings.project_id, age).sweep(dry_run=args.dry_run)

@@ -14,10 +14,10 @@ import threading
 import redis
 
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.jobs import JobStore
+from api_server.jobs import JobStore, reply_outcome
+from contract.outcomes import Outcome
 
 log = logging.getLogger(__name__)
-JOB_STATUS = {"ok": "ok", "error": "error", "expired": "expired", "cancelled": "cancelled"}
 
 
 class JobLogFinisher:
@@ -49,18 +49,23 @@ class JobLogFinisher:
             if self._log.closed or not self._jobs.claim_log_row(job_id):
                 continue  # another API process writes this one
             row = InferenceLogRow.from_json(row_json)
+            outcome = Outcome.EXPIRED if reply is None else reply_outcome(reply)
             if reply is None:
-                row.status, row.error_kind, row.error = "expired", "expired", "no worker answered before the deadline"
+                row.error = "no worker answered before the deadline"
                 row.end_job(None)
             else:
                 row.record_reply(reply)
                 row.end_job(reply.answered_ms)
-                row.status = JOB_STATUS[reply.status]
-                if reply.status != "ok":
+                if not outcome.answered:
                     row.error = (reply.error or reply.status)[:1024]
+            row.status = outcome.spec.log_status
+            if not outcome.answered:
+                row.error_kind = row.error_kind or outcome.spec.error_kind
             self._log.write(row)
             written += 1
         return written
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

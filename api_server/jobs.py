@@ -16,18 +16,19 @@ import redis
 
 from contract.catalog import ModelSpec
 from contract.messages import InferenceReply, Progress
+from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 
 # A queued job nobody picked up this long after its deadline is reported expired (no worker will run it).
 EXPIRY_GRACE_MS = 30_000
-REPLY_STATE = {"ok": "succeeded", "error": "failed", "expired": "expired", "cancelled": "cancelled"}
 
 
 UNLOGGED_JOBS_KEY = "maas:jobs:unlogged"
 WEBHOOK_JOBS_KEY = "maas:jobs:webhooks"
-ENDED = ("succeeded", "failed", "expired", "cancelled")
-# The HTTP status a reply's outcome is answered with (a job's `error.code`).
-REPLY_STATUS_HTTP = {"ok": 200, "expired": 504, "error": 500, "cancelled": 409}
+
+
+def reply_outcome(reply: InferenceReply) -> Outcome:
+    return Outcome.for_reply(reply.status, reply.error_kind)
 
 
 def job_key(job_id: str) -> str:
@@ -109,7 +110,7 @@ class JobStore:
             # Cancelled before it finished (a finished job cannot be cancelled): any result is discarded.
             state.status, state.reply, state.cancelled_ms = "cancelled", None, int(record["cancelled_ms"])
         elif state.reply is not None:
-            state.status = REPLY_STATE[state.reply.status]
+            state.status = reply_outcome(state.reply).spec.job_state or "failed"
         elif (progress := self._results.get_progress(job_id)) is not None:
             state.status, state.progress = "running", progress
         elif time.time() * 1000 > state.deadline_ms + EXPIRY_GRACE_MS:
@@ -159,7 +160,7 @@ class JobStore:
             url = self._redis.hget(job_key(job_id), "webhook_url")
             if job is None or url is None:  # the job record expired: nobody left to tell
                 self._redis.zrem(WEBHOOK_JOBS_KEY, job_id)
-            elif job.status in ENDED:
+            elif job.status in FINISHED_JOB_STATES:
                 ended.append((job, url.decode()))
         return ended
 
@@ -199,7 +200,7 @@ def job_view(job: JobState, predictions) -> dict:
         }
     elif reply is not None:
         view["error"] = {
-            "code": REPLY_STATUS_HTTP[reply.status],
+            "code": reply_outcome(reply).spec.http_status,
             "message": reply.error or f"model worker answered {reply.status}",
             "kind": reply.error_kind,
         }

@@ -32,7 +32,9 @@ CACHE = Counter("maas_api_cache_total", "Result cache lookups by result", ["resu
 COALESCED = Counter("maas_api_coalesced_total", "Requests answered by another identical request's inference")
 IDEMPOTENT_REPLAYS = Counter("maas_api_idempotent_replays_total", "Requests answered from an Idempotency-Key record")
 JOBS = Counter(
-    "maas_api_jobs_total", "Job events: submitted, converted (sync request turned job), cancelled", ["event"]
+    "maas_api_jobs_total",
+    "Job events: submitted, converted (sync request turned job), cached (answered from the cache), cancelled",
+    ["event"],
 )
 JOB_STATES = Counter("maas_api_job_reads_total", "Job reads by the state they reported", ["state"])
 INFLIGHT_WAITS = Gauge(

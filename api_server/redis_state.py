@@ -11,6 +11,8 @@ import threading
 import time
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +52,11 @@ class RedisState:
             from api_server import metrics
 
             metrics.REDIS_UP.set(1)
+
+
+def api_redis_client(url: str) -> redis.Redis:
+    """One immediate retry (a connection gone stale across a Redis restart), no backoff: redis-py's default
+    retries for ~3 s, which every request would pay while Redis is down."""
+    return redis.Redis.from_url(
+        url, socket_timeout=5, socket_connect_timeout=2, retry=Retry(NoBackoff(), 1), health_check_interval=30
+    )

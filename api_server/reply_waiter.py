@@ -37,6 +37,8 @@ CREATED_LABEL = "maas-created"
 RESULT_POLL_SECONDS = 1.0
 # After the per-instance reply stream ends (its subscription vanished), it is re-created this much later.
 STREAM_RESTART_SECONDS = 1.0
+# How long closing waits for the reply stream's callbacks in flight.
+STREAM_SHUTDOWN_SECONDS = 10.0
 
 
 class PendingReply(Protocol):
@@ -249,6 +251,10 @@ class PerInstanceReplyWaiter:
         if streaming is None:
             return
         streaming.cancel()
+        try:  # wait for the callbacks in flight, as the client's samples do after cancel()
+            streaming.result(timeout=STREAM_SHUTDOWN_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - a stream that ended with an error has nothing left to wait for
+            log.debug("reply stream on %s ended: %s", self._subscription, exc)
         try:
             self._subscriber.delete_subscription(request={"subscription": self._subscription}, timeout=10)
         except exceptions.GoogleAPICallError:

@@ -11,11 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.errors import ApiError
 from contract.catalog import ModelSpec
+from contract.generation import MAX_SEED, ROLES, GenerationParameters, optional_parameters_model
 from contract.images import InputImageError
 from contract.images import decode_input_image as decode_image
-from contract.messages import GenerationParameters
 
-MAX_SEED = 2**31 - 1
+__all__ = ["MAX_SEED", "ParametersIn", "PredictBody", "decode_input_image", "parse_body", "resolve_parameters"]
 
 
 # Strict: `"4"` or `true` for a number is refused, not coerced; NaN and infinities are refused by name.
@@ -28,17 +28,16 @@ class InstanceIn(BaseModel):
     image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image only")
 
 
-class ParametersIn(BaseModel):
-    model_config = STRICT
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    num_inference_steps: int | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
-    width: int | None = Field(default=None, ge=64, multiple_of=8)
-    height: int | None = Field(default=None, ge=64, multiple_of=8)
-    strength: float | None = Field(default=None, gt=0.0, le=1.0)
-    negative_prompt: str | None = Field(default=None, max_length=2000)
-    # Not a generation parameter: it picks the queue (only for API keys configured for it), not the image.
-    priority: Literal["high", "normal"] | None = None
+# Every generation parameter, optional (contract/generation.py), and one that is not: `priority` picks the
+# queue (only for API keys configured for it), not the image.
+ParametersIn = optional_parameters_model(
+    "ParametersIn",
+    STRICT,
+    priority=(
+        Literal["high", "normal"] | None,
+        Field(default=None, description="high: the high-priority queue (API keys configured for it)"),
+    ),
+)
 
 
 class PredictBody(BaseModel):
@@ -77,15 +76,13 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
         raise ApiError(
             422, f"instances: at most {spec.max_instances_per_request} per request for {spec.name}", "instances"
         )
-    params = GenerationParameters(
-        seed=given.seed if given.seed is not None else secrets.randbelow(MAX_SEED - 64),
-        num_inference_steps=given.num_inference_steps or defaults.num_inference_steps,
-        guidance_scale=given.guidance_scale if given.guidance_scale is not None else defaults.guidance_scale,
-        width=given.width or defaults.width,
-        height=given.height or defaults.height,
-        strength=given.strength if given.strength is not None else defaults.strength,
-        negative_prompt=given.negative_prompt,
-    )
+    values = {}
+    for name in ROLES:
+        value = getattr(given, name)
+        values[name] = value if value is not None else getattr(defaults, name, None)
+    if values["seed"] is None:
+        values["seed"] = secrets.randbelow(MAX_SEED - 64)
+    params = GenerationParameters(**values)
     checks = [
         ("parameters.num_inference_steps", params.num_inference_steps, limits.max_inference_steps),
         ("parameters.width", params.width, limits.max_width),

@@ -1,81 +1,413 @@
-"""What the predict and job routes build on, beside `Services`: the inference service, the shared flights
-(cache, coalescing, idempotency) and the job store, each over Redis that may be down."""
+"""The serving stage: a validated request's fate, from the model's choice to its answer, as one `Answer`.
+
+`answer(prepared, mode)` tries, in order, an Idempotency-Key record, the result cache, an identical request
+already in flight (coalescing), then the model: waiting for its reply (sync) or handing back a job. It
+knows nothing of Flask; the routes parse and render, the records stage (`records.py`) logs what it returns.
+Refusals (a bad Idempotency-Key, a rate limit) raise `ApiError`; everything else is an `Answer`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import TypeVar
 
-from api_server.flights import SharedFlights
-from api_server.inference import InferenceService
-from api_server.janitor import JanitorTask, build_janitor_task
-from api_server.job_log import JobLogFinisher
-from api_server.jobs import JobStore
-from api_server.limits import KeyLimits, RequestLimiter
+import redis
+
+from api_server import metrics
+from api_server.auth import Caller
+from api_server.cache import cache_key, cache_policy
+from api_server.dispatch import DispatchTimings
+from api_server.errors import ApiError, error_body
+from api_server.flights import (
+    CoordinationUnavailableError,
+    FingerprintMismatchError,
+    FlightPolicy,
+    ResponseRecord,
+    Role,
+    SharedFlights,
+    StillRunningError,
+)
+from api_server.inference import InferenceService, PreparedRequest
+from api_server.jobs import JobState, JobStore, job_view
+from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
-from api_server.services import api_redis_client
-from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
+from contract.catalog import ModelCatalog, ModelSpec
+from contract.messages import InferenceReply, Payload, Prediction
+from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
 
+T = TypeVar("T")
+JSON = {"Content-Type": "application/json"}
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
+# Retryable answers are not kept for an Idempotency-Key: the retry should run.
+NOT_KEPT_FOR_IDEMPOTENCY = (429, 503)
+FINISHED_STATES = "succeeded, failed, expired or cancelled"
+
+
+class Mode(StrEnum):
+    SYNC = "sync"  # wait for the model's reply (a job if the wait runs out)
+    JOB = "job"  # answer with a job at once
+
+
+class JobMade(StrEnum):
+    """How this request made a job (its log row and webhook follow the job)."""
+
+    SUBMITTED = "submitted"  # published as a job: the row waits for the job's end
+    CONVERTED = "converted"  # a sync request whose wait ran out: likewise
+    CACHED = "cached"  # a job answered from the cache: it has already succeeded
+
 
 @dataclass
-class Serving:
-    settings: Settings
-    inference: InferenceService
-    redis: RedisState
-    # The cache's flights run on MAAS_CACHE_REDIS_URL when set (an instance of its own with allkeys-lru).
-    cache_flights: SharedFlights
-    flights: SharedFlights
-    jobs: JobStore
-    results: ResultStore
-    job_log: JobLogFinisher
-    limiter: RequestLimiter
-    webhooks: WebhookNotifier
-    janitor: JanitorTask | None = None
+class Answer:
+    """What the serving stage did with a request: the outcome, the exact bytes to send, and how it got them."""
+
+    outcome: Outcome
+    record: ResponseRecord
+    # X-Cache: "hit" or "miss" (None when the cache was not asked); `cache_event` is the metric's label.
+    cache: str | None = None
+    cache_event: str | None = None
+    coalesced: bool = False
+    replayed: bool = False
+    reply: InferenceReply | None = None
+    published_ms: float | None = None
+    output_bytes: int | None = None
+    job_made: JobMade | None = None
+    job_deadline_ms: int | None = None
 
 
-def build_serving(settings: Settings, services) -> Serving:
-    state = RedisState(services.redis, settings.redis_retry_seconds)
-    cache_state = state
-    if settings.cache_redis_url:
-        cache_state = RedisState(api_redis_client(settings.cache_redis_url), settings.redis_retry_seconds)
-    results = ResultStore(services.redis, settings.result_ttl_seconds)
-    jobs = JobStore(services.redis, results, settings.result_ttl_seconds)
-    job_log = JobLogFinisher(jobs, services.inference_log)
-    job_log.start()
-    targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
-    inference = InferenceService(
-        services.dispatcher,
-        services.payloads,
-        settings.job_deadline_seconds,
-        settings.high_priority_key_sha256,
-        targets,
-    )
-    webhooks = WebhookNotifier(
-        jobs,
-        inference.predictions,
-        targets,
-        settings.webhook_signing_secret,
-        attempts=settings.webhook_attempts,
-        ca_file=settings.webhook_ca_file,
-    )
-    if settings.webhook_signing_secret:  # a process that cannot sign must not claim deliveries
-        webhooks.start()
-    janitor = build_janitor_task(settings, services.catalog, services.redis)
-    if janitor is not None:
-        janitor.start()
-    return Serving(
-        settings=settings,
-        inference=inference,
-        redis=state,
-        cache_flights=SharedFlights(cache_state),
-        flights=SharedFlights(state),
-        jobs=jobs,
-        results=results,
-        job_log=job_log,
-        webhooks=webhooks,
-        janitor=janitor,
-        limiter=RequestLimiter(
-            state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
-        ),
-    )
+class ServingStage:
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: ModelCatalog,
+        inference: InferenceService,
+        jobs: JobStore,
+        results: ResultStore,
+        redis_state: RedisState,
+        flights: SharedFlights,
+        cache_flights: SharedFlights,
+        limiter: RequestLimiter,
+    ) -> None:
+        self._settings = settings
+        self._catalog = catalog
+        self._inference = inference
+        self._jobs = jobs
+        self._results = results
+        self._redis = redis_state
+        self._flights = flights
+        self._cache_flights = cache_flights
+        self._limiter = limiter
+
+    def model(self, name: str) -> ModelSpec:
+        """The model (and version) that serves a request for `name`: where routing and a canary split go."""
+        spec = self._catalog.get(name)
+        if spec is None:
+            raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
+        return spec
+
+    def admit(self, caller: Caller, spec: ModelSpec) -> Lease:
+        """A concurrency lease held while the request is served, or a 429 (rate or concurrency limit).
+
+        A lease, not a counter: a process that dies holding it frees the slot after the request's timeout."""
+        return self._limiter.admit(caller.key_id, caller.digest, spec.request_timeout_seconds)
+
+    def release(self, lease: Lease) -> None:
+        self._limiter.release(lease)
+
+    def prepare(self, spec: ModelSpec, payload: object, request_id: str, caller: Caller, **options) -> PreparedRequest:
+        """The body validated against the model (422 naming the field); `options` as `PreparedRequest` has them."""
+        return self._inference.prepare(spec, payload, request_id, caller, **options)
+
+    def answer(self, prepared: PreparedRequest, mode: Mode) -> Answer:
+        compute = self._submit_job if mode is Mode.JOB else self._through_cache
+        if prepared.idempotency_key is None:
+            return compute(prepared)
+        return self._idempotent(prepared, mode, compute)
+
+    # Jobs, read and cancelled by their owner.
+
+    def job(self, job_id: str, caller: Caller) -> JobState:
+        """The caller's job, or a 404 (another key's job is as absent as one that never existed)."""
+        job = self._job_store(lambda: self._jobs.get(job_id, caller.key_id)) if len(job_id) <= 64 else None
+        if job is None:
+            raise ApiError(404, f"no job {job_id!r}")
+        return job
+
+    def cancel(self, job: JobState) -> JobState:
+        """A queued job never runs; a running one stops at its next step; a finished one is a 409."""
+        if job.status in FINISHED_JOB_STATES:
+            raise ApiError(409, f"job {job.job_id} already finished ({job.status})")
+        self._job_store(lambda: self._jobs.cancel(job.job_id))
+        return replace(job, status="cancelled", progress=None)
+
+    def job_view(self, job: JobState) -> dict:
+        return job_view(job, self._inference.predictions)
+
+    def _job_store(self, action: Callable[[], T]) -> T:
+        try:
+            result = action()
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            raise _job_store_unavailable() from exc
+        self._redis.succeeded()
+        return result
+
+    # Idempotency-Key: the first request's answer, for every repeat of the same key and body.
+
+    def _idempotent(
+        self, prepared: PreparedRequest, mode: Mode, compute: Callable[[PreparedRequest], Answer]
+    ) -> Answer:
+        idempotency_key = prepared.idempotency_key or ""
+        if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LENGTH:
+            raise ApiError(422, f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} characters", "Idempotency-Key")
+        canonical = json.dumps(
+            [prepared.spec.name, mode is Mode.JOB, prepared.payload], sort_keys=True, separators=(",", ":")
+        )
+        fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
+        key = f"maas:idem:{prepared.caller.key_id}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+        ttl = self._settings.idempotency_ttl_seconds
+        policy = FlightPolicy(
+            keep_for=lambda record: None if record.status in NOT_KEPT_FOR_IDEMPOTENCY else ttl,
+            lease_seconds=prepared.spec.request_timeout_seconds + 10,
+            wait_seconds=prepared.spec.request_timeout_seconds + 5,
+            strict=True,
+        )
+        computed: list[Answer] = []
+        try:
+            record, role = self._flights.run(key, fingerprint, _computing(compute, prepared, computed), policy)
+        except FingerprintMismatchError as exc:
+            raise ApiError(
+                422, "Idempotency-Key: already used with a different request body", "Idempotency-Key"
+            ) from exc
+        except StillRunningError as exc:
+            raise ApiError(
+                409, "a request with this Idempotency-Key is still running", headers={"Retry-After": "1"}
+            ) from exc
+        except CoordinationUnavailableError as exc:
+            raise ApiError(
+                503,
+                "Idempotency-Key cannot be honoured right now (state store unavailable)",
+                headers={"Retry-After": "5"},
+            ) from exc
+        if role in (Role.STORED, Role.FOLLOWER):
+            outcome = _stored_outcome(record)
+            replayed = replace(record, headers={**record.headers, "Idempotent-Replayed": "true"})
+            return Answer(Outcome.REPLAY if outcome.answered else outcome, replayed, replayed=True)
+        return computed[-1]
+
+    # The result cache and coalescing (sync), or the cache alone (jobs).
+
+    def _through_cache(self, prepared: PreparedRequest) -> Answer:
+        key = self._cache_key(prepared)
+        if key is None:
+            return replace(self._run_sync(prepared), cache_event="uncacheable")
+        policy = cache_policy(prepared.spec, self._settings.cache_ttl_seconds, self._settings.cache_max_entry_bytes)
+        if prepared.fresh:
+            answer = self._run_sync(prepared)
+            self._cache_flights.store(key, answer.record, policy)
+            return replace(answer, cache="miss", cache_event="bypass")
+        computed: list[Answer] = []
+        record, role = self._cache_flights.run(key, "", _computing(self._run_sync, prepared, computed), policy)
+        if role is Role.STORED:
+            return Answer(Outcome.CACHE_HIT, record, cache="hit", cache_event="hit")
+        if role is Role.FOLLOWER:
+            if record.status == 202:
+                self._share_job(record, prepared.caller)
+            outcome = _stored_outcome(record)
+            outcome = Outcome.COALESCED if outcome.answered else outcome
+            return Answer(outcome, record, cache="hit", cache_event="hit", coalesced=True)
+        return replace(computed[-1], cache="miss", cache_event="miss" if role is Role.LEADER else "unavailable")
+
+    def _cache_key(self, prepared: PreparedRequest) -> str | None:
+        if not prepared.deterministic:
+            return None
+        return cache_key(prepared.spec, prepared.params, prepared.prompts, prepared.images)
+
+    def _share_job(self, record: ResponseRecord, caller: Caller) -> None:
+        """A coalesced caller handed the leader's job link may read that job too."""
+        try:
+            self._jobs.share(json.loads(record.body)["id"], caller.key_id)
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+
+    # The model: wait for its reply, or hand back a job.
+
+    def _run_sync(self, prepared: PreparedRequest) -> Answer:
+        timings = DispatchTimings()
+        # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
+        deadline_ms = self._inference.job_deadline_ms()
+        metrics.INFLIGHT_WAITS.inc()
+        try:
+            reply = self._inference.run(prepared, timings, deadline_ms)
+        except ApiError as error:
+            return _refusal(error, prepared.request_id)
+        finally:
+            metrics.INFLIGHT_WAITS.dec()
+        if reply is None:
+            return self._hand_over_as_job(prepared, deadline_ms)
+        published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
+        outcome = Outcome.for_reply(reply.status, reply.error_kind)
+        if outcome is not Outcome.OK:
+            message = reply.error or f"model worker answered {reply.status}"
+            record = _error_record(outcome.spec.http_status, message, prepared.request_id, outcome)
+            return Answer(outcome, record, reply=reply, published_ms=published_ms)
+        try:
+            predictions = self._inference.predictions(reply)
+        except ApiError as error:
+            return replace(_refusal(error, prepared.request_id), reply=reply, published_ms=published_ms)
+        body = {
+            "predictions": predictions,
+            "model": prepared.spec.name,
+            "model_version": prepared.spec.version,
+            "request_id": prepared.request_id,
+            "timings_ms": {
+                "total": round((time.perf_counter() - prepared.received) * 1000, 2),
+                "queue": round(reply.queue_ms, 2),
+                "inference": round(reply.inference_ms, 2),
+                "subscribe": timings.subscribe_ms,
+                "publish": timings.publish_ms,
+                "wait": timings.wait_ms,
+                "cleanup": timings.cleanup_ms,
+            },
+        }
+        return Answer(
+            Outcome.OK,
+            ResponseRecord(200, json.dumps(body).encode(), dict(JSON), outcome=Outcome.OK),
+            reply=reply,
+            published_ms=published_ms,
+            output_bytes=sum(len(prediction["image_b64"]) * 3 // 4 for prediction in predictions),
+        )
+
+    def _hand_over_as_job(self, prepared: PreparedRequest, deadline_ms: int) -> Answer:
+        spec = prepared.spec
+        waited = f"no reply from {spec.name} within {spec.request_timeout_seconds}s"
+        try:
+            self._jobs.create(prepared.request_id, prepared.caller.key_id, spec, deadline_ms, _arrival_ms(prepared))
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return _refusal(ApiError(504, waited), prepared.request_id)
+        message = (
+            f"{waited}; it is still queued as job {prepared.request_id}: poll GET /v1/jobs/{prepared.request_id} "
+            f"(the Location header) until its status is {FINISHED_STATES}; DELETE it to cancel"
+        )
+        return Answer(
+            Outcome.ACCEPTED,
+            _job_record(prepared, "queued", message),
+            job_made=JobMade.CONVERTED,
+            job_deadline_ms=deadline_ms,
+        )
+
+    def _submit_job(self, prepared: PreparedRequest) -> Answer:
+        key = None if prepared.fresh else self._cache_key(prepared)
+        if key is not None and (hit := self._cache_flights.lookup(key)) is not None:
+            return self._cached_job(prepared, hit)
+        deadline_ms = self._inference.job_deadline_ms()
+        try:
+            self._jobs.create(
+                prepared.request_id, prepared.caller.key_id, prepared.spec, deadline_ms, _arrival_ms(prepared)
+            )
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return _refusal(_job_store_unavailable(), prepared.request_id)
+        try:
+            self._inference.submit(prepared, deadline_ms)
+        except ApiError as error:
+            return _refusal(error, prepared.request_id)
+        return Answer(
+            Outcome.ACCEPTED,
+            _job_record(prepared, "queued"),
+            job_made=JobMade.SUBMITTED,
+            job_deadline_ms=deadline_ms,
+        )
+
+    def _cached_job(self, prepared: PreparedRequest, hit: ResponseRecord) -> Answer:
+        """A job whose answer the cache already holds: made as a job that has already succeeded (202, like
+        every job), so a client of the jobs endpoints always gets a job, and the model does not run again."""
+        spec = prepared.spec
+        cached = json.loads(hit.body)
+        reply = InferenceReply(
+            request_id=prepared.request_id,
+            model=spec.name,
+            model_version=spec.version,
+            status="ok",
+            predictions=[
+                Prediction(image=Payload(b64=item["image_b64"]), seed=item["seed"], width=item["width"],
+                           height=item["height"])
+                for item in cached["predictions"]
+            ],
+        )  # fmt: skip
+        deadline_ms = self._inference.job_deadline_ms()
+        try:
+            self._results.put(reply)
+            self._jobs.create(prepared.request_id, prepared.caller.key_id, spec, deadline_ms, _arrival_ms(prepared))
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return _refusal(_job_store_unavailable(), prepared.request_id)
+        return Answer(
+            Outcome.CACHE_HIT,
+            _job_record(prepared, "succeeded", outcome=Outcome.CACHE_HIT),
+            cache="hit",
+            cache_event="hit",
+            job_made=JobMade.CACHED,
+            job_deadline_ms=deadline_ms,
+        )
+
+
+def _computing(compute: Callable[[PreparedRequest], Answer], prepared: PreparedRequest, into: list[Answer]):
+    """`compute` as a flight runs it (bytes out), keeping the whole `Answer` for the caller that computed."""
+
+    def run() -> ResponseRecord:
+        answer = compute(prepared)
+        into.append(answer)
+        return answer.record
+
+    return run
+
+
+def _stored_outcome(record: ResponseRecord) -> Outcome:
+    """The outcome a kept or shared record answered with (records kept before outcomes were stored: by status)."""
+    if record.outcome:
+        return Outcome(record.outcome)
+    return {200: Outcome.OK, 202: Outcome.ACCEPTED}.get(record.status) or Outcome.for_http_status(record.status)
+
+
+def _job_store_unavailable() -> ApiError:
+    return ApiError(503, "job store unavailable, retry later", headers={"Retry-After": "5"})
+
+
+def _job_record(
+    prepared: PreparedRequest, status: str, message: str | None = None, outcome: Outcome = Outcome.ACCEPTED
+) -> ResponseRecord:
+    location = f"/v1/jobs/{prepared.request_id}"
+    body = {"id": prepared.request_id, "status": status, "model": prepared.spec.name, "links": {"self": location}}
+    if message:
+        body["message"] = message
+    return ResponseRecord(202, json.dumps(body).encode(), {**JSON, "Location": location}, outcome=outcome)
+
+
+def _refusal(error: ApiError, request_id: str) -> Answer:
+    outcome = Outcome.for_http_status(error.status)
+    return Answer(outcome, _error_record(error.status, error.message, request_id, outcome, error.field, error.headers))
+
+
+def _error_record(
+    status: int,
+    message: str,
+    request_id: str,
+    outcome: Outcome,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> ResponseRecord:
+    body = error_body(status, message, field, request_id)
+    return ResponseRecord(status, json.dumps(body).encode(), {**JSON, **(headers or {})}, outcome=outcome)
+
+
+def _arrival_ms(prepared: PreparedRequest) -> int:
+    """When the request arrived, epoch ms: a job's `created_at`, also when a sync wait turned it into a job."""
+    return int((time.time() - (time.perf_counter() - prepared.received)) * 1000)

@@ -173,3 +173,5 @@ class WebhookNotifier:
     def stop(self) -> None:
         self._stopped.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -21,6 +21,7 @@ import uuid
 from collections import defaultdict
 
 from api_server.app import create_app
+from api_server.state import app_state
 from bench.api_common import KEY, running_stack
 from bench.loadgen import percentile
 from contract.jsonlog import JsonFormatter, bind_context, unbind_context
@@ -91,12 +92,12 @@ def main() -> None:
 
     timers = Timers()
     app = app_for(stack, features=True)
-    serving, services = app.extensions["maas_serving"], app.extensions["maas"]
-    timers.wrap(serving.limiter, "admit", FEATURES[0])
-    timers.wrap(serving.limiter, "release", FEATURES[0])
-    timers.wrap(serving.cache_flights, "run", FEATURES[1], excludes_compute=True)
-    timers.wrap(serving.flights, "run", FEATURES[2], excludes_compute=True)
-    timers.wrap(services.inference_log, "write", FEATURES[3])
+    state = app_state(app)
+    timers.wrap(state.limiter, "admit", FEATURES[0])
+    timers.wrap(state.limiter, "release", FEATURES[0])
+    timers.wrap(state.cache_flights, "run", FEATURES[1], excludes_compute=True)
+    timers.wrap(state.flights, "run", FEATURES[2], excludes_compute=True)
+    timers.wrap(state.inference_log, "write", FEATURES[3])
     timers.wrap(logging.getLogger("api_server"), "info", FEATURES[3])  # the access line
     client = app.test_client()
     headers = {"Authorization": f"Bearer {KEY}", "traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
@@ -150,7 +151,7 @@ def main() -> None:
           f"{percentile(plain_ms, 0.5):.2f} ms with none (noise: the Pub/Sub round trip)")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f}")
     for candidate in (app, plain.application):
-        candidate.extensions["maas"].close()
+        app_state(candidate).close()
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def main() -> None:
 
 
 def drain(stack_dir: Path, spool_dir: Path, rows: int) -> dict:
-    from api_server.services import build_inference_log
+    from api_server.state import build_inference_log
     from contract.settings import Settings
 
     record = json.loads((stack_dir / "stack.json").read_text())

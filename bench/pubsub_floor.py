@@ -16,7 +16,7 @@ from google.api_core import exceptions
 
 from bench.loadgen import Sample
 from bench.reply_modes import BareEcho, EchoResponder, one_round_trip
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import Attr
 
 
@@ -27,8 +27,8 @@ class PubSubRoundTrips:
         self.project = project
         self.responder = EchoResponder(project)
         self.bare: BareEcho | None = BareEcho(project)
-        self.publisher = clients.publisher_client()
-        self.subscriber = clients.subscriber_client()
+        self.publisher = google_clients.publisher_client()
+        self.subscriber = google_clients.subscriber_client()
         self.replies_topic = f"projects/{project}/topics/{naming.REPLIES_TOPIC}"
 
     def floor_caller(self) -> Callable[[int], Sample]:

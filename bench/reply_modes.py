@@ -21,7 +21,7 @@ from pathlib import Path
 import redis
 
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.results import ResultStore
 from emulators.bootstrap import ensure_subscription, ensure_topic
@@ -35,8 +35,8 @@ class EchoResponder:
     """Answers every request on ECHO_TOPIC with a reply on the replies topic, as a worker would."""
 
     def __init__(self, project: str) -> None:
-        self.publisher = clients.publisher_client()
-        self.subscriber = clients.subscriber_client()
+        self.publisher = google_clients.publisher_client()
+        self.subscriber = google_clients.subscriber_client()
         self.topic = self.publisher.topic_path(project, ECHO_TOPIC)
         self.subscription = self.subscriber.subscription_path(project, f"{ECHO_TOPIC}-workers")
         self.replies = self.publisher.topic_path(project, naming.REPLIES_TOPIC)
@@ -61,7 +61,7 @@ class BareEcho:
     """The floor: a fixed subscription on the replies topic, no reply routing at all."""
 
     def __init__(self, project: str) -> None:
-        self.subscriber = clients.subscriber_client()
+        self.subscriber = google_clients.subscriber_client()
         self.subscription = self.subscriber.subscription_path(project, "bench-bare-replies")
         ensure_subscription(
             self.subscriber, {"name": self.subscription, "topic": f"projects/{project}/topics/{naming.REPLIES_TOPIC}"}
@@ -136,10 +136,10 @@ def main() -> None:
         project = config.project_id
         results = ResultStore(redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0"), 60)
         responder = EchoResponder(project)
-        publisher = clients.publisher_client()
+        publisher = google_clients.publisher_client()
         bare = BareEcho(project)
-        per_request = PerRequestReplyWaiter(clients.subscriber_client(), project, results)
-        per_instance = PerInstanceReplyWaiter(clients.subscriber_client(), project, "bench", results)
+        per_request = PerRequestReplyWaiter(google_clients.subscriber_client(), project, results)
+        per_instance = PerInstanceReplyWaiter(google_clients.subscriber_client(), project, "bench", results)
         modes = {
             "bare echo (floor)": lambda: one_round_trip(publisher, responder.topic, None, bare),
             "per-request": lambda: one_round_trip(publisher, responder.topic, per_request, None),

@@ -38,7 +38,7 @@ from bench.scenarios import (
     tiny_model_dir,
     worker_batches,
 )
-from contract import clients, naming
+from contract import google_clients, naming
 from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, StackConfig, down, up
 
@@ -156,7 +156,7 @@ class Suite:
         print(f"[{self.count:>2}/{self.total}] {what}", flush=True)
 
     def reply_subscriptions_left(self) -> int:
-        subscriber = clients.subscriber_client()
+        subscriber = google_clients.subscriber_client()
         try:
             prefix = naming.reply_subscription("")
             names = subscriber.list_subscriptions(request={"project": f"projects/{self.config.project_id}"})

@@ -9,6 +9,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contract.generation import defaults_model
+
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
 
 Task = Literal["text-to-image", "image-to-image"]
@@ -42,13 +44,8 @@ class Replicas(BaseModel):
     max: int = Field(ge=1)
 
 
-class GenerationDefaults(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    num_inference_steps: int
-    guidance_scale: float
-    width: int
-    height: int
-    strength: float | None = None
+# The parameters whose role (contract/generation.py) has a catalog default.
+GenerationDefaults = defaults_model("GenerationDefaults")
 
 
 class GenerationLimits(BaseModel):

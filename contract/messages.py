@@ -7,7 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.generation import GenerationParameters
 from contract.naming import Priority
+
+__all__ = ["GenerationParameters"]  # declared with the parameters' roles in contract/generation.py
 
 SCHEMA_VERSION = "1"
 
@@ -36,19 +39,6 @@ class Payload(BaseModel):
     model_config = ConfigDict(extra="forbid")
     b64: str | None = None
     uri: str | None = None
-
-
-class GenerationParameters(BaseModel):
-    """Parameters resolved by the API: every field is set, defaults already applied."""
-
-    model_config = ConfigDict(extra="forbid")
-    seed: int
-    num_inference_steps: int
-    guidance_scale: float
-    width: int
-    height: int
-    strength: float | None = None
-    negative_prompt: str | None = None
 
 
 class RequestInstance(BaseModel):

@@ -10,7 +10,7 @@ from string import Template
 from google.api_core import exceptions
 from google.cloud import bigquery, pubsub_v1
 
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.catalog import ModelCatalog
 from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, bigquery_schema
 from contract.settings import Settings
@@ -90,7 +90,7 @@ def ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -
 
 
 def bootstrap_storage(settings: Settings) -> list[str]:
-    client = clients.storage_client(settings)
+    client = google_clients.storage_client(settings)
     created = []
     for name in (settings.model_bucket, settings.payload_bucket):
         try:
@@ -103,7 +103,7 @@ def bootstrap_storage(settings: Settings) -> list[str]:
 
 
 def bootstrap_bigquery(settings: Settings) -> list[str]:
-    client = clients.bigquery_client(settings)
+    client = google_clients.bigquery_client(settings)
     created = []
 
     def ensure(table: bigquery.Table | bigquery.Dataset, create: Callable) -> None:

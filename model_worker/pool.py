@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from contract.catalog import ModelSpec
 from contract.messages import InferenceRequest
-from model_worker.runners import GenerationItem
+from model_worker.runners import GenerationItem, batch_key
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,7 @@ class PendingRequest:
         if self.spec.scheduling == "step":
             # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
             return (self.spec.name, params.width, params.height)
-        return (
-            self.spec.name,
-            params.width,
-            params.height,
-            params.num_inference_steps,
-            params.guidance_scale,
-            params.strength,
-            bool(params.negative_prompt),
-        )
+        return (self.spec.name, *batch_key(params))
 
 
 class RequestPool:

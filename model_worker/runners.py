@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contract.catalog import ModelSpec
+from contract.generation import PER_CALL_PARAMETERS
 from contract.messages import GenerationParameters
 
 # Called after each denoising step with (step, total); raising from it stops the pipeline call.
@@ -60,7 +61,9 @@ class Runner(Protocol):
     def warm_up(self) -> None: ...
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
-        """Images (PIL), one per item, in order. `params.seed` and `params.negative_prompt` are ignored: per item."""
+        """One image per item, in order: float arrays (height x width x 3, in [0, 1]) from the diffusers runner,
+        PIL images from the synthetic ones; the finisher encodes either as PNG. `params.seed` and
+        `params.negative_prompt` are ignored: each item carries its own."""
 
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         """Prepares one request's images for stepping (prompt encoding, initial latents, own scheduler)."""
@@ -71,6 +74,12 @@ class Runner(Protocol):
 
     def decode(self, running: list[RunningItem]) -> list:
         """Images of finished items, one per item, in order, in one decoder call."""
+
+
+def batch_key(params: GenerationParameters) -> tuple:
+    """What every runner needs equal across the items of one pipeline call: the parameters it takes once per
+    call (contract/generation.py), and whether negative prompts are given (for all items, or for none)."""
+    return (*(getattr(params, name) for name in PER_CALL_PARAMETERS), bool(params.negative_prompt))
 
 
 class BatchAbandonedError(Exception):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.catalog import ModelSpec
 from contract.inflight import InflightStore
 from contract.payloads import PayloadCodec
@@ -61,13 +61,13 @@ class WorkerService:
         self._health_server = serve_health(
             self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
         )
-        self._storage = clients.storage_client(settings)
+        self._storage = google_clients.storage_client(settings)
         self.runners: dict[str, Runner] = {spec.name: build_runner(spec, self._load_diffusers) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
         self.metrics.watch_gpu_memory()
-        self.subscriber = clients.subscriber_client()
-        self.publisher = clients.publisher_client()
+        self.subscriber = google_clients.subscriber_client()
+        self.publisher = google_clients.publisher_client()
         project = settings.project_id
         redis_client = redis.Redis.from_url(
             settings.redis_url, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS

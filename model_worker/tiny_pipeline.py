@@ -153,10 +153,10 @@ def _make_tokenizer_reproducible(tokenizer_dir: Path) -> None:
 
 
 def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
-    from contract import clients
+    from contract import google_clients
     from contract.settings import Settings
 
-    bucket = clients.storage_client(Settings.from_env()).bucket(bucket_name)
+    bucket = google_clients.storage_client(Settings.from_env()).bucket(bucket_name)
     count = 0
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
         bucket.blob(f"{prefix.rstrip('/')}/{path.relative_to(local_dir).as_posix()}").upload_from_filename(path)

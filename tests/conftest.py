@@ -46,9 +46,9 @@ def settings(stack):
 
 @pytest.fixture(scope="session")
 def bigquery(settings):
-    from contract import clients
+    from contract import google_clients
 
-    return clients.bigquery_client(settings)
+    return google_clients.bigquery_client(settings)
 
 
 def query_rows(client, sql: str, expected: int, timeout: float = 15.0) -> list[dict]:

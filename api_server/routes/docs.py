@@ -8,11 +8,12 @@ not used. `Content-Security-Policy` tells the browser to load nothing from anywh
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, abort, current_app, jsonify, send_from_directory
+from flask import Blueprint, Response, abort, jsonify, send_from_directory
 from spectree import Response as SpecResponse
 from swagger_ui_bundle import swagger_ui_path
 
 from api_server.openapi import PUBLIC, documented, openapi_document
+from api_server.state import app_state
 
 bp = Blueprint("docs", __name__)
 
@@ -62,10 +63,9 @@ INITIALIZER = """window.ui = SwaggerUIBundle({
 @documented(SpecResponse("HTTP_200"), security=PUBLIC, tags=["operations"])
 def openapi_json():
     """This document"""
-    document = current_app.extensions.get("maas_openapi")
-    if document is None:
-        names = current_app.extensions["maas"].catalog.names()
-        document = current_app.extensions.setdefault("maas_openapi", openapi_document(names))
+    state = app_state()
+    if (document := state.lazy.get("openapi")) is None:
+        document = state.lazy.setdefault("openapi", openapi_document(state.catalog.names()))
     return jsonify(document)
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, jsonify
 from spectree import Response
 
-from api_server.errors import ApiError
 from api_server.openapi import ModelInfo, ModelList, documented, errors
+from api_server.routes.access import authenticated
+from api_server.state import app_state
 
-bp = Blueprint("models", __name__)
+bp = authenticated(Blueprint("models", __name__))
 
 
 def _public(spec) -> dict:
@@ -27,18 +28,11 @@ def _public(spec) -> dict:
 @documented(Response(HTTP_200=ModelList, **errors(401)), tags=["models"])
 def list_models():
     """The catalog: names, versions, tasks, defaults and limits"""
-    services = current_app.extensions["maas"]
-    services.auth.authenticate(request)
-    return jsonify({"models": [_public(spec) for _, spec in sorted(services.catalog.models.items())]})
+    return jsonify({"models": [_public(spec) for _, spec in sorted(app_state().catalog.models.items())]})
 
 
 @bp.get("/v1/models/<model:model>")
 @documented(Response(HTTP_200=ModelInfo, **errors(401, 404)), tags=["models"])
 def get_model(model: str):
     """One model of the catalog"""
-    services = current_app.extensions["maas"]
-    services.auth.authenticate(request)
-    spec = services.catalog.get(model)
-    if spec is None:
-        raise ApiError(404, f"unknown model {model!r}; GET /v1/models lists them")
-    return jsonify(_public(spec))
+    return jsonify(_public(app_state().serving.model(model)))

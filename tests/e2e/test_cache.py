@@ -85,6 +85,7 @@ def test_identical_concurrent_requests_run_one_inference(stack, auth_headers):
 def test_identical_requests_in_two_api_processes_run_one_inference(stack, auth_headers):
     """The stack's gunicorn process and an app in this test process coordinate through Redis alone."""
     from api_server.app import create_app
+    from api_server.state import app_state
     from contract.settings import Settings
 
     app = create_app(Settings.from_env(stack.service_env()))
@@ -107,7 +108,7 @@ def test_identical_requests_in_two_api_processes_run_one_inference(stack, auth_h
         assert remote.content == local.data
         assert sorted([remote.headers["X-Cache"], local.headers["X-Cache"]]) == ["hit", "miss"]
     finally:
-        app.extensions["maas"].close()
+        app_state(app).close()
 
 
 def test_metrics_count_cache_hits_and_coalesced_requests(stack, auth_headers):

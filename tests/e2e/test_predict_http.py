@@ -66,9 +66,9 @@ def test_large_image_to_image_output_travels_through_the_payload_bucket(stack, a
     assert response.status_code == 200, response.text
     [prediction] = response.json()["predictions"]
     assert decode_png(prediction).size == (512, 512)
-    from contract import clients
+    from contract import google_clients
 
-    bucket = clients.storage_client(settings).bucket(settings.payload_bucket)
+    bucket = google_clients.storage_client(settings).bucket(settings.payload_bucket)
     request_id = response.json()["request_id"]
     stored = bucket.blob(f"results/{request_id}/0.png").download_as_bytes()
     assert stored == base64.b64decode(prediction["image_b64"])

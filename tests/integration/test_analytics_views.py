@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from contract import clients
+from contract import google_clients
 from emulators.bootstrap import ANALYTICS_SQL_DIR, bootstrap_bigquery
 
 pytestmark = pytest.mark.stack
@@ -90,7 +90,7 @@ def views(stack, settings):
     dataset = f"analytics_{uuid.uuid4().hex[:8]}"
     view_settings = dataclasses.replace(settings, dataset=dataset)
     bootstrap_bigquery(view_settings)
-    client = clients.bigquery_client(view_settings)
+    client = google_clients.bigquery_client(view_settings)
     table = f"{settings.project_id}.{dataset}.{settings.log_table}"
     payload = [{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()} for row in seeded_rows()]
     assert client.insert_rows_json(table, payload) == []

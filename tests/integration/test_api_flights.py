@@ -19,8 +19,7 @@ from api_server.flights import (
     SharedFlights,
     StillRunningError,
 )
-from api_server.redis_state import RedisState
-from api_server.services import api_redis_client
+from api_server.redis_state import RedisState, api_redis_client
 
 pytestmark = pytest.mark.stack
 

@@ -11,8 +11,8 @@ import redis
 from api_server import metrics
 from api_server.app import create_app
 from api_server.limits import KeyLimits, RequestLimiter
-from api_server.redis_state import RedisState
-from api_server.services import api_redis_client
+from api_server.redis_state import RedisState, api_redis_client
+from api_server.state import app_state
 from contract.settings import Settings, api_key_digest
 from tests.conftest import query_rows
 
@@ -34,7 +34,7 @@ def two_instances(stack, tmp_path_factory):
     ]
     yield apps
     for app in apps:
-        app.extensions["maas"].close()
+        app_state(app).close()
 
 
 def predict(app, key: str):
@@ -68,7 +68,7 @@ def test_a_key_with_an_override_is_not_limited(two_instances):
 
 def test_the_concurrency_limit_counts_requests_held_by_another_instance(two_instances):
     first, second = two_instances
-    limiter = first.extensions["maas_serving"].limiter
+    limiter = app_state(first).limiter
     digest = api_key_digest(CONCURRENCY_KEY)
     held = [limiter.admit(digest[:12], digest, hold_seconds=60) for _ in range(2)]
     refused = predict(second, CONCURRENCY_KEY)

@@ -11,7 +11,8 @@ import yaml
 from google.api_core import exceptions
 
 from api_server.app import create_app
-from contract import clients, naming
+from api_server.state import app_state
+from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import InferenceReply
 from contract.settings import Settings
@@ -33,10 +34,10 @@ def ghost_app(stack, settings, tmp_path_factory):
     app = create_app(app_settings)
     # A 2 s timeout keeps the test short; the catalog itself refuses it (ack deadlines are at least 10 s and
     # at most a third of the timeout), so it is set on the loaded entry.
-    catalog = app.extensions["maas"].catalog
+    catalog = app_state(app).catalog
     catalog.models[GHOST] = catalog.models[GHOST].model_copy(update={"request_timeout_seconds": 2})
     yield app
-    app.extensions["maas"].close()
+    app_state(app).close()
 
 
 def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted(
@@ -62,13 +63,13 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     # Created when the request arrived, not when the 202 left the model's timeout (2 s) later.
     created = datetime.fromisoformat(queued["created_at"]).timestamp()
     assert arrived - 0.01 <= created < answered - 1.9, (arrived, created, answered)
-    subscription = clients.subscriber_client().subscription_path(
+    subscription = google_clients.subscriber_client().subscription_path(
         settings.project_id, naming.reply_subscription(accepted["id"])
     )
     with pytest.raises(exceptions.NotFound):
-        clients.subscriber_client().get_subscription(request={"subscription": subscription})
+        google_clients.subscriber_client().get_subscription(request={"subscription": subscription})
     # Its log row waits for the job's outcome: here a worker answers `expired` (as one would that pulled it late).
-    serving = ghost_app.extensions["maas_serving"]
+    serving = app_state(ghost_app)
     serving.results.put(
         InferenceReply(
             request_id=accepted["id"], model=GHOST, model_version="1", status="expired", error_kind="expired",
@@ -95,7 +96,7 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
         "worker_id": "late-worker",
     }
     # The unanswered request is still queued for the (absent) workers: nothing was silently dropped.
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     queued = subscriber.subscription_path(settings.project_id, naming.worker_subscription(GHOST))
     pulled = subscriber.pull(request={"subscription": queued, "max_messages": 10}, timeout=10)
     assert accepted["id"] in {m.message.attributes["request_id"] for m in pulled.received_messages}
@@ -116,6 +117,6 @@ def test_queue_unavailable_is_503(stack, auth_headers, tmp_path):
             headers=auth_headers,
         )
     finally:
-        app.extensions["maas"].close()
+        app_state(app).close()
     assert response.status_code == 503
     assert response.headers["Retry-After"]

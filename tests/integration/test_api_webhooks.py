@@ -19,6 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from api_server.app import create_app
 from api_server.errors import ApiError
+from api_server.state import app_state
 from api_server.webhooks import WebhookTargetPolicy, verify
 from contract.settings import Settings
 
@@ -115,7 +116,7 @@ def webhook_app(stack, receiver, tmp_path_factory):
     }
     app = create_app(Settings.from_env(env))
     yield app
-    app.extensions["maas"].close()
+    app_state(app).close()
 
 
 def submit(app, auth_headers, webhook_url: str, prompt: str = "webhook"):

@@ -8,13 +8,13 @@ import pytest
 import redis
 from google.api_core import exceptions
 
-from contract import clients, naming
+from contract import google_clients, naming
 
 pytestmark = pytest.mark.stack
 
 
 def test_pubsub_publish_and_pull(stack, settings):
-    publisher, subscriber = clients.publisher_client(), clients.subscriber_client()
+    publisher, subscriber = google_clients.publisher_client(), google_clients.subscriber_client()
     suffix = uuid.uuid4().hex[:8]
     topic = publisher.topic_path(settings.project_id, f"emulator-check-{suffix}")
     subscription = subscriber.subscription_path(settings.project_id, f"emulator-check-{suffix}")
@@ -33,7 +33,7 @@ def test_pubsub_publish_and_pull(stack, settings):
 
 
 def test_gcs_upload_download_and_generation_preconditions(stack, settings):
-    bucket = clients.storage_client(settings).bucket(settings.payload_bucket)
+    bucket = google_clients.storage_client(settings).bucket(settings.payload_bucket)
     blob = bucket.blob(f"emulator-check/{uuid.uuid4().hex}")
     blob.upload_from_string(b"payload bytes", if_generation_match=0)
     assert bucket.blob(blob.name).download_as_bytes() == b"payload bytes"
@@ -67,7 +67,7 @@ def test_bootstrap_is_idempotent_and_follows_the_catalog(stack, settings):
 
     catalog = load_catalog()
     bootstrap(settings, catalog)  # the stack already ran it once: a second run changes nothing and raises nothing
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     for spec in catalog.models.values():
         name = subscriber.subscription_path(settings.project_id, naming.worker_subscription(spec.name))
         subscription = subscriber.get_subscription(request={"subscription": name})

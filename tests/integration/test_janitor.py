@@ -20,7 +20,7 @@ from api_server.janitor import (
     minimum_age,
 )
 from api_server.reply_waiter import CREATED_LABEL, PerRequestReplyWaiter, reply_subscription_request
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.results import ResultStore
 from emulators.stack import ROOT
 
@@ -30,7 +30,7 @@ DAY = 24 * 3600
 
 @pytest.fixture
 def subscriber():
-    client = clients.subscriber_client()
+    client = google_clients.subscriber_client()
     yield client
     client.close()
 

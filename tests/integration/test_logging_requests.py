@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from api_server.app import create_app
+from api_server.state import app_state
 from contract.jsonlog import JsonFormatter
 from contract.settings import Settings
 
@@ -28,7 +29,7 @@ def app(stack, tmp_path_factory):
         return {"ok": True}
 
     yield app
-    app.extensions["maas"].close()
+    app_state(app).close()
 
 
 @pytest.fixture
@@ -65,10 +66,7 @@ def test_every_line_of_a_request_carries_its_id_and_the_cloud_trace(app, lines, 
     messages = [line["message"] for line in mine]
     assert "a line from deep inside the request" in messages and "GET /test/log-inside 200" in messages
     for line in mine:
-        assert (
-            line["logging.googleapis.com/trace"]
-            == f"projects/{app.extensions['maas'].settings.project_id}/traces/{TRACE}"
-        )
+        assert line["logging.googleapis.com/trace"] == f"projects/{app_state(app).settings.project_id}/traces/{TRACE}"
         assert line["logging.googleapis.com/spanId"] == format(12345, "016x")
         assert line["logging.googleapis.com/trace_sampled"] is True
     access = next(line for line in mine if line["message"].startswith("GET "))

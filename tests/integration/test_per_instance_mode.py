@@ -7,6 +7,7 @@ import base64
 import pytest
 
 from api_server.app import create_app
+from api_server.state import app_state
 from contract.settings import Settings
 
 pytestmark = pytest.mark.stack
@@ -34,4 +35,4 @@ def test_per_instance_mode_answers_each_request_with_its_own_reply(stack, auth_h
             images.setdefault(seed, set()).add(base64.b64decode(body["predictions"][0]["image_b64"]))
         assert len(images[21]) == 1 and images[21] != images[22]
     finally:
-        app.extensions["maas"].close()
+        app_state(app).close()

@@ -10,7 +10,7 @@ import redis
 from google.api_core import exceptions
 
 from api_server.reply_waiter import CREATED_LABEL, PerInstanceReplyWaiter, PerRequestReplyWaiter
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.results import ResultStore
 
@@ -24,7 +24,7 @@ def results(settings) -> ResultStore:
 
 @pytest.fixture(params=["per-request", "per-instance"])
 def waiter(request, settings, results):
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     if request.param == "per-request":
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     else:
@@ -37,7 +37,7 @@ def publish_reply(settings, request_id: str, extra_attributes: dict[str, str] | 
     reply = InferenceReply(
         request_id=request_id, model="sd15-txt2img", model_version="1", status="ok", worker_id="test"
     )
-    publisher = clients.publisher_client()
+    publisher = google_clients.publisher_client()
     topic = publisher.topic_path(settings.project_id, naming.REPLIES_TOPIC)
     publisher.publish(
         topic, reply.model_dump_json().encode(), **{Attr.REQUEST_ID: request_id, **(extra_attributes or {})}
@@ -47,7 +47,7 @@ def publish_reply(settings, request_id: str, extra_attributes: dict[str, str] | 
 
 def subscription_exists(settings, name: str) -> bool:
     try:
-        clients.subscriber_client().get_subscription(request={"subscription": name})
+        google_clients.subscriber_client().get_subscription(request={"subscription": name})
         return True
     except exceptions.NotFound:
         return False
@@ -91,11 +91,13 @@ def test_reply_missed_by_the_subscription_is_found_in_the_result_store(waiter, r
 
 
 def test_per_request_subscription_is_filtered_labelled_and_expires(settings, results):
-    waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
+    waiter = PerRequestReplyWaiter(google_clients.subscriber_client(), settings.project_id, results)
     request_id = uuid.uuid4().hex
     pending = waiter.expect(request_id)
     try:
-        subscription = clients.subscriber_client().get_subscription(request={"subscription": pending.subscription})
+        subscription = google_clients.subscriber_client().get_subscription(
+            request={"subscription": pending.subscription}
+        )
         assert subscription.filter == f'attributes.request_id = "{request_id}"'
         labels = dict(subscription.labels)
         assert labels.pop(CREATED_LABEL).isdigit() and labels == naming.REPLY_SUBSCRIPTION_LABEL
@@ -107,7 +109,7 @@ def test_per_request_subscription_is_filtered_labelled_and_expires(settings, res
 
 def test_per_instance_reply_stream_comes_back_after_its_subscription_vanishes(settings, results):
     """What a Pub/Sub restart does to a running API: the instance's subscription is gone; it is made again."""
-    subscriber = clients.subscriber_client()
+    subscriber = google_clients.subscriber_client()
     waiter = PerInstanceReplyWaiter(subscriber, settings.project_id, f"test-{uuid.uuid4().hex[:8]}", results)
     try:
         waiter.expect("warm-up").close()

@@ -11,7 +11,7 @@ import redis
 
 from api_server.reply_waiter import PerRequestReplyWaiter
 from chaos.malformed_images import MALFORMED_IMAGES
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
@@ -42,8 +42,8 @@ def send_and_wait(
     settings, request_id: str, data: bytes, attributes: dict[str, str], timeout: float = 30, model: str = MODEL
 ) -> InferenceReply | None:
     results = ResultStore(redis.Redis.from_url(settings.redis_url), 60)
-    waiter = PerRequestReplyWaiter(clients.subscriber_client(), settings.project_id, results)
-    publisher = clients.publisher_client()
+    waiter = PerRequestReplyWaiter(google_clients.subscriber_client(), settings.project_id, results)
+    publisher = google_clients.publisher_client()
     pending = waiter.expect(request_id)
     try:
         publisher.publish(

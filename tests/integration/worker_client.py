@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from contract import clients, naming
+from contract import google_clients, naming
 from contract.inflight import InflightStore, RequestKeeper
 from contract.messages import (
     GenerationParameters,
@@ -34,8 +34,8 @@ class WorkerClient:
 
     def __init__(self, settings) -> None:
         self._project = settings.project_id
-        self._publisher = clients.publisher_client()
-        self._subscriber = clients.subscriber_client()
+        self._publisher = google_clients.publisher_client()
+        self._subscriber = google_clients.subscriber_client()
         self._replies_topic = self._publisher.topic_path(self._project, naming.REPLIES_TOPIC)
         self._subscription = self._subscriber.subscription_path(self._project, f"test-replies-{uuid.uuid4().hex[:8]}")
         self._subscriber.create_subscription(request={"name": self._subscription, "topic": self._replies_topic})

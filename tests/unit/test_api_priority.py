@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from api_server.auth import Caller
 from api_server.errors import ApiError
 from api_server.inference import InferenceService
 from api_server.schemas import decode_input_image
@@ -12,6 +13,10 @@ from contract.settings import Settings, api_key_digest
 from tests.conftest import png_b64
 
 SPEC = load_catalog().get("sd15-txt2img")
+
+
+def caller(key: str) -> Caller:
+    return Caller(api_key_digest(key)[:12], api_key_digest(key))
 
 
 def service(settings: Settings) -> InferenceService:
@@ -26,11 +31,11 @@ def test_high_priority_keys_come_from_digests_and_plain_keys():
 def test_high_priority_is_refused_for_other_keys_and_allowed_for_configured_ones():
     inference = service(Settings.from_env({"MAAS_HIGH_PRIORITY_KEYS": "vip"}))
     body = {"instances": [{"prompt": "x"}], "parameters": {"priority": "high"}}
-    assert inference.prepare(SPEC, body, "r1", api_key_digest("vip")).priority == "high"
+    assert inference.prepare(SPEC, body, "r1", caller("vip")).priority == "high"
     with pytest.raises(ApiError) as refused:
-        inference.prepare(SPEC, body, "r2", api_key_digest("someone"))
+        inference.prepare(SPEC, body, "r2", caller("someone"))
     assert refused.value.status == 403 and refused.value.field == "parameters.priority"
-    assert inference.prepare(SPEC, {"instances": [{"prompt": "x"}]}, "r3", api_key_digest("x")).priority == "normal"
+    assert inference.prepare(SPEC, {"instances": [{"prompt": "x"}]}, "r3", caller("x")).priority == "normal"
 
 
 def test_input_image_above_the_pixel_limit_is_422_from_its_header():

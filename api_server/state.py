@@ -1,0 +1,179 @@
+"""The API process's one app-state object: every long-lived collaborator, built once per gunicorn worker (after
+fork), reached through `app_state()`, and stopped, every thread it started included, by `close()`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from flask import Flask, current_app
+from google.cloud import pubsub_v1
+
+from api_server.auth import ApiKeyAuth
+from api_server.bigquery_write import StorageWriteSink, write_client
+from api_server.dispatch import InferenceDispatcher
+from api_server.flights import SharedFlights
+from api_server.inference import InferenceService
+from api_server.inference_log import InferenceLogWriter
+from api_server.janitor import JanitorTask, build_janitor_task
+from api_server.job_log import JobLogFinisher
+from api_server.jobs import JobStore
+from api_server.limits import KeyLimits, RequestLimiter
+from api_server.log_spool import LogSpool
+from api_server.records import RequestRecords
+from api_server.redis_state import RedisState, api_redis_client
+from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
+from api_server.serving import ServingStage
+from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
+from contract import google_clients
+from contract.catalog import ModelCatalog
+from contract.inflight import InflightStore, RequestKeeper
+from contract.payloads import PayloadCodec
+from contract.results import ResultStore
+from contract.settings import Settings
+
+log = logging.getLogger(__name__)
+EXTENSION = "maas"
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    catalog: ModelCatalog
+    auth: ApiKeyAuth
+    redis: redis.Redis
+    redis_state: RedisState
+    publisher: pubsub_v1.PublisherClient
+    subscriber: pubsub_v1.SubscriberClient
+    waiter: ReplyWaiter
+    results: ResultStore
+    jobs: JobStore
+    inference: InferenceService
+    inference_log: InferenceLogWriter
+    # The cache's flights run on MAAS_CACHE_REDIS_URL when set (an instance of its own with allkeys-lru).
+    cache_flights: SharedFlights
+    flights: SharedFlights
+    limiter: RequestLimiter
+    serving: ServingStage
+    records: RequestRecords
+    job_log: JobLogFinisher
+    webhooks: WebhookNotifier | None
+    janitor: JanitorTask | None
+    cache_redis: redis.Redis | None = None
+    # Built on first use by the routes that need them (readiness probe, OpenAPI document).
+    lazy: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        """The background threads: job log rows, webhook deliveries, the reply-subscription janitor."""
+        self.job_log.start()
+        if self.webhooks is not None:
+            self.webhooks.start()
+        if self.janitor is not None:
+            self.janitor.start()
+
+    def close(self) -> None:
+        """SIGTERM (gunicorn's worker_exit) and tests: stop every thread, flush the log rows, close the clients."""
+        self.job_log.stop()
+        if self.webhooks is not None:
+            self.webhooks.stop()
+        if self.janitor is not None:
+            self.janitor.stop()
+        self.waiter.close()
+        self.inference_log.close()
+        self.publisher.stop()
+        self.subscriber.close()
+        for client in (self.redis, self.cache_redis):
+            if client is not None:
+                with contextlib.suppress(redis.RedisError):
+                    client.close()
+
+
+def app_state(app: Flask | None = None) -> AppState:
+    """The app's state: the current app's inside a request, or that of `app`."""
+    return (app or current_app).extensions[EXTENSION]
+
+
+def install(app: Flask, state: AppState) -> None:
+    app.extensions[EXTENSION] = state
+
+
+def build_app_state(settings: Settings) -> AppState:
+    redis_client = api_redis_client(settings.redis_url)
+    redis_state = RedisState(redis_client, settings.redis_retry_seconds)
+    cache_redis, cache_state = None, redis_state
+    if settings.cache_redis_url:
+        cache_redis = api_redis_client(settings.cache_redis_url)
+        cache_state = RedisState(cache_redis, settings.redis_retry_seconds)
+    results = ResultStore(redis_client, settings.result_ttl_seconds)
+    subscriber = google_clients.subscriber_client()
+    if settings.reply_mode == "per-instance":
+        waiter: ReplyWaiter = PerInstanceReplyWaiter(subscriber, settings.project_id, settings.instance_id, results)
+    else:
+        waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
+    publisher = google_clients.publisher_client()
+    catalog = settings.catalog()
+    payloads = PayloadCodec(
+        google_clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit
+    )
+    targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
+    inference = InferenceService(
+        # Every published request is kept in Redis until its deadline: the workers' watchdog re-dispatches it.
+        InferenceDispatcher(
+            publisher,
+            waiter,
+            settings.project_id,
+            RequestKeeper(InflightStore(redis_client), settings.redis_retry_seconds),
+        ),
+        payloads,
+        settings.job_deadline_seconds,
+        settings.high_priority_key_sha256,
+        targets,
+    )
+    jobs = JobStore(redis_client, results, settings.result_ttl_seconds)
+    inference_log = build_inference_log(settings)
+    cache_flights, flights = SharedFlights(cache_state), SharedFlights(redis_state)
+    limiter = RequestLimiter(
+        redis_state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
+    )
+    webhooks = None
+    if settings.webhook_signing_secret:  # a process that cannot sign must not claim deliveries
+        webhooks = WebhookNotifier(
+            jobs,
+            inference.predictions,
+            targets,
+            settings.webhook_signing_secret,
+            attempts=settings.webhook_attempts,
+            ca_file=settings.webhook_ca_file,
+        )
+    return AppState(
+        settings=settings,
+        catalog=catalog,
+        auth=ApiKeyAuth.from_settings(settings),
+        redis=redis_client,
+        redis_state=redis_state,
+        publisher=publisher,
+        subscriber=subscriber,
+        waiter=waiter,
+        results=results,
+        jobs=jobs,
+        inference=inference,
+        inference_log=inference_log,
+        cache_flights=cache_flights,
+        flights=flights,
+        limiter=limiter,
+        serving=ServingStage(settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter),
+        records=RequestRecords(inference_log, jobs, redis_state, settings.instance_id, waiter.mode),
+        job_log=JobLogFinisher(jobs, inference_log),
+        webhooks=webhooks,
+        janitor=build_janitor_task(settings, catalog, redis_client),
+        cache_redis=cache_redis,
+    )
+
+
+def build_inference_log(settings: Settings) -> InferenceLogWriter:
+    table = f"projects/{settings.project_id}/datasets/{settings.dataset}/tables/{settings.log_table}"
+    sink = StorageWriteSink(write_client(settings), table, query_client=google_clients.bigquery_client(settings))
+    return InferenceLogWriter(sink, LogSpool(Path(settings.log_spool_dir), settings.log_spool_max_bytes))

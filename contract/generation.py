@@ -1,0 +1,78 @@
+"""The generation parameters, declared once: the wire type the worker reads (`GenerationParameters`) and, per
+parameter, its role, from which the API's input model, the catalog's defaults, the log row's parameter
+columns and the worker's batch key are derived (and checked by tests/unit/test_generation_parameters.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+MAX_SEED = 2**31 - 1
+
+
+class GenerationParameters(BaseModel):
+    """Parameters resolved by the API: every field is set, defaults already applied."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    strength: float | None = None
+    negative_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class ParameterRole:
+    description: str
+    # What a client may send (pydantic constraints of the API's input model); every parameter is optional there.
+    accepted: dict[str, Any] = field(default_factory=dict)
+    # In the catalog's per-model defaults: "required", "optional", or not there (None).
+    default: Literal["required", "optional"] | None = None
+    # A column of the inference log row (and of the BigQuery table) of the same name.
+    logged: bool = False
+    # One value per pipeline call: requests that differ in it cannot share a batch.
+    per_call: bool = False
+
+
+ROLES: dict[str, ParameterRole] = {
+    "seed": ParameterRole("seed of the first image; image i uses seed + i", {"ge": 0, "le": MAX_SEED}, logged=True),
+    "num_inference_steps": ParameterRole(
+        "denoising steps", {"ge": 1}, default="required", logged=True, per_call=True
+    ),
+    "guidance_scale": ParameterRole("classifier-free guidance", {"ge": 0.0, "le": 30.0}, "required", per_call=True),
+    "width": ParameterRole("output width in pixels", {"ge": 64, "multiple_of": 8}, "required", True, True),
+    "height": ParameterRole("output height in pixels", {"ge": 64, "multiple_of": 8}, "required", True, True),
+    "strength": ParameterRole("image-to-image only: how far from the input", {"gt": 0.0, "le": 1.0}, "optional",
+                              per_call=True),
+    "negative_prompt": ParameterRole("what the image should not show", {"max_length": 2000}),
+}  # fmt: skip
+
+LOGGED_PARAMETERS = tuple(name for name, role in ROLES.items() if role.logged)
+PER_CALL_PARAMETERS = tuple(name for name, role in ROLES.items() if role.per_call)
+
+
+def _annotation(name: str) -> Any:
+    return GenerationParameters.model_fields[name].annotation
+
+
+def optional_parameters_model(name: str, config: ConfigDict, **extra: Any) -> type[BaseModel]:
+    """The parameters as a client sends them: each optional (the catalog fills in), constrained by its role."""
+    fields: dict[str, Any] = {
+        parameter: (_annotation(parameter) | None, Field(default=None, description=role.description, **role.accepted))
+        for parameter, role in ROLES.items()
+    }
+    return create_model(name, __config__=config, **fields, **extra)
+
+
+def defaults_model(name: str) -> type[BaseModel]:
+    """The catalog's per-model defaults: the parameters whose role has a default."""
+    fields: dict[str, Any] = {
+        parameter: (_annotation(parameter), ... if role.default == "required" else None)
+        for parameter, role in ROLES.items()
+        if role.default is not None
+    }
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
