@@ -183,7 +183,7 @@ CACHE_HEADERS = {
     "Idempotent-Replayed": {"description": "`true` for an Idempotency-Key replay", "schema": {"type": "string"}},
 }
 
-TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html"}
+TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html", "/v1/jobs/{job_id}/events": "text/event-stream"}
 
 
 def openapi_document(model_names: list[str]) -> dict[str, Any]:
