@@ -17,10 +17,10 @@ class _Body(BaseModel):
 
 
 class GenerationDefaults(_Body):
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    width: int | None = None
-    height: int | None = None
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
     strength: float | None = None
 
 
