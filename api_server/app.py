@@ -12,7 +12,7 @@ from werkzeug.routing import BaseConverter
 from api_server import metrics
 from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
-from api_server.routes import docs, events, health, jobs, models, predict, usage
+from api_server.routes import docs, events, health, jobs, models, playground, predict, usage
 from api_server.routes import metrics as metrics_routes
 from api_server.services import Services, build_services
 from api_server.serving import build_serving
@@ -39,7 +39,17 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.extensions["maas_serving"] = build_serving(settings, services)
     register_error_handlers(app)
     app.wsgi_app = ChunkedBodyReader(app.wsgi_app, settings.max_request_bytes)
-    for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, events.bp, usage.bp, metrics_routes.bp, docs.bp):
+    for blueprint in (
+        health.bp,
+        models.bp,
+        predict.bp,
+        jobs.bp,
+        events.bp,
+        usage.bp,
+        playground.bp,
+        metrics_routes.bp,
+        docs.bp,
+    ):
         app.register_blueprint(blueprint)
 
     @app.before_request

@@ -140,7 +140,10 @@ API_SPEC = SpecTree(
     annotations=False,
     title="Model-as-a-Service",
     version="1",
-    description="Diffusion models over HTTP (Vertex AI / KServe v1 bodies). Errors are always `ErrorResponse`.",
+    description=(
+        "Diffusion models over HTTP (Vertex AI / KServe v1 bodies). Errors are always `ErrorResponse`. "
+        "Try it in the browser: [the playground](/playground)."
+    ),
     validation_error_status=422,
     validation_error_model=ErrorResponse,
     naming_strategy=lambda model: model.__name__,

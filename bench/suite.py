@@ -76,7 +76,9 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1  # floor, naive, http, cache/jobs, direct
+        self.total = (
+            3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1
+        )  # floor, naive, http, cache/jobs, direct, streams
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -185,6 +187,24 @@ class Suite:
               flush=True)  # fmt: skip
         return result
 
+    def event_streams(self) -> dict | None:
+        """1,000 open job event streams on one API instance (bench/api_event_streams.py, its own API process)."""
+        started = time.monotonic()
+        out = self.out_dir / "event_streams.json"
+        argv = [sys.executable, "-m", "bench.api_event_streams", "--json", str(out),
+                "--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"]  # fmt: skip
+        env = {**os.environ, "MAAS_STACK_DIR": str(self.config.stack_dir)}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        self.count += 1
+        if done.returncode != 0:
+            print(f"[{self.count:>2}/{self.total}] event streams: failed\n{done.stderr[-2000:]}", flush=True)
+            return None
+        print(
+            f"[{self.count:>2}/{self.total}] event streams ({time.monotonic() - started:.0f}s):\n{done.stdout}",
+            flush=True,
+        )
+        return json.loads(out.read_text())
+
 
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -212,11 +232,12 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = None
+    direct = event_streams = None
     try:
         suite.pubsub()
         suite.http(api)
         direct = suite.direct()
+        event_streams = suite.event_streams()
     finally:
         api.stop()
         if owned:
@@ -238,6 +259,7 @@ def main() -> None:
         "rows": suite.rows,
         "unavailable": suite.unavailable,
         "direct": direct,
+        "event_streams": event_streams,
     }
     result["admin"] = report.admin_rows(suite.rows)
     result["targets"] = report.evaluate_targets(suite.rows, direct, suite.available)
