@@ -17,8 +17,9 @@ import pytest
 import requests
 from PIL import Image
 from pydantic import BaseModel
+from typer.testing import CliRunner
 
-from maas_client import AsyncClient, Client, JobCancelled, Unauthorized, ValidationError, types
+from maas_client import AsyncClient, Client, JobCancelled, Unauthorized, ValidationError, cli, types
 from tests.conftest import TEST_API_KEYS
 
 pytestmark = pytest.mark.stack
@@ -146,17 +147,18 @@ def test_cli_jobs_submit_wait_status_and_list_with_json(stack, tmp_path):
 def test_cli_exit_codes_bad_key_bad_flags_and_unreachable(stack, tmp_path):
     bad_key = run_cli(stack, "models", key="not-a-key")
     assert bad_key.returncode == 3 and "invalid API key" in bad_key.stderr
+    # Flags are refused before any request: in-process (the same app the console script runs), no server needed.
+    (tmp_path / "notes.png").write_text("not an image")
     for args, message in [
         (["predict", "noop", "x", "--size", "64by64"], "WIDTHxHEIGHT"),
         (["predict", "noop", "x", "--steps", "0"], "--steps"),
         (["predict", "sd15-img2img", "x", "--image", str(tmp_path / "missing.png")], "not found"),
+        (["predict", "sd15-img2img", "x", "--image", str(tmp_path / "notes.png")], "not a PNG"),
         (["usage", "--since", "last week"], "--since"),
     ]:
-        done = run_cli(stack, *args)
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done
-    (tmp_path / "notes.png").write_text("not an image")
-    unreadable = run_cli(stack, "predict", "sd15-img2img", "x", "--image", str(tmp_path / "notes.png"))
-    assert unreadable.returncode == 2 and "not a PNG" in unreadable.stderr
+        done = CliRunner().invoke(cli.app, args, env={"MAAS_URL": "http://127.0.0.1:9", "MAAS_API_KEY": "k"})
+        assert done.exit_code == 2 and message in done.stderr, (args, done.output)
+        assert "Traceback" not in done.output and isinstance(done.exception, SystemExit)
     env = {"MAAS_URL": f"http://127.0.0.1:{free_port()}", "MAAS_API_KEY": "k", "PATH": "/usr/bin:/bin"}
     down = subprocess.run([MAAS, "models"], env=env, capture_output=True, text=True, timeout=60)
     assert down.returncode == 5 and down.stderr.count("\n") == 1 and "cannot reach" in down.stderr
