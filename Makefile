@@ -22,7 +22,7 @@ system-deps:
 	@command -v java >/dev/null || { echo "Java is required by the Pub/Sub emulator" >&2; exit 1; }
 	@command -v gcloud >/dev/null || { echo "The Google Cloud SDK (Pub/Sub emulator) is required" >&2; exit 1; }
 
-$(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt maas_client/pyproject.toml
 	$(call step,Creating the virtualenv $(VENV),test -d $(VENV) || $(PYTHON) -m venv $(VENV))
 	$(call step,Installing requirements-dev.txt into $(VENV) (torch CPU and diffusers: about two minutes the first time),$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt)
 	@touch $@

@@ -11,7 +11,7 @@ from werkzeug.routing import BaseConverter
 from api_server import records
 from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
-from api_server.routes import docs, health, jobs, models, predict
+from api_server.routes import docs, events, health, jobs, models, playground, predict, usage
 from api_server.routes import metrics as metrics_routes
 from api_server.state import AppState, build_app_state, install
 from contract.jsonlog import bind_context, unbind_context
@@ -35,7 +35,17 @@ def create_app(settings: Settings | None = None, state: AppState | None = None) 
     install(app, state)
     register_error_handlers(app)
     app.wsgi_app = ChunkedBodyReader(app.wsgi_app, settings.max_request_bytes)
-    for blueprint in (health.bp, models.bp, predict.bp, jobs.bp, metrics_routes.bp, docs.bp):
+    for blueprint in (
+        health.bp,
+        models.bp,
+        predict.bp,
+        jobs.bp,
+        events.bp,
+        usage.bp,
+        playground.bp,
+        metrics_routes.bp,
+        docs.bp,
+    ):
         app.register_blueprint(blueprint)
 
     @app.before_request

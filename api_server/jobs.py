@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 
 import redis
 
+from contract import naming
 from contract.catalog import ModelSpec
 from contract.messages import InferenceReply, Progress
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
@@ -167,6 +168,17 @@ class JobStore:
     def claim_webhook(self, job_id: str) -> bool:
         """True for exactly one caller across API processes: that one delivers the webhook."""
         return bool(self._redis.zrem(WEBHOOK_JOBS_KEY, job_id))
+
+    def change_marks(self, job_ids: list[str]) -> list[tuple]:
+        """A cheap fingerprint per job of what `get` derives its state from (progress, reply present,
+        cancelled), in one round trip: the event stream re-reads a job in full only when it changes."""
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.get(naming.progress_key(job_id))
+            pipe.exists(naming.result_key(job_id))
+            pipe.hexists(job_key(job_id), "cancelled_ms")
+        flat = pipe.execute()
+        return [tuple(flat[index : index + 3]) for index in range(0, len(flat), 3)]
 
     def cancel(self, job_id: str) -> None:
         """Marks the job cancelled: a queued request is answered `cancelled` unrun, a running batch stops."""

@@ -144,7 +144,10 @@ API_SPEC = SpecTree(
     annotations=False,
     title="Model-as-a-Service",
     version="1",
-    description="Diffusion models over HTTP (Vertex AI / KServe v1 bodies). Errors are always `ErrorResponse`.",
+    description=(
+        "Diffusion models over HTTP (Vertex AI / KServe v1 bodies). Errors are always `ErrorResponse`. "
+        "Try it in the browser: [the playground](/playground)."
+    ),
     validation_error_status=422,
     validation_error_model=ErrorResponse,
     naming_strategy=lambda model: model.__name__,
@@ -187,7 +190,7 @@ CACHE_HEADERS = {
     "Idempotent-Replayed": {"description": "`true` for an Idempotency-Key replay", "schema": {"type": "string"}},
 }
 
-TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html"}
+TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html", "/v1/jobs/{job_id}/events": "text/event-stream"}
 
 
 def openapi_document(model_names: list[str]) -> dict[str, Any]:

@@ -76,8 +76,8 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        # floor, naive, http, cache/jobs, direct, open loop in process and through the system
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 2
+        # floor, naive, http, cache/jobs, direct, open loop in process and through the system, streams
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 2 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -226,6 +226,24 @@ class Suite:
         print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
         return result
 
+    def event_streams(self) -> dict | None:
+        """1,000 open job event streams on one API instance (bench/api_event_streams.py, its own API process)."""
+        started = time.monotonic()
+        out = self.out_dir / "event_streams.json"
+        argv = [sys.executable, "-m", "bench.api_event_streams", "--json", str(out),
+                "--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"]  # fmt: skip
+        env = {**os.environ, "MAAS_STACK_DIR": str(self.config.stack_dir)}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        self.count += 1
+        if done.returncode != 0:
+            print(f"[{self.count:>2}/{self.total}] event streams: failed\n{done.stderr[-2000:]}", flush=True)
+            return None
+        print(
+            f"[{self.count:>2}/{self.total}] event streams ({time.monotonic() - started:.0f}s):\n{done.stdout}",
+            flush=True,
+        )
+        return json.loads(out.read_text())
+
 
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -254,13 +272,14 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = None
+    direct = event_streams = None
     sweeps: dict[str, dict] = {}
     try:
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
             direct = suite.direct()
+            event_streams = suite.event_streams()
         for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
                            ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
             if (result := run()) is not None:
@@ -287,6 +306,7 @@ def main() -> None:
         "unavailable": suite.unavailable,
         "direct": direct,
         "open_loop": sweeps,
+        "event_streams": event_streams,
     }
     plot = None
     if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone

@@ -664,6 +664,8 @@ Try it (the image is saved to lighthouse.png):
     -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
     -d '{{"instances": [{{"prompt": "a lighthouse at dawn"}}], "parameters": {{"seed": 7, "num_inference_steps": 4, "width": 256, "height": 256}}}}' \\
     | python3 emulators/save_images.py lighthouse
+Or in a browser: {config.api_url}/playground  (the API reference: {config.api_url}/docs)
+Or the command line: MAAS_URL={config.api_url} MAAS_API_KEY={key} .venv/bin/maas models
 
 {stop}
 """

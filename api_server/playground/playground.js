@@ -1,0 +1,232 @@
+// The playground: the public API from the browser. Nothing the API returns is ever inserted as HTML:
+// every text goes through textContent, every image through an <img> whose src is a data: URL.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORAGE = "maas-api-key"; // sessionStorage only: gone when the tab closes
+const FIELD_ERRORS = {
+  "parameters.width": "size", "parameters.height": "size", "parameters.seed": "seed",
+  "parameters.num_inference_steps": "steps", "parameters.negative_prompt": "negative",
+  "instances": "count", "instances.0.prompt": "prompt", "instances.0.image": "image",
+};
+let catalog = [];
+let current = null; // {jobId, controller}
+let lastRequest = null;
+
+function headers(extra) {
+  return Object.assign({ Authorization: "Bearer " + $("key").value.trim() }, extra || {});
+}
+
+function clearErrors() {
+  document.querySelectorAll(".error").forEach((node) => { node.textContent = ""; });
+}
+
+function showError(error) {
+  const field = error && error.field;
+  const target = field && (FIELD_ERRORS[field] || (field.startsWith("instances") ? "prompt" : null));
+  const node = $((target || "form") + "-error");
+  node.textContent = (error && error.message) || "request failed";
+}
+
+async function api(method, path, body) {
+  const init = { method, headers: headers(body ? { "Content-Type": "application/json" } : {}) };
+  if (body) init.body = JSON.stringify(body);
+  const response = await fetch(path, init);
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) throw Object.assign(new Error("api"), { status: response.status, detail: data.error || {} });
+  return { status: response.status, data };
+}
+
+async function loadModels() {
+  clearErrors();
+  if (!$("key").value.trim()) return;
+  try {
+    catalog = (await api("GET", "/v1/models")).data.models;
+  } catch (failure) {
+    $("key-error").textContent = failure.detail ? failure.detail.message : "cannot reach the API";
+    return;
+  }
+  const select = $("model");
+  select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + model.task + ")", model.name)));
+  const preferred = catalog.find((model) => model.name.startsWith("sd15-txt2img"));
+  if (preferred) select.value = preferred.name;
+  modelChanged();
+}
+
+function modelChanged() {
+  const model = catalog.find((entry) => entry.name === $("model").value);
+  if (!model) return;
+  $("steps").placeholder = String(model.defaults.num_inference_steps);
+  $("size").placeholder = model.defaults.width + "x" + model.defaults.height;
+  $("count").max = String(model.max_instances_per_request);
+  $("image-label").hidden = model.task !== "image-to-image";
+  $("model-hint").textContent = "up to " + model.limits.max_width + "x" + model.limits.max_height + ", "
+    + model.limits.max_inference_steps + " steps, " + model.max_instances_per_request + " images";
+}
+
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(String(reader.result).split(",", 2)[1]);
+    reader.onerror = () => reject(new Error("the image file cannot be read"));
+    reader.readAsDataURL(file);
+  });
+}
+
+function integer(id, errors) {
+  const text = $(id).value.trim();
+  if (text === "") return undefined;
+  if (!/^\d+$/.test(text)) { errors[id] = "a whole number"; return undefined; }
+  return Number(text);
+}
+
+async function buildRequest() {
+  const errors = {};
+  const parameters = {};
+  const seed = integer("seed", errors);
+  const steps = integer("steps", errors);
+  const count = integer("count", errors) || 1;
+  if (seed !== undefined) parameters.seed = seed;
+  if (steps !== undefined) parameters.num_inference_steps = steps;
+  const size = $("size").value.trim();
+  if (size) {
+    const match = /^(\d+)\s*[xX]\s*(\d+)$/.exec(size);
+    if (match) { parameters.width = Number(match[1]); parameters.height = Number(match[2]); }
+    else errors.size = "WIDTHxHEIGHT, e.g. 512x512";
+  }
+  if ($("negative").value.trim()) parameters.negative_prompt = $("negative").value;
+  if (!$("prompt").value.trim()) errors.prompt = "a prompt is needed";
+  const instance = { prompt: $("prompt").value };
+  const file = $("image").files[0];
+  if (file && !$("image-label").hidden) instance.image = await readImage(file);
+  Object.entries(errors).forEach(([id, message]) => { $(id + "-error").textContent = message; });
+  if (Object.keys(errors).length) return null;
+  return { model: $("model").value, body: { instances: Array(count).fill(instance), parameters } };
+}
+
+function setRunning(running) {
+  $("submit").disabled = running;
+  $("cancel").disabled = !running;
+}
+
+async function submit(event) {
+  if (event) event.preventDefault();
+  clearErrors();
+  sessionStorage.setItem(KEY_STORAGE, $("key").value.trim());
+  const request = await buildRequest();
+  if (!request) return;
+  lastRequest = request;
+  $("progress").value = 0;
+  $("status").textContent = "submitting";
+  $("results").replaceChildren();
+  setRunning(true);
+  try {
+    const answer = await api("POST", "/v1/models/" + encodeURIComponent(request.model) + "/jobs", request.body);
+    if (answer.status === 200) { // answered from the cache
+      finish({ status: "succeeded", id: answer.data.request_id, result: answer.data }, request);
+      return;
+    }
+    await follow(answer.data.id, request);
+  } catch (failure) {
+    showError(failure.detail || { message: String(failure.message || failure) });
+    $("status").textContent = "";
+    setRunning(false);
+  }
+}
+
+// EventSource cannot send the Authorization header: the stream is read with fetch.
+async function follow(jobId, request) {
+  const controller = new AbortController();
+  current = { jobId, controller };
+  $("status").textContent = "queued";
+  const response = await fetch("/v1/jobs/" + encodeURIComponent(jobId) + "/events",
+                               { headers: headers(), signal: controller.signal });
+  if (!response.ok) throw Object.assign(new Error("stream"), { detail: (await response.json()).error });
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const fields = {};
+      frame.split("\n").forEach((line) => {
+        const at = line.indexOf(": ");
+        if (at > 0 && !line.startsWith(":")) fields[line.slice(0, at)] = line.slice(at + 2);
+      });
+      if (fields.event && fields.data) onEvent(fields.event, JSON.parse(fields.data), request);
+    }
+  }
+  setRunning(false);
+}
+
+function onEvent(kind, job, request) {
+  if (kind === "queued") { $("status").textContent = "queued"; return; }
+  if (kind === "running" && job.progress) {
+    $("progress").value = Math.round((100 * job.progress.step) / job.progress.total);
+    $("status").textContent = "running: step " + job.progress.step + " of " + job.progress.total;
+    return;
+  }
+  finish(job, request);
+}
+
+function finish(job, request) {
+  setRunning(false);
+  current = null;
+  if (job.status !== "succeeded") {
+    $("status").textContent = job.status;
+    if (job.error) showError(job.error);
+    return;
+  }
+  $("progress").value = 100;
+  $("status").textContent = "succeeded";
+  const result = job.result;
+  const timings = Object.entries(result.timings_ms || {}).map(([name, ms]) => name + " " + Math.round(ms) + " ms");
+  const figures = result.predictions.map((prediction, index) => {
+    const figure = document.createElement("figure");
+    const image = document.createElement("img");
+    image.alt = "generated image " + (index + 1);
+    image.src = "data:image/png;base64," + prediction.image_b64; // an image, never markup
+    const caption = document.createElement("figcaption");
+    caption.textContent = request.body.instances[index].prompt + " | seed " + prediction.seed + " | "
+      + prediction.width + "x" + prediction.height + " | " + timings.join(", ");
+    const download = document.createElement("a");
+    download.href = image.src;
+    download.download = job.id + "-" + index + ".png";
+    download.textContent = "download";
+    caption.append(" ", download);
+    figure.append(image, caption);
+    return figure;
+  });
+  $("results").replaceChildren(...figures);
+  $("rerun").disabled = false;
+  $("rerun").dataset.seed = String(result.predictions[0].seed);
+}
+
+async function cancel() {
+  if (!current) return;
+  try {
+    await api("DELETE", "/v1/jobs/" + encodeURIComponent(current.jobId));
+  } catch (failure) {
+    showError(failure.detail);
+  }
+}
+
+function rerun() {
+  $("seed").value = $("rerun").dataset.seed || "";
+  submit();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("key").value = sessionStorage.getItem(KEY_STORAGE) || "";
+  $("key").addEventListener("change", () => { sessionStorage.setItem(KEY_STORAGE, $("key").value.trim()); loadModels(); });
+  $("model").addEventListener("change", modelChanged);
+  $("form").addEventListener("submit", submit);
+  $("cancel").addEventListener("click", cancel);
+  $("rerun").addEventListener("click", rerun);
+  loadModels();
+});

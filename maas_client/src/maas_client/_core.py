@@ -1,0 +1,280 @@
+"""What the sync and asyncio clients share, free of I/O: request bodies, answers to errors, the retry
+policy, the Server-Sent Events parser and what a finished job turns into."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from maas_client.errors import (
+    ConnectionFailed,
+    InputError,
+    JobCancelled,
+    JobFailed,
+    MaasError,
+    Timeout,
+    error_for,
+)
+from maas_client.types import JobView, PredictResponse, Result
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+# Longer than the longest model request timeout (the server answers 202 with a job by then).
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=150.0, write=60.0, pool=10.0)
+RETRY_STATUSES = (429, 503)
+# Transport failures after which the request may not have reached the server, or its answer was lost.
+RETRYABLE_ERRORS = (httpx.TransportError,)
+PNG, JPEG, WEBP = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF"
+
+
+def settings_from_env(url: str | None, api_key: str | None) -> tuple[str, str]:
+    url = (url or os.environ.get("MAAS_URL") or DEFAULT_URL).rstrip("/")
+    api_key = api_key or os.environ.get("MAAS_API_KEY")
+    if not api_key:
+        raise InputError("no API key: pass api_key= or set MAAS_API_KEY")
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise InputError(f"MAAS_URL {url!r}: expected http(s)://host[:port]")
+    return url, api_key
+
+
+def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """`512x512` or (512, 512) -> (width, height)."""
+    if size is None:
+        return None
+    if isinstance(size, tuple):
+        width, height = size
+    else:
+        match = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", size)
+        if not match:
+            raise InputError(f"size {size!r}: expected WIDTHxHEIGHT, e.g. 512x512")
+        width, height = int(match[1]), int(match[2])
+    if width <= 0 or height <= 0:
+        raise InputError(f"size {width}x{height}: both sides must be positive")
+    return width, height
+
+
+def image_bytes(image: Any) -> bytes:
+    """A PIL image, a path or bytes -> PNG/JPEG/WebP bytes; anything else is an InputError naming why."""
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    elif isinstance(image, (str, Path)):
+        path = Path(image)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise InputError(f"image file not found: {path}") from None
+        except OSError as exc:
+            raise InputError(f"image file {path} cannot be read: {exc.strerror or exc}") from None
+    elif hasattr(image, "save"):  # a PIL image
+        import io
+
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data = buffer.getvalue()
+    else:
+        raise InputError(f"image: expected a path, bytes or a PIL image, not {type(image).__name__}")
+    if not (data.startswith(PNG) or data.startswith(JPEG) or (data.startswith(WEBP) and data[8:12] == b"WEBP")):
+        raise InputError("image is not a PNG, JPEG or WebP file")
+    return data
+
+
+def predict_body(
+    prompt: str,
+    *,
+    n: int = 1,
+    seed: int | None = None,
+    steps: int | None = None,
+    size: str | tuple[int, int] | None = None,
+    image: Any = None,
+    negative_prompt: str | None = None,
+    guidance_scale: float | None = None,
+    strength: float | None = None,
+    priority: str | None = None,
+    webhook_url: str | None = None,
+) -> dict:
+    """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError("prompt: must not be empty")
+    if n < 1:
+        raise InputError(f"n {n}: at least 1 image")
+    instance: dict[str, Any] = {"prompt": prompt}
+    if image is not None:
+        instance["image"] = base64.b64encode(image_bytes(image)).decode()
+    parameters: dict[str, Any] = {}
+    if (dimensions := parse_size(size)) is not None:
+        parameters["width"], parameters["height"] = dimensions
+    for name, value in (
+        ("seed", seed),
+        ("num_inference_steps", steps),
+        ("negative_prompt", negative_prompt),
+        ("guidance_scale", guidance_scale),
+        ("strength", strength),
+        ("priority", priority),
+    ):
+        if value is not None:
+            parameters[name] = value
+    body: dict[str, Any] = {"instances": [instance] * n, "parameters": parameters}
+    if webhook_url:
+        body["webhook_url"] = webhook_url
+    return body
+
+
+def new_idempotency_key() -> str:
+    return f"maas-sdk-{uuid.uuid4().hex}"
+
+
+def retry_after_seconds(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+@dataclass
+class RetryPolicy:
+    """Exponential backoff with full jitter; the server's Retry-After wins when it says more.
+
+    Retried: connection failures, 429 and 503, and a 409 while a request with the same Idempotency-Key is
+    still running. A POST is retried only with an Idempotency-Key, so a retry never runs the model twice.
+    """
+
+    max_retries: int = 3
+    base_seconds: float = 0.5
+    max_seconds: float = 20.0
+    random: random.Random = field(default_factory=random.Random)
+
+    def backoff(self, attempt: int) -> float:
+        return self.random.uniform(0, min(self.max_seconds, self.base_seconds * 2**attempt))
+
+    def delay(
+        self, attempt: int, *, safe: bool, response: httpx.Response | None = None, error: Exception | None = None
+    ) -> float | None:
+        """Seconds to wait before retry number `attempt + 1`, or None: do not retry."""
+        if attempt >= self.max_retries or not safe:
+            return None
+        if error is not None:
+            return self.backoff(attempt) if isinstance(error, RETRYABLE_ERRORS) else None
+        assert response is not None
+        advised = retry_after_seconds(response)
+        if response.status_code in RETRY_STATUSES or (response.status_code == 409 and advised is not None):
+            return min(self.max_seconds, max(advised or 0.0, self.backoff(attempt)))
+        return None
+
+
+def raise_for_answer(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    raise error_for(response.status_code, body, retry_after_seconds(response))
+
+
+def transport_error(exc: Exception, url: str) -> MaasError:
+    """A transport failure as one line naming the problem."""
+    if isinstance(exc, httpx.TimeoutException):
+        return Timeout(f"no answer from {url} in time ({type(exc).__name__})")
+    return ConnectionFailed(f"cannot reach {url}: {exc or type(exc).__name__}")
+
+
+def result_from_predict(response: httpx.Response) -> Result:
+    body = PredictResponse.model_validate(response.json())
+    return Result(
+        model=body.model,
+        model_version=body.model_version,
+        request_id=body.request_id,
+        predictions=body.predictions,
+        timings_ms=body.timings_ms,
+        cache=response.headers.get("X-Cache"),
+    )
+
+
+def result_from_job(view: JobView) -> Result:
+    """A finished job's result, or the typed error its end maps to."""
+    if view.status == "succeeded" and view.result is not None:
+        return Result(
+            model=view.model,
+            model_version=view.model_version,
+            request_id=view.id,
+            job_id=view.id,
+            predictions=view.result.predictions,
+            timings_ms=view.result.timings_ms,
+        )
+    if view.status == "cancelled":
+        raise JobCancelled(f"job {view.id} was cancelled", request_id=view.id)
+    error = view.error
+    message = error.message if error else f"job {view.id} ended {view.status}"
+    if view.status == "expired":
+        raise Timeout(message, status=error.code if error else 504, request_id=view.id)
+    raise JobFailed(message, status=error.code if error else 500, request_id=view.id)
+
+
+@dataclass
+class ServerEvent:
+    event: str
+    id: str | None
+    data: str
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+class EventParser:
+    """Server-Sent Events, line by line (the WHATWG rules this API uses: event, id, data, comments)."""
+
+    def __init__(self) -> None:
+        self._event, self._id, self._data = "message", None, []
+        self.last_id: str | None = None
+
+    def feed(self, line: str) -> ServerEvent | None:
+        if line == "":
+            if not self._data:
+                self._event = "message"
+                return None
+            event = ServerEvent(self._event, self._id, "\n".join(self._data))
+            self._event, self._data = "message", []
+            if self._id is not None:
+                self.last_id = self._id
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id":
+            self._id = value
+        return None
+
+
+class ProgressGate:
+    """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing."""
+
+    def __init__(self, on_progress) -> None:
+        self._on_progress = on_progress
+        self._step = 0
+
+    def update(self, view: JobView) -> None:
+        if self._on_progress is None or view.progress is None or view.progress.step <= self._step:
+            return
+        self._step = view.progress.step
+        self._on_progress(view.progress.step, view.progress.total)

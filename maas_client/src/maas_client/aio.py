@@ -1,0 +1,173 @@
+"""The asyncio client: the same surface as `Client`, every call awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from maas_client import _core
+from maas_client.client import POLL_SECONDS, ProgressCallback
+from maas_client.errors import NotFound, ServerError, Timeout
+from maas_client.types import JobAccepted, JobView, ModelInfo, ModelList, Result, Usage
+
+
+class AsyncClient:
+    """`async with AsyncClient() as maas: await maas.predict(...)`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: httpx.Timeout | float = _core.DEFAULT_TIMEOUT,
+        max_retries: int = 3,
+        max_connections: int = 100,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url, api_key = _core.settings_from_env(url, api_key)
+        self.retry = _core.RetryPolicy(max_retries=max_retries)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections),
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def request(
+        self, method: str, path: str, *, safe: bool, headers: dict | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError as exc:
+                if (delay := self.retry.delay(attempt, safe=safe, error=exc)) is None:
+                    raise _core.transport_error(exc, self.url) from None
+            else:
+                if (delay := self.retry.delay(attempt, safe=safe, response=response)) is None:
+                    _core.raise_for_answer(response)
+                    return response
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def models(self) -> list[ModelInfo]:
+        return ModelList.model_validate((await self.request("GET", "/v1/models", safe=True)).json()).models
+
+    async def model(self, name: str) -> ModelInfo:
+        return ModelInfo.model_validate((await self.request("GET", f"/v1/models/{name}", safe=True)).json())
+
+    async def predict(
+        self, model: str, prompt: str, *, idempotency_key: str | None = None, on_progress=None, **options: Any
+    ) -> Result:
+        body = _core.predict_body(prompt, **options)
+        headers = {"Idempotency-Key": idempotency_key or _core.new_idempotency_key()}
+        response = await self.request("POST", f"/v1/models/{model}:predict", safe=True, json=body, headers=headers)
+        if response.status_code == 202:
+            job = self.job(JobAccepted.model_validate(response.json()).id)
+            return await job.wait(on_progress=on_progress)
+        return _core.result_from_predict(response)
+
+    async def submit(self, model: str, prompt: str, *, idempotency_key: str | None = None, **options: Any) -> AsyncJob:
+        body = _core.predict_body(prompt, **options)
+        headers = {"Idempotency-Key": idempotency_key or _core.new_idempotency_key()}
+        response = await self.request("POST", f"/v1/models/{model}/jobs", safe=True, json=body, headers=headers)
+        data = response.json()
+        if response.status_code == 200:
+            return AsyncJob(self, data["request_id"], done=_core.result_from_predict(response))
+        return AsyncJob(self, JobAccepted.model_validate(data).id)
+
+    def job(self, job_id: str) -> AsyncJob:
+        return AsyncJob(self, job_id)
+
+    async def usage(self, since: str = "7d") -> Usage:
+        response = await self.request("GET", "/v1/usage", safe=True, params={"since": since})
+        return Usage.model_validate(response.json())
+
+
+class AsyncJob:
+    def __init__(self, client: AsyncClient, job_id: str, done: Result | None = None) -> None:
+        self.client = client
+        self.id = job_id
+        self._done = done
+
+    def __repr__(self) -> str:
+        return f"AsyncJob({self.id!r})"
+
+    async def status(self) -> JobView:
+        return JobView.model_validate((await self.client.request("GET", f"/v1/jobs/{self.id}", safe=True)).json())
+
+    async def cancel(self) -> JobView:
+        response = await self.client.request("DELETE", f"/v1/jobs/{self.id}", safe=True)
+        return JobView.model_validate(response.json())
+
+    async def events(self, last_event_id: str | None = None) -> AsyncIterator[JobView]:
+        parser = _core.EventParser()
+        parser.last_id = last_event_id
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
+            try:
+                async with self.client._http.stream("GET", f"/v1/jobs/{self.id}/events", headers=headers) as response:
+                    if response.status_code == 204:
+                        return
+                    if response.status_code >= 400:
+                        await response.aread()
+                        _core.raise_for_answer(response)
+                    async for line in response.aiter_lines():
+                        event = parser.feed(line)
+                        if event is None:
+                            continue
+                        failures = 0
+                        yield JobView.model_validate(event.json())
+                        if event.id == "end":
+                            return
+            except httpx.TransportError as exc:
+                if (delay := self.client.retry.delay(failures, safe=True, error=exc)) is None:
+                    raise _core.transport_error(exc, self.client.url) from None
+                failures += 1
+                await asyncio.sleep(delay)
+
+    async def wait(self, on_progress: ProgressCallback | None = None, timeout: float | None = None) -> Result:
+        if self._done is not None:
+            return self._done
+        gate = _core.ProgressGate(on_progress)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last: JobView | None = None
+        try:
+            async for view in self.events():
+                gate.update(view)
+                last = view
+                if view.finished or (deadline is not None and time.monotonic() > deadline):
+                    break
+        except (NotFound, ServerError) as exc:
+            if isinstance(exc, NotFound) and not await self._exists():
+                raise
+        while last is None or not last.finished:
+            if deadline is not None and time.monotonic() > deadline:
+                raise Timeout(f"job {self.id} still {last.status if last else 'unknown'} after {timeout}s")
+            if last is not None:
+                await asyncio.sleep(POLL_SECONDS)
+            last = await self.status()
+            gate.update(last)
+        return _core.result_from_job(last)
+
+    async def _exists(self) -> bool:
+        try:
+            await self.status()
+        except NotFound:
+            return False
+        return True

@@ -1,0 +1,359 @@
+"""`maas`: the command line over the SDK. Flags are checked before any request; errors are one line each.
+
+Exit codes: 0 done, 1 the API refused or the job failed, 2 usage (a bad flag or file), 3 authentication,
+4 rate limited, 5 server error or unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from maas_client import _core
+from maas_client.client import Client, Job
+from maas_client.errors import (
+    ConnectionFailed,
+    Forbidden,
+    InputError,
+    MaasError,
+    RateLimited,
+    ServerError,
+    Timeout,
+    Unauthorized,
+)
+from maas_client.types import JobView, Result
+
+EXIT_USAGE, EXIT_AUTH, EXIT_RATE_LIMITED, EXIT_SERVER = 2, 3, 4, 5
+HISTORY = Path(os.environ.get("MAAS_HOME", Path.home() / ".maas")) / "jobs.jsonl"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model-as-a-Service from the command line.")
+jobs_app = typer.Typer(no_args_is_help=True, help="Jobs: submit, status, wait (live progress), cancel, list.")
+app.add_typer(jobs_app, name="jobs")
+out = Console()
+err = Console(stderr=True)
+STATE: dict[str, Any] = {}
+
+
+@app.callback()
+def _options(
+    url: Annotated[str | None, typer.Option(envvar="MAAS_URL", help="API base URL")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="MAAS_API_KEY", help="API key")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")] = False,
+) -> None:
+    STATE.update(url=url, api_key=api_key, json=as_json)
+
+
+def _client() -> Client:
+    try:
+        return Client(STATE.get("url"), STATE.get("api_key"))
+    except InputError as exc:
+        _fail(exc)
+
+
+def exit_code(error: MaasError) -> int:
+    if isinstance(error, InputError):
+        return EXIT_USAGE
+    if isinstance(error, (Unauthorized, Forbidden)):
+        return EXIT_AUTH
+    if isinstance(error, RateLimited):
+        return EXIT_RATE_LIMITED
+    if isinstance(error, (ServerError, ConnectionFailed, Timeout)) and not error.request_id:
+        return EXIT_SERVER
+    if isinstance(error, ServerError):
+        return EXIT_SERVER
+    return 1
+
+
+def _fail(error: MaasError) -> NoReturn:
+    if STATE.get("json"):
+        print(json.dumps({"error": {"code": error.status, "message": error.message, "field": error.field}}))
+    else:
+        where = f" [{error.field}]" if error.field else ""
+        after = f" (retry after {error.retry_after:g}s)" if error.retry_after else ""
+        err.print(f"error: {error.message}{where}{after}", markup=False, highlight=False)
+    raise typer.Exit(exit_code(error))
+
+
+def _emit(data: Any, human) -> None:
+    if STATE.get("json"):
+        print(json.dumps(data, default=str))
+    else:
+        human()
+
+
+def _check_options(
+    size: str | None, steps: int | None, n: int, image: Path | None, out_dir: Path | None = None
+) -> None:
+    """Every flag, before any request: a bad one is exit 2 with one line."""
+    try:
+        _core.parse_size(size)
+        if steps is not None and steps < 1:
+            raise InputError(f"--steps {steps}: at least 1")
+        if not 1 <= n <= 16:
+            raise InputError(f"--n {n}: between 1 and 16")
+        if image is not None:
+            _core.image_bytes(image)
+        if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+            raise InputError(f"--out {out_dir}: not a directory")
+    except InputError as exc:
+        _fail(exc)
+
+
+Size = Annotated[str | None, typer.Option(help="WIDTHxHEIGHT, e.g. 512x512")]
+Seed = Annotated[int | None, typer.Option(help="seed of the first image (image i uses seed + i)")]
+Steps = Annotated[int | None, typer.Option(help="denoising steps")]
+ImageFile = Annotated[Path | None, typer.Option("--image", help="input image (PNG/JPEG) for image-to-image")]
+Negative = Annotated[str | None, typer.Option("--negative", help="negative prompt")]
+Count = Annotated[int, typer.Option("--n", help="number of images")]
+OutDir = Annotated[Path, typer.Option("--out", help="directory for the PNGs")]
+
+
+def _options_dict(seed, steps, size, image, negative, n) -> dict:
+    return {"seed": seed, "steps": steps, "size": size, "image": image, "negative_prompt": negative, "n": n}
+
+
+@app.command()
+def models() -> None:
+    """The models the API serves, with their defaults and limits."""
+    with _client() as client:
+        try:
+            listed = client.models()
+        except MaasError as exc:
+            _fail(exc)
+
+    def table() -> None:
+        grid = Table("model", "version", "task", "default size", "steps", "max size", "max images")
+        for m in listed:
+            grid.add_row(
+                m.name, m.version, m.task, f"{m.defaults.width}x{m.defaults.height}",
+                str(m.defaults.num_inference_steps), f"{m.limits.max_width}x{m.limits.max_height}",
+                str(m.max_instances_per_request),
+            )  # fmt: skip
+        out.print(grid)
+
+    _emit([m.model_dump() for m in listed], table)
+
+
+def _print_result(result: Result, paths: list[Path]) -> None:
+    data = {
+        "request_id": result.request_id,
+        "job_id": result.job_id,
+        "files": [str(path) for path in paths],
+        "seeds": result.seeds,
+        "timings_ms": result.timings_ms,
+        "cache": result.cache,
+    }
+
+    def human() -> None:
+        for path in paths:
+            print(path)
+        out.print(f"request id {result.request_id}  seeds {', '.join(map(str, result.seeds))}", highlight=False)
+        timings = "  ".join(f"{name} {value:.0f} ms" for name, value in result.timings_ms.items())
+        out.print(f"timings: {timings}", highlight=False)
+
+    _emit(data, human)
+
+
+@app.command()
+def predict(
+    model: str,
+    prompt: str,
+    seed: Seed = None,
+    steps: Steps = None,
+    size: Size = None,
+    image: ImageFile = None,
+    negative: Negative = None,
+    n: Count = 1,
+    out_dir: OutDir = Path("."),
+) -> None:
+    """Generate images and write them as PNGs (a request that becomes a job is followed to its end)."""
+    _check_options(size, steps, n, image, out_dir)
+    with _client() as client:
+        try:
+            result = client.predict(model, prompt, **_options_dict(seed, steps, size, image, negative, n))
+            paths = result.save(out_dir)
+        except MaasError as exc:
+            _fail(exc)
+        except OSError as exc:
+            _fail(InputError(f"--out {out_dir}: {exc.strerror or exc}"))
+    _print_result(result, paths)
+
+
+def _remember(job: Job, model: str) -> None:
+    try:
+        HISTORY.parent.mkdir(parents=True, exist_ok=True)
+        with HISTORY.open("a") as history:
+            history.write(json.dumps({"id": job.id, "model": model, "url": job.client.url, "at": time.time()}) + "\n")
+    except OSError:
+        pass  # the history is a convenience for `maas jobs list`
+
+
+@jobs_app.command("submit")
+def jobs_submit(
+    model: str,
+    prompt: str,
+    seed: Seed = None,
+    steps: Steps = None,
+    size: Size = None,
+    image: ImageFile = None,
+    negative: Negative = None,
+    n: Count = 1,
+) -> None:
+    """Queue a job and print its id."""
+    _check_options(size, steps, n, image)
+    with _client() as client:
+        try:
+            job = client.submit(model, prompt, **_options_dict(seed, steps, size, image, negative, n))
+        except MaasError as exc:
+            _fail(exc)
+        _remember(job, model)
+    _emit({"id": job.id}, lambda: print(job.id))
+
+
+def _view_line(view: JobView) -> str:
+    progress = f" step {view.progress.step}/{view.progress.total}" if view.progress else ""
+    error = f": {view.error.message}" if view.error else ""
+    return f"{view.id} {view.status}{progress}{error}"
+
+
+@jobs_app.command("status")
+def jobs_status(job_id: str) -> None:
+    """A job's status, progress, result or error."""
+    with _client() as client:
+        try:
+            view = client.job(job_id).status()
+        except MaasError as exc:
+            _fail(exc)
+    data = view.model_dump(by_alias=True, exclude={"result"})
+    _emit(data, lambda: out.print(_view_line(view), highlight=False, markup=False))
+
+
+@jobs_app.command("wait")
+def jobs_wait(job_id: str, out_dir: OutDir = Path(".")) -> None:
+    """Follow a job with a live progress bar; Ctrl-C asks whether to cancel it."""
+    _check_options(None, None, 1, None, out_dir)
+    with _client() as client:
+        job = client.job(job_id)
+        bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("step"), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=err, disable=bool(STATE.get("json")),
+        )  # fmt: skip
+        try:
+            with bar:
+                task = bar.add_task(f"job {job_id[:12]}", total=None)
+
+                def on_progress(step: int, total: int) -> None:
+                    bar.update(task, completed=step, total=total)
+
+                result = job.wait(on_progress=on_progress)
+            paths = result.save(out_dir)
+        except KeyboardInterrupt:
+            _ask_to_cancel(job)
+        except MaasError as exc:
+            _fail(exc)
+    _print_result(result, paths)
+
+
+def _ask_to_cancel(job: Job) -> NoReturn:
+    try:
+        cancel = typer.confirm(f"\nCancel job {job.id}?", default=False, err=True)
+    except (KeyboardInterrupt, typer.Abort, EOFError):
+        cancel = False
+    if cancel:
+        try:
+            view = job.cancel()
+        except MaasError as exc:
+            _fail(exc)
+        err.print(f"job {job.id} {view.status}", highlight=False)
+    else:
+        err.print(f"left running: maas jobs wait {job.id}", highlight=False)
+    raise typer.Exit(130)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str) -> None:
+    """Cancel a job (a queued one never runs, a running one stops at its next step)."""
+    with _client() as client:
+        try:
+            view = client.job(job_id).cancel()
+        except MaasError as exc:
+            _fail(exc)
+    _emit(view.model_dump(by_alias=True, exclude={"result"}), lambda: print(_view_line(view)))
+
+
+@jobs_app.command("list")
+def jobs_list(limit: Annotated[int, typer.Option(help="most recent N")] = 20) -> None:
+    """The jobs submitted from this machine (kept in ~/.maas/jobs.jsonl) with their status now."""
+    if limit < 1:
+        _fail(InputError(f"--limit {limit}: at least 1"))
+    try:
+        lines = HISTORY.read_text().splitlines()[-limit:]
+    except FileNotFoundError:
+        lines = []
+    rows = []
+    with _client() as client:
+        for line in reversed(lines):
+            entry = json.loads(line)
+            if entry.get("url") != client.url:
+                continue
+            try:
+                view = client.job(entry["id"]).status()
+                rows.append({"id": view.id, "model": view.model, "status": view.status, "created_at": view.created_at})
+            except MaasError as exc:
+                if exc.status != 404:
+                    _fail(exc)
+                rows.append({"id": entry["id"], "model": entry["model"], "status": "gone", "created_at": ""})
+
+    def table() -> None:
+        grid = Table("job", "model", "status", "created")
+        for row in rows:
+            grid.add_row(row["id"], row["model"], row["status"], row["created_at"])
+        out.print(grid)
+
+    _emit(rows, table)
+
+
+@app.command()
+def usage(since: Annotated[str, typer.Option(help="7d, 30d or a date YYYY-MM-DD")] = "7d") -> None:
+    """Your own usage and GPU-seconds per day and model (the API's billing view)."""
+    if not re.fullmatch(r"\d{1,4}d|\d{4}-\d{2}-\d{2}", since):
+        _fail(InputError(f"--since {since!r}: expected Nd (e.g. 7d) or YYYY-MM-DD"))
+    with _client() as client:
+        try:
+            report = client.usage(since)
+        except MaasError as exc:
+            _fail(exc)
+
+    def table() -> None:
+        grid = Table("day", "model", "requests", "succeeded", "images", "cache hits", "GPU s")
+        for row in report.days:
+            grid.add_row(row.day, row.model, str(row.requests), str(row.succeeded), str(row.images),
+                         str(row.cache_hits), f"{row.gpu_seconds:.2f}")  # fmt: skip
+        t = report.totals
+        grid.add_row("total", "", str(t.requests), str(t.succeeded), str(t.images), str(t.cache_hits),
+                     f"{t.gpu_seconds:.2f}")  # fmt: skip
+        out.print(f"key {report.api_key_id} since {report.since}", highlight=False)
+        out.print(grid)
+
+    _emit(report.model_dump(), table)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The API's bodies as pydantic models (checked against the server's /openapi.json by the project's tests)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
+
+
+class _Body(BaseModel):
+    # A newer server may add fields: an older SDK keeps working.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class GenerationDefaults(_Body):
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    strength: float | None = None
+
+
+class GenerationLimits(_Body):
+    max_inference_steps: int
+    max_width: int
+    max_height: int
+    max_input_pixels: int | None = None
+
+
+class ModelInfo(_Body):
+    name: str
+    version: str
+    task: Literal["text-to-image", "image-to-image"]
+    max_instances_per_request: int
+    request_timeout_seconds: int
+    defaults: GenerationDefaults
+    limits: GenerationLimits
+
+
+class ModelList(_Body):
+    models: list[ModelInfo]
+
+
+class Prediction(_Body):
+    image_b64: str = Field(repr=False)
+    mime_type: str
+    seed: int
+    width: int
+    height: int
+
+    @property
+    def image_bytes(self) -> bytes:
+        return base64.b64decode(self.image_b64)
+
+
+class PredictResponse(_Body):
+    predictions: list[Prediction]
+    model: str
+    model_version: str
+    request_id: str
+    timings_ms: dict[str, float]
+
+
+class JobLinks(_Body):
+    self_: str = Field(alias="self")
+
+
+class JobAccepted(_Body):
+    id: str
+    status: Literal["queued"]
+    model: str
+    links: JobLinks
+    message: str | None = None
+
+
+class JobProgress(_Body):
+    step: int
+    total: int
+
+
+class JobResult(_Body):
+    predictions: list[Prediction]
+    timings_ms: dict[str, float]
+
+
+class JobError(_Body):
+    code: int
+    message: str
+    kind: str | None = None
+
+
+class JobView(_Body):
+    id: str
+    status: JobStatus
+    model: str
+    model_version: str
+    created_at: str
+    links: JobLinks
+    progress: JobProgress | None = None
+    result: JobResult | None = None
+    error: JobError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("succeeded", "failed", "expired", "cancelled")
+
+
+class UsageRow(_Body):
+    day: str
+    model: str
+    requests: int
+    succeeded: int
+    images: int
+    cache_hits: int
+    gpu_seconds: float
+
+
+class UsageTotals(_Body):
+    requests: int
+    succeeded: int
+    images: int
+    cache_hits: int
+    gpu_seconds: float
+
+
+class Usage(_Body):
+    api_key_id: str
+    since: str
+    days: list[UsageRow]
+    totals: UsageTotals
+
+
+class Result(BaseModel):
+    """A finished generation: the images (PNG bytes, or PIL images with the `pil` extra), seeds and timings."""
+
+    model: str
+    model_version: str
+    request_id: str
+    predictions: list[Prediction]
+    timings_ms: dict[str, float]
+    job_id: str | None = None
+    cache: str | None = Field(default=None, description="`hit` or `miss` for seeded requests (X-Cache)")
+
+    @property
+    def images(self) -> list[bytes]:
+        return [prediction.image_bytes for prediction in self.predictions]
+
+    @property
+    def seed(self) -> int:
+        return self.predictions[0].seed
+
+    @property
+    def seeds(self) -> list[int]:
+        return [prediction.seed for prediction in self.predictions]
+
+    def pil_images(self) -> list[Any]:
+        """The images as PIL images (needs Pillow: `pip install maas-client[pil]`)."""
+        import io
+
+        from PIL import Image
+
+        return [Image.open(io.BytesIO(data)) for data in self.images]
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Writes `<request id>-<i>.png` per image into `directory` (created if missing); returns the paths."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for index, data in enumerate(self.images):
+            path = out / f"{self.request_id}-{index}.png"
+            path.write_bytes(data)
+            paths.append(path)
+        return paths

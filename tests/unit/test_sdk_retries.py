@@ -1,0 +1,142 @@
+"""The SDK's retry policy and error mapping, over httpx's mock transport (no server)."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from maas_client import Client, ConnectionFailed, RateLimited, ServiceUnavailable, Unauthorized, ValidationError
+from maas_client._core import EventParser, ProgressGate, RetryPolicy
+from maas_client.types import JobView
+
+PREDICTION = {"image_b64": "iVBORw0KGgo=", "mime_type": "image/png", "seed": 1, "width": 8, "height": 8}
+OK = {"predictions": [PREDICTION], "model": "noop", "model_version": "1", "request_id": "r1", "timings_ms": {}}
+
+
+def client_over(handler) -> Client:
+    client = Client("http://api.test", "key", transport=httpx.MockTransport(handler), max_retries=3)
+    client.retry.base_seconds = client.retry.max_seconds = 0.0  # no waiting in unit tests
+    return client
+
+
+def test_errors_map_to_their_types_with_the_apis_message_and_field():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            422, json={"error": {"code": 422, "message": "at most 1024", "field": "parameters.width"}}
+        )
+
+    with client_over(handler) as client, pytest.raises(ValidationError) as caught:
+        client.predict("noop", "a cat", size="2048x64")
+    assert caught.value.field == "parameters.width" and caught.value.message == "at most 1024"
+    assert caught.value.status == 422
+
+
+def test_a_401_is_never_retried():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(401, json={"error": {"code": 401, "message": "invalid API key"}})
+
+    with client_over(handler) as client, pytest.raises(Unauthorized, match="invalid API key"):
+        client.models()
+    assert len(calls) == 1
+
+
+def test_429_and_503_are_retried_with_the_same_idempotency_key_until_success():
+    keys = []
+    answers = iter(
+        [
+            httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {"code": 429, "message": "slow down"}}),
+            httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"code": 503, "message": "later"}}),
+            httpx.Response(200, json=OK),
+        ]
+    )
+
+    def handler(request):
+        keys.append(request.headers["Idempotency-Key"])
+        return next(answers)
+
+    with client_over(handler) as client:
+        assert client.predict("noop", "a cat").request_id == "r1"
+    assert len(keys) == 3 and len(set(keys)) == 1 and keys[0].startswith("maas-sdk-")
+
+
+def test_each_call_gets_its_own_idempotency_key():
+    keys = []
+
+    def handler(request):
+        keys.append(request.headers["Idempotency-Key"])
+        return httpx.Response(200, json=OK)
+
+    with client_over(handler) as client:
+        client.predict("noop", "a cat")
+        client.predict("noop", "a cat")
+    assert len(set(keys)) == 2
+
+
+def test_retries_stop_after_max_retries_with_the_last_error():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {"code": 429, "message": "over"}})
+
+    with client_over(handler) as client, pytest.raises(RateLimited) as caught:
+        client.models()
+    assert len(calls) == 4 and caught.value.retry_after == 0
+
+
+def test_a_dropped_connection_is_retried_then_reported_in_one_line():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        raise httpx.ConnectError("Connection refused")
+
+    with client_over(handler) as client, pytest.raises(ConnectionFailed, match="cannot reach http://api.test"):
+        client.models()
+    assert len(calls) == 4
+
+
+def test_a_409_without_retry_after_is_final_and_one_with_it_is_retried():
+    policy = RetryPolicy(max_retries=3, base_seconds=0.0)
+    finished = httpx.Response(409, json={"error": {"code": 409, "message": "already finished"}})
+    running = httpx.Response(409, headers={"Retry-After": "1"}, json={})
+    assert policy.delay(0, safe=True, response=finished) is None
+    assert policy.delay(0, safe=True, response=running) == 1.0
+    assert policy.delay(0, safe=False, response=running) is None  # never without an Idempotency-Key
+
+
+def test_backoff_is_jittered_grows_and_is_capped_and_retry_after_wins():
+    policy = RetryPolicy(max_retries=10, base_seconds=1.0, max_seconds=8.0, random=random.Random(7))
+    delays = [policy.backoff(attempt) for attempt in range(8)]
+    assert all(0 <= delay <= min(8.0, 2**attempt) for attempt, delay in enumerate(delays))
+    assert len(set(delays)) == len(delays)
+    slow = httpx.Response(503, headers={"Retry-After": "5"})
+    assert 5.0 <= policy.delay(0, safe=True, response=slow) <= 8.0
+    assert policy.delay(0, safe=True, response=httpx.Response(500)) is None
+
+
+def test_server_error_codes_map_to_server_error_types():
+    def handler(request):
+        return httpx.Response(503, json={"error": {"code": 503, "message": "queue unreachable"}})
+
+    client = Client("http://api.test", "key", transport=httpx.MockTransport(handler), max_retries=0)
+    with client, pytest.raises(ServiceUnavailable, match="queue unreachable"):
+        client.models()
+
+
+def test_event_parser_and_progress_gate():
+    parser = EventParser()
+    lines = ["retry: 2000", "", ": keepalive", "", "id: 3", "event: running", 'data: {"a": 1}', ""]
+    events = [event for line in lines if (event := parser.feed(line)) is not None]
+    assert [(e.event, e.id, e.json()) for e in events] == [("running", "3", {"a": 1})] and parser.last_id == "3"
+    seen = []
+    gate = ProgressGate(lambda step, total: seen.append(step))
+    base = {"id": "j", "model": "m", "model_version": "1", "created_at": "", "links": {"self": "/v1/jobs/j"}}
+    for step in (1, 3, 3, 2, 5):
+        gate.update(JobView.model_validate({**base, "status": "running", "progress": {"step": step, "total": 9}}))
+    assert seen == [1, 3, 5]
