@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import redis
 
-from api_server.jobs import ENDED, EXPIRY_GRACE_MS, JobState, JobStore
+from api_server.jobs import EXPIRY_GRACE_MS, JobState, JobStore
+from contract.outcomes import FINISHED_JOB_STATES as ENDED
 
 log = logging.getLogger(__name__)
 
