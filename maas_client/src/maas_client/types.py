@@ -99,6 +99,8 @@ class JobView(_Body):
     model: str
     model_version: str
     created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
     links: JobLinks
     progress: JobProgress | None = None
     result: JobResult | None = None
