@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.report import target_row
+
 SCHEDULINGS = ("request", "step")
 # Half short, half long requests: what one long request holding a batch slot does to the short ones.
 STEP_MIX = (4, 12)
@@ -126,16 +128,7 @@ def targets(sweep: dict) -> list[dict]:
 
 
 def _target(name: str, measured: float | None, threshold: float, higher_is_better: bool, unit: str) -> dict:
-    if measured is None:
-        return {"target": name, "measured": None, "threshold": threshold, "unit": unit, "result": "NOT REACHED"}
-    ok = measured >= threshold if higher_is_better else measured <= threshold
-    return {
-        "target": name,
-        "measured": measured,
-        "threshold": threshold,
-        "unit": unit,
-        "result": "PASS" if ok else "MISS",
-    }
+    return target_row(name, measured, threshold, higher_is_better, unit, missing="NOT REACHED")
 
 
 class InProcessWorker:

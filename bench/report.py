@@ -19,9 +19,17 @@ def find(rows: list[dict], scenario: str, concurrency: int, mode: str | None = N
     return None
 
 
-def _target(name: str, measured: float | None, threshold: float | None, higher_is_better: bool, unit: str) -> dict:
+def target_row(
+    name: str,
+    measured: float | None,
+    threshold: float | None,
+    higher_is_better: bool,
+    unit: str,
+    missing: str = "NOT RUN",
+) -> dict:
+    """One target's row; `missing` is the result when nothing was measured."""
     if measured is None or threshold is None or math.isnan(measured):
-        return {"target": name, "measured": None, "threshold": threshold, "unit": unit, "result": "NOT RUN"}
+        return {"target": name, "measured": None, "threshold": threshold, "unit": unit, "result": missing}
     ok = measured >= threshold if higher_is_better else measured <= threshold
     return {
         "target": name,
@@ -38,17 +46,17 @@ def evaluate_targets(rows: list[dict], direct: dict | None, available: dict[str,
     naive32 = find(rows, "naive per-request", 32)
     targets = []
     noop1 = find(rows, "noop", 1, "per-instance")
-    targets.append(_target(
+    targets.append(target_row(
         "per-instance noop c=1 p50 within 10 ms of the floor's p50",
         noop1 and noop1["p50_ms"], floor1 and floor1["p50_ms"] + 10, False, "ms",
     ))  # fmt: skip
     noop32 = find(rows, "noop", 32, "per-instance")
-    targets.append(_target(
+    targets.append(target_row(
         "per-instance noop c=32 at least 80% of the floor's req/s",
         noop32 and noop32["rps"], floor32 and 0.8 * floor32["rps"], True, "req/s",
     ))  # fmt: skip
     pr32 = find(rows, "noop", 32, "per-request")
-    targets.append(_target(
+    targets.append(target_row(
         "per-request noop c=32 at least 1.5x the naive create-publish-pull-delete req/s",
         pr32 and pr32["rps"], naive32 and 1.5 * naive32["rps"], True, "req/s",
     ))  # fmt: skip
@@ -56,16 +64,16 @@ def evaluate_targets(rows: list[dict], direct: dict | None, available: dict[str,
         sleep16, sleep1 = find(rows, "sleep", 16, mode), find(rows, "sleep", 1, mode)
         if sleep16:
             targets.append(
-                _target(f"{mode}: sleep c=16 at least 38 req/s (ideal 40)", sleep16["rps"], 38, True, "req/s")
+                target_row(f"{mode}: sleep c=16 at least 38 req/s (ideal 40)", sleep16["rps"], 38, True, "req/s")
             )
         if sleep1:
-            targets.append(_target(
+            targets.append(target_row(
                 f"{mode}: sleep c=1 p50 within 215 ms of the floor's p50",
                 sleep1["p50_ms"], floor1 and floor1["p50_ms"] + 215, False, "ms",
             ))  # fmt: skip
     cache = find(rows, "noop cache hits", 32, "per-instance")
     if available.get("cache"):
-        targets.append(_target("cache hits c=32 at least 1,500 req/s", cache and cache["rps"], 1500, True, "req/s"))
+        targets.append(target_row("cache hits c=32 at least 1,500 req/s", cache and cache["rps"], 1500, True, "req/s"))
     else:
         targets.append({"target": "cache hits c=32 at least 1,500 req/s", "measured": None, "threshold": 1500,
                         "unit": "req/s", "result": "not available yet"})  # fmt: skip
@@ -73,7 +81,7 @@ def evaluate_targets(rows: list[dict], direct: dict | None, available: dict[str,
     for mode in ("per-instance", "per-request"):
         tiny = find(rows, "sd15-txt2img", 4, mode)
         if tiny:
-            targets.append(_target(
+            targets.append(target_row(
                 f"{mode}: tiny diffusion c=4 at least 90% of the direct pipeline's images/s (batch 4)",
                 tiny["rps"], ideal and 0.9 * ideal, True, "img/s",
             ))  # fmt: skip
