@@ -20,21 +20,23 @@ class Caller:
 
     key_id: str
     digest: str
+    is_admin: bool = False
 
 
 class ApiKeyAuth:
-    def __init__(self, digests: frozenset[str]) -> None:
+    def __init__(self, digests: frozenset[str], admin_digests: frozenset[str] = frozenset()) -> None:
         if not digests:
             raise ValueError("no API keys configured")
-        self._digests = digests
+        self._digests = digests | admin_digests
+        self._admin_digests = admin_digests
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ApiKeyAuth:
         if settings.api_key_sha256:
-            return cls(settings.api_key_sha256)
+            return cls(settings.api_key_sha256, settings.admin_key_sha256)
         if settings.env == "local":
             log.warning("MAAS_API_KEYS is unset: accepting the local key %r", LOCAL_DEFAULT_API_KEY)
-            return cls(frozenset({api_key_digest(LOCAL_DEFAULT_API_KEY)}))
+            return cls(frozenset({api_key_digest(LOCAL_DEFAULT_API_KEY)}), settings.admin_key_sha256)
         raise RuntimeError("refusing to start: set MAAS_API_KEY_SHA256 (or MAAS_API_KEYS) outside the local stack")
 
     def authenticate(self, request: Request) -> str:
@@ -43,7 +45,8 @@ class ApiKeyAuth:
 
     def caller(self, request: Request) -> Caller:
         """The request's caller, or raises 401."""
-        return Caller(*self.identify(request))
+        key_id, digest = self.identify(request)
+        return Caller(key_id, digest, any(hmac.compare_digest(digest, admin) for admin in self._admin_digests))
 
     def identify(self, request: Request) -> tuple[str, str]:
         """The key's id and its full SHA-256 digest (for per-key permissions), or raises 401."""

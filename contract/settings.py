@@ -13,6 +13,8 @@ from contract import naming
 
 ReplyMode = Literal["per-request", "per-instance"]
 LOCAL_DEFAULT_API_KEY = "local-dev-key"
+# The local stack's admin key when MAAS_ADMIN_KEYS / MAAS_ADMIN_KEY_SHA256 are unset (never outside MAAS_ENV=local).
+LOCAL_DEFAULT_ADMIN_KEY = "local-admin-key"
 # Per-key limits in production when MAAS_RATE_LIMIT_PER_MINUTE / MAAS_CONCURRENCY_LIMIT are unset.
 PRODUCTION_RATE_LIMIT = 600
 PRODUCTION_CONCURRENCY_LIMIT = 32
@@ -48,6 +50,13 @@ def api_key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _admin_digests(env, stage: str) -> frozenset[str]:
+    digests = {*_csv(env.get("MAAS_ADMIN_KEY_SHA256")), *(api_key_digest(k) for k in _csv(env.get("MAAS_ADMIN_KEYS")))}
+    if not digests and stage == "local":
+        digests.add(api_key_digest(LOCAL_DEFAULT_ADMIN_KEY))
+    return frozenset(d.lower() for d in digests)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything configurable; see the README's configuration table."""
@@ -77,6 +86,9 @@ class Settings:
     api_key_sha256: frozenset[str] = field(default_factory=frozenset)
     # API keys (by SHA-256 digest) allowed to send `priority: high`; MAAS_HIGH_PRIORITY_KEYS for local use.
     high_priority_key_sha256: frozenset[str] = field(default_factory=frozenset)
+    # Admin keys (by SHA-256 digest): the only ones allowed to change a model's traffic split or register
+    # adapters. An admin key is also an API key. MAAS_ADMIN_KEYS (plain keys) is for local use.
+    admin_key_sha256: frozenset[str] = field(default_factory=frozenset)
     instance_id: str = ""
     # API: cache, idempotency, jobs
     # Cached predict responses live this long; entries larger than the cap are never cached.
@@ -164,6 +176,7 @@ class Settings:
                     *(api_key_digest(key) for key in _csv(env.get("MAAS_HIGH_PRIORITY_KEYS"))),
                 }
             ),
+            admin_key_sha256=_admin_digests(env, stage),
             instance_id=instance.lower().replace("_", "-").replace(".", "-"),
             cache_ttl_seconds=int(env.get("MAAS_CACHE_TTL_SECONDS", cls.cache_ttl_seconds)),
             cache_max_entry_bytes=int(env.get("MAAS_CACHE_MAX_ENTRY_BYTES", cls.cache_max_entry_bytes)),

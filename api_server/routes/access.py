@@ -3,10 +3,15 @@ views read it with `caller()` and never check a key themselves."""
 
 from __future__ import annotations
 
+import logging
+
 from flask import Blueprint, g, request
 
 from api_server.auth import Caller
+from api_server.errors import ApiError
 from api_server.state import app_state
+
+log = logging.getLogger(__name__)
 
 
 def authenticated(bp: Blueprint) -> Blueprint:
@@ -21,3 +26,12 @@ def _authenticate() -> None:
 
 def caller() -> Caller:
     return g.caller
+
+
+def require_admin(action: str) -> Caller:
+    """The caller if it holds an admin key; any other key gets a 403, and the refusal is logged (who, what)."""
+    who = caller()
+    if not who.is_admin:
+        log.warning("refused admin action %s for key %s: not an admin key", action, who.key_id)
+        raise ApiError(403, f"{action} needs an admin API key (MAAS_ADMIN_KEY_SHA256)")
+    return who
