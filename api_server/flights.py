@@ -31,7 +31,27 @@ SETTLED_TTL_SECONDS = 30
 POLL_FIRST_SECONDS = 0.01
 POLL_MAX_SECONDS = 0.1
 
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+# One round trip per poll: the kept outcome, the settled one (for a caller already waiting), else the lease's
+# holder, else the lease taken. KEYS: kept, settled, lease; ARGV: waiting (0/1), token, lease ms.
+_BEGIN = """
+local kept = redis.call('GET', KEYS[1])
+if kept then return {'kept', kept} end
+if ARGV[1] == '1' then
+  local settled = redis.call('GET', KEYS[2])
+  if settled then return {'settled', settled} end
+end
+local holder = redis.call('GET', KEYS[3])
+if holder then return {'held', holder} end
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
+return {'leader'}
+"""
+# The outcome stored and the lease released (only if still ours) in one round trip.
+# KEYS: where the outcome goes, lease; ARGV: record, seconds to keep it, token.
+_FINISH = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
 
 
 @dataclass
@@ -102,7 +122,8 @@ class SharedFlights:
         self._state = state
         self._lock = threading.Lock()
         self._local: dict[str, _LocalFlight] = {}
-        self._release = state.client.register_script(_RELEASE)
+        self._begin = state.client.register_script(_BEGIN)
+        self._finish = state.client.register_script(_FINISH)
 
     def lookup(self, key: str, fingerprint: str = "") -> ResponseRecord | None:
         """The kept outcome for `key`, or None (also when Redis is down)."""
@@ -168,28 +189,26 @@ class SharedFlights:
         deadline = time.monotonic() + policy.wait_seconds
         pause = POLL_FIRST_SECONDS
         waiting = False
-        client = self._state.client
+        lease_ms = int(policy.lease_seconds * 1000)
         try:
             while True:
                 if not self._state.available():
                     return _alone(compute, policy, CoordinationUnavailableError), Role.ALONE
                 try:
-                    kept, settled, holder = client.mget(key, settled_key, lease_key)
                     # A settled outcome answers only callers that waited for it; a newcomer runs afresh.
-                    for raw in (kept, settled if waiting else None):
-                        if raw:
-                            record = self._check(ResponseRecord.decode(raw), fingerprint)
-                            return record, (Role.FOLLOWER if waiting else Role.STORED)
-                    if holder is not None and holder.decode().split("|", 1)[0] != fingerprint:
-                        raise FingerprintMismatchError
-                    leader = holder is None and client.set(
-                        lease_key, token, nx=True, px=int(policy.lease_seconds * 1000)
+                    found, *value = self._begin(
+                        keys=[key, settled_key, lease_key], args=[int(waiting), token, lease_ms]
                     )
                     self._state.succeeded()
                 except redis.RedisError as exc:
                     self._state.failed(exc)
                     return _alone(compute, policy, CoordinationUnavailableError), Role.ALONE
-                if leader:
+                if found in (b"kept", b"settled"):
+                    record = self._check(ResponseRecord.decode(value[0]), fingerprint)
+                    return record, (Role.FOLLOWER if waiting else Role.STORED)
+                if found == b"held" and value[0].decode().split("|", 1)[0] != fingerprint:
+                    raise FingerprintMismatchError
+                if found == b"leader":
                     return self._lead(key, lease_key, settled_key, token, fingerprint, compute, policy), Role.LEADER
                 if time.monotonic() >= deadline:
                     log.warning("gave up waiting for the holder of %s", lease_key)
@@ -207,14 +226,9 @@ class SharedFlights:
         computed = compute()
         record = ResponseRecord(computed.status, computed.body, computed.headers, fingerprint, computed.outcome)
         ttl = policy.keep_for(record)
+        destination, keep = (key, ttl) if ttl is not None else (settled_key, SETTLED_TTL_SECONDS)
         try:
-            pipe = self._state.client.pipeline(transaction=False)
-            if ttl is not None:
-                pipe.set(key, record.encode(), ex=ttl)
-            else:
-                pipe.set(settled_key, record.encode(), ex=SETTLED_TTL_SECONDS)
-            pipe.execute()
-            self._release(keys=[lease_key], args=[token])
+            self._finish(keys=[destination, lease_key], args=[record.encode(), keep, token])
         except redis.RedisError as exc:
             self._state.failed(exc)
         return record
