@@ -191,6 +191,19 @@ CACHE_HEADERS = {
 }
 
 TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html", "/v1/jobs/{job_id}/events": "text/event-stream"}
+# A text/event-stream schema describes one parsed event (OpenAPI 3.2's `itemSchema`, `schema` before 3.2):
+# its `data` is a JSON document, the job as `GET /v1/jobs/{id}` shows it (or the reason a stream closed).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "expired", "cancelled",
+                                              "deadline"]},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}  # fmt: skip
 
 
 def openapi_document(model_names: list[str]) -> dict[str, Any]:
@@ -214,5 +227,6 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                     headers.update(CACHE_HEADERS if status in ("200", "202") else {})
                 response["headers"] = headers
             if path in TEXT_BODIES:
-                operation["responses"]["200"]["content"] = {TEXT_BODIES[path]: {"schema": {"type": "string"}}}
+                schema = SSE_EVENT if TEXT_BODIES[path] == "text/event-stream" else {"type": "string"}
+                operation["responses"]["200"]["content"] = {TEXT_BODIES[path]: {"schema": schema}}
     return document

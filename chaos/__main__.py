@@ -68,8 +68,12 @@ def schemathesis_run(api_url: str, examples: int) -> str:
         "--checks=not_a_server_error,response_schema_conformance", f"--header=Authorization: Bearer {CHAOS_KEY}",
     ]  # fmt: skip
     completed = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    tail = "\n".join(completed.stdout.strip().splitlines()[-12:])
-    return f"schemathesis exit {completed.returncode}\n{tail}"
+    lines = completed.stdout.strip().splitlines()
+    # A failure is kept whole (what failed, the response, how to reproduce), not only the summary's count.
+    start = next((i for i, line in enumerate(lines) if "FAILURES" in line), None)
+    end = next((i for i, line in enumerate(lines) if "WARNINGS" in line or "SUMMARY" in line), len(lines))
+    failures = lines[start:end][:60] if start is not None and start < end else []
+    return "\n".join([f"schemathesis exit {completed.returncode}", *failures, *lines[-12:]])
 
 
 def main(argv: list[str] | None = None) -> int:
