@@ -263,7 +263,9 @@ def main() -> int:
 
             backend = open_loop.InProcessBackend(runner, spec, GPU_STEP_MIX, args.size)
             multiples = open_loop.RATE_MULTIPLES["full"]
-            result["open_loop"] = open_loop.sweep(backend, multiples, requests=60, repeats=3)
+            result["open_loop"] = open_loop.sweep(
+                backend, multiples, requests=60, repeats=open_loop.LONE_REPEATS["full"]
+            )
             open_loop.print_targets(result["open_loop"])
             open_loop.plot({"H100-class GPU, SD-1.5-sized, 512x512": result["open_loop"]},
                            args.json.with_name("gpu_open_loop.png"))  # fmt: skip

@@ -138,7 +138,7 @@ def main() -> None:
     api.start("per-instance")
     try:
         backend = SystemBackend(config, api.url, config.api_keys.split(",")[0])
-        result = open_loop.sweep(backend, tuple(args.multiples), args.requests, repeats=2)
+        result = open_loop.sweep(backend, tuple(args.multiples), args.requests, repeats=open_loop.LONE_REPEATS["quick"])
     finally:
         api.stop()
     open_loop.print_targets(result)

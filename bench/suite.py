@@ -219,7 +219,7 @@ class Suite:
             backend = SystemBackend(self.config, api.url, self.key)
             kind = "quick" if self.quick else "full"
             result = open_loop.sweep(backend, open_loop.SYSTEM_RATE_MULTIPLES[kind], open_loop.SYSTEM_REQUESTS_PER_RATE[kind],
-                                     repeats=2 if self.quick else 3, progress=lambda line: print(line, flush=True))  # fmt: skip
+                                     repeats=open_loop.LONE_REPEATS["quick" if self.quick else "full"], progress=lambda line: print(line, flush=True))  # fmt: skip
             result["worker_restarts"] = backend.restarts
         finally:
             api.stop()

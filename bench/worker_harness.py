@@ -32,9 +32,12 @@ class MemoryRedis:
         self.values: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def set(self, key: str, value, ex: int | None = None) -> None:
+    def set(self, key: str, value, ex: int | None = None, nx: bool = False) -> bool | None:
         with self._lock:
+            if nx and key in self.values:
+                return None  # like Redis: SET NX on a present key sets nothing
             self.values[key] = value.encode() if isinstance(value, str) else value
+            return True
 
     def get(self, key: str):
         with self._lock:
