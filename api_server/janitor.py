@@ -74,6 +74,10 @@ class ReplySubscriptionJanitor:
         self._project = f"projects/{project_id}"
         self.older_than_seconds = older_than_seconds
 
+    def close(self) -> None:
+        """Closes the subscriber's channel (the API's task owns it; the `janitor` command closes its own)."""
+        self._subscriber.close()
+
     def sweep(self, dry_run: bool = False, now: float | None = None) -> Sweep:
         now = time.time() if now is None else now
         result = Sweep()
@@ -157,6 +161,7 @@ class JanitorTask:
         self._stopped.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self._janitor.close()
 
 
 def janitor_age(settings: Settings, catalog: ModelCatalog, older_than: int | None = None) -> int:

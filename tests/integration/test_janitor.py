@@ -134,7 +134,9 @@ def test_background_task_deletes_a_leaked_subscription(subscriber, settings, cre
     leaked = created(naming.reply_subscription(uuid.uuid4().hex), age_seconds=age + 60)
     fresh = created(naming.reply_subscription(uuid.uuid4().hex), age_seconds=1)
     redis_client = redis.Redis.from_url(settings.redis_url)
-    task = JanitorTask(ReplySubscriptionJanitor(subscriber, settings.project_id, age), redis_client, interval=0.5)
+    # The task owns its subscriber (it closes it on stop), like the API's.
+    own = google_clients.subscriber_client()
+    task = JanitorTask(ReplySubscriptionJanitor(own, settings.project_id, age), redis_client, interval=0.5)
     task.start()
     try:
         deadline = time.monotonic() + 15
