@@ -40,22 +40,22 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> list[str]:
 
     with subscriber:
         topic(publisher.topic_path(project, naming.REPLIES_TOPIC))
-        for spec in catalog.models.values():
-            dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
+        for spec in catalog.units():
+            dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.queue))
             topic(dead_letter)
             subscription(
                 {
-                    "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name)),
+                    "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.queue)),
                     "topic": dead_letter,
                     "ack_deadline_seconds": 60,
                 },
             )
             for priority in naming.PRIORITIES:
-                request_topic = publisher.topic_path(project, naming.request_topic(spec.name, priority))
+                request_topic = publisher.topic_path(project, naming.request_topic(spec.queue, priority))
                 topic(request_topic)
                 subscription(
                     {
-                        "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name, priority)),
+                        "name": subscriber.subscription_path(project, naming.worker_subscription(spec.queue, priority)),
                         "topic": request_topic,
                         "ack_deadline_seconds": spec.ack_deadline_seconds,
                         "dead_letter_policy": {

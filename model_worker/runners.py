@@ -110,8 +110,8 @@ class SyntheticRunner:
 
         if len(items) > self.spec.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size {self.spec.max_batch_size}")
-        if any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
-            raise RuntimeError("synthetic pipeline crash (poison prompt)")
+        if self.spec.fails or any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
+            raise RuntimeError("synthetic pipeline crash (poison prompt, or a version configured to fail)")
         steps = params.num_inference_steps  # progress on the client's scale, whatever the number of ticks
         with self._device:
             if self._call_seconds > 0:
@@ -129,8 +129,8 @@ class SyntheticRunner:
         """One tick of the stand-in GPU (a tenth of a call, whatever the number of items) for every item."""
         if len(running) > self.spec.max_batch_size:
             raise ValueError(f"step of {len(running)} items exceeds max_batch_size {self.spec.max_batch_size}")
-        if any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
-            raise RuntimeError("synthetic pipeline crash (poison prompt)")
+        if self.spec.fails or any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
+            raise RuntimeError("synthetic pipeline crash (poison prompt, or a version configured to fail)")
         with self._device:
             if self._call_seconds > 0:
                 time.sleep(self._call_seconds / self._ticks)
@@ -155,5 +155,5 @@ def build_runner(spec: ModelSpec, load_diffusers: Callable[[ModelSpec], Runner])
     if spec.runner == "noop":
         return SyntheticRunner(spec)
     if spec.runner == "sleep":
-        return SyntheticRunner(spec, call_seconds=SLEEP_CALL_SECONDS)
+        return SyntheticRunner(spec, call_seconds=spec.call_seconds or SLEEP_CALL_SECONDS)
     return load_diffusers(spec)

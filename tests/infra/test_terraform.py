@@ -31,7 +31,8 @@ EXAMPLE_TFVARS = TERRAFORM_DIR / "examples" / "production.tfvars"
 CONTRACT_LOG_SCHEMA = Path(naming.__file__).with_name("inference_log_schema.json")
 EXAMPLE_PROJECT = "example-project"
 CATALOG = load_catalog()
-MODELS = CATALOG.names()
+# Every servable unit by its queue name: a model, or one version of a model with `versions`.
+MODELS = [spec.queue for spec in CATALOG.units()]
 CHECKOV_TIMEOUT_SECONDS = 120
 
 
@@ -244,7 +245,7 @@ def test_catalog_is_read_from_the_file_the_code_reads():
 def _catalog_fields_read() -> tuple[dict[str, str], str]:
     """{attribute: expression} of the per-model object local.models builds, and the loop's spec variable."""
     expr = expression(locals_()["models"])
-    match = re.fullmatch(r"\{\s*for (\w+), (\w+) in local\.catalog\.models\s*:\s*\1 => \{(.*)\}\s*\}", expr, re.S)
+    match = re.fullmatch(r"\{\s*for (\w+), (\w+) in local\.catalog_units\s*:\s*\1 => \{(.*)\}\s*\}", expr, re.S)
     assert match, f"local.models must build one object per catalog entry: {expr!r}"
     body = match.group(3)
     fields = dict(re.findall(r"(\w+)\s*=\s*(.+?)(?:\n|,\s*(?=\w+\s*=)|$)", body))
@@ -361,7 +362,7 @@ def test_worker_subscription_settings_come_from_the_catalog():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_catalog_queue_settings_are_valid_for_pubsub(model):
-    spec = CATALOG.models[model]
+    spec = CATALOG.unit(model)
     assert 10 <= spec.ack_deadline_seconds <= 600
     assert 5 <= spec.max_delivery_attempts <= 100
     # Short, because workers extend leases: a crashed worker's request is redelivered in time.
