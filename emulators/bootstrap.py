@@ -12,7 +12,7 @@ from google.cloud import bigquery, pubsub_v1
 
 from contract import google_clients, naming
 from contract.catalog import ModelCatalog
-from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, bigquery_schema
+from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, audit_bigquery_schema, bigquery_schema
 from contract.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,10 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
     ensure(table, client.create_table)
+    audit = bigquery.Table(
+        f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", schema=audit_bigquery_schema()
+    )
+    ensure(audit, client.create_table)
     # The base views (infra/sql/base) first: the analytics views read them.
     for path in [*sorted((ANALYTICS_SQL_DIR / "base").glob("*.sql")), *sorted(ANALYTICS_SQL_DIR.glob("*.sql"))]:
         # The same files and template variables Terraform's templatefile() uses.

@@ -64,6 +64,7 @@ locals {
 
   bigquery_dataset    = "maas"
   inference_log_table = "inference_log"
+  rollout_audit_table = "rollout_audit"
 
   # Analytics views: one view per infra/sql/<view>.sql, rendered with templatefile. The directory
   # may hold no files; fileset then yields an empty set and no views are created.
