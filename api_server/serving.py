@@ -37,7 +37,8 @@ from api_server.jobs import JobState, JobStore, job_view
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
-from api_server.traffic import InvalidSplitError, choose_version, validated_split
+from api_server.shadow import ShadowTraffic
+from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec
 from contract.messages import InferenceReply, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
@@ -96,6 +97,7 @@ class ServingStage:
         cache_flights: SharedFlights,
         limiter: RequestLimiter,
         rollouts: Rollouts,
+        shadow: ShadowTraffic,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
@@ -108,6 +110,7 @@ class ServingStage:
         self._limiter = limiter
         self._rollouts = rollouts
         self._splits = rollouts.splits
+        self._shadow = shadow
 
     def model(self, name: str, request_id: str = "", caller: Caller | None = None) -> ModelSpec:
         """The model version that serves a request for `name`: the split in force picks it, from the request id,
@@ -187,10 +190,20 @@ class ServingStage:
         return self._inference.prepare(spec, payload, request_id, caller, **options)
 
     def answer(self, prepared: PreparedRequest, mode: Mode) -> Answer:
+        self._send_shadow(prepared)
         compute = self._submit_job if mode is Mode.JOB else self._through_cache
         if prepared.idempotency_key is None:
             return compute(prepared)
         return self._idempotent(prepared, mode, compute)
+
+    def _send_shadow(self, prepared: PreparedRequest) -> None:
+        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it."""
+        rollout = self._catalog.rollout(prepared.spec.name)
+        if rollout is None or prepared.pinned:
+            return
+        shadow = self._splits.split(rollout.name).shadow
+        if shadow is not None and shadow.version != prepared.spec.version and shadowed(shadow, prepared.request_id):
+            self._shadow.send(prepared, rollout.versions[shadow.version])
 
     # Jobs, read and cancelled by their owner.
 

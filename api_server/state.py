@@ -28,6 +28,7 @@ from api_server.redis_state import RedisState, api_redis_client
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
 from api_server.rollouts import AuditLog, RollbackGuard, RolloutObservations, Rollouts
 from api_server.serving import ServingStage
+from api_server.shadow import ShadowTraffic
 from api_server.traffic import TrafficSplits
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
@@ -66,6 +67,7 @@ class AppState:
     janitor: JanitorTask | None
     rollouts: Rollouts
     rollback_guard: RollbackGuard
+    shadow: ShadowTraffic
     cache_redis: redis.Redis | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
@@ -89,6 +91,7 @@ class AppState:
             self.janitor.stop()
         self.rollback_guard.stop()
         self.rollouts.splits.stop()
+        self.shadow.close()
         self.waiter.close()
         self.inference_log.close()
         self.publisher.stop()
@@ -163,6 +166,7 @@ def build_app_state(settings: Settings) -> AppState:
         RolloutObservations(catalog, redis_client),
         AuditLog(bigquery, f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", settings.instance_id),
     )
+    shadow = ShadowTraffic(inference, inference_log, settings.instance_id, waiter.mode)
     return AppState(
         settings=settings,
         catalog=catalog,
@@ -180,7 +184,7 @@ def build_app_state(settings: Settings) -> AppState:
         flights=flights,
         limiter=limiter,
         serving=ServingStage(
-            settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts
+            settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow
         ),
         records=RequestRecords(
             inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations
@@ -189,6 +193,7 @@ def build_app_state(settings: Settings) -> AppState:
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),
         rollouts=rollouts,
+        shadow=shadow,
         rollback_guard=RollbackGuard(rollouts, redis_client, settings.rollback_check_seconds, settings.instance_id),
         cache_redis=cache_redis,
     )

@@ -110,8 +110,9 @@ class SyntheticRunner:
 
         if len(items) > self.spec.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size {self.spec.max_batch_size}")
-        if self.spec.fails or any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
-            raise RuntimeError("synthetic pipeline crash (poison prompt, or a version configured to fail)")
+        self._refuse_if_configured_to_fail()
+        if any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
+            raise RuntimeError("synthetic pipeline crash (poison prompt)")
         steps = params.num_inference_steps  # progress on the client's scale, whatever the number of ticks
         with self._device:
             if self._call_seconds > 0:
@@ -122,6 +123,12 @@ class SyntheticRunner:
                 on_step(steps, steps)
         return [Image.new("RGB", (8, 8), _seed_color(item.seed)) for item in items]
 
+    def _refuse_if_configured_to_fail(self) -> None:
+        """A catalog version with `fails: true` (a broken canary, for the rollback tests) answers every request
+        with an error at once (a ValueError is not retried), where a poison prompt is retried until dead-lettered."""
+        if self.spec.fails:
+            raise ValueError(f"{self.spec.name} version {self.spec.version} is configured to fail every request")
+
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         return [RunningItem(item, total=params.num_inference_steps) for item in items]
 
@@ -129,8 +136,9 @@ class SyntheticRunner:
         """One tick of the stand-in GPU (a tenth of a call, whatever the number of items) for every item."""
         if len(running) > self.spec.max_batch_size:
             raise ValueError(f"step of {len(running)} items exceeds max_batch_size {self.spec.max_batch_size}")
-        if self.spec.fails or any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
-            raise RuntimeError("synthetic pipeline crash (poison prompt, or a version configured to fail)")
+        self._refuse_if_configured_to_fail()
+        if any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
+            raise RuntimeError("synthetic pipeline crash (poison prompt)")
         with self._device:
             if self._call_seconds > 0:
                 time.sleep(self._call_seconds / self._ticks)

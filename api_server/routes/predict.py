@@ -103,6 +103,7 @@ def _serve() -> Response:
         idempotency_key=request.headers.get("Idempotency-Key"),
         fresh="no-cache" in request.headers.get("Cache-Control", "").lower(),
         received=call.started,
+        pinned="version" in (request.view_args or {}),
     )
     call.answer = serving.answer(call.prepared, call.mode)
     return _render(call.answer)
