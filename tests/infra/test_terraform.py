@@ -781,3 +781,14 @@ def test_checkov_finds_no_failure_without_a_written_justification():
     parsing_errors = [error for report in reports for error in report.get("results", {}).get("parsing_errors", [])]
     assert not parsing_errors, f"checkov could not parse: {parsing_errors}"
     assert failed == [], "checkov failures; fix them or skip inline with a reason:\n" + "\n".join(failed)
+
+
+def test_each_catalog_version_is_a_unit_named_as_the_code_names_it():
+    # local.catalog_units expands `versions` the way ModelCatalog.units does: "<model>--<version>", the
+    # version's fields over the model's; an entry without `versions` is one unit named after the model.
+    units = expression(locals_()["catalog_units"])
+    assert "for name, entry in local.catalog.models" in units
+    assert "try(entry.versions, {(entry.version) = {}})" in units
+    assert f'"${{name}}{naming.VERSION_SEPARATOR}${{version}}"' in units
+    assert "merge(entry, override)" in units
+    assert naming.version_queue("m", "2") == "m--2"
