@@ -1,13 +1,12 @@
--- Every change of a model's traffic split, newest first: who (an admin key id, or rollback-guard), when,
--- from which split to which, and why (an automatic rollback names the breach it measured).
+-- Every change of a model's traffic split: who (an admin key id, or rollback-guard), when, from which split
+-- to which (JSON {traffic: {version: percent}, shadow}), and why (an automatic rollback names its breach).
 SELECT
   at,
   model,
   action,
   actor,
-  JSON_QUERY(from_split, '$.traffic') AS from_traffic,
-  JSON_QUERY(to_split, '$.traffic') AS to_traffic,
-  JSON_QUERY(to_split, '$.shadow') AS to_shadow,
+  from_split,
+  to_split,
   reason,
   api_instance
 FROM `${project_id}.${dataset}.rollout_audit`

@@ -354,4 +354,4 @@ def test_zz_rollouts_lists_every_split_change(views, settings):
     assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.audit_table}", rows) == []
     got = [r for r in views("rollouts", "at") if r["model"] == VERSIONED]
     assert [(r["action"], r["actor"]) for r in got] == [("set", "admin-key"), ("rollback", "rollback-guard")]
-    assert '"2"' in got[1]["from_traffic"] and "error rate" in got[1]["reason"]
+    assert '"2"' in got[1]["from_split"] and "error rate" in got[1]["reason"]
