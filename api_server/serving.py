@@ -39,7 +39,7 @@ from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
-from contract.catalog import ModelCatalog, ModelSpec
+from contract.catalog import ModelCatalog, ModelSpec, Rollout
 from contract.messages import InferenceReply, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
@@ -112,22 +112,25 @@ class ServingStage:
         self._splits = rollouts.splits
         self._shadow = shadow
 
-    def model(self, name: str, request_id: str = "", caller: Caller | None = None) -> ModelSpec:
+    def model(self, name: str, request_id: str, caller: Caller) -> ModelSpec:
         """The model version that serves a request for `name`: the split in force picks it, from the request id,
         or from the API key when the model says `sticky: api_key` (one key, one version)."""
-        spec = self._catalog.get(name)
-        if spec is None:
-            raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
+        spec = self._known(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             return spec
-        key = f"key:{caller.key_id}:{name}" if rollout.sticky == "api_key" and caller is not None else request_id
+        key = f"key:{caller.key_id}:{name}" if rollout.sticky == "api_key" else request_id
         return rollout.versions[choose_version(self._splits.split(name).traffic, key)]
+
+    def _known(self, name: str) -> ModelSpec:
+        spec = self._catalog.get(name)
+        if spec is None:
+            raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
+        return spec
 
     def pinned(self, name: str, version: str) -> ModelSpec:
         """One version of a model, whatever the split (404 for a version the catalog does not have)."""
-        if self._catalog.get(name) is None:
-            raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
+        self._known(name)
         spec = self._catalog.version(name, version)
         if spec is None:
             raise ApiError(404, f"model {name!r} has no version {version!r}; GET /v1/models/{name} lists them")
@@ -135,7 +138,7 @@ class ServingStage:
 
     def model_view(self, name: str) -> tuple[ModelSpec, list[ModelSpec], dict | None]:
         """A model as GET shows it: its stable spec, its versions and the split in force (None: one version)."""
-        spec = self.model(name)
+        spec = self._known(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             return spec, [spec], None
@@ -162,8 +165,8 @@ class ServingStage:
         self._versioned(name)
         return self._split_store(lambda: self._rollouts.reset(name, actor, None))
 
-    def _versioned(self, name: str):
-        self.model(name)
+    def _versioned(self, name: str) -> Rollout:
+        self._known(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             raise ApiError(422, f"model {name!r} has one version: there is no split to change", "model")

@@ -73,6 +73,12 @@ def test_the_split_picks_the_version_and_response_row_and_cache_carry_it(stack, 
         reply = answer.json()
         assert reply["model_version"] == choose_version({"1": 90, "2": 10}, reply["request_id"])
         versions[reply["request_id"]] = reply["model_version"]
+    # A job gets its version the same way, and carries it.
+    job = requests.post(f"{stack.api_url}/v1/models/canary/jobs", json=body(), headers=auth_headers, timeout=10)
+    assert job.status_code == 202, job.text
+    job_id = job.json()["id"]
+    view = requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=auth_headers, timeout=10).json()
+    assert view["model_version"] == choose_version({"1": 90, "2": 10}, job_id)
     # Pinned: always its version, whatever the split; an unknown version is a 404.
     pinned = [predict(stack, "canary", auth_headers, version="2").json() for _ in range(3)]
     assert {reply["model_version"] for reply in pinned} == {"2"}
