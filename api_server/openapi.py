@@ -234,6 +234,9 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                 if parameter["in"] == "path" and parameter["name"] == "model":
                     parameter["schema"] = {"type": "string", "enum": model_names}
                     parameter["description"] = "a model of `GET /v1/models`"
+                if parameter["in"] == "path" and parameter["name"] == "version":
+                    parameter["schema"] = {"type": "string"}
+                    parameter["description"] = "a version of the model (`GET /v1/models/{model}` lists them)"
                 if not parameter.get("description"):
                     parameter.pop("description", None)
             takes_input = "requestBody" in operation or any(p["in"] == "header" for p in operation["parameters"])

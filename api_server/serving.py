@@ -169,7 +169,7 @@ class ServingStage:
         self._known(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
-            raise ApiError(422, f"model {name!r} has one version: there is no split to change", "model")
+            raise ApiError(409, f"model {name!r} has one version: there is no traffic split to change")
         return rollout
 
     def _split_store(self, action: Callable[[], T]) -> T:

@@ -50,7 +50,9 @@ def get_model(model: str):
 
 
 @bp.put("/v1/models/<model:model>/traffic")
-@documented(Response(HTTP_200=TrafficView, **errors(400, 401, 403, 404, 422, 503)), json=TrafficBody, tags=["models"])
+@documented(
+    Response(HTTP_200=TrafficView, **errors(400, 401, 403, 404, 409, 422, 503)), json=TrafficBody, tags=["models"]
+)
 def put_traffic(model: str):
     """Set a model's traffic split (admin key)
 
@@ -64,7 +66,7 @@ def put_traffic(model: str):
 
 
 @bp.delete("/v1/models/<model:model>/traffic")
-@documented(Response(HTTP_200=TrafficView, **errors(401, 403, 404, 422, 503)), tags=["models"])
+@documented(Response(HTTP_200=TrafficView, **errors(401, 403, 404, 409, 503)), tags=["models"])
 def delete_traffic(model: str):
     """Return a model to the catalog's traffic split (admin key)"""
     admin = require_admin(f"DELETE /v1/models/{model}/traffic")
