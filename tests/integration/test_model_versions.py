@@ -122,7 +122,9 @@ def test_the_runtime_split_is_admin_only_validated_in_force_everywhere_and_audit
     ):
         answer = requests.put(url, json=bad, headers=ADMIN, timeout=10)
         assert answer.status_code == 422 and answer.json()["error"]["field"] == field, answer.text
-    single = requests.put(f"{stack.api_url}/v1/models/noop/traffic", json={"traffic": {"1": 100}}, headers=ADMIN)
+    single = requests.put(
+        f"{stack.api_url}/v1/models/noop/traffic", json={"traffic": {"1": 100}}, headers=ADMIN, timeout=10
+    )
     assert single.status_code == 409 and "one version" in single.json()["error"]["message"]
     reason = f"canary to 100% {uuid.uuid4().hex}"
     put = requests.put(url, json={"traffic": {"1": 0, "2": 100}, "reason": reason}, headers=ADMIN, timeout=10)
