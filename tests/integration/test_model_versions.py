@@ -163,6 +163,7 @@ def wait_for_split(stack, second_api, traffic: dict, started: float) -> None:
     while True:
         first_ok = model_info(stack, "canary", ADMIN)["traffic"]["traffic"] == traffic
         if first_ok and second.split("canary").traffic == traffic:
+            print(f"split {traffic} in force on both API processes after {time.monotonic() - started:.3f}s")
             return
         assert time.monotonic() - started < IN_FORCE_SECONDS, "the split was not in force on both processes in 2 s"
         time.sleep(0.05)
@@ -209,6 +210,7 @@ def test_a_failing_canary_is_rolled_back_within_its_window_and_a_healthy_one_is_
             sent += 1
         else:
             time.sleep(0.2)
+    print(f"failing canary rolled back {time.monotonic() - started:.1f}s after its first request ({sent} pairs sent)")
     info = model_info(stack, "rollback-bad", auth_headers)["traffic"]
     assert info["traffic"] == {"1": 100, "2": 0} and info["set_by"] == "rollback-guard"
     assert {predict(stack, "rollback-bad", auth_headers).json()["model_version"] for _ in range(3)} == {"1"}
