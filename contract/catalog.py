@@ -174,6 +174,8 @@ class Rollout(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Rollout:
+        if self.stable not in self.versions:
+            raise ValueError(f"{self.name}: stable version {self.stable!r} is not one of {sorted(self.versions)}")
         problem = split_problem(self.versions, self.traffic, self.shadow, self.stable)
         if problem:
             raise ValueError(f"{self.name}: {problem[1]}")
@@ -225,9 +227,10 @@ def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
     for unit in units:
         if not naming.VERSION_NAME.fullmatch(unit["version"]):
             raise ValueError(f"{name}: version {unit['version']!r} must be lowercase letters, digits and '-'")
-    traffic = {
-        str(v): share for v, share in (rollout.get("traffic") or {str(versions and next(iter(versions))): 100}).items()
-    }
+    if not versions:
+        raise ValueError(f"{name}: `versions` lists no version")
+    # No split given: the first version takes everything (the others are reachable pinned, or by a PUT).
+    traffic = {str(v): share for v, share in (rollout.get("traffic") or {str(next(iter(versions))): 100}).items()}
     rollout["traffic"] = traffic
     rollout.setdefault("stable", max(traffic, key=lambda v: traffic[v]))
     rollout["stable"] = str(rollout["stable"])

@@ -76,6 +76,8 @@ def test_each_version_is_a_unit_with_its_own_queues_and_deployment():
         ({"versions": {"1": {}, "2": {}}, "traffic": {"1": 100}, "shadow": {"version": "1", "percent": 5}}, "stable"),
         ({"versions": {"A_1": {}}, "traffic": {"A_1": 100}}, "lowercase"),
         ({"traffic": {"1": 100}}, "need `versions`"),
+        ({"versions": {"1": {}}, "stable": "9"}, "stable version '9'"),
+        ({"versions": {}}, "lists no version"),
     ],
 )
 def test_a_bad_versioned_entry_is_refused_with_a_clear_error(fields, message):
