@@ -189,6 +189,9 @@ def test_shadow_traffic_adds_no_latency_and_is_logged_but_never_billed(stack, se
     assert sorted(row["shadow_of"] for row in rows) == sorted(primary)
     assert {(row["model_version"], row["status"], row["endpoint"]) for row in rows} == {("2", "ok", "shadow")}
     assert min(row["inference_ms"] for row in rows) >= 2000
+    # The callers' own rows are in (the log is written in batches), so the billing view can be read.
+    own = f"SELECT request_id FROM {table(settings, 'inference_log')} WHERE request_id IN ({ids})"
+    assert len(query_rows(bigquery, own, 3, timeout=60)) == 3
     billed = query_rows(
         bigquery, f"SELECT SUM(requests) AS n FROM {table(settings, 'billing_by_api_key_daily')} "
         "WHERE model = 'shadowed'", 1,
