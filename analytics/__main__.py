@@ -21,7 +21,7 @@ from contract.settings import Settings
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "infra" / "sql"
 # The column each view is bounded by in time; a view without one aggregates its whole history.
-TIME_COLUMNS = {"day": "DATE", "hour": "TIMESTAMP"}
+TIME_COLUMNS = {"day": "DATE", "hour": "TIMESTAMP", "at": "TIMESTAMP"}
 
 
 def view_names() -> list[str]:

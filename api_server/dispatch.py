@@ -86,7 +86,7 @@ class InferenceDispatcher:
         self._publish(request, spec, attributes, priority)
 
     def _publish(self, request: InferenceRequest, spec: ModelSpec, attributes: dict, priority: naming.Priority) -> None:
-        topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.name, priority))
+        topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.queue, priority))
         data = request.model_dump_json().encode()
         try:
             self._publisher.publish(topic, data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)

@@ -41,6 +41,8 @@ class PreparedRequest:
     fresh: bool = False
     # perf_counter() when the request arrived (the answer's `timings_ms.total`).
     received: float = field(default_factory=time.perf_counter)
+    # Asked for one version by name (POST .../versions/{v}:predict): no shadow copy.
+    pinned: bool = False
 
     @property
     def deterministic(self) -> bool:
@@ -76,6 +78,7 @@ class InferenceService:
         idempotency_key: str | None = None,
         fresh: bool = False,
         received: float | None = None,
+        pinned: bool = False,
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
@@ -102,6 +105,7 @@ class InferenceService:
             idempotency_key,
             fresh,
             time.perf_counter() if received is None else received,
+            pinned,
         )
 
     def job_deadline_ms(self) -> int:

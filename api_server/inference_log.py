@@ -71,6 +71,7 @@ class InferenceLogRow:
     accelerator: str | None = None
     attempt: int | None = None
     api_instance: str | None = None
+    shadow_of: str | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:

@@ -46,7 +46,7 @@ LEASE_KEY = "maas:janitor:lease"
 
 
 def longest_request_timeout(catalog: ModelCatalog) -> int:
-    return max(spec.request_timeout_seconds for spec in catalog.models.values())
+    return max(spec.request_timeout_seconds for spec in catalog.units())
 
 
 def minimum_age(catalog: ModelCatalog) -> int:

@@ -110,6 +110,37 @@ class ModelList(BaseModel):
     models: list[ModelInfo]
 
 
+class ShadowSplit(BaseModel):
+    version: str
+    percent: float = Field(gt=0, le=100)
+
+
+class TrafficBody(BaseModel):
+    """A model's new split: percent per version (known versions, summing to 100), an optional shadow."""
+
+    traffic: dict[str, float]
+    shadow: ShadowSplit | None = None
+    reason: str | None = Field(default=None, max_length=1024)
+
+
+class TrafficView(BaseModel):
+    traffic: dict[str, float]
+    shadow: ShadowSplit | None = None
+    source: Literal["catalog", "runtime"]
+    set_by: str | None = None
+    set_at: str | None = None
+    reason: str | None = None
+
+
+class ModelDetail(ModelInfo):
+    """One model; a model with several versions also lists them, its stable one and the split in force."""
+
+    versions: list[str]
+    stable_version: str
+    sticky: Literal["api_key"] | None = None
+    traffic: TrafficView | None = None
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
@@ -216,6 +247,9 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                 if parameter["in"] == "path" and parameter["name"] == "model":
                     parameter["schema"] = {"type": "string", "enum": model_names}
                     parameter["description"] = "a model of `GET /v1/models`"
+                if parameter["in"] == "path" and parameter["name"] == "version":
+                    parameter["schema"] = {"type": "string"}
+                    parameter["description"] = "a version of the model (`GET /v1/models/{model}` lists them)"
                 if not parameter.get("description"):
                     parameter.pop("description", None)
             takes_input = "requestBody" in operation or any(p["in"] == "header" for p in operation["parameters"])

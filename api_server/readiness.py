@@ -51,8 +51,8 @@ class Readiness:
     def _pubsub(self) -> list[str]:
         settings = self._services.settings
         needed = {naming.REPLIES_TOPIC} | {
-            naming.request_topic(model, priority)
-            for model in self._services.catalog.names()
+            naming.request_topic(spec.queue, priority)
+            for spec in self._services.catalog.units()
             for priority in naming.PRIORITIES
         }
         if self._topics_unlistable:

@@ -24,6 +24,7 @@ from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import JobStore
 from api_server.limits import NO_LEASE, Lease
 from api_server.redis_state import RedisState
+from api_server.rollouts import RolloutObservations
 from api_server.serving import Answer, JobMade, Mode
 from contract.catalog import ModelSpec
 from contract.generation import LOGGED_PARAMETERS
@@ -57,8 +58,10 @@ class RequestRecords:
         redis_state: RedisState,
         instance_id: str,
         reply_mode: str,
+        observations: RolloutObservations | None = None,
     ) -> None:
         self._log = inference_log
+        self._observations = observations
         self._jobs = jobs
         self._redis = redis_state
         self._instance_id = instance_id
@@ -98,10 +101,23 @@ class RequestRecords:
             row.error = (error or outcome.value)[:1024]
             row.error_kind = row.error_kind or outcome.spec.error_kind
         row.total_ms = round((time.perf_counter() - call.started) * 1000, 2)
+        self._observe(call, outcome, row.total_ms)
         if answer is not None and answer.job_made in DEFERRED and http_status == 202:
             self._defer(row, answer)
         else:
             self._log.write(row)
+
+    def _observe(self, call: InferenceCall, outcome: Outcome, total_ms: float) -> None:
+        """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard."""
+        spec, answer = call.spec, call.answer
+        if self._observations is None or spec is None or not spec.versioned or answer is None:
+            return
+        if answer.reply is None and outcome is not Outcome.ACCEPTED:
+            return  # a cache hit, a replay, a refusal: nothing the version did
+        if answer.job_made in (JobMade.SUBMITTED, JobMade.CACHED):
+            return  # a job's own latency is not the version's
+        ok = outcome is Outcome.OK
+        self._observations.observe(spec.name, spec.version, call.row.request_id, total_ms, ok)
 
     def _answered(self, row: InferenceLogRow, answer: Answer, prepared: PreparedRequest | None) -> None:
         if answer.reply is not None:

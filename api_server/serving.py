@@ -36,7 +36,10 @@ from api_server.inference import InferenceService, PreparedRequest
 from api_server.jobs import JobState, JobStore, job_view
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
-from contract.catalog import ModelCatalog, ModelSpec
+from api_server.rollouts import Rollouts
+from api_server.shadow import ShadowTraffic
+from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
+from contract.catalog import ModelCatalog, ModelSpec, Rollout
 from contract.messages import InferenceReply, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
@@ -93,6 +96,8 @@ class ServingStage:
         flights: SharedFlights,
         cache_flights: SharedFlights,
         limiter: RequestLimiter,
+        rollouts: Rollouts,
+        shadow: ShadowTraffic,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
@@ -103,13 +108,76 @@ class ServingStage:
         self._flights = flights
         self._cache_flights = cache_flights
         self._limiter = limiter
+        self._rollouts = rollouts
+        self._splits = rollouts.splits
+        self._shadow = shadow
 
-    def model(self, name: str) -> ModelSpec:
-        """The model (and version) that serves a request for `name`: where routing and a canary split go."""
+    def model(self, name: str, request_id: str, caller: Caller) -> ModelSpec:
+        """The model version that serves a request for `name`: the split in force picks it, from the request id,
+        or from the API key when the model says `sticky: api_key` (one key, one version)."""
+        spec = self._known(name)
+        rollout = self._catalog.rollout(name)
+        if rollout is None:
+            return spec
+        key = f"key:{caller.key_id}:{name}" if rollout.sticky == "api_key" else request_id
+        return rollout.versions[choose_version(self._splits.split(name).traffic, key)]
+
+    def _known(self, name: str) -> ModelSpec:
         spec = self._catalog.get(name)
         if spec is None:
             raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
         return spec
+
+    def pinned(self, name: str, version: str) -> ModelSpec:
+        """One version of a model, whatever the split (404 for a version the catalog does not have)."""
+        self._known(name)
+        spec = self._catalog.version(name, version)
+        if spec is None:
+            raise ApiError(404, f"model {name!r} has no version {version!r}; GET /v1/models/{name} lists them")
+        return spec
+
+    def model_view(self, name: str) -> tuple[ModelSpec, list[ModelSpec], dict | None]:
+        """A model as GET shows it: its stable spec, its versions and the split in force (None: one version)."""
+        spec = self._known(name)
+        rollout = self._catalog.rollout(name)
+        if rollout is None:
+            return spec, [spec], None
+        return self._catalog.models[name], list(rollout.versions.values()), self._splits.split(name).to_json()
+
+    def set_traffic(self, name: str, body: dict, actor: str) -> dict:
+        """Validates and stores a model's new split (422 naming the field), audited; 503 when Redis is down."""
+        rollout = self._versioned(name)
+        unknown = set(body) - {"traffic", "shadow", "reason"}
+        if unknown:
+            raise ApiError(
+                422, f"unknown fields {sorted(unknown)}; expected traffic, shadow, reason", sorted(unknown)[0]
+            )
+        reason = body.get("reason")
+        if reason is not None and (not isinstance(reason, str) or len(reason) > 1024):
+            raise ApiError(422, "reason must be a string of at most 1024 characters", "reason")
+        try:
+            traffic, shadow = validated_split(rollout, body.get("traffic"), body.get("shadow"))
+        except InvalidSplitError as exc:
+            raise ApiError(422, str(exc), exc.field) from exc
+        return self._split_store(lambda: self._rollouts.set(name, traffic, shadow, actor, reason))
+
+    def reset_traffic(self, name: str, actor: str) -> dict:
+        self._versioned(name)
+        return self._split_store(lambda: self._rollouts.reset(name, actor, None))
+
+    def _versioned(self, name: str) -> Rollout:
+        self._known(name)
+        rollout = self._catalog.rollout(name)
+        if rollout is None:
+            raise ApiError(409, f"model {name!r} has one version: there is no traffic split to change")
+        return rollout
+
+    def _split_store(self, action: Callable[[], T]) -> T:
+        try:
+            return action()
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            raise ApiError(503, "traffic split store unavailable, retry later", headers={"Retry-After": "5"}) from exc
 
     def admit(self, caller: Caller, spec: ModelSpec) -> Lease:
         """A concurrency lease held while the request is served, or a 429 (rate or concurrency limit).
@@ -125,10 +193,20 @@ class ServingStage:
         return self._inference.prepare(spec, payload, request_id, caller, **options)
 
     def answer(self, prepared: PreparedRequest, mode: Mode) -> Answer:
+        self._send_shadow(prepared)
         compute = self._submit_job if mode is Mode.JOB else self._through_cache
         if prepared.idempotency_key is None:
             return compute(prepared)
         return self._idempotent(prepared, mode, compute)
+
+    def _send_shadow(self, prepared: PreparedRequest) -> None:
+        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it."""
+        rollout = self._catalog.rollout(prepared.spec.name)
+        if rollout is None or prepared.pinned:
+            return
+        shadow = self._splits.split(rollout.name).shadow
+        if shadow is not None and shadow.version != prepared.spec.version and shadowed(shadow, prepared.request_id):
+            self._shadow.send(prepared, rollout.versions[shadow.version])
 
     # Jobs, read and cancelled by their owner.
 

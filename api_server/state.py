@@ -26,7 +26,10 @@ from api_server.log_spool import LogSpool
 from api_server.records import RequestRecords
 from api_server.redis_state import RedisState, api_redis_client
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
+from api_server.rollouts import AuditLog, RollbackGuard, RolloutObservations, Rollouts
 from api_server.serving import ServingStage
+from api_server.shadow import ShadowTraffic
+from api_server.traffic import TrafficSplits
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
 from contract.catalog import ModelCatalog
@@ -62,6 +65,9 @@ class AppState:
     job_log: JobLogFinisher
     webhooks: WebhookNotifier | None
     janitor: JanitorTask | None
+    rollouts: Rollouts
+    rollback_guard: RollbackGuard
+    shadow: ShadowTraffic
     cache_redis: redis.Redis | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
@@ -73,6 +79,8 @@ class AppState:
             self.webhooks.start()
         if self.janitor is not None:
             self.janitor.start()
+        self.rollouts.splits.start()
+        self.rollback_guard.start()
 
     def close(self) -> None:
         """SIGTERM (gunicorn's worker_exit) and tests: stop every thread, flush the log rows, close the clients."""
@@ -81,6 +89,9 @@ class AppState:
             self.webhooks.stop()
         if self.janitor is not None:
             self.janitor.stop()
+        self.rollback_guard.stop()
+        self.rollouts.splits.stop()
+        self.shadow.close()
         self.waiter.close()
         self.inference_log.close()
         self.publisher.stop()
@@ -148,6 +159,14 @@ def build_app_state(settings: Settings) -> AppState:
             attempts=settings.webhook_attempts,
             ca_file=settings.webhook_ca_file,
         )
+    bigquery = google_clients.bigquery_client(settings)
+    rollouts = Rollouts(
+        catalog,
+        TrafficSplits(catalog, redis_client, settings.traffic_refresh_seconds),
+        RolloutObservations(catalog, redis_client),
+        AuditLog(bigquery, f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", settings.instance_id),
+    )
+    shadow = ShadowTraffic(inference, inference_log, settings.instance_id, waiter.mode)
     return AppState(
         settings=settings,
         catalog=catalog,
@@ -164,11 +183,18 @@ def build_app_state(settings: Settings) -> AppState:
         cache_flights=cache_flights,
         flights=flights,
         limiter=limiter,
-        serving=ServingStage(settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter),
-        records=RequestRecords(inference_log, jobs, redis_state, settings.instance_id, waiter.mode),
+        serving=ServingStage(
+            settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow
+        ),
+        records=RequestRecords(
+            inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations
+        ),
         job_log=JobLogFinisher(jobs, inference_log),
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),
+        rollouts=rollouts,
+        shadow=shadow,
+        rollback_guard=RollbackGuard(rollouts, redis_client, settings.rollback_check_seconds, settings.instance_id),
         cache_redis=cache_redis,
     )
 

@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contract import naming
 from contract.generation import defaults_model
 
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
@@ -58,13 +59,20 @@ class GenerationLimits(BaseModel):
 
 
 class ModelSpec(BaseModel):
+    """One servable unit: a single-version model, or one version of a model with `versions`."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     version: str
+    # Set by the catalog for an entry of a model's `versions`: its queues and deployment are its own.
+    versioned: bool = False
     task: Task
     runner: RunnerKind = "diffusers"
     pipeline: Literal["StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"] | None = None
     weights_path: str = ""
+    # Synthetic runners only (tests): the `sleep` runner's seconds per call, and a version that fails every call.
+    call_seconds: float | None = Field(default=None, gt=0)
+    fails: bool = False
     hardware: Literal["l4", "a100"]
     gpu_sharing: bool
     # Models with the same worker group are served by one worker deployment, one process loading each
@@ -86,9 +94,14 @@ class ModelSpec(BaseModel):
     limits: GenerationLimits
 
     @property
+    def queue(self) -> str:
+        """The name its request topics, subscriptions and worker key are made from (contract/naming.py)."""
+        return naming.version_queue(self.name, self.version) if self.versioned else self.name
+
+    @property
     def deployment(self) -> str:
-        """The worker deployment that serves this model."""
-        return self.worker_group or self.name
+        """The worker deployment that serves this model (a version: its own, so a canary scales alone)."""
+        return self.worker_group or self.queue
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -128,20 +141,128 @@ def steppable_error(model: str, scheduler: str) -> str:
     )
 
 
+class Shadow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str
+    percent: float = Field(gt=0, le=100)
+
+
+class RollbackPolicy(BaseModel):
+    """When a canary is taken to 0%: over the last `window_seconds`, once both versions have `min_requests`,
+    its error rate exceeds the stable one's by more than `max_error_rate_delta`, or its p95 latency is more
+    than `max_p95_ratio` times the stable one's."""
+
+    model_config = ConfigDict(extra="forbid")
+    window_seconds: int = Field(ge=5, le=86400)
+    min_requests: int = Field(ge=1)
+    max_error_rate_delta: float = Field(ge=0, le=1)
+    max_p95_ratio: float = Field(gt=1)
+
+
+class Rollout(BaseModel):
+    """A model's versions and how traffic is shared between them (the catalog's default split)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    versions: dict[str, ModelSpec]
+    traffic: dict[str, float]
+    shadow: Shadow | None = None
+    sticky: Literal["api_key"] | None = None
+    rollback: RollbackPolicy | None = None
+    # The version the others are measured against and that takes a rolled-back canary's share.
+    stable: str
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rollout:
+        if self.stable not in self.versions:
+            raise ValueError(f"{self.name}: stable version {self.stable!r} is not one of {sorted(self.versions)}")
+        problem = split_problem(self.versions, self.traffic, self.shadow, self.stable)
+        if problem:
+            raise ValueError(f"{self.name}: {problem[1]}")
+        return self
+
+    @property
+    def canaries(self) -> list[str]:
+        return [version for version in self.versions if version != self.stable]
+
+
+def split_problem(
+    versions: dict[str, ModelSpec], traffic: dict[str, float], shadow: Shadow | None, stable: str
+) -> tuple[str, str] | None:
+    """(field, message) of what is wrong with a split, or None: shared by the catalog and the runtime PUT."""
+    unknown = sorted(set(traffic) - set(versions))
+    if unknown:
+        return "traffic", f"traffic names unknown versions {unknown}; the model has {sorted(versions)}"
+    if any(share < 0 for share in traffic.values()):
+        return "traffic", "traffic shares must be 0 to 100"
+    if abs(sum(traffic.values()) - 100) > 1e-6:
+        return "traffic", f"traffic shares must sum to 100, not {sum(traffic.values()):g}"
+    if shadow is not None:
+        if shadow.version not in versions:
+            return (
+                "shadow.version",
+                f"shadow names unknown version {shadow.version!r}; the model has {sorted(versions)}",
+            )
+        if shadow.version == stable:
+            return "shadow.version", f"shadow version {shadow.version!r} is the stable version"
+    return None
+
+
+VERSIONED_ONLY = ("traffic", "shadow", "sticky", "rollback", "stable")
+
+
+def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
+    """A catalog entry as its units (one per version) and, for a versioned entry, its rollout fields."""
+    entry = {**entry, "name": name}
+    if "versions" not in entry:
+        stray = [key for key in VERSIONED_ONLY if key in entry]
+        if stray:
+            raise ValueError(f"{name}: {', '.join(stray)} need `versions`")
+        return [entry], None
+    versions = entry.pop("versions") or {}
+    rollout = {key: entry.pop(key) for key in VERSIONED_ONLY if key in entry}
+    entry.pop("version", None)
+    units = [{**entry, **(override or {}), "name": name, "version": str(v), "versioned": True}
+             for v, override in versions.items()]  # fmt: skip
+    for unit in units:
+        if not naming.VERSION_NAME.fullmatch(unit["version"]):
+            raise ValueError(f"{name}: version {unit['version']!r} must be lowercase letters, digits and '-'")
+    if not versions:
+        raise ValueError(f"{name}: `versions` lists no version")
+    # No split given: the first version takes everything (the others are reachable pinned, or by a PUT).
+    traffic = {str(v): share for v, share in (rollout.get("traffic") or {str(next(iter(versions))): 100}).items()}
+    rollout["traffic"] = traffic
+    rollout.setdefault("stable", max(traffic, key=lambda v: traffic[v]))
+    rollout["stable"] = str(rollout["stable"])
+    return units, rollout
+
+
 class ModelCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int
+    # One spec per model as clients see it: a versioned model's stable version.
     models: dict[str, ModelSpec]
+    # Versioned models only (`versions:` in the catalog).
+    rollouts: dict[str, Rollout] = Field(default_factory=dict)
 
     @classmethod
     def from_yaml(cls, path: Path | str = DEFAULT_CATALOG_PATH, overlay: Path | str | None = None) -> ModelCatalog:
         """The catalog, plus the models of an overlay file (the local stack's synthetic models) when given."""
         raw = yaml.safe_load(Path(path).read_text())
-        models = dict(raw.get("models") or {})
+        entries = dict(raw.get("models") or {})
         if overlay:
-            models.update((yaml.safe_load(Path(overlay).read_text()) or {}).get("models") or {})
-        # A copy per entry: YAML aliases can make two models share one mapping.
-        raw["models"] = {name: {**spec, "name": name} for name, spec in models.items()}
+            entries.update((yaml.safe_load(Path(overlay).read_text()) or {}).get("models") or {})
+        models, rollouts = {}, {}
+        for name, entry in entries.items():
+            # A copy per entry: YAML aliases can make two models share one mapping.
+            units, rollout = _expand(name, dict(entry))
+            if rollout is None:
+                models[name] = units[0]
+                continue
+            versions = {unit["version"]: ModelSpec.model_validate(unit) for unit in units}
+            rollouts[name] = Rollout.model_validate({**rollout, "name": name, "versions": versions})
+            models[name] = versions[rollouts[name].stable]
+        raw["models"], raw["rollouts"] = models, rollouts
         return cls.model_validate(raw)
 
     def get(self, name: str) -> ModelSpec | None:
@@ -150,11 +271,34 @@ class ModelCatalog(BaseModel):
     def names(self) -> list[str]:
         return sorted(self.models)
 
+    def rollout(self, name: str) -> Rollout | None:
+        return self.rollouts.get(name)
+
+    def version(self, name: str, version: str) -> ModelSpec | None:
+        """One version of a model (a single-version model has only its own)."""
+        rollout = self.rollouts.get(name)
+        if rollout is not None:
+            return rollout.versions.get(version)
+        spec = self.models.get(name)
+        return spec if spec is not None and spec.version == version else None
+
+    def units(self) -> list[ModelSpec]:
+        """Every servable unit (each version of a versioned model), in catalog order."""
+        units: list[ModelSpec] = []
+        for name, spec in self.models.items():
+            rollout = self.rollouts.get(name)
+            units.extend(rollout.versions.values() if rollout else [spec])
+        return units
+
+    def unit(self, queue: str) -> ModelSpec | None:
+        """The unit whose queues are named after `queue` (a model name, or a version's queue name)."""
+        return next((spec for spec in self.units() if spec.queue == queue), None)
+
     def deployments(self) -> dict[str, list[ModelSpec]]:
-        """Worker deployments and the models each serves, in catalog order (the files' order, the overlay's
+        """Worker deployments and the units each serves, in catalog order (the files' order, the overlay's
         last): the local stack numbers the workers' probe ports in this order."""
         groups: dict[str, list[ModelSpec]] = {}
-        for spec in self.models.values():
+        for spec in self.units():
             groups.setdefault(spec.deployment, []).append(spec)
         return groups
 

@@ -7,6 +7,8 @@ from functools import cache
 from pathlib import Path
 
 SCHEMA_PATH = Path(__file__).with_name("inference_log_schema.json")
+# The rollout audit table (who changed a model's traffic split, when, from what, to what); Terraform reads it too.
+AUDIT_SCHEMA_PATH = Path(__file__).with_name("rollout_audit_schema.json")
 
 
 @cache
@@ -28,6 +30,12 @@ def bigquery_schema() -> list:
     from google.cloud import bigquery
 
     return [bigquery.SchemaField.from_api_repr(field) for field in log_schema_fields()]
+
+
+def audit_bigquery_schema() -> list:
+    from google.cloud import bigquery
+
+    return [bigquery.SchemaField.from_api_repr(field) for field in json.loads(AUDIT_SCHEMA_PATH.read_text())]
 
 
 def validate_row(row: dict) -> dict:

@@ -6,6 +6,7 @@ these functions.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 PREFIX = "maas"
@@ -13,6 +14,10 @@ REPLIES_TOPIC = f"{PREFIX}-replies"
 DATASET = "maas"
 LOG_TABLE = "inference_log"
 REPLY_SUBSCRIPTION_LABEL = {"maas-purpose": "reply-wait"}
+
+# A catalog version's name: it becomes part of topic and Kubernetes names (DNS-label characters).
+VERSION_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?")
+VERSION_SEPARATOR = "--"
 
 Priority = Literal["high", "normal"]
 # Workers take from these in this order; `high` has its own topic because subscription filters are not
@@ -24,6 +29,12 @@ def _priority_suffix(priority: Priority) -> str:
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
     return "-high" if priority == "high" else ""
+
+
+def version_queue(model: str, version: str) -> str:
+    """What a version of a multi-version model names its queues and deployment after (`{model}--{version}`):
+    each version has its own topics, subscriptions and workers."""
+    return f"{model}{VERSION_SEPARATOR}{version}"
 
 
 def request_topic(model: str, priority: Priority = "normal") -> str:
@@ -106,3 +117,14 @@ INFLIGHT_DEADLINES_KEY = f"{PREFIX}:inflight:deadlines"
 INFLIGHT_HELD_KEY = f"{PREFIX}:inflight:held"
 # Redis lease naming the one worker whose watchdog runs at a time.
 WATCHDOG_LEADER_KEY = f"{PREFIX}:watchdog:leader"
+
+
+# Redis: a model's split set at run time (JSON), and the channel announcing a change to every API process.
+def traffic_key(model: str) -> str:
+    return f"{PREFIX}:traffic:{model}"
+
+
+TRAFFIC_KEYS_PATTERN = f"{PREFIX}:traffic:*"
+# Redis lease naming the one API process whose rollback guard runs at a time.
+ROLLBACK_LEADER_KEY = f"{PREFIX}:rollback:leader"
+AUDIT_TABLE = "rollout_audit"

@@ -73,6 +73,12 @@ class Settings:
     # Set locally to the BigQuery emulator's REST address; unset in production.
     bigquery_endpoint: str | None = None
     log_table: str = naming.LOG_TABLE
+    # Who changed a model's traffic split, and every automatic rollback (contract/rollout_audit_schema.json).
+    audit_table: str = naming.AUDIT_TABLE
+    # How often each API process re-reads the runtime traffic splits from Redis (a PUT is in force within it).
+    traffic_refresh_seconds: float = 0.5
+    # How often the rollback guard (one API process at a time) compares each canary with its stable version.
+    rollback_check_seconds: float = 2.0
     # Locally the BigQuery emulator's Storage Write API (gRPC host:port); unset in production.
     bigquery_write_endpoint: str | None = None
     # The inference log's write-ahead spool: rows wait here while BigQuery is unreachable.
@@ -162,6 +168,9 @@ class Settings:
             dataset=env.get("MAAS_DATASET", naming.DATASET),
             bigquery_endpoint=env.get("MAAS_BIGQUERY_ENDPOINT") or None,
             log_table=env.get("MAAS_LOG_TABLE", naming.LOG_TABLE),
+            audit_table=env.get("MAAS_AUDIT_TABLE", naming.AUDIT_TABLE),
+            traffic_refresh_seconds=float(env.get("MAAS_TRAFFIC_REFRESH_SECONDS", cls.traffic_refresh_seconds)),
+            rollback_check_seconds=float(env.get("MAAS_ROLLBACK_CHECK_SECONDS", cls.rollback_check_seconds)),
             bigquery_write_endpoint=env.get("MAAS_BIGQUERY_WRITE_ENDPOINT") or None,
             log_spool_dir=env.get("MAAS_LOG_SPOOL_DIR", cls.log_spool_dir),
             log_spool_max_bytes=int(env.get("MAAS_LOG_SPOOL_MAX_BYTES", cls.log_spool_max_bytes)),

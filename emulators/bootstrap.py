@@ -12,7 +12,7 @@ from google.cloud import bigquery, pubsub_v1
 
 from contract import google_clients, naming
 from contract.catalog import ModelCatalog
-from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, bigquery_schema
+from contract.log_schema import CLUSTERING_FIELDS, PARTITION_FIELD, audit_bigquery_schema, bigquery_schema
 from contract.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,22 +40,22 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> list[str]:
 
     with subscriber:
         topic(publisher.topic_path(project, naming.REPLIES_TOPIC))
-        for spec in catalog.models.values():
-            dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.name))
+        for spec in catalog.units():
+            dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.queue))
             topic(dead_letter)
             subscription(
                 {
-                    "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name)),
+                    "name": subscriber.subscription_path(project, naming.dead_letter_subscription(spec.queue)),
                     "topic": dead_letter,
                     "ack_deadline_seconds": 60,
                 },
             )
             for priority in naming.PRIORITIES:
-                request_topic = publisher.topic_path(project, naming.request_topic(spec.name, priority))
+                request_topic = publisher.topic_path(project, naming.request_topic(spec.queue, priority))
                 topic(request_topic)
                 subscription(
                     {
-                        "name": subscriber.subscription_path(project, naming.worker_subscription(spec.name, priority)),
+                        "name": subscriber.subscription_path(project, naming.worker_subscription(spec.queue, priority)),
                         "topic": request_topic,
                         "ack_deadline_seconds": spec.ack_deadline_seconds,
                         "dead_letter_policy": {
@@ -120,6 +120,17 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
     ensure(table, client.create_table)
+    # A table kept from an earlier run (the emulator keeps its data) gets the columns added since.
+    existing_table = client.get_table(table.reference)
+    missing = [field for field in table.schema if field.name not in {f.name for f in existing_table.schema}]
+    if missing:
+        existing_table.schema = [*existing_table.schema, *missing]
+        client.update_table(existing_table, ["schema"])
+        log.info("added columns %s to %s", [field.name for field in missing], table.table_id)
+    audit = bigquery.Table(
+        f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", schema=audit_bigquery_schema()
+    )
+    ensure(audit, client.create_table)
     # The base views (infra/sql/base) first: the analytics views read them.
     for path in [*sorted((ANALYTICS_SQL_DIR / "base").glob("*.sql")), *sorted(ANALYTICS_SQL_DIR.glob("*.sql"))]:
         # The same files and template variables Terraform's templatefile() uses.

@@ -346,7 +346,7 @@ def api_component(config: StackConfig) -> Component:
 
 def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
     """The environment of the worker serving one deployment (a group of catalog models)."""
-    models = [spec.name for spec in local_catalog().deployments()[deployment]]
+    models = [spec.queue for spec in local_catalog().deployments()[deployment]]
     return {
         **config.service_env(),
         "MAAS_MODELS": ",".join(models),

@@ -200,7 +200,7 @@ class DeviceLoop:
 
     def run_batch(self, batch: list[PendingRequest]) -> None:
         spec = batch[0].spec
-        runner = self._runners[spec.name]
+        runner = self._runners[spec.queue]
         items = [item for pending in batch for item in pending.items]
         batch_id = uuid.uuid4().hex[:16]
         started = time.time()

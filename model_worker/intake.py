@@ -43,7 +43,7 @@ class ReplyFactory:
         self._accelerator = accelerator
 
     def make(self, spec: ModelSpec, request_id: str, message: HeldMessage | None = None, **fields) -> InferenceReply:
-        fields.setdefault("accelerator", self._accelerator.get(spec.name))
+        fields.setdefault("accelerator", self._accelerator.get(spec.queue))
         if message is not None:
             fields.setdefault("attempt", message.delivery_attempt)
         return InferenceReply(
@@ -137,7 +137,7 @@ class Triage:
         items = []
         for index, instance in enumerate(request.instances):
             image = None
-            if self._needs_image[spec.name]:
+            if self._needs_image[spec.queue]:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(
@@ -224,7 +224,7 @@ class SubscriptionPuller(SubscriptionLoop):
         triage: Triage,
         health: WorkerHealth,
     ) -> None:
-        super().__init__(subscriber, subscription, health, f"pull-{spec.name}-{priority}")
+        super().__init__(subscriber, subscription, health, f"pull-{spec.queue}-{priority}")
         self._spec = spec
         self._priority = priority
         self._pool = pool
@@ -288,7 +288,7 @@ class DeadLetterResponder(SubscriptionLoop):
         replies: ReplyFactory,
         health: WorkerHealth,
     ) -> None:
-        super().__init__(subscriber, subscription, health, f"dead-letter-{spec.name}")
+        super().__init__(subscriber, subscription, health, f"dead-letter-{spec.queue}")
         self._spec = spec
         self._leases = leases
         self._results = results

@@ -62,8 +62,8 @@ class PendingRequest:
         params = self.request.parameters
         if self.spec.scheduling == "step":
             # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
-            return (self.spec.name, params.width, params.height)
-        return (self.spec.name, *batch_key(params))
+            return (self.spec.queue, params.width, params.height)
+        return (self.spec.queue, *batch_key(params))
 
 
 class RequestPool:

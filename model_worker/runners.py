@@ -110,6 +110,7 @@ class SyntheticRunner:
 
         if len(items) > self.spec.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size {self.spec.max_batch_size}")
+        self._refuse_if_configured_to_fail()
         if any(item.prompt.startswith(POISON_PROMPT_PREFIX) for item in items):
             raise RuntimeError("synthetic pipeline crash (poison prompt)")
         steps = params.num_inference_steps  # progress on the client's scale, whatever the number of ticks
@@ -122,6 +123,12 @@ class SyntheticRunner:
                 on_step(steps, steps)
         return [Image.new("RGB", (8, 8), _seed_color(item.seed)) for item in items]
 
+    def _refuse_if_configured_to_fail(self) -> None:
+        """A catalog version with `fails: true` (a broken canary, for the rollback tests) answers every request
+        with an error at once (a ValueError is not retried), where a poison prompt is retried until dead-lettered."""
+        if self.spec.fails:
+            raise ValueError(f"{self.spec.name} version {self.spec.version} is configured to fail every request")
+
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         return [RunningItem(item, total=params.num_inference_steps) for item in items]
 
@@ -129,6 +136,7 @@ class SyntheticRunner:
         """One tick of the stand-in GPU (a tenth of a call, whatever the number of items) for every item."""
         if len(running) > self.spec.max_batch_size:
             raise ValueError(f"step of {len(running)} items exceeds max_batch_size {self.spec.max_batch_size}")
+        self._refuse_if_configured_to_fail()
         if any(r.item.prompt.startswith(POISON_PROMPT_PREFIX) for r in running):
             raise RuntimeError("synthetic pipeline crash (poison prompt)")
         with self._device:
@@ -155,5 +163,5 @@ def build_runner(spec: ModelSpec, load_diffusers: Callable[[ModelSpec], Runner])
     if spec.runner == "noop":
         return SyntheticRunner(spec)
     if spec.runner == "sleep":
-        return SyntheticRunner(spec, call_seconds=SLEEP_CALL_SECONDS)
+        return SyntheticRunner(spec, call_seconds=spec.call_seconds or SLEEP_CALL_SECONDS)
     return load_diffusers(spec)

@@ -41,10 +41,10 @@ def served_specs(settings: Settings) -> list[ModelSpec]:
     catalog = settings.catalog()
     if not settings.models:
         raise ValueError("MAAS_MODELS is empty: name the catalog models this worker serves")
-    unknown = [name for name in settings.models if catalog.get(name) is None]
+    unknown = [name for name in settings.models if catalog.unit(name) is None]
     if unknown:
-        raise ValueError(f"MAAS_MODELS names models not in the catalog: {unknown}")
-    specs = [catalog.get(name) for name in settings.models]
+        raise ValueError(f"MAAS_MODELS names models not in the catalog: {unknown} (a version: model--version)")
+    specs = [catalog.unit(name) for name in settings.models]
     if settings.scheduling:
         # Validated again, so an override gets the catalog's checks (a scheduler that cannot step per item).
         specs = [type(spec).model_validate({**spec.model_dump(), "scheduling": settings.scheduling}) for spec in specs]
@@ -62,7 +62,7 @@ class WorkerService:
             self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
         )
         self._storage = google_clients.storage_client(settings)
-        self.runners: dict[str, Runner] = {spec.name: build_runner(spec, self._load_diffusers) for spec in specs}
+        self.runners: dict[str, Runner] = {spec.queue: build_runner(spec, self._load_diffusers) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
         self.metrics.watch_gpu_memory()
@@ -75,17 +75,17 @@ class WorkerService:
         self.results = ResultStore(redis_client, settings.result_ttl_seconds)
         payloads = PayloadCodec(self._storage, settings.payload_bucket, settings.inline_payload_limit)
         subscriptions = {
-            (spec.name, priority): self.subscriber.subscription_path(
-                project, naming.worker_subscription(spec.name, priority)
+            (spec.queue, priority): self.subscriber.subscription_path(
+                project, naming.worker_subscription(spec.queue, priority)
             )
             for spec in specs
             for priority in naming.PRIORITIES
         }
         dead_letters = {
-            spec.name: self.subscriber.subscription_path(project, naming.dead_letter_subscription(spec.name))
+            spec.queue: self.subscriber.subscription_path(project, naming.dead_letter_subscription(spec.queue))
             for spec in specs
         }
-        by_name = {spec.name: spec for spec in specs}
+        by_name = {spec.queue: spec for spec in specs}
         deadlines = {path: by_name[name].ack_deadline_seconds for (name, _), path in subscriptions.items()}
         deadlines.update({path: 60 for path in dead_letters.values()})
         worker_id = f"{socket.gethostname()}-{os.getpid()}"

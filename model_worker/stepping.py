@@ -103,7 +103,7 @@ class RunningSet:
     def admit(self, joiners: list[PendingRequest]) -> None:
         """Prepares each joiner's images (prompt encoding, initial latents); they run from the next step."""
         for pending in joiners:
-            runner = self._runners[pending.spec.name]
+            runner = self._runners[pending.spec.queue]
             try:
                 items = runner.start_items(pending.items, pending.request.parameters)
             except Exception as exc:  # noqa: BLE001 - e.g. an input the pipeline refuses: this request alone

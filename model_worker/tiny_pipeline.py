@@ -174,13 +174,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = Settings.from_env()
-    for spec in settings.catalog().models.values():
+    for spec in settings.catalog().units():
         if spec.runner != "diffusers":
             continue
-        target = args.out / spec.name
+        target = args.out / spec.queue
         if not (target / "model_index.json").exists():
             build_pipeline(target, spec.pipeline)
-            log.info("built tiny %s for %s in %s", spec.pipeline, spec.name, target)
+            log.info("built tiny %s for %s in %s", spec.pipeline, spec.queue, target)
         if args.upload:
             count = upload_directory(target, settings.model_bucket, spec.weights_path)
             log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)

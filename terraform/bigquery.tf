@@ -38,6 +38,25 @@ resource "google_bigquery_table" "inference_log" {
   deletion_protection = var.deletion_protection
 }
 
+# Who changed a model's traffic split and when, from what to what, and every automatic rollback.
+resource "google_bigquery_table" "rollout_audit" {
+  #checkov:skip=CKV_GCP_80:Google-managed encryption; see the dataset.
+  dataset_id  = google_bigquery_dataset.maas.dataset_id
+  table_id    = local.rollout_audit_table
+  description = "One row per traffic split change: set, reset or automatic rollback, with its actor and reason."
+  labels      = local.labels
+
+  # The API writes rows with this exact schema; it is read from the contract, never copied.
+  schema = file("${path.module}/../contract/rollout_audit_schema.json")
+
+  time_partitioning {
+    type  = "DAY"
+    field = "at"
+  }
+
+  deletion_protection = var.deletion_protection
+}
+
 # Each infra/sql/base/<view>.sql becomes the view <view>, before the analytics views that read it.
 resource "google_bigquery_table" "analytics_base_views" {
   #checkov:skip=CKV_GCP_80:A view stores no data of its own to encrypt.
@@ -83,5 +102,5 @@ resource "google_bigquery_table" "analytics_views" {
   # Views are derived from files in the repository and cheap to recreate.
   deletion_protection = false
 
-  depends_on = [google_bigquery_table.inference_log, google_bigquery_table.analytics_base_views]
+  depends_on = [google_bigquery_table.inference_log, google_bigquery_table.rollout_audit, google_bigquery_table.analytics_base_views]
 }

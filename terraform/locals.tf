@@ -8,11 +8,22 @@ locals {
   catalog_path = "${path.module}/../contract/models.yaml"
   catalog      = yamldecode(file(local.catalog_path))
 
-  # The catalog fields Terraform reads, one uniform object per model. Fields the catalog may leave
+  # Every servable unit, keyed by its queue name (contract.naming.version_queue): a model without
+  # `versions` is one unit named after it; each of a model's `versions` is a unit of its own,
+  # "<model>--<version>", the model's fields overridden by the version's, with its own request topics,
+  # subscriptions and dead-letter queue (ModelCatalog.units in contract/catalog.py).
+  catalog_units = merge([
+    for name, entry in local.catalog.models : {
+      for version, override in try(entry.versions, { (entry.version) = {} }) :
+      (can(entry.versions) ? "${name}--${version}" : name) => merge(entry, override)
+    }
+  ]...)
+
+  # The catalog fields Terraform reads, one uniform object per unit. Fields the catalog may leave
   # out (runner, worker_group, weights_path for non-diffusers runners) go through try(), so a model
   # that omits them still decodes; everything else is a required field of contract.catalog.ModelSpec.
   models = {
-    for name, spec in local.catalog.models : name => {
+    for name, spec in local.catalog_units : name => {
       runner                  = try(spec.runner, "diffusers")
       weights_path            = try(spec.weights_path, "")
       hardware                = spec.hardware
@@ -53,6 +64,7 @@ locals {
 
   bigquery_dataset    = "maas"
   inference_log_table = "inference_log"
+  rollout_audit_table = "rollout_audit"
 
   # Analytics views: one view per infra/sql/<view>.sql, rendered with templatefile. The directory
   # may hold no files; fileset then yields an empty set and no views are created.

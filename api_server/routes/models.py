@@ -1,12 +1,13 @@
-"""The model catalog as clients see it."""
+"""The model catalog as clients see it, and a model's traffic split (changed by admin keys only)."""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, jsonify, request
 from spectree import Response
 
-from api_server.openapi import ModelInfo, ModelList, documented, errors
-from api_server.routes.access import authenticated
+from api_server.errors import ApiError
+from api_server.openapi import ModelDetail, ModelList, TrafficBody, TrafficView, documented, errors
+from api_server.routes.access import authenticated, require_admin
 from api_server.state import app_state
 
 bp = authenticated(Blueprint("models", __name__))
@@ -32,7 +33,41 @@ def list_models():
 
 
 @bp.get("/v1/models/<model:model>")
-@documented(Response(HTTP_200=ModelInfo, **errors(401, 404)), tags=["models"])
+@documented(Response(HTTP_200=ModelDetail, **errors(401, 404)), tags=["models"])
 def get_model(model: str):
-    """One model of the catalog"""
-    return jsonify(_public(app_state().serving.model(model)))
+    """One model of the catalog, its versions and the traffic split in force"""
+    stable, versions, split = app_state().serving.model_view(model)
+    rollout = app_state().catalog.rollout(model)
+    return jsonify(
+        {
+            **_public(stable),
+            "versions": [spec.version for spec in versions],
+            "stable_version": stable.version,
+            "sticky": rollout.sticky if rollout else None,
+            "traffic": split,
+        }
+    )
+
+
+@bp.put("/v1/models/<model:model>/traffic")
+@documented(
+    Response(HTTP_200=TrafficView, **errors(400, 401, 403, 404, 409, 422, 503)), json=TrafficBody, tags=["models"]
+)
+def put_traffic(model: str):
+    """Set a model's traffic split (admin key)
+
+    In force on every API process within about a second, audited in BigQuery; DELETE returns to the
+    catalog's split (also the one-call rollback)."""
+    admin = require_admin(f"PUT /v1/models/{model}/traffic")
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object {traffic, shadow, reason} (Content-Type: application/json)")
+    return jsonify(app_state().serving.set_traffic(model, body, admin.key_id))
+
+
+@bp.delete("/v1/models/<model:model>/traffic")
+@documented(Response(HTTP_200=TrafficView, **errors(401, 403, 404, 409, 503)), tags=["models"])
+def delete_traffic(model: str):
+    """Return a model to the catalog's traffic split (admin key)"""
+    admin = require_admin(f"DELETE /v1/models/{model}/traffic")
+    return jsonify(app_state().serving.reset_traffic(model, admin.key_id))

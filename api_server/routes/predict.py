@@ -36,7 +36,11 @@ def _admit() -> None:
     call: InferenceCall = g.inference
     call.caller = caller()
     serving = app_state().serving
-    call.spec = serving.model(request.view_args["model"])
+    args = request.view_args or {}
+    if "version" in args:
+        call.spec = serving.pinned(args["model"], args["version"])
+    else:
+        call.spec = serving.model(args["model"], g.request_id, call.caller)
     call.lease = serving.admit(call.caller, call.spec)
 
 
@@ -59,6 +63,16 @@ def predict(model: str):
 
     Waits for the worker's reply: 200 with the images, or 202 with a job if the wait runs out (its body says
     how to poll it), or at once with `Prefer: respond-async` (always a job, like POST /jobs)."""
+    return _serve()
+
+
+@bp.post("/v1/models/<model:model>/versions/<model:version>:predict")
+@documented(INFERENCE_RESPONSES, json=PredictBody, headers=InferenceHeaders, tags=["inference"])
+def predict_version(model: str, version: str):
+    """Generate images with one version
+
+    Like :predict, on the version named whatever the model's traffic split (404 for a version it does not
+    have)."""
     return _serve()
 
 
@@ -89,6 +103,7 @@ def _serve() -> Response:
         idempotency_key=request.headers.get("Idempotency-Key"),
         fresh="no-cache" in request.headers.get("Cache-Control", "").lower(),
         received=call.started,
+        pinned="version" in (request.view_args or {}),
     )
     call.answer = serving.answer(call.prepared, call.mode)
     return _render(call.answer)

@@ -160,7 +160,7 @@ def cluster_manifests(settings: RenderSettings) -> list[Manifest]:
 
 def capacity_reservation_manifests(settings: RenderSettings, catalog: ModelCatalog) -> list[Manifest]:
     """One buffer Deployment per GPU pool, each pod sized to a whole node of that pool."""
-    used_pools = {spec.hardware for spec in catalog.models.values()}
+    used_pools = {spec.hardware for spec in catalog.units()}
     manifests: list[Manifest] = []
     for pool in GPU_POOLS.values():
         replicas = settings.buffer_replicas.get(pool.name, 1 if pool.name in used_pools else 0)
@@ -211,7 +211,8 @@ class WorkerDeployment:
 
     @property
     def model_names(self) -> list[str]:
-        return [spec.name for spec in self.models]
+        """What the worker's MAAS_MODELS names: each model, or each version's queue (`model--version`)."""
+        return [spec.queue for spec in self.models]
 
     @property
     def hardware(self) -> str:

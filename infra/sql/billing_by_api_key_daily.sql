@@ -1,5 +1,6 @@
 -- Usage per API key per day: the billing view. GPU seconds are the request's share of its pipeline call
 -- (its images over the batch's images); cache hits, coalesced requests and idempotent replays used no GPU.
+-- Shadow calls (endpoint = shadow) are the service's own experiment, not the caller's: left out.
 SELECT
   DATE(created_at) AS day,
   api_key_id,
@@ -18,4 +19,5 @@ SELECT
   ) AS gpu_seconds
 FROM `${project_id}.${dataset}.inference_log_unique`
 WHERE model_version IS NOT NULL  -- refused before routing (unknown model, bad key): no model's usage
+  AND IFNULL(endpoint, '') != 'shadow'  -- a shadow version's copy of a request is never billed
 GROUP BY day, api_key_id, model

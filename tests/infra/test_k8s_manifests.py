@@ -579,3 +579,37 @@ def test_every_maas_variable_given_to_the_worker_is_read_by_the_settings(
     env = worker_container(manifests, deployment)["env"]
     names = [entry["name"] for entry in env if entry["name"].startswith("MAAS_")]
     assert [name for name in names if f'"{name}"' not in settings_source] == []
+
+
+# --- model versions ------------------------------------------------------------------------------
+
+
+def versioned_catalog(tmp_path: Path) -> ModelCatalog:
+    """models.yaml with sd15-txt2img given two versions, the second with its own weights and replica bounds."""
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    entry = raw["models"]["sd15-txt2img"]
+    entry.pop("version")
+    entry["versions"] = {"1": {}, "2": {"weights_path": "sd15-txt2img/2", "replicas": {"min": 0, "max": 5}}}
+    entry["traffic"] = {"1": 90, "2": 10}
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return ModelCatalog.from_yaml(path)
+
+
+def test_each_version_gets_its_own_deployment_subscriptions_and_scaling(tmp_path: Path) -> None:
+    catalog = versioned_catalog(tmp_path)
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
+    assert {"20-model-worker-sd15-txt2img--1.yaml", "20-model-worker-sd15-txt2img--2.yaml"} <= set(files)
+    assert "20-model-worker-sd15-txt2img.yaml" not in files
+    for version, max_replicas in (("1", 40), ("2", 5)):
+        name = f"sd15-txt2img--{version}"
+        group = files[f"20-model-worker-{name}.yaml"]
+        assert worker_env(group, name)["MAAS_MODELS"]["value"] == name
+        assert worker_deployment(group, name)["metadata"]["labels"]["app.kubernetes.io/version"] == version
+        assert find(group, "ScaledObject", f"model-worker-{name}")["spec"]["maxReplicaCount"] == max_replicas
+        expected = {worker_subscription(name, priority) for priority in PRIORITIES}
+        for trigger in scaled_object_triggers(group, name).values():
+            assert queried_subscriptions(trigger["metadata"]["query"]) == expected
+        for manifest in group:
+            if manifest["kind"] in ("Deployment", "PodDisruptionBudget"):
+                kubernetes_validate.validate(manifest, GKE_KUBERNETES_VERSIONS[-1], strict=True)

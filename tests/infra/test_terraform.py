@@ -31,7 +31,8 @@ EXAMPLE_TFVARS = TERRAFORM_DIR / "examples" / "production.tfvars"
 CONTRACT_LOG_SCHEMA = Path(naming.__file__).with_name("inference_log_schema.json")
 EXAMPLE_PROJECT = "example-project"
 CATALOG = load_catalog()
-MODELS = CATALOG.names()
+# Every servable unit by its queue name: a model, or one version of a model with `versions`.
+MODELS = [spec.queue for spec in CATALOG.units()]
 CHECKOV_TIMEOUT_SECONDS = 120
 
 
@@ -244,7 +245,7 @@ def test_catalog_is_read_from_the_file_the_code_reads():
 def _catalog_fields_read() -> tuple[dict[str, str], str]:
     """{attribute: expression} of the per-model object local.models builds, and the loop's spec variable."""
     expr = expression(locals_()["models"])
-    match = re.fullmatch(r"\{\s*for (\w+), (\w+) in local\.catalog\.models\s*:\s*\1 => \{(.*)\}\s*\}", expr, re.S)
+    match = re.fullmatch(r"\{\s*for (\w+), (\w+) in local\.catalog_units\s*:\s*\1 => \{(.*)\}\s*\}", expr, re.S)
     assert match, f"local.models must build one object per catalog entry: {expr!r}"
     body = match.group(3)
     fields = dict(re.findall(r"(\w+)\s*=\s*(.+?)(?:\n|,\s*(?=\w+\s*=)|$)", body))
@@ -361,7 +362,7 @@ def test_worker_subscription_settings_come_from_the_catalog():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_catalog_queue_settings_are_valid_for_pubsub(model):
-    spec = CATALOG.models[model]
+    spec = CATALOG.unit(model)
     assert 10 <= spec.ack_deadline_seconds <= 600
     assert 5 <= spec.max_delivery_attempts <= 100
     # Short, because workers extend leases: a crashed worker's request is redelivered in time.
@@ -780,3 +781,14 @@ def test_checkov_finds_no_failure_without_a_written_justification():
     parsing_errors = [error for report in reports for error in report.get("results", {}).get("parsing_errors", [])]
     assert not parsing_errors, f"checkov could not parse: {parsing_errors}"
     assert failed == [], "checkov failures; fix them or skip inline with a reason:\n" + "\n".join(failed)
+
+
+def test_each_catalog_version_is_a_unit_named_as_the_code_names_it():
+    # local.catalog_units expands `versions` the way ModelCatalog.units does: "<model>--<version>", the
+    # version's fields over the model's; an entry without `versions` is one unit named after the model.
+    units = expression(locals_()["catalog_units"])
+    assert "for name, entry in local.catalog.models" in units
+    assert "try(entry.versions, {(entry.version) = {}})" in units
+    assert f'"${{name}}{naming.VERSION_SEPARATOR}${{version}}"' in units
+    assert "merge(entry, override)" in units
+    assert naming.version_queue("m", "2") == "m--2"

@@ -120,7 +120,8 @@ def no_gpu(row: dict) -> bool:
 
 def test_every_sql_file_is_covered_here():
     tested = {"daily_usage_by_model", "hourly_usage_by_model", "latency_by_model_hourly", "cache_and_coalescing_daily",
-              "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours"}  # fmt: skip
+              "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours",
+              "version_comparison", "rollouts"}  # fmt: skip
     assert {path.stem for path in ANALYTICS_SQL_DIR.glob("*.sql")} == tested
 
 
@@ -268,3 +269,89 @@ def test_job_latency_is_kept_apart_from_sync_latency(views):
         assert r["avg_job_total_ms"] == (pytest.approx(sum(jobs) / len(jobs)) if jobs else None)
     jobs = [r for r in views("latency_by_model_hourly", "hour") if r["endpoint"] == "job"]
     assert len(jobs) == 2 and all(r["p50_total_ms"] in (4000.0, 6500.0) for r in jobs)
+
+
+# Model versions. These add rows of a model of their own, so they run last (the views above count every model).
+VERSIONED = "versioned-zz"
+
+
+def test_zz_version_comparison_puts_versions_and_shadow_calls_side_by_side(views, settings):
+    client = google_clients.bigquery_client(dataclasses.replace(settings, dataset=views.dataset))
+    hour = DAY2.replace(minute=5)
+    rows = []
+    for index in range(4):  # version 1: four calls, one failed; version 2: two calls as shadow of the first two
+        rows.append(
+            {
+                "request_id": f"v1-{index}",
+                "created_at": hour.isoformat(),
+                "model": VERSIONED,
+                "model_version": "1",
+                "endpoint": "sync",
+                "api_key_id": "key-a",
+                "status": "error" if index == 3 else "ok",
+                "http_status": 500 if index == 3 else 200,
+                "num_images": 2,
+                "total_ms": 100.0 * (index + 1),
+                "inference_ms": 50.0,
+                "batch_size": 4,
+            }
+        )
+    for index in range(2):
+        rows.append(
+            {
+                "request_id": f"v1-{index}-shadow",
+                "shadow_of": f"v1-{index}",
+                "created_at": hour.isoformat(),
+                "model": VERSIONED,
+                "model_version": "2",
+                "endpoint": "shadow",
+                "api_key_id": "key-a",
+                "status": "ok",
+                "http_status": 200,
+                "num_images": 2,
+                "total_ms": 2100.0,
+                "inference_ms": 2000.0,
+                "batch_size": 2,
+            }
+        )
+    rows.append(
+        {
+            "request_id": "v1-hit",
+            "created_at": hour.isoformat(),
+            "model": VERSIONED,
+            "model_version": "1",
+            "endpoint": "sync",
+            "status": "ok",
+            "http_status": 200,
+            "cache_hit": True,
+            "total_ms": 1.0,
+        }
+    )
+    assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.log_table}", rows) == []
+    got = {(r["model_version"], r["traffic"]): r for r in views("version_comparison", "hour, model")
+           if r["model"] == VERSIONED}  # fmt: skip
+    assert set(got) == {("1", "served"), ("2", "shadow")}
+    served, shadow = got[("1", "served")], got[("2", "shadow")]
+    assert (served["requests"], served["error_rate"]) == (4, 0.25)  # the cache hit ran no version
+    assert (shadow["requests"], shadow["error_rate"]) == (2, 0.0)
+    assert served["p95_total_ms"] in (200.0, 300.0) and shadow["p50_inference_ms"] == 2000.0
+    assert served["images_per_call"] == 4 and shadow["images_per_call"] == 2
+    assert served["gpu_seconds"] == pytest.approx(3 * 0.05 * 2 / 4) and shadow["gpu_seconds"] == pytest.approx(4.0)
+    billed = [r for r in views("billing_by_api_key_daily", "day") if r["model"] == VERSIONED]
+    assert sum(r["requests"] for r in billed) == 5  # the shadow calls are never billed
+
+
+def test_zz_rollouts_lists_every_split_change(views, settings):
+    client = google_clients.bigquery_client(dataclasses.replace(settings, dataset=views.dataset))
+    rows = [
+        {"at": DAY2.isoformat(), "model": VERSIONED, "action": "set", "actor": "admin-key",
+         "from_split": '{"traffic": {"1": 100.0, "2": 0.0}}', "to_split": '{"traffic": {"1": 90.0, "2": 10.0}}',
+         "reason": "canary 10%"},
+        {"at": (DAY2 + timedelta(minutes=3)).isoformat(), "model": VERSIONED, "action": "rollback",
+         "actor": "rollback-guard", "from_split": '{"traffic": {"1": 90.0, "2": 10.0}}',
+         "to_split": '{"traffic": {"1": 100.0, "2": 0.0}}', "reason": "error rate 100.0% vs stable 0.0%"},
+    ]  # fmt: skip
+    assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.audit_table}", rows) == []
+    got = [r for r in views("rollouts", "at") if r["model"] == VERSIONED]
+    assert [(r["action"], r["actor"]) for r in got] == [("set", "admin-key"), ("rollback", "rollback-guard")]
+    assert '"2"' in got[1]["from_split"] and "error rate" in got[1]["reason"]

@@ -1,0 +1,122 @@
+"""Model versions: the catalog's versioned entries, the split function, split validation, the rollback rule."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from api_server.rollouts import Window, breach, window_of
+from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
+from contract import naming
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
+
+OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
+CATALOG = load_catalog(None, OVERLAY)
+
+
+def catalog_with(**entries: dict) -> ModelCatalog:
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    base = raw["models"]["sd15-txt2img"]
+    for name, fields in entries.items():
+        raw["models"][name] = {**base, **fields}
+    path = Path(f"/tmp/catalog-{uuid.uuid4().hex}.yaml")
+    path.write_text(yaml.safe_dump(raw))
+    try:
+        return ModelCatalog.from_yaml(path)
+    finally:
+        path.unlink()
+
+
+def test_a_90_10_split_sends_10_percent_of_1000_request_ids_to_the_canary():
+    traffic = CATALOG.rollout("canary").traffic
+    assert traffic == {"1": 90, "2": 10}
+    chosen = [choose_version(traffic, uuid.uuid4().hex) for _ in range(1000)]
+    assert 70 <= chosen.count("2") <= 130  # 10% ± 3%
+
+
+def test_the_version_is_a_function_of_the_request_id():
+    traffic = {"1": 50, "2": 50}
+    for request_id in (uuid.uuid4().hex for _ in range(50)):
+        assert len({choose_version(traffic, request_id) for _ in range(3)}) == 1
+
+
+def test_a_version_at_0_percent_gets_nothing_and_one_at_100_everything():
+    assert {choose_version({"1": 100, "2": 0}, uuid.uuid4().hex) for _ in range(200)} == {"1"}
+    assert {choose_version({"1": 0, "2": 100}, uuid.uuid4().hex) for _ in range(200)} == {"2"}
+
+
+def test_shadow_percent_draws_independently_of_the_version():
+    shadow = Shadow(version="2", percent=25)
+    hits = sum(shadowed(shadow, uuid.uuid4().hex) for _ in range(2000))
+    assert 400 <= hits <= 600
+    assert not shadowed(None, "x")
+
+
+def test_each_version_is_a_unit_with_its_own_queues_and_deployment():
+    catalog = catalog_with(m={"versions": {"1": {}, "2": {"weights_path": "m/2"}}, "traffic": {"1": 90, "2": 10}})
+    units = [spec for spec in catalog.units() if spec.name == "m"]
+    assert [spec.queue for spec in units] == ["m--1", "m--2"]
+    assert [spec.deployment for spec in units] == ["m--1", "m--2"]
+    assert units[1].weights_path == "m/2" and units[0].weights_path == "sd15-txt2img/1"
+    assert naming.request_topic("m--2") == "maas-requests-m--2"
+    assert catalog.models["m"].version == "1"  # the stable one: the largest share
+    assert catalog.unit("m--2") is units[1] and catalog.version("m", "3") is None
+    # Single-version entries are unchanged: named after the model.
+    assert catalog.unit("sd15-txt2img").queue == "sd15-txt2img"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"versions": {"1": {}, "2": {}}, "traffic": {"1": 90, "2": 20}}, "sum to 100"),
+        ({"versions": {"1": {}}, "traffic": {"1": 90, "3": 10}}, "unknown versions"),
+        ({"versions": {"1": {}, "2": {}}, "traffic": {"1": 100}, "shadow": {"version": "1", "percent": 5}}, "stable"),
+        ({"versions": {"A_1": {}}, "traffic": {"A_1": 100}}, "lowercase"),
+        ({"traffic": {"1": 100}}, "need `versions`"),
+        ({"versions": {"1": {}}, "stable": "9"}, "stable version '9'"),
+        ({"versions": {}}, "lists no version"),
+    ],
+)
+def test_a_bad_versioned_entry_is_refused_with_a_clear_error(fields, message):
+    with pytest.raises(ValueError, match=message):
+        catalog_with(m=fields)
+
+
+@pytest.mark.parametrize(
+    ("traffic", "shadow", "field"),
+    [
+        ({"1": 50, "2": 40}, None, "traffic"),
+        ({"1": 50, "9": 50}, None, "traffic"),
+        ({"1": "x", "2": 100}, None, "traffic.1"),
+        ([], None, "traffic"),
+        ({"1": 100}, {"version": "1", "percent": 10}, "shadow.version"),
+        ({"1": 100}, {"version": "2", "percent": 0}, "shadow.percent"),
+    ],
+)
+def test_an_invalid_runtime_split_names_its_field(traffic, shadow, field):
+    with pytest.raises(InvalidSplitError) as caught:
+        validated_split(CATALOG.rollout("canary"), traffic, shadow)
+    assert caught.value.field == field
+
+
+def test_a_valid_runtime_split_is_accepted():
+    traffic, shadow = validated_split(CATALOG.rollout("canary"), {"1": 0, "2": 100}, {"version": "2", "percent": 5})
+    assert traffic == {"1": 0.0, "2": 100.0} and shadow == Shadow(version="2", percent=5)
+
+
+POLICY = RollbackPolicy(window_seconds=60, min_requests=5, max_error_rate_delta=0.2, max_p95_ratio=3)
+
+
+def test_a_canary_failing_every_request_breaches_and_a_healthy_one_does_not():
+    stable = window_of([f"r{i}|100.0|1".encode() for i in range(10)])
+    assert breach(POLICY, stable, window_of([f"c{i}|100.0|0".encode() for i in range(5)])) is not None
+    assert breach(POLICY, stable, window_of([f"c{i}|120.0|1".encode() for i in range(5)])) is None
+
+
+def test_a_slow_canary_breaches_on_p95_and_too_few_requests_never_breach():
+    stable = Window(20, 0.0, 100.0)
+    assert "p95" in (breach(POLICY, stable, Window(20, 0.0, 400.0)) or "")
+    assert breach(POLICY, stable, Window(4, 1.0, 9999.0)) is None
