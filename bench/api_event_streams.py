@@ -2,10 +2,12 @@
 
     MAAS_STACK_DIR=/tmp/stack-f .venv/bin/python -m bench.api_event_streams [--streams 1000] [--seconds 15]
 
-Against a running stack, an API process of its own (one gunicorn worker; `--threads`, default streams + 64,
-and `--worker-connections` for gunicorn). The `sd15-txt2img` worker is paused (SIGSTOP) so the watched jobs
-stay queued: the streams are open and idle, as most watchers of a busy service are (the API's one hub
-thread still polls every watched job four times a second). Predict on `noop` at concurrency 1, no seed (no
+Against a running stack, an API process of its own (one gunicorn worker with the production default of
+threads, 32 unless `--threads`; `--worker-connections` for gunicorn above the streams). The streams are served
+on the worker's event loop: a watcher holds no thread, so 1,000 of them fit beside 32 threads. The
+`sd15-txt2img` worker is paused (SIGSTOP) so the watched jobs stay queued: the streams are open and idle, as
+most watchers of a busy service are (the API's one hub thread still polls every watched job four times a
+second). Predict on `noop` at concurrency 1, no seed (no
 cache), is measured first alone, then with the streams open. Prints the p50/p99 of both, the streams still
 open at the end, the API worker's threads, resident memory and CPU during each phase. The worker is resumed
 (SIGCONT) and the jobs cancelled at the end.
@@ -115,14 +117,14 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--jobs", type=int, default=50, help="queued jobs the streams watch (streams / jobs each)")
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--threads", type=int, help="gunicorn threads (default: streams + 64)")
+    parser.add_argument("--threads", type=int, default=32, help="the API worker's threads (the production default)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("MAAS_BENCH_API_PORT", "30190")))
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
     config = running_stack()
     registry = ProcessRegistry(config.stack_dir)
     api = BenchApiProcess(config, args.port, name="bench-api-streams")
-    threads = args.threads or args.streams + 64
+    threads = args.threads
     api.start(
         MAAS_API_WORKERS="1", MAAS_API_THREADS=str(threads), MAAS_API_WORKER_TIMEOUT="300",
         GUNICORN_CMD_ARGS=f"--worker-connections {args.streams + 256}",
