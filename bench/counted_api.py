@@ -65,6 +65,6 @@ def install() -> None:
 
 
 install()
-from api_server.wsgi import app  # noqa: E402 - the wrappers must be in place before the clients are built
+from api_server.asgi import app  # noqa: E402 - the wrappers must be in place before the clients are built
 
 __all__ = ["app"]
