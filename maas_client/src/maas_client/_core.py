@@ -129,6 +129,24 @@ def predict_body(
     return body
 
 
+MAX_PAGE = 100
+
+
+def job_list_params(limit: int, state: str | None, cursor: str | None) -> dict:
+    if not 1 <= limit <= MAX_PAGE:
+        raise InputError(f"limit {limit}: from 1 to {MAX_PAGE}")
+    params: dict[str, Any] = {"limit": limit}
+    if state:
+        params["state"] = state
+    if cursor:
+        params["cursor"] = cursor
+    return params
+
+
+def page_size(limit: int | None, seen: int) -> int:
+    return MAX_PAGE if limit is None else max(1, min(MAX_PAGE, limit - seen))
+
+
 def new_idempotency_key() -> str:
     return f"maas-sdk-{uuid.uuid4().hex}"
 
