@@ -3,7 +3,7 @@
     MAAS_STACK_DIR=/tmp/stack-f .venv/bin/python -m bench.api_event_streams [--streams 1000] [--seconds 15]
 
 Against a running stack, an API process of its own (one gunicorn worker with the production default of
-threads, 32 unless `--threads`; `--worker-connections` for gunicorn above the streams). The streams are served
+threads, 32 unless `--threads`; MAAS_API_WORKER_CONNECTIONS above the streams). The streams are served
 on the worker's event loop: a watcher holds no thread, so 1,000 of them fit beside 32 threads. The
 `sd15-txt2img` worker is paused (SIGSTOP) so the watched jobs stay queued: the streams are open and idle, as
 most watchers of a busy service are (the API's one hub thread still polls every watched job four times a
@@ -141,7 +141,7 @@ def main() -> None:
     threads = args.threads
     api.start(
         MAAS_API_WORKERS="1", MAAS_API_THREADS=str(threads), MAAS_API_WORKER_TIMEOUT="300",
-        GUNICORN_CMD_ARGS=f"--worker-connections {args.streams + 256}",
+        MAAS_API_WORKER_CONNECTIONS=str(max(2000, args.streams + 256)),
     )  # fmt: skip
     paused = registry.pid(PAUSED_WORKER)
     job_ids: list[str] = []
