@@ -145,18 +145,19 @@ def main() -> None:
     )  # fmt: skip
     paused = registry.pid(PAUSED_WORKER)
     job_ids: list[str] = []
-    client = load_client(api.port, 4, 30.0)
     try:
         if paused is None:
             raise SystemExit(f"{PAUSED_WORKER} is not running in this stack")
         os.kill(paused, signal.SIGSTOP)
-        job_ids = asyncio.run(submit_watched(client, args.jobs))
+        job_ids = asyncio.run(submit_watched(api.port, args.jobs))
         report = asyncio.run(run(api, job_ids, args.streams, args.seconds))
     finally:
-        asyncio.run(cancel_watched(client, job_ids))
         if paused is not None:
-            os.kill(paused, signal.SIGCONT)
-        api.stop()
+            os.kill(paused, signal.SIGCONT)  # first: nothing below may leave the stack's worker stopped
+        try:
+            asyncio.run(cancel_watched(api.port, job_ids))
+        finally:
+            api.stop()
     report.update(streams=args.streams, threads=threads, load_avg=round(os.getloadavg()[0], 2))
     alone, loaded = report["alone"], report["with_streams"]
     print(f"{args.streams} streams asked, {report['streams_opened']} opened in {report['open_seconds']} s, "
