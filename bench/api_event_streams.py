@@ -112,18 +112,17 @@ async def run(api: BenchApiProcess, job_ids: list[str], streams: int, seconds: f
     return report
 
 
-async def submit_watched(client, count: int) -> list[str]:
-    jobs = [
-        await client.submit("sd15-txt2img", f"watched {time.time()} {index}", size="64x64") for index in range(count)
-    ]
+async def submit_watched(port: int, count: int) -> list[str]:
+    async with load_client(port, 4, 30.0) as client:  # a client per event loop: its connections belong to it
+        jobs = [await client.submit("sd15-txt2img", f"watched {time.time()} {n}", size="64x64") for n in range(count)]
     return [job.id for job in jobs]
 
 
-async def cancel_watched(client, job_ids: list[str]) -> None:
-    for job_id in job_ids:
-        with contextlib.suppress(MaasError):  # already finished: nothing to stop
-            await client.job(job_id).cancel()
-    await client.close()
+async def cancel_watched(port: int, job_ids: list[str]) -> None:
+    async with load_client(port, 4, 30.0) as client:
+        for job_id in job_ids:
+            with contextlib.suppress(MaasError):  # already finished: nothing to stop
+                await client.job(job_id).cancel()
 
 
 def main() -> None:
