@@ -47,6 +47,13 @@ def settings_from_env(url: str | None, api_key: str | None) -> tuple[str, str]:
     return url, api_key
 
 
+def verify_tls(url: str) -> bool:
+    """httpx loads the CA bundle for every client (~50 ms of CPU, holding the GIL), TLS or not; a plain-http
+    base URL never does TLS (the SDK follows no redirects), so it skips that: 32 load threads, each with its
+    own client, otherwise spend their first seconds loading certificates instead of sending requests."""
+    return url.startswith("https://")
+
+
 def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
     """`512x512` or (512, 512) -> (width, height)."""
     if size is None:

@@ -35,6 +35,7 @@ class AsyncClient:
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
             timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections),
+            verify=_core.verify_tls(self.url),
             transport=transport,
         )
 

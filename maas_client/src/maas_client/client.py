@@ -34,6 +34,7 @@ class Client:
             base_url=self.url,
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
             timeout=timeout,
+            verify=_core.verify_tls(self.url),
             transport=transport,
         )
 
