@@ -5,7 +5,10 @@ request headers and bodies are read on the event loop, so an idle or slow client
 and a timer, never a thread; only a complete request is handed to a thread of a fixed pool, where the app
 runs (and waits for its reply) as it did under gthread. With gthread, every connection whose first bytes
 had arrived held a thread until its headers were complete: forty clients that sent one header line and
-stopped held every thread, and every other request waited.
+stopped held every thread, and every other request waited. A job's event stream (`GET /v1/jobs/{id}/events`)
+holds a thread only while it opens (authentication, ownership, `Last-Event-ID`, in the Flask route): the
+route hands its body to the bridge (`ASYNC_BODY`), which serves it on the event loop, woken by the process's
+one job-watching hub (`api_server/job_events.py`); a thousand watchers cost a thousand sockets, not threads.
 
 Imported in each gunicorn worker after it forks (no preload), so Google clients are created post-fork.
 """

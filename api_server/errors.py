@@ -7,6 +7,8 @@ import logging
 from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from api_server.redis_state import RedisPoolExhaustedError
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,11 @@ def register_error_handlers(app: Flask) -> None:
                 405, f"{request.method} is not allowed here; allowed: {headers.get('Allow')}", None, headers
             )
         return error_response(error.code or 500, error.description or error.name, None, headers)
+
+    @app.errorhandler(RedisPoolExhaustedError)
+    def _redis_pool_exhausted(error: RedisPoolExhaustedError):
+        log.warning("%s", error)
+        return error_response(503, str(error), None, {"Retry-After": "1"})
 
     @app.errorhandler(Exception)
     def _unexpected(error: Exception):

@@ -16,6 +16,9 @@ workers = int(os.environ.get("MAAS_API_WORKERS", "2"))
 # Requests spend their time waiting for a reply, not computing: threads, not processes, carry them.
 worker_class = "asgi"
 threads = int(os.environ.get("MAAS_API_THREADS", "32"))
+# Open connections per worker, event streams included (they hold a connection, not a thread): gunicorn's
+# default of 1,000 would be full with Cloud Run's 1,000 concurrent requests per instance all watching jobs.
+worker_connections = int(os.environ.get("MAAS_API_WORKER_CONNECTIONS", "2000"))
 # A connection whose request headers are not complete this long after it opened is closed (slow clients).
 HEADER_READ_TIMEOUT_SECONDS = float(os.environ.get("MAAS_API_HEADER_TIMEOUT", "10"))
 # A request whose body has not fully arrived this long after its headers is answered 408.

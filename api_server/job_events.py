@@ -2,8 +2,10 @@
 
 Watching costs no Redis traffic per watcher: a `JobWatchHub` polls every watched job of its process
 with one pipelined round trip per tick (`JobStore.change_marks`), re-reads a job in full only when its
-marks change, and hands the new state to that job's watchers, which sleep on a condition meanwhile. A tick
-of 0.25 s is also what keeps `running` events to about four a second.
+marks change, and hands the new state to that job's watchers. A tick of 0.25 s is also what keeps `running`
+events to about four a second. A watcher costs no thread either: under gunicorn the stream is served on the
+event loop (`async_job_event_stream`, handed over by `api_server/wsgi_bridge.py`), where a watch is an
+`asyncio.Event`; `job_event_stream` is the same stream for a plain WSGI server (one thread per watcher).
 
 Event ids make a reconnect resume (`Last-Event-ID`): `0` is `queued`, `N` is `running` step N, `end` is
 the one terminal event (`succeeded`, `failed`, `expired`, `cancelled`, or `deadline` when the job outlived
@@ -12,11 +14,13 @@ its deadline without ending). Nothing already sent is sent again; after `end` th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import redis
@@ -30,6 +34,7 @@ TICK_SECONDS = 0.25
 KEEPALIVE_SECONDS = 15.0
 RETRY_MS = 2000
 QUEUED_ID, END_ID = "0", "end"
+KEEPALIVE_FRAME = ": keepalive\n\n"
 
 
 class InvalidLastEventIdError(ValueError):
@@ -93,25 +98,50 @@ def stream_deadline_ms(state: JobState) -> int:
 
 
 class JobWatch:
-    """One open stream's mailbox: the hub puts the latest state in, the stream takes it out."""
+    """One open stream's mailbox: the hub puts the latest state in, the stream takes it out.
 
-    def __init__(self, job_id: str) -> None:
+    Made with a `loop`, the hub's delivery also wakes an asyncio waiter on that loop (`next_state_async`)."""
+
+    def __init__(self, job_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.job_id = job_id
         self._changed = threading.Condition()
         self._state: JobState | None = None
+        self._loop = loop
+        self._woken = asyncio.Event() if loop is not None else None
 
     def deliver(self, state: JobState) -> None:
         with self._changed:
             self._state = state
             self._changed.notify()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (worker shutting down): nobody waits
+                self._loop.call_soon_threadsafe(self._woken.set)
 
     def next_state(self, timeout: float) -> JobState | None:
         """The newest state not yet taken, or None after `timeout` seconds without one."""
         with self._changed:
             if self._state is None:
                 self._changed.wait(timeout)
-            state, self._state = self._state, None
-            return state
+            return self._take()
+
+    async def next_state_async(self, timeout: float) -> JobState | None:
+        """`next_state` on the watch's event loop: waits without holding a thread."""
+        assert self._woken is not None, "made without a loop"
+        while True:
+            self._woken.clear()  # before the take: a delivery after it sets the event again
+            with self._changed:
+                state = self._take()
+            if state is not None:
+                return state
+            try:
+                await asyncio.wait_for(self._woken.wait(), timeout)
+            except TimeoutError:
+                with self._changed:
+                    return self._take()
+
+    def _take(self) -> JobState | None:
+        state, self._state = self._state, None
+        return state
 
 
 class JobWatchHub:
@@ -127,8 +157,8 @@ class JobWatchHub:
         self._stopped = threading.Event()
         self._redis_down = False
 
-    def watch(self, job_id: str) -> JobWatch:
-        watch = JobWatch(job_id)
+    def watch(self, job_id: str, loop: asyncio.AbstractEventLoop | None = None) -> JobWatch:
+        watch = JobWatch(job_id, loop)
         with self._lock:
             self._watches.setdefault(job_id, set()).add(watch)
             if self._thread is None:
@@ -185,37 +215,86 @@ class JobWatchHub:
                     watch.deliver(state)
 
 
+class JobEventStream:
+    """One stream's rules apart from how it waits, shared by the WSGI and asyncio drivers below: the opening
+    frames, the frames each new state adds, when the deadline falls, and the frame that ends it there."""
+
+    def __init__(
+        self,
+        first: JobState,
+        cursor: StreamCursor,
+        view: Callable[[JobState], dict],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.first, self.cursor, self.view, self.clock = first, cursor, view, clock
+        self.state = first
+
+    @property
+    def ended(self) -> bool:
+        return self.cursor.ended
+
+    def opening(self) -> list[str]:
+        return [f"retry: {RETRY_MS}\n\n", *events_for(self.first, self.cursor, self.view)]
+
+    def seconds_left(self) -> float:
+        return stream_deadline_ms(self.first) / 1000 - self.clock()
+
+    def on_state(self, state: JobState) -> list[str]:
+        self.state = state
+        return events_for(state, self.cursor, self.view)
+
+    def at_deadline(self, latest: JobState | None) -> list[str]:
+        """The job's outcome if it ended meanwhile, else the explicit `deadline` frame; either way the end."""
+        latest = latest or self.state
+        return events_for(latest, self.cursor, self.view) or [deadline_frame(latest, self.view)]
+
+
 def job_event_stream(
-    hub: JobWatchHub,
-    first: JobState,
-    cursor: StreamCursor,
-    view: Callable[[JobState], dict],
-    read_job: Callable[[], JobState | None],
-    clock: Callable[[], float] = time.time,
+    hub: JobWatchHub, stream: JobEventStream, read_job: Callable[[], JobState | None],
     keepalive_seconds: float = KEEPALIVE_SECONDS,
-):
-    """The response body: frames as the job changes, a comment every `keepalive_seconds` (so a dead
-    client is noticed and proxies keep the connection), and exactly one terminal frame, then the end."""
-    yield f"retry: {RETRY_MS}\n\n"
-    frames = events_for(first, cursor, view)
-    yield from frames
-    if cursor.ended:
+) -> Iterator[str]:  # fmt: skip
+    """The response body on a WSGI server: frames as the job changes, a comment every `keepalive_seconds` (so
+    a dead client is noticed and proxies keep the connection), and exactly one terminal frame, then the end."""
+    yield from stream.opening()
+    if stream.ended:
         return
-    watch = hub.watch(first.job_id)
-    state = first
+    watch = hub.watch(stream.first.job_id)
     try:
-        while not cursor.ended:
-            left = stream_deadline_ms(first) / 1000 - clock()
+        while not stream.ended:
+            left = stream.seconds_left()
             if left <= 0:
-                latest = read_job() or state
-                frames = events_for(latest, cursor, view)
-                yield from frames or [deadline_frame(latest, view)]
+                yield from stream.at_deadline(read_job())
                 return
             new = watch.next_state(min(keepalive_seconds, left))
+            yield from [KEEPALIVE_FRAME] if new is None else stream.on_state(new)
+    finally:
+        hub.unwatch(watch)
+
+
+async def async_job_event_stream(
+    hub: JobWatchHub, stream: JobEventStream, read_job: Callable[[], JobState | None],
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """The same body on the event loop: no thread while it waits. A terminal state's view (which may read
+    result payloads) and the deadline's re-read of the job run on a thread of the loop's executor."""
+    yield "".join(stream.opening()).encode()
+    if stream.ended:
+        return
+    watch = hub.watch(stream.first.job_id, asyncio.get_running_loop())
+    try:
+        while not stream.ended:
+            left = stream.seconds_left()
+            if left <= 0:
+                yield "".join(await asyncio.to_thread(lambda: stream.at_deadline(read_job()))).encode()
+                return
+            new = await watch.next_state_async(min(keepalive_seconds, left))
             if new is None:
-                yield ": keepalive\n\n"
-                continue
-            state = new
-            yield from events_for(state, cursor, view)
+                frames = [KEEPALIVE_FRAME]
+            elif new.status in ENDED:
+                frames = await asyncio.to_thread(stream.on_state, new)
+            else:
+                frames = stream.on_state(new)
+            if frames:
+                yield "".join(frames).encode()
     finally:
         hub.unwatch(watch)

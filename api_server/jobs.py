@@ -36,6 +36,22 @@ def job_key(job_id: str) -> str:
     return f"maas:job:{job_id}"
 
 
+def owner_jobs_key(owner: str) -> str:
+    """The ids of the jobs a key may read, scored by creation time (ms): `GET /v1/jobs` lists from it."""
+    return f"maas:jobs:owner:{owner}"
+
+
+@dataclass(frozen=True)
+class JobCursor:
+    """Where a job list page ended: the last job's creation time and id (ties in one millisecond by id)."""
+
+    created_ms: int
+    job_id: str
+
+    def __str__(self) -> str:
+        return f"{self.created_ms}_{self.job_id}"
+
+
 @dataclass
 class JobState:
     job_id: str
@@ -85,11 +101,49 @@ class JobStore:
             },
         )
         pipe.expire(job_key(job_id), self._ttl)
+        self._index(pipe, owner, job_id, created_ms if created_ms is not None else int(time.time() * 1000))
         pipe.execute()
 
     def share(self, job_id: str, owner: str) -> None:
-        """Another key's identical request was coalesced into this job: it may read it too."""
-        self._redis.hset(job_key(job_id), f"owner:{owner}", "1")
+        """Another key's identical request was coalesced into this job: it may read it (and list it) too."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), f"owner:{owner}", "1")
+        self._index(pipe, owner, job_id, int(time.time() * 1000))
+        pipe.execute()
+
+    def _index(self, pipe, owner: str, job_id: str, created_ms: int) -> None:
+        """Adds the job to its owner's list, dropping entries older than a job record lives."""
+        key = owner_jobs_key(owner)
+        pipe.zadd(key, {job_id: created_ms})
+        pipe.zremrangebyscore(key, "-inf", f"({int(time.time() * 1000) - self._ttl * 1000}")
+        pipe.expire(key, self._ttl)
+
+    def list_for(
+        self, owner: str, limit: int, after: JobCursor | None = None, status: str | None = None, scan: int = 1000
+    ) -> tuple[list[JobState], JobCursor | None]:
+        """The owner's jobs, newest first, after `after`, in `status` if given; and the cursor of the next
+        page (None when no job is left to look at). At most `scan` jobs are read per call, so a filter
+        that matches little costs a bounded page (short, with a cursor) rather than a scan of everything."""
+        key, found, offset, looked = owner_jobs_key(owner), [], 0, 0
+        top = after.created_ms if after is not None else "+inf"
+        while True:
+            batch = self._redis.zrevrangebyscore(key, top, "-inf", start=offset, num=100, withscores=True)
+            if not batch:
+                return found, None
+            offset += len(batch)
+            for position, (raw_id, score) in enumerate(batch):
+                cursor = JobCursor(int(score), raw_id.decode())
+                if after is not None and cursor.created_ms == after.created_ms and cursor.job_id >= after.job_id:
+                    continue  # same millisecond, listed already (ties come in descending id order)
+                looked += 1
+                job = self.get(cursor.job_id, owner)
+                if job is not None and (status is None or job.status == status):
+                    found.append(job)
+                if len(found) == limit or looked == scan:
+                    more = position + 1 < len(batch) or bool(
+                        self._redis.zrevrangebyscore(key, top, "-inf", start=offset, num=1)
+                    )
+                    return found, cursor if more else None
 
     def get(self, job_id: str, owner: str | None) -> JobState | None:
         """The job as `owner` may see it; None when it does not exist or belongs to another key.
@@ -191,7 +245,8 @@ def _iso(epoch_ms: int | None) -> str | None:
 
 
 def job_view(job: JobState, predictions) -> dict:
-    """A job as `GET /v1/jobs/{id}` and its webhook show it; `predictions` turns a reply into image JSON."""
+    """A job as `GET /v1/jobs/{id}` and its webhook show it; `predictions` turns a reply into image JSON
+    (None: the view leaves the result out, as the job list does)."""
     view: dict = {
         "id": job.job_id,
         "status": job.status,
@@ -206,6 +261,8 @@ def job_view(job: JobState, predictions) -> dict:
         view["progress"] = {"step": job.progress.step, "total": job.progress.total}
     reply = job.reply
     if reply is not None and job.status == "succeeded":
+        if predictions is None:
+            return view
         view["result"] = {
             "predictions": predictions(reply),
             "timings_ms": {"queue": round(reply.queue_ms, 2), "inference": round(reply.inference_ms, 2)},

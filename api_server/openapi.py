@@ -80,9 +80,12 @@ class JobError(BaseModel):
     kind: str | None = None
 
 
+JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
+
+
 class JobView(BaseModel):
     id: str
-    status: Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
+    status: JobStatus
     model: str
     model_version: str
     created_at: str = Field(description="when the request arrived (a sync request turned into a job included)")
@@ -94,6 +97,17 @@ class JobView(BaseModel):
     progress: JobProgress | None = None
     result: JobResult | None = None
     error: JobError | None = None
+
+
+class JobList(BaseModel):
+    jobs: list[JobView] = Field(description="newest first; each without its `result` (read it from `links.self`)")
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null when nothing is left")
+
+
+class JobListQuery(BaseModel):
+    limit: int = Field(default=20, ge=1, le=100, description="jobs per page, 1 to 100")
+    state: JobStatus | SkipJsonSchema[None] = Field(default=None, description="only jobs in this state now")
+    cursor: str | SkipJsonSchema[None] = Field(default=None, description="`next_cursor` of the previous page")
 
 
 class ModelInfo(BaseModel):

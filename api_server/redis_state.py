@@ -54,9 +54,42 @@ class RedisState:
             metrics.REDIS_UP.set(1)
 
 
-def api_redis_client(url: str) -> redis.Redis:
+class RedisPoolExhaustedError(Exception):
+    """No Redis connection came free within the pool's wait: the API is busy, Redis is not down.
+
+    Deliberately not a `redis.RedisError`: the code that serves without Redis while Redis is down must not
+    take a full pool for a dead Redis (and skip the cache for a back-off); the app answers it 503."""
+
+    def __init__(self, max_connections: int, timeout: float) -> None:
+        super().__init__(
+            f"the API is busy: all {max_connections} of its Redis connections stayed in use for {timeout:g} s "
+            "(MAAS_REDIS_MAX_CONNECTIONS, MAAS_REDIS_POOL_TIMEOUT_SECONDS); retry shortly"
+        )
+
+
+class BoundedWaitConnectionPool(redis.BlockingConnectionPool):
+    """At most `max_connections`; a caller beyond them waits up to `timeout` s for one to come free (redis-py's
+    plain pool refuses at once), then gets `RedisPoolExhaustedError`."""
+
+    def get_connection(self, *args, **kwargs):
+        try:
+            return super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as exc:
+            if str(exc) == "No connection available.":
+                raise RedisPoolExhaustedError(self.max_connections, self.timeout) from None
+            raise
+
+
+def api_redis_client(url: str, max_connections: int = 100, pool_timeout: float = 2.0) -> redis.Redis:
     """One immediate retry (a connection gone stale across a Redis restart), no backoff: redis-py's default
-    retries for ~3 s, which every request would pay while Redis is down."""
-    return redis.Redis.from_url(
-        url, socket_timeout=5, socket_connect_timeout=2, retry=Retry(NoBackoff(), 1), health_check_interval=30
+    retries for ~3 s, which every request would pay while Redis is down. A bounded pool, waited on briefly."""
+    pool = BoundedWaitConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=pool_timeout,
+        socket_timeout=5,
+        socket_connect_timeout=2,
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=30,
     )
+    return redis.Redis(connection_pool=pool)

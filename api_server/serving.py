@@ -33,7 +33,7 @@ from api_server.flights import (
     StillRunningError,
 )
 from api_server.inference import InferenceService, PreparedRequest
-from api_server.jobs import JobState, JobStore, job_view
+from api_server.jobs import JobCursor, JobState, JobStore, job_view
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
@@ -226,6 +226,13 @@ class ServingStage:
 
     def job_view(self, job: JobState) -> dict:
         return job_view(job, self._inference.predictions)
+
+    def list_jobs(
+        self, caller: Caller, limit: int, after: JobCursor | None, status: str | None
+    ) -> tuple[list[dict], JobCursor | None]:
+        """A page of the caller's jobs as the list shows them (no results), and the next page's cursor."""
+        jobs, cursor = self._job_store(lambda: self._jobs.list_for(caller.key_id, limit, after, status))
+        return [job_view(job, None) for job in jobs], cursor
 
     def _job_store(self, action: Callable[[], T]) -> T:
         try:

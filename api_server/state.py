@@ -112,11 +112,12 @@ def install(app: Flask, state: AppState) -> None:
 
 
 def build_app_state(settings: Settings) -> AppState:
-    redis_client = api_redis_client(settings.redis_url)
+    pool = (settings.redis_max_connections, settings.redis_pool_timeout_seconds)
+    redis_client = api_redis_client(settings.redis_url, *pool)
     redis_state = RedisState(redis_client, settings.redis_retry_seconds)
     cache_redis, cache_state = None, redis_state
     if settings.cache_redis_url:
-        cache_redis = api_redis_client(settings.cache_redis_url)
+        cache_redis = api_redis_client(settings.cache_redis_url, *pool)
         cache_state = RedisState(cache_redis, settings.redis_retry_seconds)
     results = ResultStore(redis_client, settings.result_ttl_seconds)
     subscriber = google_clients.subscriber_client()

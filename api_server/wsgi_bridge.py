@@ -1,6 +1,10 @@
 """Serves a WSGI app (Flask) from an ASGI server: the request is read whole on the event loop (headers by the
 server, the body here, within a deadline), then the app runs on a thread of a fixed pool and its answer is
 streamed back through the loop. An idle or slow client therefore costs no thread.
+
+A long-lived body (an event stream) need not hold a thread either: a view that puts a factory of an async
+iterator of bytes in `environ[ASYNC_BODY]` and answers 200 has its WSGI body dropped unread; the bridge sends
+the head and then that iterator's chunks from the event loop, until it ends or the client disconnects.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
+ASYNC_BODY = "maas.async_body"
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -39,7 +44,9 @@ class WsgiBridge:
         if body is None:
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, self._run, self._environ(scope, body), send, loop)
+        async_body = await loop.run_in_executor(self._pool, self._run, self._environ(scope, body), send, loop)
+        if async_body is not None:
+            await _serve_async_body(async_body, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -110,8 +117,9 @@ class WsgiBridge:
             environ["CONTENT_LENGTH"] = str(len(body))
         return environ
 
-    def _run(self, environ: dict, send: Send, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs the app in a pool thread and streams what it returns back through the event loop."""
+    def _run(self, environ: dict, send: Send, loop: asyncio.AbstractEventLoop) -> Callable[[], AsyncIterator] | None:
+        """Runs the app in a pool thread and streams what it returns back through the event loop; or, for a view
+        that asked for it (`ASYNC_BODY`), sends the head only and returns the body's factory to the loop."""
 
         def deliver(message: dict) -> None:
             asyncio.run_coroutine_threadsafe(send(message), loop).result()
@@ -133,6 +141,12 @@ class WsgiBridge:
                 head["sent"] = True
 
         result = self.wsgi_app(environ, start_response)
+        async_body = environ.get(ASYNC_BODY)
+        if async_body is not None and head.get("status") == 200:
+            if hasattr(result, "close"):
+                result.close()  # the WSGI body (a generator never started) is not sent
+            start()
+            return async_body
         try:
             for chunk in result:
                 if chunk:
@@ -143,6 +157,34 @@ class WsgiBridge:
         finally:
             if hasattr(result, "close"):
                 result.close()
+        return None
+
+
+async def _serve_async_body(factory: Callable[[], AsyncIterator[bytes]], receive: Receive, send: Send) -> None:
+    """Sends the iterator's chunks until it ends; a client that leaves first ends it (its `finally` runs)."""
+
+    async def pump() -> None:
+        body = factory()
+        try:
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await body.aclose()
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    sending, leaving = asyncio.ensure_future(pump()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({sending, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sending, leaving):
+            task.cancel()
+        for outcome in await asyncio.gather(sending, leaving, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.error("async response body failed", exc_info=outcome)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

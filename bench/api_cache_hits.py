@@ -13,7 +13,7 @@ import argparse
 import os
 import time
 
-from bench.api_common import BenchApiProcess, closed_loop, cpu_seconds, http_request, running_stack
+from bench.api_common import ApiCall, BenchApiProcess, closed_loop, cpu_seconds, running_stack
 
 BODY = {"instances": [{"prompt": "bench cache hit"}], "parameters": {"seed": 4242, "num_inference_steps": 4}}
 
@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     api = BenchApiProcess(running_stack(), args.port)
     path = "/v1/models/noop:predict"
-    raw = http_request(path, args.port, BODY)
+    call = ApiCall(path, BODY)
     print(f"cache hits on {path}, concurrency {args.concurrency}, {args.seconds:.0f} s per configuration")
     print(f"{'workers x threads':>18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'hits':>7} {'API cpu ms/req':>15} "
           f"{'client cpu ms/req':>18} {'load avg':>9}")  # fmt: skip
@@ -35,10 +35,10 @@ def main() -> None:
         for config in args.configs:
             workers, threads = config.split("x")
             api.start(MAAS_API_WORKERS=workers, MAAS_API_THREADS=threads)
-            closed_loop(args.port, lambda _: raw, 1, 1.0, warmup=0.5)  # stores the entry
+            closed_loop(args.port, lambda _: call, 1, 1.0, warmup=0.5)  # stores the entry
             api_cpu, client_cpu = cpu_seconds(api.pids()), time.process_time()
             result = closed_loop(
-                args.port, lambda _: raw, args.concurrency, args.seconds, warmup=2.0, watch_header="x-cache"
+                args.port, lambda _: call, args.concurrency, args.seconds, warmup=2.0, watch_header="x-cache"
             )
             api_cpu, client_cpu = cpu_seconds(api.pids()) - api_cpu, time.process_time() - client_cpu
             # CPU counted over warm-up and window alike; the requests of both are roughly (window+2)/window.

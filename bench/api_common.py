@@ -1,22 +1,25 @@
-"""What the API benchmarks share: the running stack, an API process of their own, and a cheap HTTP load generator.
+"""What the API benchmarks share: the running stack, an API process of their own, and an asyncio load generator.
 
-The load generator is asyncio over raw keep-alive HTTP/1.1 connections, one per simulated client: on a
-2-core machine a `requests`-per-thread client would spend more CPU than the server it measures.
+The load generator is the SDK's asyncio client (`maas_client.AsyncClient.raw`: one HTTP call, its status and
+headers as they came, no retry), with as many keep-alive connections as simulated clients, all on one event
+loop: on a 2-core machine a `requests`-per-thread client would spend more CPU than the server it measures.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from bench.loadgen import percentile
 from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, StackConfig
+from maas_client import AsyncClient
 
 KEY = "local-dev-key"
 
@@ -112,35 +115,27 @@ class LoadResult:
         }
 
 
-def http_request(path: str, port: int, body: dict | None, headers: dict[str, str] | None = None) -> bytes:
-    payload = json.dumps(body).encode() if body is not None else b""
-    lines = [
-        f"{'POST' if body is not None else 'GET'} {path} HTTP/1.1",
-        f"Host: 127.0.0.1:{port}",
-        f"Authorization: Bearer {KEY}",
-        f"Content-Length: {len(payload)}",
-    ]
-    if body is not None:
-        lines.append("Content-Type: application/json")
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+@dataclass(frozen=True)
+class ApiCall:
+    """One request to the API: a POST with `body`, else a GET."""
+
+    path: str
+    body: dict | None = None
+    headers: dict[str, str] | None = None
+
+    @property
+    def method(self) -> str:
+        return "POST" if self.body is not None else "GET"
 
 
-async def _exchange(reader, writer, raw: bytes, watch_header: str | None) -> tuple[int, str | None]:
-    writer.write(raw)
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    length, seen = 0, None
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        lowered = name.strip().lower()
-        if lowered == b"content-length":
-            length = int(value)
-        elif watch_header and lowered == watch_header.encode():
-            seen = value.strip().decode()
-    if length:
-        await reader.readexactly(length)
-    return status, seen
+def load_client(port: int, connections: int, timeout: float) -> AsyncClient:
+    """The SDK's asyncio client for the benchmark's API: every client a connection, no retry (each answer counts)."""
+    return AsyncClient(f"http://127.0.0.1:{port}", KEY, timeout=timeout, max_retries=0, max_connections=connections)
+
+
+async def _exchange(client: AsyncClient, call: ApiCall, watch_header: str | None) -> tuple[int, str | None]:
+    response = await client.raw(call.method, call.path, json=call.body, headers=call.headers)
+    return response.status_code, response.headers.get(watch_header) if watch_header else None
 
 
 async def _closed_loop(
@@ -152,28 +147,22 @@ async def _closed_loop(
     result = LoadResult(seconds=seconds)
     counter = iter(range(10**9))
 
-    async def client() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while (now := loop.time()) < stop:
-                raw = request_for(next(counter))
-                try:
-                    status, seen = await asyncio.wait_for(_exchange(reader, writer, raw, watch_header), timeout)
-                except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-                    result.errors[type(exc).__name__] = result.errors.get(type(exc).__name__, 0) + 1
-                    writer.close()
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    continue
-                ended = loop.time()
-                if now >= start and ended <= stop:
-                    result.latencies_ms.append((ended - now) * 1000)
-                    result.statuses[status] = result.statuses.get(status, 0) + 1
-                    if seen is not None:
-                        result.headers_seen[seen] = result.headers_seen.get(seen, 0) + 1
-        finally:
-            writer.close()
+    async def one_client(client: AsyncClient) -> None:
+        while (now := loop.time()) < stop:
+            try:
+                status, seen = await _exchange(client, request_for(next(counter)), watch_header)
+            except httpx.HTTPError as exc:
+                result.errors[type(exc).__name__] = result.errors.get(type(exc).__name__, 0) + 1
+                continue
+            ended = loop.time()
+            if now >= start and ended <= stop:
+                result.latencies_ms.append((ended - now) * 1000)
+                result.statuses[status] = result.statuses.get(status, 0) + 1
+                if seen is not None:
+                    result.headers_seen[seen] = result.headers_seen.get(seen, 0) + 1
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    async with load_client(port, concurrency, timeout) as client:
+        await asyncio.gather(*(one_client(client) for _ in range(concurrency)))
     return result
 
 
@@ -186,33 +175,30 @@ def closed_loop(
     watch_header: str | None = None,
     timeout: float = 30.0,
 ) -> LoadResult:
-    """`concurrency` keep-alive clients, each sending `request_for(n)` (raw bytes) as soon as its last returns;
+    """`concurrency` keep-alive clients, each sending `request_for(n)` (an `ApiCall`) as soon as its last returns;
     only requests sent after the warm-up and completed before the end count."""
     return asyncio.run(_closed_loop(port, request_for, concurrency, seconds, warmup, watch_header, timeout))
 
 
-def all_at_once(port: int, raw_requests: list[bytes], timeout: float) -> tuple[LoadResult, float]:
+def all_at_once(port: int, calls: list[ApiCall], timeout: float) -> tuple[LoadResult, float]:
     """Sends every request on its own connection at the same moment; waits for every answer."""
 
     async def run() -> tuple[LoadResult, float]:
         result = LoadResult(seconds=0.0)
         began = time.perf_counter()
 
-        async def one(raw: bytes) -> None:
+        async def one(client: AsyncClient, call: ApiCall) -> None:
             sent = time.perf_counter()
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
-                try:
-                    status, _ = await asyncio.wait_for(_exchange(reader, writer, raw, None), timeout)
-                finally:
-                    writer.close()
-            except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+                status, _ = await _exchange(client, call, None)
+            except httpx.HTTPError as exc:
                 result.errors[type(exc).__name__] = result.errors.get(type(exc).__name__, 0) + 1
                 return
             result.latencies_ms.append((time.perf_counter() - sent) * 1000)
             result.statuses[status] = result.statuses.get(status, 0) + 1
 
-        await asyncio.gather(*(one(raw) for raw in raw_requests))
+        async with load_client(port, len(calls), timeout) as client:
+            await asyncio.gather(*(one(client, call) for call in calls))
         result.seconds = time.perf_counter() - began
         return result, result.seconds
 

@@ -2,10 +2,12 @@
 
     MAAS_STACK_DIR=/tmp/stack-f .venv/bin/python -m bench.api_event_streams [--streams 1000] [--seconds 15]
 
-Against a running stack, an API process of its own (one gunicorn worker; `--threads`, default streams + 64,
-and `--worker-connections` for gunicorn). The `sd15-txt2img` worker is paused (SIGSTOP) so the watched jobs
-stay queued: the streams are open and idle, as most watchers of a busy service are (the API's one hub
-thread still polls every watched job four times a second). Predict on `noop` at concurrency 1, no seed (no
+Against a running stack, an API process of its own (one gunicorn worker with the production default of
+threads, 32 unless `--threads`; MAAS_API_WORKER_CONNECTIONS above the streams). The streams are served
+on the worker's event loop: a watcher holds no thread, so 1,000 of them fit beside 32 threads. The
+`sd15-txt2img` worker is paused (SIGSTOP) so the watched jobs stay queued: the streams are open and idle, as
+most watchers of a busy service are (the API's one hub thread still polls every watched job four times a
+second). Predict on `noop` at concurrency 1, no seed (no
 cache), is measured first alone, then with the streams open. Prints the p50/p99 of both, the streams still
 open at the end, the API worker's threads, resident memory and CPU during each phase. The worker is resumed
 (SIGCONT) and the jobs cancelled at the end.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -22,8 +25,9 @@ import signal
 import time
 from pathlib import Path
 
-from bench.api_common import BenchApiProcess, _closed_loop, cpu_seconds, http_request, rss_mib, running_stack
+from bench.api_common import ApiCall, BenchApiProcess, _closed_loop, cpu_seconds, load_client, rss_mib, running_stack
 from emulators.processes import ProcessRegistry
+from maas_client import AsyncJob, MaasError
 
 PAUSED_WORKER = "worker-sd15-txt2img"
 
@@ -32,41 +36,37 @@ def threads_of(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-async def open_stream(port: int, job_id: str, opened: list, failures: dict, opening: asyncio.Semaphore) -> None:
-    """Opens one stream, waits for its first event, then keeps reading (keep-alive comments) until cancelled.
-
-    At most `opening` streams are being opened at once: each opening reads its job from Redis, and the API's
-    Redis pool (redis-py's default, 100 connections) refuses rather than waits past that."""
+async def open_stream(job: AsyncJob, opened: list, failures: dict, opening: asyncio.Semaphore) -> None:
+    """Opens one stream (the SDK's `AsyncJob.events`), waits for its first event, then keeps reading (keep-alive
+    comments) until cancelled. At most `opening` streams are being opened at once, as a crowd of browsers
+    reconnecting would not all arrive in one millisecond either."""
+    events = job.events()
     try:
         async with opening:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 30)
-            writer.write(http_request(f"/v1/jobs/{job_id}/events", port, None))
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-            if head[9:12] != b"200":
-                failures[head[9:12].decode()] = failures.get(head[9:12].decode(), 0) + 1
-                writer.close()
-                return
-            await asyncio.wait_for(reader.readuntil(b"event: queued"), 60)
-    except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            first = await asyncio.wait_for(anext(events), 60)
+        if first.status != "queued":
+            raise RuntimeError(f"the watched job is {first.status}, not queued")
+    except (TimeoutError, MaasError, RuntimeError, StopAsyncIteration) as exc:
         failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+        await events.aclose()
         return
-    opened.append(writer)
+    opened.append(job)
     try:
-        while await reader.read(4096):
+        async for _ in events:
             pass
-    except (OSError, asyncio.CancelledError):
+    except (MaasError, asyncio.CancelledError):
         pass
     finally:
-        opened.remove(writer)
-        writer.close()
+        opened.remove(job)
+        await events.aclose()
 
 
-def predict_request(n: int, port: int) -> bytes:
-    return http_request("/v1/models/noop:predict", port, {"instances": [{"prompt": f"stream bench {n}"}]})
+def predict_request(n: int) -> ApiCall:
+    return ApiCall("/v1/models/noop:predict", {"instances": [{"prompt": f"stream bench {n}"}]})
 
 
 async def measure(port: int, seconds: float, counter) -> dict:
-    result = await _closed_loop(port, lambda n: predict_request(next(counter), port), 1, seconds, 1.0, None, 30.0)
+    result = await _closed_loop(port, lambda n: predict_request(next(counter)), 1, seconds, 1.0, None, 30.0)
     return result.summary()
 
 
@@ -82,8 +82,9 @@ async def run(api: BenchApiProcess, job_ids: list[str], streams: int, seconds: f
     failures: dict = {}
     began = time.perf_counter()
     opening = asyncio.Semaphore(32)
+    watchers = load_client(api.port, streams + 16, 60.0)
     tasks = [
-        asyncio.create_task(open_stream(api.port, job_ids[i % len(job_ids)], opened, failures, opening))
+        asyncio.create_task(open_stream(watchers.job(job_ids[i % len(job_ids)]), opened, failures, opening))
         for i in range(streams)
     ]
     while len(opened) + sum(failures.values()) < streams and time.perf_counter() - began < 120:
@@ -99,6 +100,7 @@ async def run(api: BenchApiProcess, job_ids: list[str], streams: int, seconds: f
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await watchers.close()
     await asyncio.sleep(1.0)
     cpu0 = cpu_seconds([worker_pid])
     report["alone_again"] = await measure(api.port, seconds, counter)  # how much of a change is this machine's noise
@@ -110,47 +112,51 @@ async def run(api: BenchApiProcess, job_ids: list[str], streams: int, seconds: f
     return report
 
 
+async def submit_watched(port: int, count: int) -> list[str]:
+    async with load_client(port, 4, 30.0) as client:  # a client per event loop: its connections belong to it
+        jobs = [await client.submit("sd15-txt2img", f"watched {time.time()} {n}", size="64x64") for n in range(count)]
+    return [job.id for job in jobs]
+
+
+async def cancel_watched(port: int, job_ids: list[str]) -> None:
+    async with load_client(port, 4, 30.0) as client:
+        for job_id in job_ids:
+            with contextlib.suppress(MaasError):  # already finished: nothing to stop
+                await client.job(job_id).cancel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--jobs", type=int, default=50, help="queued jobs the streams watch (streams / jobs each)")
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--threads", type=int, help="gunicorn threads (default: streams + 64)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("MAAS_BENCH_API_PORT", "30190")))
+    parser.add_argument("--threads", type=int, default=32, help="the API worker's threads (the production default)")
+    parser.add_argument("--port", type=int, help="the benchmark API's port (default: the stack's API port + 110)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
     config = running_stack()
     registry = ProcessRegistry(config.stack_dir)
-    api = BenchApiProcess(config, args.port, name="bench-api-streams")
-    threads = args.threads or args.streams + 64
+    api = BenchApiProcess(config, args.port or config.api_port + 110, name="bench-api-streams")
+    threads = args.threads
     api.start(
         MAAS_API_WORKERS="1", MAAS_API_THREADS=str(threads), MAAS_API_WORKER_TIMEOUT="300",
-        GUNICORN_CMD_ARGS=f"--worker-connections {args.streams + 256}",
+        MAAS_API_WORKER_CONNECTIONS=str(max(2000, args.streams + 256)),
     )  # fmt: skip
     paused = registry.pid(PAUSED_WORKER)
     job_ids: list[str] = []
-    import requests
-
-    session = requests.Session()
-    session.headers["Authorization"] = "Bearer local-dev-key"
     try:
         if paused is None:
             raise SystemExit(f"{PAUSED_WORKER} is not running in this stack")
         os.kill(paused, signal.SIGSTOP)
-        for index in range(args.jobs):
-            body = {
-                "instances": [{"prompt": f"watched {time.time()} {index}"}],
-                "parameters": {"width": 64, "height": 64},
-            }
-            response = session.post(f"{api.url}/v1/models/sd15-txt2img/jobs", json=body, timeout=30)
-            job_ids.append(response.json()["id"])
+        job_ids = asyncio.run(submit_watched(api.port, args.jobs))
         report = asyncio.run(run(api, job_ids, args.streams, args.seconds))
     finally:
-        for job_id in job_ids:
-            session.delete(f"{api.url}/v1/jobs/{job_id}", timeout=30)
         if paused is not None:
-            os.kill(paused, signal.SIGCONT)
-        api.stop()
+            os.kill(paused, signal.SIGCONT)  # first: nothing below may leave the stack's worker stopped
+        try:
+            asyncio.run(cancel_watched(api.port, job_ids))
+        finally:
+            api.stop()
     report.update(streams=args.streams, threads=threads, load_avg=round(os.getloadavg()[0], 2))
     alone, loaded = report["alone"], report["with_streams"]
     print(f"{args.streams} streams asked, {report['streams_opened']} opened in {report['open_seconds']} s, "

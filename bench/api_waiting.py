@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from bench.api_common import BenchApiProcess, all_at_once, http_request, rss_mib, running_stack
+from bench.api_common import ApiCall, BenchApiProcess, all_at_once, rss_mib, running_stack
 from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, worker_env
 
@@ -63,9 +63,7 @@ def main() -> None:
             worker_pid = api.pids()[1]
             before = rss_mib(worker_pid)
             raws = [
-                http_request(
-                    "/v1/models/sleep:predict", args.port, {"instances": [{"prompt": f"waiting {next(seeds)}"}]}
-                )
+                ApiCall("/v1/models/sleep:predict", {"instances": [{"prompt": f"waiting {next(seeds)}"}]})
                 for _ in range(args.requests)
             ]
             peak_rss = [before]

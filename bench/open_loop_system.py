@@ -19,12 +19,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-import requests
+import httpx
 
 from bench.open_loop import SCHEDULINGS, STEP_MIX, Arrival, median_ms
 from bench.scenarios import fresh_seed
 from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, StackConfig, components, local_catalog, start_component, worker_env
+from maas_client import Client
 
 BENCH_WORKER = "bench-open-loop-worker"
 # Enough threads that no arrival waits for a free one at the rates swept (each holds one request).
@@ -34,7 +35,7 @@ CLIENT_THREADS = 192
 class SystemBackend:
     def __init__(self, config: StackConfig, api_url: str, key: str, model: str = "sd15-txt2img") -> None:
         self._config = config
-        self._url = f"{api_url}/v1/models/{model}:predict"
+        self._api_url, self._path = api_url, f"/v1/models/{model}:predict"
         self._key = key
         self._registry = ProcessRegistry(config.stack_dir)
         deployment = local_catalog().get(model).deployment
@@ -65,18 +66,18 @@ class SystemBackend:
             self._registry.stop(BENCH_WORKER, timeout=60)
         self._active = None
 
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._local.session.headers["Authorization"] = f"Bearer {self._key}"
-        return self._local.session
+    def _client(self) -> Client:
+        """One SDK client per sending thread (one keep-alive connection each), no retry: a refusal counts."""
+        if not hasattr(self._local, "client"):
+            self._local.client = Client(self._api_url, self._key, timeout=120.0, max_retries=0)
+        return self._local.client
 
     def _call(self, steps: int, seed: int) -> bool:
         body = {"instances": [{"prompt": f"open loop {seed}"}],
                 "parameters": {"seed": seed, "num_inference_steps": steps, "width": 64, "height": 64}}  # fmt: skip
         try:
-            return self._session().post(self._url, json=body, timeout=120).status_code == 200
-        except requests.RequestException:
+            return self._client().raw("POST", self._path, json=body).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def lone(self, repeats: int) -> dict[str, dict[str, float]]:

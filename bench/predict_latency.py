@@ -15,9 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
 from emulators.stack import StackConfig, down, up
+from maas_client import Client
 
 KEY = "bench-key"
 
@@ -28,9 +27,8 @@ def send(api_url: str, seed: int) -> dict:
         "parameters": {"seed": seed, "num_inference_steps": 4, "width": 64, "height": 64},
     }
     started = time.perf_counter()
-    response = requests.post(
-        f"{api_url}/v1/models/sd15-txt2img:predict", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
-    )
+    with Client(api_url, KEY, timeout=120.0, max_retries=0) as client:
+        response = client.raw("POST", "/v1/models/sd15-txt2img:predict", json=body)
     response.raise_for_status()
     timings = response.json()["timings_ms"]
     return {"client_ms": (time.perf_counter() - started) * 1000, **timings}

@@ -11,11 +11,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import requests
+import httpx
 
 from bench.loadgen import Sample
 from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, StackConfig, local_catalog
+from maas_client import Client, MaasError
 
 # The tiny diffusion model at the size and step count the issue names: small enough for 2 CPU cores.
 TINY_PARAMETERS = {"num_inference_steps": 4, "width": 64, "height": 64}
@@ -34,20 +35,25 @@ def predict_body(model: str, seed: int) -> dict:
     return {"instances": [{"prompt": f"bench request {seed}"}], "parameters": parameters}
 
 
+def bench_client(api_url: str, key: str, timeout: float = 120.0) -> Client:
+    """The SDK's client as a load thread's: one keep-alive connection, no retry (every answer is counted)."""
+    return Client(api_url, key, timeout=timeout, max_retries=0)
+
+
 def predict_caller(api_url: str, key: str, model: str, body: Callable[[int], dict]) -> Callable[[], Callable]:
-    """One keep-alive session per load thread; a Sample per request, latency measured around the HTTP call."""
+    """One keep-alive client per load thread; a Sample per request, latency measured around the HTTP call
+    (`Client.raw`: the status, timings and X-Cache exactly as the API answered)."""
 
     def make() -> Callable[[int], Sample]:
-        session = requests.Session()
-        session.headers["Authorization"] = f"Bearer {key}"
-        url = f"{api_url}/v1/models/{model}:predict"
+        client = bench_client(api_url, key)
+        path = f"/v1/models/{model}:predict"
 
         def call(number: int) -> Sample:
             payload = body(number)
             started = time.perf_counter()
             try:
-                response = session.post(url, json=payload, timeout=120)
-            except requests.RequestException as exc:
+                response = client.raw("POST", path, json=payload)
+            except httpx.HTTPError as exc:
                 return Sample(started, time.perf_counter(), False, error=type(exc).__name__)
             ended = time.perf_counter()
             if response.status_code != 200:
@@ -63,32 +69,28 @@ def predict_caller(api_url: str, key: str, model: str, body: Callable[[int], dic
 
 
 def job_caller(api_url: str, key: str, model: str, poll_seconds: float = 0.01) -> Callable[[], Callable]:
-    """Async jobs: submit, then poll the job until it has a result; latency is submit to result."""
+    """Async jobs through the SDK: submit, then poll the job's status until it ends; latency is submit to result."""
 
     def make() -> Callable[[int], Sample]:
-        session = requests.Session()
-        session.headers["Authorization"] = f"Bearer {key}"
+        client = bench_client(api_url, key, timeout=30.0)
+        seed = predict_body(model, 0)["parameters"]
 
         def call(number: int) -> Sample:
             started = time.perf_counter()
+            options = {"seed": fresh_seed(), "steps": seed["num_inference_steps"]}
+            if "width" in seed:
+                options["size"] = (seed["width"], seed["height"])
             try:
-                submitted = session.post(
-                    f"{api_url}/v1/models/{model}/jobs", json=predict_body(model, fresh_seed()), timeout=30
-                )
-                if submitted.status_code != 202:
-                    return Sample(started, time.perf_counter(), False, error=f"submit HTTP {submitted.status_code}")
-                location = submitted.headers.get("Location") or f"/v1/jobs/{submitted.json()['id']}"
-                url = location if location.startswith("http") else f"{api_url}{location}"
+                job = client.submit(model, f"bench request {options['seed']}", **options)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    state = session.get(url, timeout=30).json()
-                    status = state.get("status")
+                    status = job.status().status
                     if status == "succeeded":
                         return Sample(started, time.perf_counter(), True)
                     if status in ("failed", "cancelled", "expired"):
                         return Sample(started, time.perf_counter(), False, error=f"job {status}")
                     time.sleep(poll_seconds)
-            except (requests.RequestException, ValueError, KeyError) as exc:
+            except MaasError as exc:
                 return Sample(started, time.perf_counter(), False, error=type(exc).__name__)
             return Sample(started, time.perf_counter(), False, error="job not done in 60s")
 
@@ -99,19 +101,20 @@ def job_caller(api_url: str, key: str, model: str, poll_seconds: float = 0.01) -
 
 def cache_available(api_url: str, key: str) -> bool:
     """The result cache exists when a repeated seeded request says `X-Cache: hit`."""
-    headers = {"Authorization": f"Bearer {key}"}
-    body = predict_body("noop", fresh_seed())
-    for _ in range(2):
-        response = requests.post(f"{api_url}/v1/models/noop:predict", json=body, headers=headers, timeout=30)
-    return response.headers.get("X-Cache", "").lower() == "hit"
+    seed = fresh_seed()
+    try:
+        with bench_client(api_url, key, timeout=30.0) as client:
+            results = [client.predict("noop", f"bench request {seed}", seed=seed, steps=4) for _ in range(2)]
+    except MaasError:
+        return False
+    return (results[-1].cache or "").lower() == "hit"
 
 
 def jobs_available(api_url: str, key: str) -> bool:
     """Async jobs exist when submitting one answers 202."""
-    response = requests.post(
-        f"{api_url}/v1/models/noop/jobs", json=predict_body("noop", fresh_seed()), headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )  # fmt: skip
+    seed = fresh_seed()
+    with bench_client(api_url, key, timeout=30.0) as client:
+        response = client.raw("POST", "/v1/models/noop/jobs", json=predict_body("noop", seed))
     return response.status_code == 202
 
 
@@ -136,7 +139,8 @@ class BenchApi:
         argv = [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "bench.counted_api:app"]
         self._registry.start("bench-api", argv, env, cwd=ROOT)
         self._registry.wait_until("bench-api", lambda: http_ok(f"{self.url}/readyz"), timeout=60)
-        shown = requests.get(f"{self.url}/readyz", timeout=5).json().get("reply_mode")
+        with bench_client(self.url, "readyz-needs-no-key", timeout=5.0) as client:
+            shown = client.raw("GET", "/readyz").json().get("reply_mode")
         if shown != mode:
             raise RuntimeError(f"the benchmark API runs in {shown!r} mode, not {mode!r}")
         self.mode = mode

@@ -17,7 +17,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import requests
+import httpx
+
+from maas_client import Client
 
 HEADER_ONLY = b"POST /v1/models/noop:predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
@@ -115,23 +117,21 @@ class Latencies:
 def sequential_predicts(api_url: str, headers: dict[str, str], seconds: float, label: str) -> Latencies:
     """Closed loop at concurrency 1, each predict a cache miss, each answer checked."""
     result = Latencies(label)
-    session = requests.Session()
+    key = headers["Authorization"].removeprefix("Bearer ").strip()
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        body = {"instances": [{"prompt": f"slow-clients {uuid.uuid4().hex}"}], "parameters": {"seed": 1}}
-        started = time.perf_counter()
-        try:
-            response = session.post(
-                f"{api_url}/v1/models/noop:predict",
-                json=body,
-                headers={**headers, "Cache-Control": "no-cache"},
-                timeout=30,
-            )
-        except requests.RequestException as exc:
-            result.failures.append(type(exc).__name__)
-            continue
-        if response.status_code == 200 and response.json()["predictions"]:
-            result.seconds.append(time.perf_counter() - started)
-        else:
-            result.failures.append(str(response.status_code))
+    with Client(api_url, key, timeout=30.0, max_retries=0) as client:  # the SDK: one keep-alive connection
+        while time.monotonic() < deadline:
+            body = {"instances": [{"prompt": f"slow-clients {uuid.uuid4().hex}"}], "parameters": {"seed": 1}}
+            started = time.perf_counter()
+            try:
+                response = client.raw(
+                    "POST", "/v1/models/noop:predict", json=body, headers={"Cache-Control": "no-cache"}
+                )
+            except httpx.HTTPError as exc:
+                result.failures.append(type(exc).__name__)
+                continue
+            if response.status_code == 200 and response.json()["predictions"]:
+                result.seconds.append(time.perf_counter() - started)
+            else:
+                result.failures.append(str(response.status_code))
     return result

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import requests
+import httpx
+
+from maas_client import Client as MaasClient
+from maas_client import MaasError
 
 # Statuses the README documents; anything else (or no answer) is a failure.
 DOCUMENTED = {200, 202, 400, 401, 403, 404, 409, 413, 422, 429, 500, 503, 504}
@@ -53,12 +57,17 @@ def predict_body(prompt: str, seed: int | None = None, **parameters) -> dict:
 
 class Client:
     """Sends one predict and follows a 202 to its job's end; retries refused connections until the deadline,
-    as a load balancer would while an instance restarts."""
+    as a load balancer would while an instance restarts. The SDK underneath (`Client.raw`: every status as it
+    came, no retry of its own: the deadline is this client's)."""
 
     def __init__(self, api_url: str, headers: dict[str, str]) -> None:
         self.api_url = api_url
         self.headers = {**headers, "Cache-Control": "no-cache"}
-        self._session = requests.Session()
+        self._key = headers.get("Authorization", "").removeprefix("Bearer ").strip() or "none"
+        self._sdk = self._new_sdk_client()
+
+    def _new_sdk_client(self) -> MaasClient:
+        return MaasClient(self.api_url, self._key, timeout=httpx.Timeout(60.0, connect=5.0), max_retries=0)
 
     def predict(
         self, model: str, body: dict, deadline_seconds: float, tags: set[str] | None = None, cancel_job: bool = False
@@ -68,44 +77,43 @@ class Client:
         limit = outcome.sent_at + deadline_seconds + GRACE_SECONDS
         while time.time() < limit:
             try:
-                response = self._session.post(
-                    f"{self.api_url}/v1/models/{model}:predict",
-                    json=body,
-                    headers=self.headers,
+                response = self._sdk.raw(
+                    "POST", f"/v1/models/{model}:predict", json=body, headers=self.headers,
                     timeout=max(1.0, limit - time.time()),
-                )
-            except requests.ConnectionError as exc:
-                if "Read timed out" in str(exc):
-                    outcome.error = "read timed out"
-                    return outcome
+                )  # fmt: skip
+            except httpx.TimeoutException as exc:
+                outcome.error = "read timed out" if isinstance(exc, httpx.ReadTimeout) else "timed out"
+                return outcome
+            except httpx.TransportError as exc:
                 outcome.error = f"connection: {type(exc).__name__}"
-                self._session = requests.Session()
+                self._sdk.close()
+                self._sdk = self._new_sdk_client()
                 time.sleep(0.2)
                 continue
-            except requests.Timeout:
-                outcome.error = "timed out"
-                return outcome
             outcome.status, outcome.answered_at = response.status_code, time.time()
             outcome.request_id = response.headers.get("X-Request-Id")
-            outcome.error = None if response.ok else response.text[:200]
+            outcome.error = None if response.is_success else response.text[:200]
             if response.status_code == 202:
-                location = response.headers.get("Location", "")
+                job = self._sdk.job(
+                    response.json().get("id") or response.headers.get("Location", "").rsplit("/", 1)[-1]
+                )
                 if cancel_job:
-                    self._session.delete(f"{self.api_url}{location}", headers=self.headers, timeout=10)
-                self._follow_job(outcome, location, time.time() + deadline_seconds + GRACE_SECONDS)
+                    with contextlib.suppress(MaasError):
+                        job.cancel()
+                self._follow_job(outcome, job, time.time() + deadline_seconds + GRACE_SECONDS)
             return outcome
         return outcome
 
-    def _follow_job(self, outcome: Outcome, location: str, limit: float) -> None:
+    def _follow_job(self, outcome: Outcome, job, limit: float) -> None:
         """A sync request that outlived its wait became a job: its answer is the job's end."""
         while time.time() < limit:
             try:
-                view = self._session.get(f"{self.api_url}{location}", headers=self.headers, timeout=10).json()
-            except (requests.RequestException, ValueError):
+                view = job.status()
+            except MaasError:
                 time.sleep(0.5)
                 continue
-            if view.get("status") in JOB_TERMINAL:
-                outcome.job_status, outcome.answered_at = view["status"], time.time()
+            if view.status in JOB_TERMINAL:
+                outcome.job_status, outcome.answered_at = view.status, time.time()
                 return
             time.sleep(0.5)
         outcome.answered_at = None  # the job did not end in time: unanswered

@@ -107,6 +107,9 @@ class Settings:
     job_deadline_seconds: int = 900
     # After a Redis failure, the API stops trying Redis for this long, then tries again.
     redis_retry_seconds: float = 1.0
+    # The API's Redis pool per process: a request beyond it waits this long for a connection, then gets a 503.
+    redis_max_connections: int = 100
+    redis_pool_timeout_seconds: float = 2.0
     # Per-API-key limits (0: unlimited), and per-key overrides: SHA-256 digest -> (per minute, concurrent).
     rate_limit_per_minute: int = 0
     concurrency_limit: int = 0
@@ -193,6 +196,10 @@ class Settings:
             idempotency_ttl_seconds=int(env.get("MAAS_IDEMPOTENCY_TTL_SECONDS", cls.idempotency_ttl_seconds)),
             job_deadline_seconds=int(env.get("MAAS_JOB_DEADLINE_SECONDS", cls.job_deadline_seconds)),
             redis_retry_seconds=float(env.get("MAAS_REDIS_RETRY_SECONDS", cls.redis_retry_seconds)),
+            redis_max_connections=int(env.get("MAAS_REDIS_MAX_CONNECTIONS", cls.redis_max_connections)),
+            redis_pool_timeout_seconds=float(
+                env.get("MAAS_REDIS_POOL_TIMEOUT_SECONDS", cls.redis_pool_timeout_seconds)
+            ),
             # Unset: unlimited on the local stack (benchmarks, tests), a guard in production.
             rate_limit_per_minute=int(
                 env.get("MAAS_RATE_LIMIT_PER_MINUTE") or (PRODUCTION_RATE_LIMIT if stage == "production" else 0)

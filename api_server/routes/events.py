@@ -11,11 +11,20 @@ from spectree import Response as SpecResponse
 
 from api_server import metrics
 from api_server.errors import ApiError
-from api_server.job_events import InvalidLastEventIdError, JobWatchHub, StreamCursor, job_event_stream
+from api_server.job_events import (
+    InvalidLastEventIdError,
+    JobEventStream,
+    JobWatchHub,
+    StreamCursor,
+    async_job_event_stream,
+    job_event_stream,
+)
 from api_server.jobs import job_view
 from api_server.openapi import documented, errors
 from api_server.routes.access import authenticated, caller
 from api_server.state import AppState, app_state
+from api_server.wsgi_bridge import ASYNC_BODY
+from contract.outcomes import FINISHED_JOB_STATES
 
 bp = authenticated(Blueprint("events", __name__))
 _hub_lock = threading.Lock()
@@ -60,7 +69,16 @@ def job_events(job_id: str):
     def view(state):  # the body streams outside the request context: nothing here reads current_app
         return job_view(state, predictions)
 
-    body = job_event_stream(job_hub(state), job, cursor, view, lambda: jobs.get(job_id, None))
+    hub, stream = job_hub(state), JobEventStream(job, cursor, view)
+
+    def read_job():
+        return jobs.get(job_id, None)
+
+    if job.status not in FINISHED_JOB_STATES:
+        # Under gunicorn (`api_server/asgi.py`) the body is served on the event loop, so a watcher holds no
+        # thread; a plain WSGI server iterates the generator below instead.
+        request.environ[ASYNC_BODY] = lambda: async_job_event_stream(hub, stream, read_job)
+    body = job_event_stream(hub, stream, read_job)
     headers = {"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     # A bare iterable, not a Response: spectree's wrapper reads a Response's whole body (`get_data`).
     return body, 200, headers

@@ -165,3 +165,32 @@ def test_idempotency_keys_are_scoped_to_the_api_key(stack, auth_headers):
     mine = requests.post(url, json=body("one"), headers={**auth_headers, "Idempotency-Key": idem}, timeout=30)
     theirs = requests.post(url, json=body("two"), headers={**OTHER_KEY, "Idempotency-Key": idem}, timeout=30)
     assert mine.status_code == theirs.status_code == 200
+
+
+def test_the_job_list_shows_only_the_callers_jobs_newest_first_in_pages(stack, auth_headers):
+    mine = [submit(stack, "noop", body(f"listed {uuid.uuid4().hex}"), auth_headers).json()["id"] for _ in range(3)]
+    theirs = submit(stack, "noop", body(f"not listed {uuid.uuid4().hex}"), OTHER_KEY).json()["id"]
+    with requests.Session() as session:
+        session.headers.update(auth_headers)
+
+        def page(**params) -> dict:
+            response = session.get(f"{stack.api_url}/v1/jobs", params=params, timeout=10)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = page(limit=2)
+        assert [job["id"] for job in first["jobs"]] == mine[:0:-1] and first["next_cursor"]
+        second = page(limit=2, cursor=first["next_cursor"])
+        assert second["jobs"][0]["id"] == mine[0]
+        everything = [job["id"] for job in page(limit=100)["jobs"]]
+        assert set(mine) <= set(everything) and theirs not in everything
+        for job_id in mine:
+            poll(stack, f"/v1/jobs/{job_id}", auth_headers)
+        succeeded = page(limit=100, state="succeeded")["jobs"]
+        assert {job["status"] for job in succeeded} == {"succeeded"} and set(mine) <= {job["id"] for job in succeeded}
+        assert all("result" not in job for job in succeeded)  # results are read one job at a time
+        assert page(limit=100, state="queued", cursor=f"1_{mine[0]}")["jobs"] == []  # nothing is older than 1970
+        for params, field in [({"limit": "0"}, "limit"), ({"limit": "ten"}, "limit"), ({"limit": "101"}, "limit"),
+                              ({"state": "done"}, "state"), ({"cursor": "page-2"}, "cursor")]:  # fmt: skip
+            refused = session.get(f"{stack.api_url}/v1/jobs", params=params, timeout=10)
+            assert refused.status_code == 422 and refused.json()["error"]["field"] == field, (params, refused.text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -76,6 +77,8 @@ def test_generate_an_image_with_progress_then_refuse_a_bad_size_and_never_run_a_
     assert prompt in caption  # shown as text...
     assert browser.execute_script("return window.pwned") is None  # ...never run
     assert not browser.find_elements(By.CSS_SELECTOR, "#results script, #results img[src='x']")
+    if screenshot := os.environ.get("MAAS_PLAYGROUND_SCREENSHOT"):  # how the README's picture is made
+        browser.save_screenshot(screenshot)
 
     fill(browser, "size", "4096x64")
     browser.find_element(By.ID, "submit").click()

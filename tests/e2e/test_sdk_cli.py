@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def client(stack):
 
 def run_cli(stack, *args: str, key: str = TEST_API_KEYS[0], tmp_path: Path | None = None):
     env = {"MAAS_URL": stack.api_url, "MAAS_API_KEY": key, "PATH": "/usr/bin:/bin"}
+    if "PYTHONPATH" in os.environ:  # a checkout other than the one the console script was installed from
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     if tmp_path is not None:
         env["MAAS_HOME"] = str(tmp_path / "home")
     return subprocess.run([MAAS, *args], env=env, capture_output=True, text=True, timeout=120)
@@ -53,7 +56,7 @@ def test_sdk_types_match_the_servers_openapi_document(stack):
             if "enum" in schema:
                 assert set(ours["properties"][field]["enum"]) == set(schema["enum"]), (name, field)
         checked.append(name)
-    assert {"ModelInfo", "PredictResponse", "JobView", "JobAccepted", "Usage", "Prediction"} <= set(checked)
+    assert {"ModelInfo", "PredictResponse", "JobView", "JobList", "JobAccepted", "Usage", "Prediction"} <= set(checked)
 
 
 def test_models_lists_the_catalog(client):
@@ -138,8 +141,11 @@ def test_cli_jobs_submit_wait_status_and_list_with_json(stack, tmp_path):
     assert json.loads(waited.stdout)["job_id"] == job_id and (tmp_path / f"{job_id}-0.png").exists()
     status = json.loads(run_cli(stack, "--json", "jobs", "status", job_id, tmp_path=tmp_path).stdout)
     assert status["status"] == "succeeded"
-    listed = json.loads(run_cli(stack, "--json", "jobs", "list", tmp_path=tmp_path).stdout)
-    assert [row["id"] for row in listed] == [job_id]
+    listed = json.loads(run_cli(stack, "--json", "jobs", "list", "--limit", "1", tmp_path=tmp_path).stdout)
+    assert [row["id"] for row in listed] == [job_id]  # the server's list: this key's newest job
+    with Client(stack.api_url, TEST_API_KEYS[0]) as client:
+        assert next(iter(client.list_jobs(state="succeeded"))).id == job_id
+        assert [view.id for view in client.list_jobs(limit=3)][0] == job_id
     refused = run_cli(stack, "jobs", "cancel", job_id)
     assert refused.returncode == 1 and "already finished" in refused.stderr
 
@@ -155,6 +161,8 @@ def test_cli_exit_codes_bad_key_bad_flags_and_unreachable(stack, tmp_path):
         (["predict", "sd15-img2img", "x", "--image", str(tmp_path / "missing.png")], "not found"),
         (["predict", "sd15-img2img", "x", "--image", str(tmp_path / "notes.png")], "not a PNG"),
         (["usage", "--since", "last week"], "--since"),
+        (["jobs", "list", "--state", "done"], "--state"),
+        (["jobs", "list", "--limit", "0"], "--limit"),
     ]:
         done = CliRunner().invoke(cli.app, args, env={"MAAS_URL": "http://127.0.0.1:9", "MAAS_API_KEY": "k"})
         assert done.exit_code == 2 and message in done.stderr, (args, done.output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -9,8 +10,10 @@ import pytest
 from api_server.job_events import (
     EXPIRY_GRACE_MS,
     InvalidLastEventIdError,
+    JobEventStream,
     JobWatchHub,
     StreamCursor,
+    async_job_event_stream,
     events_for,
     job_event_stream,
 )
@@ -80,9 +83,8 @@ def test_a_stream_open_past_the_jobs_deadline_ends_with_a_deadline_event():
     job = state("running", 3, deadline_ms=1_000)
     hub = JobWatchHub(FakeJobs(job), tick_seconds=3600)
     clock = iter([0.5, (1_000 + EXPIRY_GRACE_MS) / 1000 + 1])
-    body = list(
-        job_event_stream(hub, job, StreamCursor(), view, lambda: job, clock=lambda: next(clock), keepalive_seconds=0.01)
-    )
+    stream = JobEventStream(job, StreamCursor(), view, clock=lambda: next(clock))
+    body = list(job_event_stream(hub, stream, lambda: job, keepalive_seconds=0.01))
     assert body[0].startswith("retry:")
     assert parse(body[1:]) == [("running", "3"), ("deadline", "end")]
     assert "passed its deadline" in body[-1] and hub.watched() == 0
@@ -101,4 +103,29 @@ def test_the_hub_reads_every_watched_job_in_one_round_trip_and_wakes_its_watcher
     assert all(w.next_state(0).status == "running" for w in watches) and jobs.mark_reads == 3
     for watch in watches:
         hub.unwatch(watch)
+    assert hub.watched() == 0
+
+
+def test_the_event_loop_stream_waits_on_the_hub_without_a_thread_and_ends_once():
+    jobs = FakeJobs(state("queued"))
+    hub = JobWatchHub(jobs, tick_seconds=3600)
+
+    async def watch() -> list[bytes]:
+        stream = JobEventStream(jobs.job, StreamCursor(), view, clock=lambda: 0.0)  # far from the deadline
+        body = async_job_event_stream(hub, stream, lambda: jobs.job)
+        chunks = [await anext(body)]  # retry + queued, before any watch
+        waiting = asyncio.ensure_future(anext(body))
+        await asyncio.sleep(0)  # the stream now waits on its watch
+        assert hub.watched() == 1
+        jobs.job = state("running", 4)
+        await asyncio.to_thread(hub.poll_once)  # the hub's thread delivers; the loop wakes the stream
+        chunks.append(await waiting)
+        jobs.job = state("succeeded")
+        await asyncio.to_thread(hub.poll_once)
+        chunks += [chunk async for chunk in body]
+        return chunks
+
+    chunks = asyncio.run(watch())
+    frames = [frame + "\n\n" for chunk in chunks for frame in chunk.decode().split("\n\n") if frame]
+    assert parse(frames) == [("queued", "0"), ("running", "4"), ("succeeded", "end")]
     assert hub.watched() == 0

@@ -140,3 +140,9 @@ def test_event_parser_and_progress_gate():
     for step in (1, 3, 3, 2, 5):
         gate.update(JobView.model_validate({**base, "status": "running", "progress": {"step": step, "total": 9}}))
     assert seen == [1, 3, 5]
+
+
+def test_only_an_https_url_loads_certificates():
+    from maas_client import _core
+
+    assert _core.verify_tls("https://maas.example.com") and not _core.verify_tls("http://127.0.0.1:8080")

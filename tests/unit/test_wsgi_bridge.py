@@ -7,7 +7,7 @@ import json
 
 from flask import Flask, Response, request
 
-from api_server.wsgi_bridge import WsgiBridge
+from api_server.wsgi_bridge import ASYNC_BODY, WsgiBridge
 
 
 def flask_app(max_bytes: int = 100) -> Flask:
@@ -89,3 +89,42 @@ def test_a_streamed_answer_arrives_in_order():
     status, headers, body = call(bridge, "GET", "/stream", [{"type": "http.request", "body": b"", "more_body": False}])
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert body == b"part 0;part 1;part 2;"
+
+
+def test_an_async_body_is_served_from_the_loop_and_ends_when_the_client_leaves():
+    app, closed = Flask(__name__), []
+
+    @app.get("/events")
+    def events():
+        async def body():
+            try:
+                yield b"first;"
+                await asyncio.sleep(3600)  # waits on the loop, holding no thread, until the client leaves
+            finally:
+                closed.append(True)
+
+        request.environ[ASYNC_BODY] = body
+        return Response(iter(["the WSGI body is never sent"]), content_type="text/event-stream")
+
+    bridge = WsgiBridge(app, threads=1, max_body_bytes=100, body_timeout=5)
+    sent: list[dict] = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            while not any(m.get("body") for m in sent):
+                await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}  # the client leaves once it has the first chunk
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await bridge({"type": "http", "method": "GET", "path": "/events", "headers": [], "query_string": b""},
+                     receive, send)  # fmt: skip
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == b"first;"
+    assert closed == [True]

@@ -20,11 +20,11 @@ from maas_client.errors import (
     Unauthorized,
     ValidationError,
 )
-from maas_client.types import JobView, ModelInfo, Result, Usage
+from maas_client.types import JobList, JobView, ModelInfo, Result, Usage
 
 __all__ = [
     "AsyncClient", "AsyncJob", "BadRequest", "Client", "Conflict", "ConnectionFailed", "Forbidden", "InputError",
-    "Job", "JobCancelled", "JobFailed", "JobView", "MaasError", "ModelInfo", "NotFound", "PayloadTooLarge",
+    "Job", "JobCancelled", "JobFailed", "JobList", "JobView", "MaasError", "ModelInfo", "NotFound", "PayloadTooLarge",
     "RateLimited", "Result", "ServerError", "ServiceUnavailable", "Timeout", "Unauthorized", "Usage",
     "ValidationError",
 ]  # fmt: skip

@@ -12,7 +12,7 @@ import httpx
 from maas_client import _core
 from maas_client.client import POLL_SECONDS, ProgressCallback
 from maas_client.errors import NotFound, ServerError, Timeout
-from maas_client.types import JobAccepted, JobView, ModelInfo, ModelList, Result, Usage
+from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
 
 
 class AsyncClient:
@@ -35,6 +35,7 @@ class AsyncClient:
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
             timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections),
+            verify=_core.verify_tls(self.url),
             transport=transport,
         )
 
@@ -92,6 +93,27 @@ class AsyncClient:
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)
+
+    async def jobs(self, *, limit: int = 20, state: JobStatus | None = None, cursor: str | None = None) -> JobList:
+        params = _core.job_list_params(limit, state, cursor)
+        return JobList.model_validate((await self.request("GET", "/v1/jobs", safe=True, params=params)).json())
+
+    async def list_jobs(self, *, state: JobStatus | None = None, limit: int | None = None) -> AsyncIterator[JobView]:
+        cursor, seen = None, 0
+        while True:
+            page = await self.jobs(limit=_core.page_size(limit, seen), state=state, cursor=cursor)
+            for view in page.jobs:
+                yield view
+                seen += 1
+                if limit is not None and seen >= limit:
+                    return
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def raw(self, method: str, path: str, *, headers: dict | None = None, **kwargs: Any) -> httpx.Response:
+        """One HTTP call as it is: no retry, no error raised (see `Client.raw`)."""
+        return await self._http.request(method, path, headers=headers, **kwargs)
 
     async def usage(self, since: str = "7d") -> Usage:
         response = await self.request("GET", "/v1/usage", safe=True, params={"since": since})

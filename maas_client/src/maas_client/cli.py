@@ -7,10 +7,9 @@ Exit codes: 0 done, 1 the API refused or the job failed, 2 usage (a bad flag or 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-import time
+import typing
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -31,10 +30,10 @@ from maas_client.errors import (
     Timeout,
     Unauthorized,
 )
-from maas_client.types import JobView, Result
+from maas_client.types import JobStatus, JobView, Result
 
 EXIT_USAGE, EXIT_AUTH, EXIT_RATE_LIMITED, EXIT_SERVER = 2, 3, 4, 5
-HISTORY = Path(os.environ.get("MAAS_HOME", Path.home() / ".maas")) / "jobs.jsonl"
+JOB_STATES = typing.get_args(JobStatus)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model-as-a-Service from the command line.")
 jobs_app = typer.Typer(no_args_is_help=True, help="Jobs: submit, status, wait (live progress), cancel, list.")
@@ -189,15 +188,6 @@ def predict(
     _print_result(result, paths)
 
 
-def _remember(job: Job, model: str) -> None:
-    try:
-        HISTORY.parent.mkdir(parents=True, exist_ok=True)
-        with HISTORY.open("a") as history:
-            history.write(json.dumps({"id": job.id, "model": model, "url": job.client.url, "at": time.time()}) + "\n")
-    except OSError:
-        pass  # the history is a convenience for `maas jobs list`
-
-
 @jobs_app.command("submit")
 def jobs_submit(
     model: str,
@@ -216,7 +206,6 @@ def jobs_submit(
             job = client.submit(model, prompt, **_options_dict(seed, steps, size, image, negative, n))
         except MaasError as exc:
             _fail(exc)
-        _remember(job, model)
     _emit({"id": job.id}, lambda: print(job.id))
 
 
@@ -292,27 +281,21 @@ def jobs_cancel(job_id: str) -> None:
 
 
 @jobs_app.command("list")
-def jobs_list(limit: Annotated[int, typer.Option(help="most recent N")] = 20) -> None:
-    """The jobs submitted from this machine (kept in ~/.maas/jobs.jsonl) with their status now."""
-    if limit < 1:
-        _fail(InputError(f"--limit {limit}: at least 1"))
-    try:
-        lines = HISTORY.read_text().splitlines()[-limit:]
-    except FileNotFoundError:
-        lines = []
-    rows = []
+def jobs_list(
+    limit: Annotated[int, typer.Option(help="the newest N, 1 to 1000")] = 20,
+    state: Annotated[str | None, typer.Option(help=f"only jobs in this state: {', '.join(JOB_STATES)}")] = None,
+) -> None:
+    """Your jobs (the API key's, from any machine), newest first, with their status now."""
+    if not 1 <= limit <= 1000:
+        _fail(InputError(f"--limit {limit}: from 1 to 1000"))
+    if state is not None and state not in JOB_STATES:
+        _fail(InputError(f"--state {state!r}: one of {', '.join(JOB_STATES)}"))
     with _client() as client:
-        for line in reversed(lines):
-            entry = json.loads(line)
-            if entry.get("url") != client.url:
-                continue
-            try:
-                view = client.job(entry["id"]).status()
-                rows.append({"id": view.id, "model": view.model, "status": view.status, "created_at": view.created_at})
-            except MaasError as exc:
-                if exc.status != 404:
-                    _fail(exc)
-                rows.append({"id": entry["id"], "model": entry["model"], "status": "gone", "created_at": ""})
+        try:
+            views = list(client.list_jobs(state=state, limit=limit))  # type: ignore[arg-type]
+        except MaasError as exc:
+            _fail(exc)
+    rows = [{"id": v.id, "model": v.model, "status": v.status, "created_at": v.created_at} for v in views]
 
     def table() -> None:
         grid = Table("job", "model", "status", "created")

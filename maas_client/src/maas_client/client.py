@@ -10,7 +10,7 @@ import httpx
 
 from maas_client import _core
 from maas_client.errors import NotFound, ServerError, Timeout
-from maas_client.types import JobAccepted, JobView, ModelInfo, ModelList, Result, Usage
+from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
 
 ProgressCallback = Callable[[int, int], None]
 POLL_SECONDS = 0.5
@@ -34,6 +34,7 @@ class Client:
             base_url=self.url,
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
             timeout=timeout,
+            verify=_core.verify_tls(self.url),
             transport=transport,
         )
 
@@ -96,6 +97,30 @@ class Client:
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
+
+    def jobs(self, *, limit: int = 20, state: JobStatus | None = None, cursor: str | None = None) -> JobList:
+        """One page of your jobs, newest first (`next_cursor` reads the next); `state` filters."""
+        params = _core.job_list_params(limit, state, cursor)
+        return JobList.model_validate(self.request("GET", "/v1/jobs", safe=True, params=params).json())
+
+    def list_jobs(self, *, state: JobStatus | None = None, limit: int | None = None) -> Iterator[JobView]:
+        """All your jobs (or the newest `limit`), newest first, page after page."""
+        cursor, seen = None, 0
+        while True:
+            page = self.jobs(limit=_core.page_size(limit, seen), state=state, cursor=cursor)
+            for view in page.jobs:
+                yield view
+                seen += 1
+                if limit is not None and seen >= limit:
+                    return
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def raw(self, method: str, path: str, *, headers: dict | None = None, **kwargs: Any) -> httpx.Response:
+        """One HTTP call as it is: no retry, no error raised for a 4xx/5xx (status, headers, body and all).
+        The escape hatch for benchmarks and fault tests that must see exactly what the API answered."""
+        return self._http.request(method, path, headers=headers, **kwargs)
 
     def usage(self, since: str = "7d") -> Usage:
         return Usage.model_validate(self.request("GET", "/v1/usage", safe=True, params={"since": since}).json())

@@ -111,6 +111,13 @@ class JobView(_Body):
         return self.status in ("succeeded", "failed", "expired", "cancelled")
 
 
+class JobList(_Body):
+    """A page of `GET /v1/jobs`: the caller's jobs, newest first, without results."""
+
+    jobs: list[JobView]
+    next_cursor: str | None
+
+
 class UsageRow(_Body):
     day: str
     model: str
