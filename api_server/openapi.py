@@ -110,6 +110,25 @@ class ModelList(BaseModel):
     models: list[ModelInfo]
 
 
+class AdapterInfo(BaseModel):
+    name: str
+    version: str
+    sha256: str
+    bytes: int
+    rank: int
+    targets: int
+    source: Literal["registered", "catalog"]
+    registered_at: str | None = None
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfo]
+
+
+class AdapterRegistration(BaseModel):
+    version: str
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

@@ -12,6 +12,7 @@ import redis
 from flask import Flask, current_app
 from google.cloud import pubsub_v1
 
+from api_server.adapters import AdapterService
 from api_server.auth import ApiKeyAuth
 from api_server.bigquery_write import StorageWriteSink, write_client
 from api_server.dispatch import InferenceDispatcher
@@ -29,6 +30,7 @@ from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaite
 from api_server.serving import ServingStage
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
+from contract.adapter_registry import AdapterRegistry
 from contract.catalog import ModelCatalog
 from contract.inflight import InflightStore, RequestKeeper
 from contract.payloads import PayloadCodec
@@ -63,6 +65,7 @@ class AppState:
     webhooks: WebhookNotifier | None
     janitor: JanitorTask | None
     cache_redis: redis.Redis | None = None
+    adapters: AdapterService | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
@@ -115,9 +118,9 @@ def build_app_state(settings: Settings) -> AppState:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     publisher = google_clients.publisher_client()
     catalog = settings.catalog()
-    payloads = PayloadCodec(
-        google_clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit
-    )
+    storage = google_clients.storage_client(settings)
+    payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
+    adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
     inference = InferenceService(
         # Every published request is kept in Redis until its deadline: the workers' watchdog re-dispatches it.
@@ -131,6 +134,7 @@ def build_app_state(settings: Settings) -> AppState:
         settings.job_deadline_seconds,
         settings.high_priority_key_sha256,
         targets,
+        adapters,
     )
     jobs = JobStore(redis_client, results, settings.result_ttl_seconds)
     inference_log = build_inference_log(settings)
@@ -170,6 +174,7 @@ def build_app_state(settings: Settings) -> AppState:
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),
         cache_redis=cache_redis,
+        adapters=adapters,
     )
 
 

@@ -120,6 +120,7 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
     ensure(table, client.create_table)
+    _add_new_columns(client, table.reference)
     # The base views (infra/sql/base) first: the analytics views read them.
     for path in [*sorted((ANALYTICS_SQL_DIR / "base").glob("*.sql")), *sorted(ANALYTICS_SQL_DIR.glob("*.sql"))]:
         # The same files and template variables Terraform's templatefile() uses.
@@ -134,3 +135,14 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
             client.update_table(existing, ["view_query"])
             log.info("updated view %s", path.stem)
     return created
+
+
+def _add_new_columns(client: bigquery.Client, reference) -> None:
+    """A table kept from an earlier run (the emulator keeps its data) gets the columns added since (NULLABLE)."""
+    existing = client.get_table(reference)
+    have = {field.name for field in existing.schema}
+    added = [field for field in bigquery_schema() if field.name not in have]
+    if added:
+        existing.schema = [*existing.schema, *added]
+        client.update_table(existing, ["schema"])
+        log.info("added columns %s to %s", [field.name for field in added], reference.table_id)
