@@ -110,7 +110,7 @@ class AdapterRegistry:
 
     def list(self, spec: ModelSpec) -> list[AdapterRecord]:
         """Registered adapters (records in the bucket) and catalog-listed ones, by name."""
-        prefix = naming.adapter_prefix(spec.name, "")
+        prefix = naming.model_adapters_prefix(spec.name)
         names = {
             blob.name[len(prefix) :].split("/", 1)[0]
             for blob in self._bucket.client.list_blobs(self._bucket, prefix=prefix)

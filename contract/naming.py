@@ -80,9 +80,14 @@ def compile_cache_object(weights_path: str, key: str) -> str:
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"
 
 
+def model_adapters_prefix(model: str) -> str:
+    """Model-bucket prefix of every adapter of a model (the API's write access ends at `adapters/`)."""
+    return f"adapters/{model}/"
+
+
 def adapter_prefix(model: str, name: str, version: str | None = None) -> str:
     """Model-bucket prefix of an adapter (`adapters/{model}/{name}/`), or of one of its versions."""
-    base = f"adapters/{model}/{name}/"
+    base = f"{model_adapters_prefix(model)}{name}/"
     return base if version is None else f"{base}{version}/"
 
 

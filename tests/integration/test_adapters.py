@@ -233,7 +233,7 @@ def test_alternating_two_adapters_through_a_cache_of_one(stack, bucket):
     loader.start()
     registry = AdapterRegistry(bucket)
     refs = {name: registry.resolve(spec, name) for name in ("tiny-ink", "tiny-neon")}
-    params = GenerationParameters(seed=3, num_inference_steps=3, guidance_scale=7.5, width=64, height=64)
+    params = GenerationParameters(seed=3, num_inference_steps=2, guidance_scale=7.5, width=64, height=64)
 
     def image(name: str) -> np.ndarray:
         record = refs[name]
@@ -248,8 +248,8 @@ def test_alternating_two_adapters_through_a_cache_of_one(stack, bucket):
     try:
         first = {name: image(name) for name in refs}
         assert np.abs(first["tiny-ink"] - first["tiny-neon"]).max() > 0.02
-        for name in ("tiny-ink", "tiny-neon", "tiny-ink", "tiny-neon"):
+        for name in ("tiny-ink", "tiny-neon"):
             assert np.array_equal(image(name), first[name]), name
-        assert loader.loads == 6  # every alternation reloaded: the cache held one adapter
+        assert loader.loads == 4  # every alternation reloaded: the cache held one adapter
     finally:
         loader.stop()
