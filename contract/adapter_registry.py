@@ -58,6 +58,8 @@ class AdapterRegistry:
         self._lock = threading.Lock()
         self._known: dict[tuple[str, str], tuple[float, AdapterRecord | None]] = {}
         self._base: dict[str, dict[str, dict]] = {}
+        # Catalog-listed versions already checked by this process: a version's file is not read twice.
+        self._listed: dict[tuple[str, str, str], AdapterRecord] = {}
 
     def register(self, spec: ModelSpec, name: str, version: str) -> AdapterRecord:
         """Checks the version's file and makes it the adapter's current one; AdapterFileError says why not."""
@@ -130,7 +132,10 @@ class AdapterRegistry:
         version = spec.adapters.listed.get(name) if spec.adapters else None
         if version is None:
             return None
-        return self.check(spec, name, version, "catalog")
+        key = (spec.name, name, version)
+        if key not in self._listed:
+            self._listed[key] = self.check(spec, name, version, "catalog")
+        return self._listed[key]
 
     def _base_headers(self, spec: ModelSpec) -> dict[str, dict]:
         """The base model's safetensors headers per component, read once (ranged reads: no weights downloaded)."""
