@@ -25,19 +25,25 @@ from emulators.stack import local_catalog
 MODEL = "sd15-txt2img"
 
 
-def per_call_ms(runner, items, params, calls: int, switch_to=None) -> float:
-    """Median milliseconds of one denoising call (a fresh running set each time it finishes)."""
-    times = []
-    running = runner.start_items(items, params)
+def per_call_ms(runner, variants: dict, params, calls: int) -> dict[str, float]:
+    """Median milliseconds of one denoising call per variant, the variants interleaved call by call so a
+    machine's changing load falls on all of them alike. A variant: (items, set activated before the call)."""
+    running = {name: runner.start_items(items, params) for name, (items, _) in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(calls):
-        if all(r.finished for r in running):
-            running = runner.start_items(items, params)
-        if switch_to is not None:  # another set ran in between: the hooks are swapped before this call
-            runner._lora.activate(switch_to)
-        started = time.perf_counter()
-        runner.denoise_step(running)
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+        for name, (items, switch_to) in variants.items():
+            if all(r.finished for r in running[name]):
+                running[name] = runner.start_items(items, params)
+            if switch_to is None:  # steady state: an untimed call with this set first, so no switch is timed
+                runner.denoise_step(running[name])
+                if all(r.finished for r in running[name]):
+                    running[name] = runner.start_items(items, params)
+            else:  # another set ran just before: the hooks are swapped in this timed call
+                runner._lora.activate(switch_to)
+            started = time.perf_counter()
+            runner.denoise_step(running[name])
+            times[name].append((time.perf_counter() - started) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -92,12 +98,14 @@ def main() -> None:
         def items(adapters, batch=batch):
             return [GenerationItem(f"bench {i}", i, adapters=adapters) for i in range(batch)]
 
-        base = per_call_ms(runner, items(None), params, args.calls)
-        one = per_call_ms(runner, items(sets["tiny-ink"]), params, args.calls)
-        two = per_call_ms(runner, items(both), params, args.calls)
-        switching = per_call_ms(runner, items(sets["tiny-ink"]), params, args.calls, switch_to=[])
-        rows.append({"batch": batch, "base_ms": base, "one_adapter_ms": one, "two_adapters_ms": two,
-                     "one_adapter_switching_ms": switching})  # fmt: skip
+        # "switched": the base set ran just before, as when an adapter request follows a base-model call.
+        ms = per_call_ms(runner, {
+            "base_ms": (items(None), None),
+            "one_adapter_ms": (items(sets["tiny-ink"]), None),
+            "two_adapters_ms": (items(both), None),
+            "one_adapter_switching_ms": (items(sets["tiny-ink"]), []),
+        }, params, args.calls)  # fmt: skip
+        rows.append({"batch": batch, **ms})
     result = {"model": MODEL, "threads": args.threads, "size": 64, "rows": rows, "loads": loads,
               "accelerator": runner.accelerator}  # fmt: skip
     print(f"LoRA per denoising call on {runner.accelerator} (64x64, tiny UNet, {args.threads} thread(s)), median ms:")
