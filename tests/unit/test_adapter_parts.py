@@ -123,3 +123,65 @@ def test_requests_with_different_adapter_sets_never_share_a_call():
     other.done.set()
     base, ink, ink_half = pending("b"), with_adapters(pending("i"), ready), with_adapters(pending("h"), other)
     assert len({base.batch_key, ink.batch_key, ink_half.batch_key}) == 3
+
+
+class Blob:
+    def __init__(self, bucket: FakeBucket, name: str) -> None:
+        self.bucket, self.name = bucket, name
+
+    @property
+    def size(self) -> int:
+        return len(self.bucket.objects[self.name])
+
+    def download_as_bytes(self, start: int | None = None, end: int | None = None) -> bytes:
+        from google.api_core import exceptions
+
+        if self.name not in self.bucket.objects:
+            raise exceptions.NotFound(self.name)
+        data = self.bucket.objects[self.name]
+        self.bucket.reads.append(self.name)
+        return data if start is None else data[start : end + 1]
+
+    def upload_from_string(self, data, content_type: str | None = None) -> None:
+        self.bucket.objects[self.name] = data.encode() if isinstance(data, str) else data
+
+
+class FakeBucket:
+    """The few Bucket calls the registry makes, over a dict (the GCS emulator path is in tests/integration)."""
+
+    name = "models"
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects, self.reads = dict(objects), []
+        self.client = self
+
+    def list_blobs(self, _bucket, prefix: str):
+        return [Blob(self, name) for name in sorted(self.objects) if name.startswith(prefix)]
+
+    def blob(self, name: str) -> Blob:
+        return Blob(self, name)
+
+    def get_blob(self, name: str) -> Blob | None:
+        return Blob(self, name) if name in self.objects else None
+
+
+def test_a_catalog_listed_adapter_resolves_without_registration_and_is_checked_once():
+    from contract.adapter_registry import AdapterRegistry
+    from emulators.stack import local_catalog
+
+    spec = local_catalog().get("sd15-txt2img")
+    spec = spec.model_copy(update={"adapters": spec.adapters.model_copy(update={"listed": {"house-style": "3"}})})
+    weights = spec.weights_path
+    lora = "adapters/sd15-txt2img/house-style/3/pytorch_lora_weights.safetensors"
+    bucket = FakeBucket({
+        f"{weights}/unet/diffusion_pytorch_model.safetensors": safetensors({f"{MODULE}.weight": ("F32", [16, 32])}),
+        lora: LORA,
+    })  # fmt: skip
+    registry = AdapterRegistry(bucket)
+    record = registry.resolve(spec, "house-style")
+    assert (record.version, record.source, record.rank) == ("3", "catalog", 4)
+    assert [r.name for r in registry.list(spec)] == ["house-style"]
+    registry._known.clear()  # past the refresh: the record is read again, the file is not
+    assert registry.resolve(spec, "house-style") == record
+    assert bucket.reads.count(lora) == 1
+    assert registry.resolve(spec, "not-listed") is None
