@@ -14,7 +14,7 @@ from emulators.stack import StackConfig, configuring_variables, down, up
 TEST_API_KEYS = ("test-key-primary", "test-key-secondary")
 TEST_ADMIN_KEY = "test-admin-key"
 # An adapter the tests register whose first load the stack's workers delay on purpose (a test hook).
-SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 6
+SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 8
 
 
 @pytest.fixture(scope="session")

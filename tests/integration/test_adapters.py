@@ -208,10 +208,11 @@ def test_base_requests_are_served_while_an_adapter_loads(stack, auth_headers, ad
         first_answered = first_answered or time.monotonic()
     thread.join(timeout=60)
     assert "adapter" in answered, "the adapter request was not answered once its adapter loaded"
-    # Had the device waited for the load, a base request sent during it would have waited for it too: several
-    # seconds, and answered after the adapter request.
-    assert max(latencies) < SLOW_ADAPTER_LOAD_SECONDS / 2, latencies
-    assert first_answered < answered["adapter"]
+    # Had the device waited for the load, the first base request (sent at most a device-loop tick after the load
+    # began) would have waited for it too and been answered after the adapter request, which is older. Latency
+    # bounds tighter than the load itself are timing luck on a shared machine: the numbers go in the message.
+    assert first_answered < answered["adapter"], latencies
+    assert max(latencies) < SLOW_ADAPTER_LOAD_SECONDS, latencies
     assert answered["adapter"] - sent >= SLOW_ADAPTER_LOAD_SECONDS
 
 
