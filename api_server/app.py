@@ -11,7 +11,7 @@ from werkzeug.routing import BaseConverter
 from api_server import records
 from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
-from api_server.routes import docs, events, health, jobs, models, playground, predict, usage
+from api_server.routes import adapters, docs, events, health, jobs, models, playground, predict, usage
 from api_server.routes import metrics as metrics_routes
 from api_server.state import AppState, build_app_state, install
 from contract.jsonlog import bind_context, unbind_context
@@ -38,6 +38,7 @@ def create_app(settings: Settings | None = None, state: AppState | None = None) 
     for blueprint in (
         health.bp,
         models.bp,
+        adapters.bp,
         predict.bp,
         jobs.bp,
         events.bp,

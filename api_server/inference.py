@@ -11,6 +11,7 @@ import base64
 import time
 from dataclasses import dataclass, field
 
+from api_server.adapters import AdapterService
 from api_server.auth import Caller
 from api_server.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.errors import ApiError
@@ -62,7 +63,9 @@ class InferenceService:
         job_deadline_seconds: int,
         high_priority_keys: frozenset[str] = frozenset(),
         webhook_targets: WebhookTargetPolicy | None = None,
+        adapters: AdapterService | None = None,
     ) -> None:
+        self._adapters = adapters
         self._webhook_targets = webhook_targets or WebhookTargetPolicy(enabled=False)
         self._dispatcher = dispatcher
         self._payloads = payloads
@@ -82,6 +85,10 @@ class InferenceService:
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
+        if body.parameters.adapters:
+            if self._adapters is None:
+                raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
+            params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
         priority = body.parameters.priority or "normal"
         if priority == "high" and caller.digest not in self._high_priority_keys:
             raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")

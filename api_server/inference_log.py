@@ -24,7 +24,7 @@ from contract.log_schema import validate_row
 from contract.messages import InferenceReply
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_BACKOFF_SECONDS = 10.0
 
 
@@ -56,6 +56,7 @@ class InferenceLogRow:
     height: int | None = None
     num_inference_steps: int | None = None
     seed: int | None = None
+    adapters: str | None = None
     input_bytes: int | None = None
     output_bytes: int | None = None
     published_at: datetime | None = None

@@ -155,6 +155,25 @@ class ModelDetail(ModelInfo):
     traffic: TrafficView | None = None
 
 
+class AdapterInfo(BaseModel):
+    name: str
+    version: str
+    sha256: str
+    bytes: int
+    rank: int
+    targets: int
+    source: Literal["registered", "catalog"]
+    registered_at: str | None = None
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfo]
+
+
+class AdapterRegistration(BaseModel):
+    version: str
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

@@ -92,6 +92,8 @@ class RequestRecords:
             for name in LOGGED_PARAMETERS:
                 setattr(row, name, getattr(prepared.params, name))
             row.num_images, row.priority = len(prepared.prompts), prepared.priority
+            if prepared.params.adapters:
+                row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
         outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
         row.http_status, row.status = http_status, outcome.spec.log_status

@@ -77,7 +77,9 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
             422, f"instances: at most {spec.max_instances_per_request} per request for {spec.name}", "instances"
         )
     values = {}
-    for name in ROLES:
+    for name, role in ROLES.items():
+        if role.sent_as is not None:
+            continue  # resolved by its own stage (adapters: api_server/adapters.py)
         value = getattr(given, name)
         values[name] = value if value is not None else getattr(defaults, name, None)
     if values["seed"] is None:

@@ -122,6 +122,10 @@ class ServingStage:
         key = f"key:{caller.key_id}:{name}" if rollout.sticky == "api_key" else request_id
         return rollout.versions[choose_version(self._splits.split(name).traffic, key)]
 
+    def stable(self, name: str) -> ModelSpec:
+        """A model's stable version (its one version, for most): what model-wide calls such as adapters act on."""
+        return self._known(name)
+
     def _known(self, name: str) -> ModelSpec:
         spec = self._catalog.get(name)
         if spec is None:

@@ -12,6 +12,7 @@ import redis
 from flask import Flask, current_app
 from google.cloud import pubsub_v1
 
+from api_server.adapters import AdapterService
 from api_server.auth import ApiKeyAuth
 from api_server.bigquery_write import StorageWriteSink, write_client
 from api_server.dispatch import InferenceDispatcher
@@ -32,6 +33,7 @@ from api_server.shadow import ShadowTraffic
 from api_server.traffic import TrafficSplits
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
+from contract.adapter_registry import AdapterRegistry
 from contract.catalog import ModelCatalog
 from contract.inflight import InflightStore, RequestKeeper
 from contract.payloads import PayloadCodec
@@ -69,6 +71,7 @@ class AppState:
     rollback_guard: RollbackGuard
     shadow: ShadowTraffic
     cache_redis: redis.Redis | None = None
+    adapters: AdapterService | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
@@ -127,9 +130,9 @@ def build_app_state(settings: Settings) -> AppState:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     publisher = google_clients.publisher_client()
     catalog = settings.catalog()
-    payloads = PayloadCodec(
-        google_clients.storage_client(settings), settings.payload_bucket, settings.inline_payload_limit
-    )
+    storage = google_clients.storage_client(settings)
+    payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
+    adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
     inference = InferenceService(
         # Every published request is kept in Redis until its deadline: the workers' watchdog re-dispatches it.
@@ -143,6 +146,7 @@ def build_app_state(settings: Settings) -> AppState:
         settings.job_deadline_seconds,
         settings.high_priority_key_sha256,
         targets,
+        adapters,
     )
     jobs = JobStore(redis_client, results, settings.result_ttl_seconds)
     inference_log = build_inference_log(settings)
@@ -197,6 +201,7 @@ def build_app_state(settings: Settings) -> AppState:
         shadow=shadow,
         rollback_guard=RollbackGuard(rollouts, redis_client, settings.rollback_check_seconds, settings.instance_id),
         cache_redis=cache_redis,
+        adapters=adapters,
     )
 
 

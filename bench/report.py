@@ -180,6 +180,8 @@ def markdown(result: dict) -> str:
                 f"| {row['batch']} | {_fmt(row['direct']['images_per_s'], 2)} | {_fmt(row['worker']['images_per_s'], 2)} "
                 f"| {ratio:.0%} |"
             )
+    if result.get("adapters"):
+        lines += adapter_lines(result["adapters"])
     lines += ["", "## Targets (measured side by side in this run; printed, never asserted)", ""]
     lines.append("| target | measured | threshold | result |")
     lines.append("|---|---|---|---|")
@@ -248,3 +250,20 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def adapter_lines(a: dict) -> list[str]:
+    """LoRA adapters (bench/adapters.py): per denoising call against the base model, and load times."""
+    lines = ["", f"## LoRA adapters per call (hooks, not fused; {a['size']}x{a['size']}, {a['threads']} torch thread, "
+             f"{a['accelerator']}), median ms per denoising call", ""]  # fmt: skip
+    lines += [
+        "| batch | base | 1 adapter | 2 adapters | 1 adapter, set switched before each call |",
+        "|---|---|---|---|---|",
+    ]
+    for r in a["rows"]:
+        cells = [r["one_adapter_ms"], r["two_adapters_ms"], r["one_adapter_switching_ms"]]
+        lines.append(f"| {r['batch']} | {_fmt(r['base_ms'], 2)} | "
+                     + " | ".join(f"{_fmt(c, 2)} ({c / r['base_ms']:.2f}x)" for c in cells) + " |")  # fmt: skip
+    lines += ["", "| adapter | load | ms | kB |", "|---|---|---|---|"]
+    lines += [f"| {x['adapter']} | {x['state']} | {_fmt(x['ms'], 2)} | {x['bytes'] / 1e3:.0f} |" for x in a["loads"]]
+    return lines

@@ -76,8 +76,8 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        # floor, naive, http, cache/jobs, direct, open loop in process and through the system, streams
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 2 + 1
+        # floor, naive, http, cache/jobs, direct, adapters, open loop in process and through the system, streams
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 2 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -186,6 +186,24 @@ class Suite:
               flush=True)  # fmt: skip
         return result
 
+    def adapters(self) -> dict | None:
+        """LoRA adapters on the runner: per-call cost against none, and the load time (bench/adapters.py)."""
+        started = time.monotonic()
+        out = self.out_dir / "adapters.json"
+        argv = [sys.executable, "-m", "bench.adapters", "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
+                "--json", str(out), "--calls", "15" if self.quick else "40"]  # fmt: skip
+        env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        self.count += 1
+        if done.returncode != 0:
+            print(f"[{self.count:>2}/{self.total}] LoRA adapters: failed\n{done.stderr[-2000:]}", flush=True)
+            return None
+        print(
+            f"[{self.count:>2}/{self.total}] LoRA adapters ({time.monotonic() - started:.0f}s):\n{done.stdout}",
+            flush=True,
+        )
+        return json.loads(out.read_text())
+
     def open_loop_in_process(self) -> dict | None:
         """The open-loop sweep against the worker's stages alone (a process of its own: one torch thread)."""
         started = time.monotonic()
@@ -272,13 +290,14 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = None
+    direct = event_streams = adapters = None
     sweeps: dict[str, dict] = {}
     try:
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
             direct = suite.direct()
+            adapters = suite.adapters()
             event_streams = suite.event_streams()
         for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
                            ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
@@ -307,6 +326,7 @@ def main() -> None:
         "direct": direct,
         "open_loop": sweeps,
         "event_streams": event_streams,
+        "adapters": adapters,
     }
     plot = None
     if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone

@@ -58,6 +58,30 @@ class GenerationLimits(BaseModel):
     max_input_pixels: int = Field(default=2048 * 2048, ge=64 * 64)
 
 
+class AdapterPolicy(BaseModel):
+    """LoRA adapters on a model: what a request may name (`parameters.adapters`), what registration accepts,
+    and how many the worker keeps loaded. A model without this block takes no adapters."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_adapters_per_request: int = Field(default=2, ge=1)
+    min_scale: float = -2.0
+    max_scale: float = 2.0
+    max_rank: int = Field(default=128, ge=1)
+    # The adapter file's size cap, checked at registration and again before the worker downloads it.
+    max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    # Adapters the worker keeps in host memory and on the device (least recently used is dropped).
+    host_cache: int = Field(default=16, ge=1)
+    device_cache: int = Field(default=4, ge=1)
+    # Catalog-listed adapters, name -> version (others are registered with the admin call).
+    listed: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdapterPolicy:
+        if self.min_scale > self.max_scale:
+            raise ValueError("adapters: min_scale exceeds max_scale")
+        return self
+
+
 class ModelSpec(BaseModel):
     """One servable unit: a single-version model, or one version of a model with `versions`."""
 
@@ -92,6 +116,8 @@ class ModelSpec(BaseModel):
     replicas: Replicas
     defaults: GenerationDefaults
     limits: GenerationLimits
+    # LoRA adapters per request (absent: refused with a 422).
+    adapters: AdapterPolicy | None = None
 
     @property
     def queue(self) -> str:

@@ -10,6 +10,27 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 MAX_SEED = 2**31 - 1
+# A LoRA adapter's name: the last segment of its bucket path (`adapters/{model}/{name}/{version}/`).
+ADAPTER_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+
+
+class AdapterIn(BaseModel):
+    """One LoRA adapter as a client names it: a registered name and a scale (the catalog bounds both)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN)
+    scale: float = 1.0
+
+
+class AdapterRef(BaseModel):
+    """An adapter resolved by the API: the registered version and file digest the worker loads and checks.
+    Frozen (hashable), so a set of adapters is part of a batch key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    version: str
+    scale: float
+    sha256: str
 
 
 class GenerationParameters(BaseModel):
@@ -23,6 +44,9 @@ class GenerationParameters(BaseModel):
     height: int
     strength: float | None = None
     negative_prompt: str | None = None
+    # LoRA adapters, in the order asked; empty: the base model, left out of the message and the cache key
+    # (so base requests read exactly as before adapters existed).
+    adapters: tuple[AdapterRef, ...] = Field(default=(), exclude_if=lambda adapters: not adapters)
 
 
 @dataclass(frozen=True)
@@ -36,6 +60,8 @@ class ParameterRole:
     logged: bool = False
     # One value per pipeline call: requests that differ in it cannot share a batch.
     per_call: bool = False
+    # What a client sends, when it is not the resolved type (an adapter's name and scale, not its version).
+    sent_as: Any = None
 
 
 ROLES: dict[str, ParameterRole] = {
@@ -49,6 +75,9 @@ ROLES: dict[str, ParameterRole] = {
     "strength": ParameterRole("image-to-image only: how far from the input", {"gt": 0.0, "le": 1.0}, "optional",
                               per_call=True),
     "negative_prompt": ParameterRole("what the image should not show", {"max_length": 2000}),
+    # Requests with different adapter sets never share a UNet call (the worker's batch key).
+    "adapters": ParameterRole("LoRA adapters registered for the model, each with a scale", per_call=True,
+                              sent_as=list[AdapterIn]),
 }  # fmt: skip
 
 LOGGED_PARAMETERS = tuple(name for name, role in ROLES.items() if role.logged)
@@ -62,7 +91,10 @@ def _annotation(name: str) -> Any:
 def optional_parameters_model(name: str, config: ConfigDict, **extra: Any) -> type[BaseModel]:
     """The parameters as a client sends them: each optional (the catalog fills in), constrained by its role."""
     fields: dict[str, Any] = {
-        parameter: (_annotation(parameter) | None, Field(default=None, description=role.description, **role.accepted))
+        parameter: (
+            (role.sent_as or _annotation(parameter)) | None,
+            Field(default=None, description=role.description, **role.accepted),
+        )
         for parameter, role in ROLES.items()
     }
     return create_model(name, __config__=config, **fields, **extra)

@@ -87,6 +87,26 @@ def compile_cache_object(weights_path: str, key: str) -> str:
     return f"{weights_path.rstrip('/')}/compile-cache/{key}.bin"
 
 
+# An adapter version's files: diffusers' `save_lora_weights` name, safetensors only.
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"
+
+
+def model_adapters_prefix(model: str) -> str:
+    """Model-bucket prefix of every adapter of a model (the API's write access ends at `adapters/`)."""
+    return f"adapters/{model}/"
+
+
+def adapter_prefix(model: str, name: str, version: str | None = None) -> str:
+    """Model-bucket prefix of an adapter (`adapters/{model}/{name}/`), or of one of its versions."""
+    base = f"{model_adapters_prefix(model)}{name}/"
+    return base if version is None else f"{base}{version}/"
+
+
+def adapter_record(model: str, name: str) -> str:
+    """Model-bucket object recording an adapter's registration (its current version, digest, rank)."""
+    return f"{adapter_prefix(model, name)}registration.json"
+
+
 def result_key(request_id: str) -> str:
     """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
     return f"{PREFIX}:result:{request_id}"

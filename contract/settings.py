@@ -136,6 +136,9 @@ class Settings:
     finisher_threads: int = 4
     # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
     holder_lease_seconds: float = 3.0
+    # Test hook: adapter name -> seconds added to its load from the bucket (a slow first load, on purpose).
+    # MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; never set in production.
+    adapter_load_delay: dict[str, float] = field(default_factory=dict)
     # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
     # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
     scheduling: str | None = None
@@ -223,4 +226,8 @@ class Settings:
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,
+            adapter_load_delay={
+                name.strip(): float(seconds)
+                for name, _, seconds in (item.partition("=") for item in _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")))
+            },
         )

@@ -120,13 +120,7 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS
     ensure(table, client.create_table)
-    # A table kept from an earlier run (the emulator keeps its data) gets the columns added since.
-    existing_table = client.get_table(table.reference)
-    missing = [field for field in table.schema if field.name not in {f.name for f in existing_table.schema}]
-    if missing:
-        existing_table.schema = [*existing_table.schema, *missing]
-        client.update_table(existing_table, ["schema"])
-        log.info("added columns %s to %s", [field.name for field in missing], table.table_id)
+    _add_new_columns(client, table.reference)
     audit = bigquery.Table(
         f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", schema=audit_bigquery_schema()
     )
@@ -145,3 +139,14 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
             client.update_table(existing, ["view_query"])
             log.info("updated view %s", path.stem)
     return created
+
+
+def _add_new_columns(client: bigquery.Client, reference) -> None:
+    """A table kept from an earlier run (the emulator keeps its data) gets the columns added since (NULLABLE)."""
+    existing = client.get_table(reference)
+    have = {field.name for field in existing.schema}
+    added = [field for field in bigquery_schema() if field.name not in have]
+    if added:
+        existing.schema = [*existing.schema, *added]
+        client.update_table(existing, ["schema"])
+        log.info("added columns %s to %s", [field.name for field in added], reference.table_id)

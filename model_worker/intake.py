@@ -22,6 +22,7 @@ from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
 from contract.payloads import PayloadCodec, PayloadError
 from contract.results import ResultStore
+from model_worker.adapters import AdapterLoader
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
 from model_worker.leases import LeaseKeeper
@@ -85,7 +86,9 @@ class Triage:
         finisher: ReplyFinisher,
         replies: ReplyFactory,
         needs_image: dict[str, bool],
+        adapters: AdapterLoader | None = None,
     ) -> None:
+        self._adapters = adapters
         self._results = results
         self._payloads = payloads
         self._finisher = finisher
@@ -134,6 +137,11 @@ class Triage:
 
     def _items(self, spec: ModelSpec, request: InferenceRequest) -> list[GenerationItem]:
         params = request.parameters
+        adapters = None
+        if params.adapters:
+            if self._adapters is None:
+                raise PayloadError("this worker serves no adapters")
+            adapters = self._adapters.request(spec, params.adapters)  # loads in the background if not cached
         items = []
         for index, instance in enumerate(request.instances):
             image = None
@@ -146,6 +154,7 @@ class Triage:
                     seed=params.seed + index,
                     negative_prompt=params.negative_prompt,
                     image=image,
+                    adapters=adapters,
                 )
             )
         if not items:

@@ -20,6 +20,10 @@ class WorkerMetrics:
             "maas_worker_requests", "Requests answered, by model and reply status", ["model", "status"],
             registry=self.registry,
         )  # fmt: skip
+        self.adapter_load_seconds = Histogram(
+            "maas_worker_adapter_load_seconds", "Seconds to load one LoRA adapter from the bucket into host memory",
+            ["model", "outcome"], buckets=SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "maas_worker_batch_images", "Images per pipeline call", ["model"], buckets=BATCH_SIZE_BUCKETS,
             registry=self.registry,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
 from contract.messages import GenerationParameters
+from model_worker.lora import LoraHooks
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class DiffusionRunner:
             log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
         if self._compiled:
             self._compile()
+        components = {"unet": self._pipeline.unet, "text_encoder": self._pipeline.text_encoder}
+        self._lora = LoraHooks(components, self._device, dtype, spec.adapters.device_cache if spec.adapters else 1)
         log.info(
             "loaded %s from %s on %s in %.2fs",
             spec.pipeline,
@@ -91,6 +94,14 @@ class DiffusionRunner:
     @property
     def needs_image(self) -> bool:
         return self.spec.task == "image-to-image"
+
+    def _use_adapters(self, items: list[GenerationItem]) -> None:
+        """Applies the call's adapter set (one per call: the batch key) before the text encoder or UNet runs."""
+        adapters = items[0].adapters if items else None
+        weights = adapters.weights() if adapters is not None else []
+        if weights and self._compiled:
+            raise ValueError("adapters are not served with MAAS_TORCH_COMPILE (their hooks would recompile the UNet)")
+        self._lora.activate(weights)
 
     def _compile(self) -> None:
         if self._compile_cache is not None:
@@ -136,6 +147,7 @@ class DiffusionRunner:
         count = len(items)
         if self._compiled:
             items = pad_to_bucket(items, self.spec.max_batch_size)
+        self._use_adapters(items)
         kwargs = {
             "prompt": [item.prompt for item in items],
             "num_inference_steps": params.num_inference_steps,
@@ -162,6 +174,7 @@ class DiffusionRunner:
         torch, pipe = self._torch, self._pipeline
         device = pipe._execution_device
         guided = params.guidance_scale > 1
+        self._use_adapters(items)
         with torch.inference_mode():
             prompt_embeds, negative_embeds = pipe.encode_prompt(
                 [item.prompt for item in items], device, 1, guided, [item.negative_prompt or "" for item in items]
@@ -215,6 +228,7 @@ class DiffusionRunner:
         """One UNet call over every item (per-sample timesteps, per-sample guidance), then each item's own step."""
         torch, unet = self._torch, self._pipeline.unet
         inputs, timesteps, embeddings = [], [], []
+        self._use_adapters([r.item for r in running])
         with torch.inference_mode():
             for r in running:
                 t = r.state["timesteps"][r.done]

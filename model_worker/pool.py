@@ -57,12 +57,19 @@ class PendingRequest:
         return self.cancelled or self.expired(now)
 
     @property
+    def ready(self) -> bool:
+        """Its adapters (if any) are loaded, or failed to: it may run (or fail) now; until then it waits aside."""
+        adapters = self.items[0].adapters if self.items else None
+        return adapters is None or adapters.ready
+
+    @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can run in one pipeline call (or, stepped, in one denoising call)."""
         params = self.request.parameters
         if self.spec.scheduling == "step":
             # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
-            return (self.spec.queue, params.width, params.height)
+            # Adapter sets never share a denoising call: the hooks apply one set per call (model_worker/lora.py).
+            return (self.spec.queue, params.width, params.height, params.adapters)
         return (self.spec.queue, *batch_key(params))
 
 
@@ -102,7 +109,8 @@ class RequestPool:
     def take_batch(self, timeout: float) -> tuple[list[PendingRequest], list[PendingRequest]]:
         """(the next batch, requests found abandoned); both empty if nothing arrived within `timeout`."""
         with self._changed:
-            self._changed.wait_for(lambda: self._held or self._closed, timeout)
+            # Requests still waiting for their adapters do not wake the device: it would find nothing to run.
+            self._changed.wait_for(lambda: self._closed or any(p.ready or p.abandoned() for p in self._held), timeout)
             now = time.time()
             abandoned = [p for p in self._held if p.abandoned(now)]
             live = self._ordered(now)
@@ -140,9 +148,15 @@ class RequestPool:
                 self._changed.notify_all()
             return joiners, abandoned
 
+    def wake(self) -> None:
+        """A held request's adapters became ready: it may start or join now."""
+        with self._changed:
+            self._changed.notify_all()
+
     def _ordered(self, now: float) -> list[PendingRequest]:
+        """Live requests that can run now, in the device's order; one waiting for its adapters blocks nobody."""
         return sorted(
-            (p for p in self._held if not p.abandoned(now)),
+            (p for p in self._held if p.ready and not p.abandoned(now)),
             key=lambda p: (p.priority != "high", p.message.received_at),
         )
 

@@ -34,6 +34,8 @@ class GenerationItem:
     seed: int
     negative_prompt: str | None = None
     image: Any = None  # a PIL image for image-to-image
+    # The request's LoRA adapters (model_worker.adapters.AdapterSet, one per request), None for the base model.
+    adapters: Any = None
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ from contract.inflight import InflightStore
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from contract.settings import Settings
+from model_worker.adapters import AdapterLoader
 from model_worker.device import DeviceLoop, ProgressReporter
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth, serve_health
@@ -106,9 +107,18 @@ class WorkerService:
             inflight, self.results, self.publisher, self.finisher, settings.catalog(), worker_id,
             settings.holder_lease_seconds, self.metrics,
         )  # fmt: skip
-        triage = Triage(
-            self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()}
+        # Adapters load from the model bucket off the device thread; a request joins once its set is ready.
+        self.adapters = AdapterLoader(
+            self._storage.bucket(settings.model_bucket),
+            {name: runner.weights_dir for name, runner in self.runners.items() if hasattr(runner, "weights_dir")},
+            self.pool.wake,
+            lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
+            settings.adapter_load_delay,
         )
+        triage = Triage(
+            self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()},
+            self.adapters,
+        )  # fmt: skip
         self.pullers = [
             SubscriptionPuller(
                 self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
@@ -151,6 +161,7 @@ class WorkerService:
     def serve(self) -> None:
         """Runs the device loop on the calling thread until `stop()`; then drains and returns."""
         self.leases.start()
+        self.adapters.start()
         self.progress.start()
         self.watchdog.start()
         for worker in [*self.pullers, *self.dead_letter_responders]:
@@ -176,6 +187,7 @@ class WorkerService:
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.join(PULL_WAIT_SECONDS + 1)
         self.finisher.close()
+        self.adapters.stop()
         self.progress.stop()
         self.leases.stop()
         self.publisher.stop()

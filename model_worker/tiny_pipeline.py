@@ -152,6 +152,63 @@ def _make_tokenizer_reproducible(tokenizer_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
+# The local stack's two tiny LoRA adapters: name -> (seed, rank). Deterministic, like the pipeline itself.
+TINY_ADAPTERS = {"tiny-ink": (1, 4), "tiny-neon": (2, 8)}
+ADAPTER_VERSION = "1"
+# The Linear modules they change: the UNet's attention projections and the text encoder's q/v projections.
+TINY_ADAPTER_TARGETS = (".to_q", ".to_k", ".to_v", ".to_out.0", ".self_attn.q_proj", ".self_attn.v_proj")
+
+
+def build_adapter(pipeline_dir: Path, out_file: Path, seed: int, rank: int, strength: float = 1.0) -> Path:
+    """A random LoRA (diffusers' PEFT layout, safetensors) for the pipeline in `pipeline_dir`: its targets and
+    shapes come from the base weights' own headers, so it fits the pipeline it was built for, and only it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from contract.lora_files import BASE_FILES, bytes_reader, read_header
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for component, path in BASE_FILES.items():
+        data = (pipeline_dir / path).read_bytes()
+        for name, entry in sorted(read_header(bytes_reader(data), len(data)).items()):
+            module = name.removesuffix(".weight")
+            if not (name.endswith(".weight") and module.endswith(TINY_ADAPTER_TARGETS) and len(entry["shape"]) == 2):
+                continue
+            out_features, in_features = entry["shape"]
+            # B is not zero (as a trained LoRA's is not): the adapter visibly changes the image.
+            tensors[f"{component}.{module}.lora_A.weight"] = (
+                torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            )
+            tensors[f"{component}.{module}.lora_B.weight"] = (
+                strength * torch.randn(out_features, rank, generator=generator) / rank**0.5
+            )
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_file)
+    return out_file
+
+
+def publish_adapters(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) -> list[str]:
+    """Builds the tiny adapters for one model, uploads them under `adapters/{model}/{name}/1/` and registers
+    them the way the admin call does (the same checks, the same registration record)."""
+    from contract import google_clients, naming
+    from contract.adapter_registry import AdapterRegistry
+    from contract.settings import Settings
+
+    bucket = google_clients.storage_client(Settings.from_env()).bucket(bucket_name)
+    registry = AdapterRegistry(bucket)
+    registered = []
+    for name, (seed, rank) in TINY_ADAPTERS.items():
+        file = out_dir / name / ADAPTER_VERSION / "pytorch_lora_weights.safetensors"
+        if not file.exists():
+            build_adapter(pipeline_dir, file, seed, rank)
+        prefix = naming.adapter_prefix(spec.name, name, ADAPTER_VERSION)
+        bucket.blob(prefix + naming.ADAPTER_FILE).upload_from_filename(file)
+        record = registry.register(spec, name, ADAPTER_VERSION)
+        registered.append(f"{name}@{record.version} (rank {record.rank}, {record.targets} targets)")
+    return registered
+
+
 def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
     from contract import google_clients
     from contract.settings import Settings
@@ -184,6 +241,9 @@ def main() -> None:
         if args.upload:
             count = upload_directory(target, settings.model_bucket, spec.weights_path)
             log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
+            if spec.adapters is not None:
+                adapters = publish_adapters(spec, target, args.out / "adapters" / spec.name, settings.model_bucket)
+                log.info("registered adapters for %s: %s", spec.name, ", ".join(adapters))
 
 
 if __name__ == "__main__":

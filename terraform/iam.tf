@@ -89,6 +89,25 @@ resource "google_storage_bucket_iam_member" "api_uses_payloads" {
   member = google_service_account.api.member
 }
 
+# LoRA adapter registration: the API reads the model bucket (an adapter's file, and the base weights' safetensors
+# headers it is checked against) and writes only under adapters/ (the registration records).
+resource "google_storage_bucket_iam_member" "api_reads_models" {
+  bucket = google_storage_bucket.models.name
+  role   = "roles/storage.objectViewer"
+  member = google_service_account.api.member
+}
+
+resource "google_storage_bucket_iam_member" "api_registers_adapters" {
+  bucket = google_storage_bucket.models.name
+  role   = "roles/storage.objectAdmin"
+  member = google_service_account.api.member
+  condition {
+    title       = "adapters-prefix-only"
+    description = "Adapter registration records under adapters/ only; never the weights"
+    expression  = "resource.name.startsWith(\"projects/_/buckets/${local.model_bucket_name}/objects/adapters/\")"
+  }
+}
+
 resource "google_secret_manager_secret_iam_member" "api_reads_secrets" {
   for_each = google_secret_manager_secret.maas
 

@@ -9,9 +9,12 @@ import time
 
 import pytest
 
-from emulators.stack import StackConfig, down, up
+from emulators.stack import StackConfig, configuring_variables, down, up
 
 TEST_API_KEYS = ("test-key-primary", "test-key-secondary")
+TEST_ADMIN_KEY = "test-admin-key"
+# An adapter the tests register whose first load the stack's workers delay on purpose (a test hook).
+SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 8
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +25,11 @@ def stack(tmp_path_factory) -> StackConfig:
         port_offset=int(os.environ.get("MAAS_TEST_PORT_OFFSET", "10000")),
         api_keys=",".join(TEST_API_KEYS),
         api_keys_from_env=True,
+        environment={
+            **configuring_variables(os.environ),
+            "MAAS_ADMIN_KEYS": TEST_ADMIN_KEY,
+            "MAAS_ADAPTER_LOAD_DELAY": f"{SLOW_ADAPTER}={SLOW_ADAPTER_LOAD_SECONDS}",
+        },
     )
     up(config)
     saved = dict(os.environ)

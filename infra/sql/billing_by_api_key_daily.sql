@@ -9,6 +9,8 @@ SELECT
   COUNTIF(status = 'ok') AS succeeded,
   SUM(IF(status = 'ok', num_images, 0)) AS images,
   COUNTIF(cache_hit) AS cache_hits,
+  -- LoRA adapters (name@version:scale list): billed as their own line when a price per adapter image applies.
+  SUM(IF(status = 'ok' AND adapters IS NOT NULL, num_images, 0)) AS adapter_images,
   SUM(
     IF(
       status = 'ok' AND NOT IFNULL(cache_hit, FALSE) AND NOT IFNULL(coalesced, FALSE)

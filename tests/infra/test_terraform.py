@@ -524,8 +524,13 @@ def test_api_data_access_is_scoped_to_its_resources():
     ]
     buckets = [b for b in _grants("google_storage_bucket_iam_member", member).values()]
     assert [(expression(b["bucket"]), b["role"]) for b in buckets] == [
-        ("google_storage_bucket.payloads.name", "roles/storage.objectAdmin")
+        ("google_storage_bucket.payloads.name", "roles/storage.objectAdmin"),
+        ("google_storage_bucket.models.name", "roles/storage.objectViewer"),
+        ("google_storage_bucket.models.name", "roles/storage.objectAdmin"),
     ]
+    # Writing to the model bucket is for adapter registration records only.
+    (admin,) = [b for b in buckets if b["role"] == "roles/storage.objectAdmin" and "models" in expression(b["bucket"])]
+    assert "/objects/adapters/" in block(admin, "condition")["expression"]
     secrets = list(_grants("google_secret_manager_secret_iam_member", member).values())
     assert [b["role"] for b in secrets] == ["roles/secretmanager.secretAccessor"]
     assert expression(secrets[0]["for_each"]) == "google_secret_manager_secret.maas"

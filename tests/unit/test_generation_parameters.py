@@ -8,7 +8,7 @@ from dataclasses import fields
 from api_server.inference_log import InferenceLogRow
 from api_server.schemas import ParametersIn
 from contract.catalog import GenerationDefaults
-from contract.generation import LOGGED_PARAMETERS, PER_CALL_PARAMETERS, ROLES, GenerationParameters
+from contract.generation import LOGGED_PARAMETERS, PER_CALL_PARAMETERS, ROLES, AdapterRef, GenerationParameters
 from contract.log_schema import log_schema_fields
 from model_worker.runners import batch_key
 
@@ -43,10 +43,13 @@ def test_logged_parameters_are_log_row_fields_and_bigquery_columns_of_their_type
         assert columns[name]["type"] == BIGQUERY_TYPES[annotation], name
 
 
+ADAPTER = AdapterRef(name="style", version="1", scale=0.8, sha256="0" * 64)
+
+
 def test_requests_share_a_pipeline_call_unless_a_per_call_parameter_differs():
     assert batch_key(PARAMS) == batch_key(PARAMS.model_copy(update={"seed": 99}))
     for name in PER_CALL_PARAMETERS:
         value = getattr(PARAMS, name)
-        changed = PARAMS.model_copy(update={name: 0.5 if value is None else value * 2})
+        changed = PARAMS.model_copy(update={name: 0.5 if value is None else value * 2 or (ADAPTER,)})
         assert batch_key(changed) != batch_key(PARAMS), name
     assert batch_key(PARAMS.model_copy(update={"negative_prompt": "blur"})) != batch_key(PARAMS)

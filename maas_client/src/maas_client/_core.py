@@ -108,6 +108,7 @@ def predict_body(
     strength: float | None = None,
     priority: str | None = None,
     webhook_url: str | None = None,
+    adapters: dict[str, float] | list[dict] | None = None,
 ) -> dict:
     """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest."""
     if not isinstance(prompt, str) or not prompt.strip():
@@ -130,6 +131,12 @@ def predict_body(
     ):
         if value is not None:
             parameters[name] = value
+    if adapters:  # {"name": scale, ...} or the API's own [{"name", "scale"}] list
+        parameters["adapters"] = (
+            [{"name": name, "scale": scale} for name, scale in adapters.items()]
+            if isinstance(adapters, dict)
+            else adapters
+        )
     body: dict[str, Any] = {"instances": [instance] * n, "parameters": parameters}
     if webhook_url:
         body["webhook_url"] = webhook_url

@@ -77,7 +77,7 @@ class Client:
         """Generates images and waits for them; a request that turns into a job (202) is followed to its end.
 
         Options: n, seed, steps, size ("512x512"), image (PIL image, path or bytes), negative_prompt,
-        guidance_scale, strength, priority."""
+        guidance_scale, strength, priority, adapters ({"tiny-ink": 0.8}: LoRA adapters and their scales)."""
         body = _core.predict_body(prompt, **options)
         headers = {"Idempotency-Key": idempotency_key or _core.new_idempotency_key()}
         response = self.request("POST", f"/v1/models/{model}:predict", safe=True, json=body, headers=headers)
