@@ -20,13 +20,13 @@ import requests
 from api_server.app import create_app
 from api_server.state import app_state
 from api_server.traffic import choose_version
-from contract.settings import LOCAL_DEFAULT_ADMIN_KEY, Settings
+from contract.settings import Settings
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
-from tests.conftest import TEST_API_KEYS, query_rows
+from tests.conftest import TEST_ADMIN_KEY, TEST_API_KEYS, query_rows
 
 pytestmark = pytest.mark.stack
-ADMIN = {"Authorization": f"Bearer {LOCAL_DEFAULT_ADMIN_KEY}"}
+ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
 IN_FORCE_SECONDS = 2.0
 
 
@@ -101,7 +101,7 @@ def test_the_split_picks_the_version_and_response_row_and_cache_carry_it(stack, 
 
 
 def test_sticky_by_api_key_keeps_each_key_on_one_version(stack):
-    for key in (*TEST_API_KEYS, LOCAL_DEFAULT_ADMIN_KEY):
+    for key in (*TEST_API_KEYS, TEST_ADMIN_KEY):
         headers = {"Authorization": f"Bearer {key}"}
         seen = {predict(stack, "canary-sticky", headers).json()["model_version"] for _ in range(5)}
         assert len(seen) == 1, (key, seen)

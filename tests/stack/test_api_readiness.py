@@ -50,7 +50,10 @@ class Clock:
 
 def readiness(deps: Dependencies, clock: Clock | None = None) -> Readiness:
     services = SimpleNamespace(
-        settings=Settings(), redis=deps, publisher=deps, catalog=SimpleNamespace(names=lambda: MODELS)
+        settings=Settings(),
+        redis=deps,
+        publisher=deps,
+        catalog=SimpleNamespace(units=lambda: [SimpleNamespace(queue=name) for name in MODELS]),
     )
     return Readiness(services, bigquery=deps, clock=clock or Clock())
 

@@ -95,8 +95,10 @@ def test_worker_probe_ports_follow_the_catalog_order(tmp_path):
     order: list[str] = []
     for path in (ROOT / "contract" / "models.yaml", LOCAL_CATALOG_OVERLAY):
         for name, spec in yaml.safe_load(path.read_text())["models"].items():
-            if (deployment := spec.get("worker_group") or name) not in order:
-                order.append(deployment)
+            # A version may name a worker group of its own (else the model's, else the model's name).
+            for version in (spec.get("versions") or {"": {}}).values():
+                if (deployment := version.get("worker_group") or spec.get("worker_group") or name) not in order:
+                    order.append(deployment)
     config = StackConfig(stack_dir=tmp_path, port_offset=0, worker_replicas=2)
     ports = {worker.name: worker.port for worker in worker_components(config)}
     assert ports == {
