@@ -126,7 +126,7 @@ def markdown(result: dict) -> str:
         f"# Benchmark results ({'quick' if meta['quick'] else 'full'} run)",
         "",
         f"{meta['when']} · commit `{meta['commit']}` · {meta['cpus']} CPUs · load average before/after "
-        f"{meta['load_before']} / {meta['load_after']} · API: 1 gunicorn worker, gthread · "
+        f"{meta['load_before']} / {meta['load_after']} · API: 1 gunicorn worker, asyncio (the Flask app on its thread pool) · "
         f"{meta['warmup_seconds']} s warm-up + {meta['seconds']} s measured per scenario",
         "",
         "## Scenarios",
