@@ -17,6 +17,7 @@ from pydantic.json_schema import SkipJsonSchema
 from spectree import Response, SecurityScheme, SpecTree
 from spectree.models import SecuritySchemeData
 
+from contract.adapter_registry import AdapterRecord
 from contract.catalog import GenerationDefaults, GenerationLimits
 
 # Model names in this document follow the class names; the error shape and the bodies stay public words.
@@ -155,15 +156,8 @@ class ModelDetail(ModelInfo):
     traffic: TrafficView | None = None
 
 
-class AdapterInfo(BaseModel):
-    name: str
-    version: str
-    sha256: str
-    bytes: int
-    rank: int
-    targets: int
-    source: Literal["registered", "catalog"]
-    registered_at: str | None = None
+# An adapter as the registry records it (the one model, also what GET and PUT answer).
+AdapterInfo = AdapterRecord
 
 
 class AdapterList(BaseModel):

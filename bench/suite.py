@@ -188,20 +188,26 @@ class Suite:
 
     def adapters(self) -> dict | None:
         """LoRA adapters on the runner: per-call cost against none, and the load time (bench/adapters.py)."""
+        return self._module("LoRA adapters", "bench.adapters", "adapters.json", 300,
+                            ["--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
+                             "--calls", "15" if self.quick else "40"],
+                            {"MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
+
+    def _module(
+        self, title: str, module: str, json_name: str, timeout: float, args: list[str], env: dict
+    ) -> dict | None:
+        """Runs a benchmark module in a process of its own, prints what it printed; its --json result, or None."""
         started = time.monotonic()
-        out = self.out_dir / "adapters.json"
-        argv = [sys.executable, "-m", "bench.adapters", "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
-                "--json", str(out), "--calls", "15" if self.quick else "40"]  # fmt: skip
-        env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        out = self.out_dir / json_name
+        argv = [sys.executable, "-m", module, "--json", str(out), *args]
+        done = subprocess.run(
+            argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
+        )
         self.count += 1
         if done.returncode != 0:
-            print(f"[{self.count:>2}/{self.total}] LoRA adapters: failed\n{done.stderr[-2000:]}", flush=True)
+            print(f"[{self.count:>2}/{self.total}] {title}: failed\n{done.stderr[-2000:]}", flush=True)
             return None
-        print(
-            f"[{self.count:>2}/{self.total}] LoRA adapters ({time.monotonic() - started:.0f}s):\n{done.stdout}",
-            flush=True,
-        )
+        print(f"[{self.count:>2}/{self.total}] {title} ({time.monotonic() - started:.0f}s):\n{done.stdout}", flush=True)
         return json.loads(out.read_text())
 
     def open_loop_in_process(self) -> dict | None:
@@ -246,21 +252,9 @@ class Suite:
 
     def event_streams(self) -> dict | None:
         """1,000 open job event streams on one API instance (bench/api_event_streams.py, its own API process)."""
-        started = time.monotonic()
-        out = self.out_dir / "event_streams.json"
-        argv = [sys.executable, "-m", "bench.api_event_streams", "--json", str(out),
-                "--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"]  # fmt: skip
-        env = {**os.environ, "MAAS_STACK_DIR": str(self.config.stack_dir)}
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        self.count += 1
-        if done.returncode != 0:
-            print(f"[{self.count:>2}/{self.total}] event streams: failed\n{done.stderr[-2000:]}", flush=True)
-            return None
-        print(
-            f"[{self.count:>2}/{self.total}] event streams ({time.monotonic() - started:.0f}s):\n{done.stdout}",
-            flush=True,
-        )
-        return json.loads(out.read_text())
+        return self._module("event streams", "bench.api_event_streams", "event_streams.json", 600,
+                            ["--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"],
+                            {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
 
 def git_commit() -> str:
