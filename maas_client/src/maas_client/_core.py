@@ -47,6 +47,13 @@ def settings_from_env(url: str | None, api_key: str | None) -> tuple[str, str]:
     return url, api_key
 
 
+def http_options(url: str | None, api_key: str | None, timeout: httpx.Timeout | float) -> tuple[str, dict]:
+    """The base URL and what both clients give their httpx client: the key, the User-Agent, timeouts, TLS."""
+    url, key = settings_from_env(url, api_key)
+    headers = {"Authorization": f"Bearer {key}", "User-Agent": "maas-client/0.1"}
+    return url, {"base_url": url, "headers": headers, "timeout": timeout, "verify": verify_tls(url)}
+
+
 def verify_tls(url: str) -> bool:
     """httpx loads the CA bundle for every client (~50 ms of CPU, holding the GIL), TLS or not; a plain-http
     base URL never does TLS (the SDK follows no redirects), so it skips that: 32 load threads, each with its

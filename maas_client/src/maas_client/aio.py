@@ -28,15 +28,10 @@ class AsyncClient:
         max_connections: int = 100,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url, api_key = _core.settings_from_env(url, api_key)
+        self.url, options = _core.http_options(url, api_key, timeout)
         self.retry = _core.RetryPolicy(max_retries=max_retries)
         self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections),
-            verify=_core.verify_tls(self.url),
-            transport=transport,
+            limits=httpx.Limits(max_connections=max_connections), transport=transport, **options
         )
 
     async def __aenter__(self) -> AsyncClient:

@@ -28,15 +28,9 @@ class Client:
         max_retries: int = 3,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.url, api_key = _core.settings_from_env(url, api_key)
+        self.url, options = _core.http_options(url, api_key, timeout)
         self.retry = _core.RetryPolicy(max_retries=max_retries)
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "maas-client/0.1"},
-            timeout=timeout,
-            verify=_core.verify_tls(self.url),
-            transport=transport,
-        )
+        self._http = httpx.Client(transport=transport, **options)
 
     def __enter__(self) -> Client:
         return self
