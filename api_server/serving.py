@@ -115,7 +115,7 @@ class ServingStage:
     def model(self, name: str, request_id: str, caller: Caller) -> ModelSpec:
         """The model version that serves a request for `name`: the split in force picks it, from the request id,
         or from the API key when the model says `sticky: api_key` (one key, one version)."""
-        spec = self._known(name)
+        spec = self.stable(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             return spec
@@ -123,10 +123,7 @@ class ServingStage:
         return rollout.versions[choose_version(self._splits.split(name).traffic, key)]
 
     def stable(self, name: str) -> ModelSpec:
-        """A model's stable version (its one version, for most): what model-wide calls such as adapters act on."""
-        return self._known(name)
-
-    def _known(self, name: str) -> ModelSpec:
+        """A model's stable version (its one version, for most), or a 404: what model-wide calls act on."""
         spec = self._catalog.get(name)
         if spec is None:
             raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists them")
@@ -134,7 +131,7 @@ class ServingStage:
 
     def pinned(self, name: str, version: str) -> ModelSpec:
         """One version of a model, whatever the split (404 for a version the catalog does not have)."""
-        self._known(name)
+        self.stable(name)
         spec = self._catalog.version(name, version)
         if spec is None:
             raise ApiError(404, f"model {name!r} has no version {version!r}; GET /v1/models/{name} lists them")
@@ -142,7 +139,7 @@ class ServingStage:
 
     def model_view(self, name: str) -> tuple[ModelSpec, list[ModelSpec], dict | None]:
         """A model as GET shows it: its stable spec, its versions and the split in force (None: one version)."""
-        spec = self._known(name)
+        spec = self.stable(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             return spec, [spec], None
@@ -170,7 +167,7 @@ class ServingStage:
         return self._split_store(lambda: self._rollouts.reset(name, actor, None))
 
     def _versioned(self, name: str) -> Rollout:
-        self._known(name)
+        self.stable(name)
         rollout = self._catalog.rollout(name)
         if rollout is None:
             raise ApiError(409, f"model {name!r} has one version: there is no traffic split to change")
