@@ -169,29 +169,54 @@ class DeviceLoop:
         )  # fmt: skip
 
     def run(self) -> None:
-        """Until `stopping`; a running set is then finished (drain), but nobody new joins it."""
+        """Until `stopping`; a running set is then finished (drain), but nobody new joins it.
+
+        An exception that escapes a turn (a bug, not a request's own failure, which the runners contain) fails
+        the requests that turn held, each answered with the error, and the loop goes on: a dead device thread
+        would leave every later request waiting for a worker that pulls but never runs.
+        """
         idle_since = time.monotonic()
         while not self.stopping.is_set() or self.running:
             self._health.beat()
-            if self.running:
-                if not self.stopping.is_set():
-                    joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room)
-                    self._answer_all(abandoned)
-                    self.running.admit(joiners)
-                self.running.step()
-                if not self.running:
-                    idle_since = time.monotonic()
-                continue
-            batch, abandoned = self._pool.take_batch(timeout=1.0)
+            batch: list[PendingRequest] = []
+            try:
+                if self.running:
+                    self._step_running_set()
+                    if not self.running:
+                        idle_since = time.monotonic()
+                    continue
+                batch, abandoned = self._pool.take_batch(timeout=1.0)
+                self._answer_all(abandoned)
+                if not batch:
+                    continue
+                self._metrics.device_idle_seconds.inc(time.monotonic() - idle_since)
+                if batch[0].spec.scheduling == "step":
+                    self.running.admit(batch)
+                    continue
+                self.run_batch(batch)
+                idle_since = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                self._loop_failed(exc, batch)
+                idle_since = time.monotonic()
+
+    def _step_running_set(self) -> None:
+        if not self.stopping.is_set():
+            joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room)
             self._answer_all(abandoned)
-            if not batch:
-                continue
-            self._metrics.device_idle_seconds.inc(time.monotonic() - idle_since)
-            if batch[0].spec.scheduling == "step":
-                self.running.admit(batch)
-                continue
-            self.run_batch(batch)
-            idle_since = time.monotonic()
+            self.running.admit(joiners)
+        self.running.step()
+
+    def _loop_failed(self, exc: Exception, batch: list[PendingRequest]) -> None:
+        held = self.running.drop_all()
+        held += [pending for pending in batch if pending not in held]
+        log.error("device loop error; answering its %d requests with it: %r", len(held), exc, exc_info=exc)
+        self._metrics.errors.labels(kind="worker_error").inc()
+        for pending in held:
+            reply = self._replies.make(
+                pending.spec, pending.request_id, pending.message,
+                status="error", error_kind="worker_error", error=f"worker error: {type(exc).__name__}: {exc}",
+            )  # fmt: skip
+            self._finisher.answer(pending.message, reply)
 
     def _answer_all(self, abandoned: list[PendingRequest]) -> None:
         self._metrics.held_requests.set(len(self._pool.held()))

@@ -123,8 +123,9 @@ class RunningSet:
             self._leave(request)
             self._abandon(request.pending, "while it ran")
         if self._requests:
-            model = self._requests[0].pending.spec.name
-            runner = self._runners[model]
+            spec = self._requests[0].pending.spec
+            model = spec.name
+            runner = self._runners[spec.queue]  # runners are keyed by the unit's queue: `{model}--{version}`
             images = self.images
             self._denoise(runner)
             self.calls += 1
@@ -195,6 +196,14 @@ class RunningSet:
             self._metrics.inference_seconds.labels(model=pending.spec.name).observe(fields["inference_ms"] / 1000)
             self._finish(pending, images[offset : offset + count], fields)
             offset += count
+
+    def drop_all(self) -> list[PendingRequest]:
+        """Empties the set and returns its requests, for the device loop to answer after an error of its own."""
+        dropped = [r.pending for r in self._requests]
+        self._requests.clear()
+        self.key = None
+        self._metrics.running_images.set(0)
+        return dropped
 
     def _leave(self, request: RunningRequest) -> None:
         self._requests.remove(request)

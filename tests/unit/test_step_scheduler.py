@@ -321,3 +321,44 @@ def test_a_pipeline_whose_scheduler_cannot_step_per_item_is_refused_at_load(runn
     assert DiffusionRunner(heun, directory).spec.scheduler == "HeunDiscreteScheduler"
     with pytest.raises(ValueError, match="HeunDiscreteScheduler cannot"):
         DiffusionRunner(heun.model_copy(update={"scheduling": "step"}), directory)
+
+
+def test_a_versioned_model_steps_on_its_own_version_runner(runners):
+    # Runners are keyed by the unit's queue (`{model}--{version}`), never by the model's name alone.
+    v2 = TXT2IMG.model_copy(update={"version": "2", "versioned": True})
+    assert v2.queue != v2.name
+    runner = Hooked(runners[TXT2IMG.name])
+    pinned = request("pinned-v2", v2, steps=3, seed=5)
+    with Worker({v2.queue: runner}) as worker:
+        worker.pool.add(pinned)
+        worker.outcomes.wait(1)
+    assert set(worker.outcomes.images) == {"pinned-v2"} and worker.outcomes.fields["pinned-v2"]["model_version"] == "2"
+    assert_same_images(worker.outcomes.images["pinned-v2"], solo(runner, pinned))
+
+
+def test_an_error_escaping_the_device_loop_answers_its_requests_and_the_loop_goes_on(runners, monkeypatch):
+    runner = runners[TXT2IMG.name]
+    first, second = request("first", TXT2IMG, steps=3, seed=1), request("second", TXT2IMG, steps=3, seed=2)
+    later = request("later", TXT2IMG, steps=3, seed=3)
+    worker = Worker({TXT2IMG.name: runner})
+    calls = {"n": 0}
+    step = worker.loop.running.step
+
+    def step_once_broken() -> None:  # a bug outside the runner's own failure handling, once
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("sd15-txt2img")
+        step()
+
+    monkeypatch.setattr(worker.loop.running, "step", step_once_broken)
+    worker.pool.add(first)
+    worker.pool.add(second)  # both held before the loop starts: they form one running set
+    with worker:
+        worker.outcomes.wait(2)
+        worker.pool.add(later)  # the loop is still alive: the next request runs
+        worker.outcomes.wait(3)
+    answered = worker.outcomes.answered
+    assert set(answered) == {"first", "second"}
+    assert all(status == "error" and kind == "worker_error" and "KeyError" in error
+               for status, kind, error in answered.values())  # fmt: skip
+    assert set(worker.outcomes.images) == {"later"}
