@@ -93,6 +93,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     for field, value, limit in checks:
         if value > limit:
             raise ApiError(422, f"{field}: at most {limit} for {spec.name}", field)
+    _check_family_rules(given, params, spec)
     if params.seed + len(body.instances) - 1 > MAX_SEED:
         raise ApiError(422, f"parameters.seed: seed + instances must stay below {MAX_SEED}", "parameters.seed")
     if spec.task == "image-to-image":
@@ -118,6 +119,29 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
                 f"instances.{index}.image",
             )
     return params
+
+
+def _check_family_rules(given, params: GenerationParameters, spec: ModelSpec) -> None:
+    """The model family's own rules (contract/families.py): sizes, and guidance or negative prompts it would ignore."""
+    family = spec.family
+    if family is None:
+        return
+    for field, value in (("parameters.width", params.width), ("parameters.height", params.height)):
+        if value % family.size_multiple:
+            raise ApiError(422, f"{field}: must be a multiple of {family.size_multiple} for {spec.name}", field)
+    mode = spec.guidance_mode
+    if mode == "none" and given.guidance_scale is not None:
+        raise ApiError(
+            422,
+            f"parameters.guidance_scale: {spec.name} takes no guidance (a distilled model)",
+            "parameters.guidance_scale",
+        )
+    if mode != "cfg" and given.negative_prompt is not None:
+        raise ApiError(
+            422,
+            f"parameters.negative_prompt: {spec.name} has no classifier-free guidance, so it would ignore a negative prompt",
+            "parameters.negative_prompt",
+        )
 
 
 def decode_input_image(data: str, field: str, max_pixels: int | None = None) -> bytes:

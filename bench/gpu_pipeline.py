@@ -174,7 +174,7 @@ def worker_rate(runner, spec, params, seconds_hint: float, direct_guess: float |
 
 def compile_cache(workdir: Path, spec):
     from contract import naming
-    from model_worker.pipeline import CompileCache, compile_cache_key
+    from model_worker.compiled import CompileCache, compile_cache_key
 
     name = naming.compile_cache_object(spec.weights_path, compile_cache_key(spec))
     return CompileCache(LocalBucket(workdir / "compile-cache"), name)

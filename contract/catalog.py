@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contract import naming
+from contract.families import Family, Guidance, family_of, unknown_pipeline_error
 from contract.generation import defaults_model
 
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
@@ -29,7 +30,7 @@ SCHEDULINGS: tuple[str, ...] = ("step", "request")
 STEPPABLE_SCHEDULERS = frozenset({
     "PNDMScheduler", "DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler", "DPMSolverMultistepScheduler",
-    "UniPCMultistepScheduler",
+    "UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler",
 })  # fmt: skip
 NOT_STEPPABLE_SCHEDULERS = frozenset({
     "HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
@@ -92,7 +93,10 @@ class ModelSpec(BaseModel):
     versioned: bool = False
     task: Task
     runner: RunnerKind = "diffusers"
-    pipeline: Literal["StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"] | None = None
+    # A diffusers pipeline class of a served family (contract/families.py), which decides the model's rules.
+    pipeline: str | None = None
+    # How `guidance_scale` is used, over the family's (FLUX.1 [schnell]: `none`, it takes no guidance).
+    guidance: Guidance | None = None
     weights_path: str = ""
     # Synthetic runners only (tests): the `sleep` runner's seconds per call, and a version that fails every call.
     call_seconds: float | None = Field(default=None, gt=0)
@@ -125,6 +129,27 @@ class ModelSpec(BaseModel):
         return naming.version_queue(self.name, self.version) if self.versioned else self.name
 
     @property
+    def family(self) -> Family | None:
+        """The model family its pipeline belongs to; None for the synthetic runners."""
+        return family_of(self.pipeline)
+
+    @property
+    def guidance_mode(self) -> Guidance:
+        family = self.family
+        return self.guidance or (family.guidance if family else "cfg")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data):
+        """An entry's defaults over its family's: a FLUX entry that names no size gets 1024x1024."""
+        if not isinstance(data, dict) or (family := family_of(data.get("pipeline"))) is None:
+            return data
+        defaults = dict(family.defaults)
+        if data.get("guidance") == "none":
+            defaults.update(guidance_scale=0.0, num_inference_steps=4)
+        return {**data, "defaults": {**defaults, **(data.get("defaults") or {})}}
+
+    @property
     def deployment(self) -> str:
         """The worker deployment that serves this model (a version: its own, so a canary scales alone)."""
         return self.worker_group or self.queue
@@ -144,6 +169,8 @@ class ModelSpec(BaseModel):
                 raise ValueError(steppable_error(self.name, self.scheduler))
         if self.runner == "diffusers" and not (self.pipeline and self.weights_path):
             raise ValueError(f"{self.name}: the diffusers runner needs `pipeline` and `weights_path`")
+        if self.pipeline is not None:
+            self._check_family()
         if self.max_instances_per_request > self.max_batch_size:
             raise ValueError(
                 f"{self.name}: max_instances_per_request exceeds max_batch_size (one request is one batch)"
@@ -156,6 +183,26 @@ class ModelSpec(BaseModel):
                 f"request_timeout_seconds {self.request_timeout_seconds}, or a crashed worker's requests time out"
             )
         return self
+
+    def _check_family(self) -> None:
+        family = self.family
+        if family is None:
+            raise ValueError(unknown_pipeline_error(self.name, self.pipeline))
+        if family.pipelines[self.pipeline] != self.task:
+            raise ValueError(f"{self.name}: {self.pipeline} serves {family.pipelines[self.pipeline]}, not {self.task}")
+        if self.guidance is not None and (self.guidance == "cfg") != (family.guidance == "cfg"):
+            raise ValueError(
+                f"{self.name}: guidance {self.guidance!r} does not fit {self.pipeline} (its guidance is {family.guidance!r})"
+            )
+        if self.adapters is not None and not family.adapters:
+            raise ValueError(f"{self.name}: adapters are not served for {family.name} models yet; remove `adapters`")
+        for axis in ("width", "height"):
+            default, limit = getattr(self.defaults, axis), getattr(self.limits, f"max_{axis}")
+            if default % family.size_multiple or limit < default:
+                raise ValueError(
+                    f"{self.name}: defaults.{axis} {default} must be a multiple of {family.size_multiple} for "
+                    f"{family.name} models and at most limits.max_{axis} {limit}"
+                )
 
 
 def steppable_error(model: str, scheduler: str) -> str:

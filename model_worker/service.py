@@ -145,7 +145,8 @@ class WorkerService:
         self._stopped = threading.Event()
 
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
-        from model_worker.pipeline import CompileCache, DiffusionRunner, compile_cache_key
+        from model_worker.compiled import CompileCache, compile_cache_key
+        from model_worker.pipeline import DiffusionRunner
         from model_worker.weights import download_weights
 
         settings = self.settings

@@ -77,14 +77,72 @@ def build_tokenizer(out_dir: Path) -> tuple[int, int]:
     return len(tokens) - 2, len(tokens) - 1
 
 
-def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline") -> Path:
-    """Builds the pipeline deterministically (fixed seed) and saves it as safetensors."""
+def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline", guidance: str = "cfg") -> Path:
+    """Builds the pipeline deterministically (fixed seed) and saves it as safetensors.
+
+    The catalog's pipeline class picks the components: SD 1.5's (a UNet, one CLIP), SDXL's (a UNet with
+    `text_time` conditioning, two CLIP encoders, the second with a projection) or FLUX.1's (a flow-matching
+    transformer, CLIP and T5, a VAE with a shift factor), each at the sizes diffusers' own tests use.
+    """
     import diffusers
     import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     torch.manual_seed(0)
+    builder = _BUILDERS.get(pipeline_class)
+    if builder is None:
+        raise ValueError(f"no tiny pipeline for {pipeline_class}; one of {', '.join(sorted(_BUILDERS))}")
+    components = builder(out_dir, guidance_embeds=True) if guidance == "embedded" else builder(out_dir)
+    pipeline = getattr(diffusers, pipeline_class)(**components)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    for tokenizer in ("tokenizer", "tokenizer_2"):
+        if (out_dir / tokenizer / "tokenizer_config.json").exists():
+            _make_tokenizer_reproducible(out_dir / tokenizer)
+    return out_dir
+
+
+def _vae(latent_channels: int = 4, **extra):
+    """Four blocks, so the VAE shrinks images 8x like the real ones."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(32, 64, 64, 64),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=latent_channels,
+        norm_num_groups=32,
+        sample_size=512,
+        **extra,
+    )
+
+
+def _clip(out_dir: Path, name: str, with_projection: bool = False, hidden: int = 32):
+    """A small CLIP text encoder and its locally built BPE tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    tokenizer_dir = out_dir / name
+    bos_id, eos_id = build_tokenizer(tokenizer_dir)
+    config = CLIPTextConfig(
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        hidden_size=hidden,
+        intermediate_size=37,
+        layer_norm_eps=1e-05,
+        num_attention_heads=4,
+        num_hidden_layers=5,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=77,
+        projection_dim=32,
+    )
+    encoder = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+    return encoder, CLIPTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _sd15(out_dir: Path) -> dict:
+    from diffusers import PNDMScheduler, UNet2DConditionModel
+
     unet = UNet2DConditionModel(
         block_out_channels=(32, 64),
         layers_per_block=2,
@@ -96,51 +154,113 @@ def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline
         cross_attention_dim=32,
         norm_num_groups=32,
     )
-    # Four blocks so the VAE shrinks images 8x, like SD 1.5's.
-    vae = AutoencoderKL(
-        block_out_channels=(32, 64, 64, 64),
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=32,
-        sample_size=512,
-    )
-    tokenizer_dir = out_dir / "tokenizer"
-    bos_id, eos_id = build_tokenizer(tokenizer_dir)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-            hidden_size=32,
-            intermediate_size=37,
-            layer_norm_eps=1e-05,
-            num_attention_heads=4,
-            num_hidden_layers=5,
-            vocab_size=VOCAB_SIZE,
-            max_position_embeddings=77,
-        )
-    )
-    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
+    vae = _vae()
+    text_encoder, tokenizer = _clip(out_dir, "tokenizer")
     scheduler = PNDMScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
     )
-    cls = getattr(diffusers, pipeline_class)
-    pipeline = cls(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    return {
+        "unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler,
+        "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False,
+    }  # fmt: skip
+
+
+def _sdxl(out_dir: Path) -> dict:
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=128,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=80,  # 6 time ids x 8 + the second encoder's 32-wide projection
+        cross_attention_dim=64,  # the two encoders' hidden states side by side
+        norm_num_groups=32,
     )
-    pipeline.save_pretrained(out_dir, safe_serialization=True)
-    _make_tokenizer_reproducible(tokenizer_dir)
-    return out_dir
+    text_encoder, tokenizer = _clip(out_dir, "tokenizer")
+    text_encoder_2, tokenizer_2 = _clip(out_dir, "tokenizer_2", with_projection=True)
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading"
+    )
+    return {
+        "unet": unet, "vae": _vae(force_upcast=True), "text_encoder": text_encoder, "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "scheduler": scheduler,
+    }  # fmt: skip
+
+
+def _flux(out_dir: Path, guidance_embeds: bool = False) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # the VAE's 4 latent channels packed 2x2 into tokens
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+        guidance_embeds=guidance_embeds,
+    )
+    text_encoder, tokenizer = _clip(out_dir, "tokenizer")
+    t5_tokenizer = build_t5_tokenizer(out_dir / "tokenizer_2")
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
+            decoder_start_token_id=t5_tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
+        max_shift=1.15,
+    )  # fmt: skip
+    vae = _vae(shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
+    return {
+        "transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+        "text_encoder_2": t5, "tokenizer_2": t5_tokenizer, "scheduler": scheduler,
+    }  # fmt: skip
+
+
+def build_t5_tokenizer(out_dir: Path):
+    """A T5 tokenizer (a Unigram model learned from CORPUS), wrapped as transformers' fast T5 tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import T5TokenizerFast
+
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", tokenizer.token_to_id("</s>"))]
+    )
+    wrapped = T5TokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0,
+        model_max_length=512,
+    )  # fmt: skip
+    wrapped.save_pretrained(out_dir)
+    return wrapped
+
+
+_BUILDERS = {
+    "StableDiffusionPipeline": _sd15,
+    "StableDiffusionImg2ImgPipeline": _sd15,
+    "StableDiffusionXLPipeline": _sdxl,
+    "FluxPipeline": _flux,
+}
 
 
 def _make_tokenizer_reproducible(tokenizer_dir: Path) -> None:
@@ -236,7 +356,7 @@ def main() -> None:
             continue
         target = args.out / spec.queue
         if not (target / "model_index.json").exists():
-            build_pipeline(target, spec.pipeline)
+            build_pipeline(target, spec.pipeline, spec.guidance_mode)
             log.info("built tiny %s for %s in %s", spec.pipeline, spec.queue, target)
         if args.upload:
             count = upload_directory(target, settings.model_bucket, spec.weights_path)

@@ -1,0 +1,78 @@
+"""Model families: what the catalog's pipeline class says about a model's requests, for the API and the worker.
+
+A family is the set of diffusers pipelines that share a denoiser and its conditioning: SD 1.5 and SDXL (a UNet
+with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-packed latents, guidance embedded
+in the model for [dev] and absent for [schnell]). The API enforces each family's rules from this table (sizes,
+which guidance a request may ask for, negative prompts, adapters); the worker picks its denoiser by the same
+pipeline class (`model_worker/families`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# How a model uses `guidance_scale`. `cfg`: classifier-free guidance (two rows per image, the negative prompt
+# in one); `embedded`: a conditioning input of the model (FLUX.1 [dev]), no negative prompt; `none`: the model
+# takes no guidance at all (FLUX.1 [schnell]), so a request that sets it is refused.
+Guidance = Literal["cfg", "embedded", "none"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # Pipeline class -> the task it serves.
+    pipelines: dict[str, str]
+    # Width and height must be multiples of this (the VAE's 8x, times FLUX's 2x2 packing).
+    size_multiple: int
+    # The catalog defaults an entry of this family gets for what it leaves out.
+    defaults: dict[str, float | int]
+    guidance: Guidance
+    # The dtype the worker loads on a GPU (the CPU always runs float32).
+    gpu_dtype: Literal["float16", "bfloat16"]
+    # Whether the worker's adapter code serves this family (a later change moves every family to diffusers' LoRA).
+    adapters: bool
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "sd15",
+            {"StableDiffusionPipeline": "text-to-image", "StableDiffusionImg2ImgPipeline": "image-to-image"},
+            size_multiple=8,
+            defaults={"num_inference_steps": 25, "guidance_scale": 7.5, "width": 512, "height": 512},
+            guidance="cfg",
+            gpu_dtype="float16",
+            adapters=True,
+        ),
+        Family(
+            "sdxl",
+            {"StableDiffusionXLPipeline": "text-to-image"},
+            size_multiple=8,
+            defaults={"num_inference_steps": 30, "guidance_scale": 5.0, "width": 1024, "height": 1024},
+            guidance="cfg",
+            gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
+            adapters=False,
+        ),
+        Family(
+            "flux",
+            {"FluxPipeline": "text-to-image"},
+            size_multiple=16,
+            defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024},
+            guidance="embedded",
+            gpu_dtype="bfloat16",
+            adapters=False,
+        ),
+    )
+}
+PIPELINES: dict[str, Family] = {pipeline: family for family in FAMILIES.values() for pipeline in family.pipelines}
+
+
+def family_of(pipeline: str | None) -> Family | None:
+    """The family of a catalog pipeline class; None for the synthetic runners (no pipeline)."""
+    return PIPELINES.get(pipeline) if pipeline else None
+
+
+def unknown_pipeline_error(model: str, pipeline: str) -> str:
+    return f"{model}: pipeline {pipeline!r} is not served; the accepted classes are {', '.join(sorted(PIPELINES))}"

@@ -1,0 +1,149 @@
+"""The denoiser interface: what the runner and the step scheduler need of a model family, and nothing else.
+
+A family's denoiser prepares a request's images (text encoding, initial latents, one scheduler instance per
+image with its own timesteps), runs one batched model call over any set of prepared images of one latent
+shape with per-sample timesteps and guidance, steps each image's own scheduler on its slice, and decodes.
+For `scheduling: request` it also says which arguments the diffusers pipeline call takes for the family. The
+step scheduler, the runner and the rest of the worker see only this; which images may share a call is the
+pool's batch key (model, size, adapter set), the same for every family.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
+from contract.messages import GenerationParameters
+from model_worker.compiled import batch_buckets
+from model_worker.runners import GenerationItem, RunningItem
+
+
+class Denoiser:
+    """One family's arithmetic around a loaded diffusers pipeline. Subclasses fill in the family's parts."""
+
+    # The pipeline component that denoises (and is compiled): `unet` or `transformer`.
+    model_attribute = "unet"
+    # Extra arguments of the pipeline's `from_pretrained`.
+    load_kwargs: dict[str, Any] = {}
+
+    def __init__(self, spec: ModelSpec, pipeline, device: str) -> None:
+        import torch
+
+        self.spec = spec
+        self.pipeline = pipeline
+        self.device = device
+        self._torch = torch
+        # Set by `compile`: the model's rows are padded up to a compiled batch size.
+        self._compiled_buckets: list[int] | None = None
+
+    @property
+    def needs_image(self) -> bool:
+        return self.spec.task == "image-to-image"
+
+    @property
+    def model(self):
+        return getattr(self.pipeline, self.model_attribute)
+
+    # --- loading -------------------------------------------------------------------------------------------
+
+    def check_loaded(self) -> None:
+        """Refuses a loaded pipeline that contradicts its catalog entry (a clear error at start-up, not per request)."""
+
+    def check_steppable(self) -> None:
+        """Refuses `scheduling: step` for a pipeline whose scheduler cannot be stepped per item."""
+        name = type(self.pipeline.scheduler).__name__
+        if name not in STEPPABLE_SCHEDULERS:
+            raise ValueError(steppable_error(self.spec.name, name))
+
+    def lora_components(self) -> dict | None:
+        """The modules the worker's adapter hooks patch, by the names adapter files use; None: no adapters."""
+        return None
+
+    def compile(self) -> None:
+        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`)."""
+        torch = self._torch
+        if hasattr(self.pipeline, "fuse_qkv_projections"):
+            self.pipeline.fuse_qkv_projections()
+        setattr(self.pipeline, self.model_attribute,
+                torch.compile(self.model, mode="max-autotune-no-cudagraphs", dynamic=False))  # fmt: skip
+        self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
+
+    # --- scheduling: request -------------------------------------------------------------------------------
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        """The family's own arguments of one pipeline call (prompts, seeds, steps and callback are the runner's)."""
+        raise NotImplementedError
+
+    # --- scheduling: step ----------------------------------------------------------------------------------
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        """Encodes the prompts (one encoder call for the request) and prepares each image as the pipeline would
+        for it alone: its latents from its own generator, its own scheduler and timesteps."""
+        raise NotImplementedError
+
+    def denoise(self, running: list[RunningItem]) -> None:
+        """One model call over every item, then each item's own scheduler step. Raises only before any item
+        changed; a failure of one item's scheduler step is kept on that item."""
+        raise NotImplementedError
+
+    def decode(self, running: list[RunningItem]) -> list:
+        """Float arrays (height x width x 3, in [0, 1]) of finished items, in one decoder call."""
+        raise NotImplementedError
+
+    # --- shared by the families ----------------------------------------------------------------------------
+
+    def new_scheduler(self):
+        """A fresh instance of the pipeline's scheduler: each image steps its own."""
+        return type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+
+    def padded_rows(self, rows: int, rows_per_image: int = 1) -> int:
+        """The row count a compiled model runs for `rows` (unchanged when eager)."""
+        if self._compiled_buckets is None:
+            return rows
+        return rows_per_image * next(b for b in self._compiled_buckets if rows_per_image * b >= rows)
+
+    def step_items(self, running: list[RunningItem], predictions: list) -> None:
+        """Each item's own scheduler step on its slice of the shared call's output."""
+        for r, prediction in zip(running, predictions, strict=True):
+            try:
+                t = r.state["timesteps"][r.done]
+                step = r.state["scheduler"].step(
+                    prediction, t, r.state["latents"], **r.state["step_kwargs"], return_dict=False
+                )
+                r.state["latents"] = step[0]
+                r.done += 1
+            except Exception as exc:  # noqa: BLE001 - this item fails alone; the others have stepped
+                r.failure = exc
+
+    @staticmethod
+    def finished(running: list[RunningItem]) -> None:
+        for r in running:
+            r.state.clear()  # the latents and scheduler are done with: free them now, not when the reply is sent
+
+
+def randn(shape, generator, device, dtype):
+    """diffusers' noise for one image from its own generator (a one-element list, as the pipeline gets it)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(shape, generator=[generator], device=device, dtype=dtype)
+
+
+def step_kwargs(scheduler, generator) -> dict:
+    """What the pipeline passes to `scheduler.step` besides the tensors (eta 0 for DDIM, the generator)."""
+    accepted = inspect.signature(scheduler.step).parameters
+    kwargs: dict = {}
+    if "eta" in accepted:
+        kwargs["eta"] = 0.0
+    if "generator" in accepted:
+        kwargs["generator"] = [generator]
+    return kwargs
+
+
+def pad_rows(tensor, rows: int):
+    """Repeats the last row up to `rows` (a compiled model's fixed batch)."""
+    import torch
+
+    if tensor is None or tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(rows - tensor.shape[0], *tensor.shape[1:])])

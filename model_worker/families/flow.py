@@ -1,0 +1,126 @@
+"""The flow-matching transformer family: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`).
+
+Latents are packed 2x2 into tokens; the schedule's shift `mu` depends on the token count, so each image gets
+its own `FlowMatchEulerDiscreteScheduler` with its own sigmas, and images of different sizes never share a
+call (the pool's batch key has the size). One transformer call takes `timestep / 1000` and, for [dev], the
+embedded guidance as per-sample [B] tensors; the text and image position ids have no batch axis and are the
+same for every image of one size, so they are shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contract.messages import GenerationParameters
+from model_worker.families.base import Denoiser, pad_rows
+from model_worker.runners import GenerationItem, RunningItem
+
+# The T5 prompt length, in both schedulings (the pipeline's default; [schnell] checkpoints also run 256).
+MAX_SEQUENCE_LENGTH = 512
+
+
+class FluxDenoiser(Denoiser):
+    model_attribute = "transformer"
+
+    @property
+    def guidance_embedded(self) -> bool:
+        return bool(self.pipeline.transformer.config.guidance_embeds)
+
+    def check_loaded(self) -> None:
+        """The catalog's guidance mode must be the model's: [dev] embeds guidance, [schnell] takes none."""
+        mode = self.spec.guidance_mode
+        if (mode == "embedded") != self.guidance_embedded:
+            actual = "embedded" if self.guidance_embedded else "none"
+            raise ValueError(
+                f"{self.spec.name}: the catalog says guidance {mode!r} but the transformer's is {actual!r} "
+                f"(set `guidance: {actual}` in the catalog entry)"
+            )
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        return {"width": params.width, "height": params.height, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        with torch.inference_mode():
+            prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+            )  # fmt: skip
+            channels = pipe.transformer.config.in_channels // 4
+            steps = params.num_inference_steps
+            config = pipe.scheduler.config
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                latents, image_ids = pipe.prepare_latents(
+                    1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
+                )
+                sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+                mu = calculate_shift(
+                    latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                    config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+                )  # fmt: skip
+                scheduler = self.new_scheduler()
+                timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+                scheduler.set_begin_index(0)
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "image_ids": image_ids,
+                    "text_ids": text_ids,
+                    "context": prompt_embeds[index : index + 1],
+                    "pooled": pooled[index : index + 1],
+                    "guidance": params.guidance_scale,
+                    "size": (params.height, params.width),
+                    "mu": mu,
+                    "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
+                }
+                running.append(RunningItem(item, total=len(timesteps), state=state))
+        return running
+
+    def denoise(self, running: list[RunningItem]) -> None:
+        torch = self._torch
+        sizes = {r.state["size"] for r in running}
+        if len(sizes) > 1:
+            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
+            timestep = torch.cat(
+                [r.state["timesteps"][r.done].expand(1).to(latents.dtype) for r in running]
+            )  # fmt: skip
+            context = torch.cat([r.state["context"] for r in running])
+            pooled = torch.cat([r.state["pooled"] for r in running])
+            guidance = None
+            if self.guidance_embedded:
+                guidance = torch.tensor([r.state["guidance"] for r in running], device=latents.device,
+                                        dtype=torch.float32)  # fmt: skip
+            rows = latents.shape[0]
+            size = self.padded_rows(rows)
+            if size != rows:
+                latents, timestep, context, pooled, guidance = (
+                    pad_rows(tensor, size) for tensor in (latents, timestep, context, pooled, guidance)
+                )
+            first = running[0].state
+            predicted = self.pipeline.transformer(
+                hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=pooled,
+                encoder_hidden_states=context, txt_ids=first["text_ids"], img_ids=first["image_ids"],
+                return_dict=False,
+            )[0][:rows]  # fmt: skip
+            self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
+
+    def decode(self, running: list[RunningItem]) -> list:
+        torch, pipe = self._torch, self.pipeline
+        height, width = running[0].state["size"]
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
+            latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+            latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+            images = pipe.vae.decode(latents, return_dict=False)[0]
+            arrays = pipe.image_processor.postprocess(images, output_type="np")
+        self.finished(running)
+        return list(arrays)
