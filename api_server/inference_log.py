@@ -43,6 +43,7 @@ class InferenceLogRow:
     api_key_id: str | None = None
     model_version: str | None = None
     task: str | None = None
+    model_family: str | None = None
     endpoint: str | None = None
     error_kind: str | None = None
     error: str | None = None

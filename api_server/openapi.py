@@ -115,6 +115,12 @@ class ModelInfo(BaseModel):
     name: str
     version: str
     task: Literal["text-to-image", "image-to-image"]
+    family: str | None = Field(description="the model family (sd15, sdxl, flux); null for the synthetic models")
+    guidance: Literal["cfg", "embedded", "none"] = Field(
+        description="what `guidance_scale` means: classifier-free guidance (a negative prompt is taken), guidance "
+        "embedded in the model (no negative prompt), or none (the model takes neither)"
+    )
+    size_multiple: int = Field(description="width and height must be multiples of this")
     max_instances_per_request: int
     request_timeout_seconds: int
     defaults: GenerationDefaults

@@ -88,6 +88,7 @@ class RequestRecords:
             row.api_key_id = call.caller.key_id
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
+            row.model_family = call.spec.family.name if call.spec.family else None
         if (prepared := call.prepared) is not None:
             for name in LOGGED_PARAMETERS:
                 setattr(row, name, getattr(prepared.params, name))

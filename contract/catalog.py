@@ -142,8 +142,10 @@ class ModelSpec(BaseModel):
     @classmethod
     def _family_defaults(cls, data):
         """An entry's defaults over its family's: a FLUX entry that names no size gets 1024x1024."""
-        if not isinstance(data, dict) or (family := family_of(data.get("pipeline"))) is None:
+        if not isinstance(data, dict) or not data.get("pipeline"):
             return data
+        if (family := family_of(data["pipeline"])) is None:
+            raise ValueError(unknown_pipeline_error(data.get("name", "?"), data["pipeline"]))
         defaults = dict(family.defaults)
         if data.get("guidance") == "none":
             defaults.update(guidance_scale=0.0, num_inference_steps=4)

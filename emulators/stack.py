@@ -648,7 +648,8 @@ def supervise(config: StackConfig) -> None:
 
 
 def banner(config: StackConfig, foreground: bool) -> str:
-    model = load_catalog().names()[-1]  # a diffusion model; `noop` and `sleep` are served too
+    # The first text-to-image diffusion model of the catalog (sd15-txt2img); `noop` and `sleep` are served too.
+    model = next(s.name for s in load_catalog().units() if s.family is not None and s.task == "text-to-image")
     key_note = (
         "" if config.api_keys_from_env else f"  (MAAS_API_KEYS is unset: using the local key {LOCAL_DEFAULT_API_KEY!r})"
     )
