@@ -74,3 +74,23 @@ def test_the_model_list_shows_each_family(stack, auth_headers):
     assert families["sd15-txt2img"] == ("sd15", "cfg")
     assert families["sdxl-txt2img"] == ("sdxl", "cfg")
     assert families["flux-schnell"] == ("flux", "none")
+
+
+def test_a_versioned_model_under_step_scheduling_serves_each_version_pinned_and_through_the_split(
+    stack, auth_headers
+):
+    # Each version's worker steps on its own runner (keyed `{model}--{version}`): the defect that killed the
+    # worker at its first step looked the runner up by the model's name.
+    base = f"{stack.api_url}/v1/models/flux-versions"
+    for version in ("1", "2"):
+        body = {"instances": [{"prompt": f"pinned {uuid.uuid4().hex}"}], "parameters": {"num_inference_steps": 2}}
+        response = requests.post(f"{base}/versions/{version}:predict", json=body, headers=auth_headers, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["model_version"] == version
+    served = set()
+    for _ in range(20):  # a 50/50 split: both versions answer (all 20 on one version: p = 2e-6)
+        body = {"instances": [{"prompt": f"split {uuid.uuid4().hex}"}], "parameters": {"num_inference_steps": 2}}
+        response = requests.post(f"{base}:predict", json=body, headers=auth_headers, timeout=60)
+        assert response.status_code == 200, response.text
+        served.add(response.json()["model_version"])
+    assert served == {"1", "2"}
