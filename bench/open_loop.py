@@ -220,7 +220,8 @@ def pending_request(spec, steps: int, seed: int, size: int = 64):
     from model_worker.runners import GenerationItem
 
     request_id = uuid.uuid4().hex
-    params = GenerationParameters(seed=seed, num_inference_steps=steps, guidance_scale=7.5, width=size, height=size)
+    params = GenerationParameters(seed=seed, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale,
+                                  width=size, height=size)  # fmt: skip
     request = InferenceRequest(request_id=request_id, model=spec.name, model_version=spec.version,
                                instances=[RequestInstance(prompt=f"open loop {seed}")], parameters=params)  # fmt: skip
     message = HeldMessage(f"bench/{spec.name}", f"ack-{request_id}", {}, b"", 1, time.time())

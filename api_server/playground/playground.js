@@ -47,7 +47,7 @@ async function loadModels() {
     return;
   }
   const select = $("model");
-  select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + model.task + ")", model.name)));
+  select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + (model.family ? model.family + ", " : "") + model.task + ")", model.name)));
   const preferred = catalog.find((model) => model.name.startsWith("sd15-txt2img"));
   if (preferred) select.value = preferred.name;
   modelChanged();
@@ -60,8 +60,12 @@ function modelChanged() {
   $("size").placeholder = model.defaults.width + "x" + model.defaults.height;
   $("count").max = String(model.max_instances_per_request);
   $("image-label").hidden = model.task !== "image-to-image";
-  $("model-hint").textContent = "up to " + model.limits.max_width + "x" + model.limits.max_height + ", "
-    + model.limits.max_inference_steps + " steps, " + model.max_instances_per_request + " images";
+  // A model without classifier-free guidance (FLUX) refuses a negative prompt: the field is not offered.
+  $("negative-label").hidden = model.guidance !== "cfg";
+  if (model.guidance !== "cfg") $("negative").value = "";
+  $("model-hint").textContent = "up to " + model.limits.max_width + "x" + model.limits.max_height
+    + " (multiples of " + model.size_multiple + "), " + model.limits.max_inference_steps + " steps, "
+    + model.max_instances_per_request + " images";
 }
 
 function readImage(file) {
