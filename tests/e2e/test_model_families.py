@@ -76,9 +76,7 @@ def test_the_model_list_shows_each_family(stack, auth_headers):
     assert families["flux-schnell"] == ("flux", "none")
 
 
-def test_a_versioned_model_under_step_scheduling_serves_each_version_pinned_and_through_the_split(
-    stack, auth_headers
-):
+def test_a_versioned_model_under_step_scheduling_serves_each_version_pinned_and_through_the_split(stack, auth_headers):
     # Each version's worker steps on its own runner (keyed `{model}--{version}`): the defect that killed the
     # worker at its first step looked the runner up by the model's name.
     base = f"{stack.api_url}/v1/models/flux-versions"
