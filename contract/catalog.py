@@ -97,6 +97,8 @@ class ModelSpec(BaseModel):
     pipeline: str | None = None
     # How `guidance_scale` is used, over the family's (FLUX.1 [schnell]: `none`, it takes no guidance).
     guidance: Guidance | None = None
+    # Pipeline components left out when loading (the family's optional ones: SD 3.5's `text_encoder_3`).
+    without: list[str] = Field(default_factory=list)
     weights_path: str = ""
     # Synthetic runners only (tests): the `sleep` runner's seconds per call, and a version that fails every call.
     call_seconds: float | None = Field(default=None, gt=0)
@@ -196,6 +198,9 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"{self.name}: guidance {self.guidance!r} does not fit {self.pipeline} (its guidance is {family.guidance!r})"
             )
+        if unknown := sorted(set(self.without) - set(family.optional_components)):
+            allowed = ", ".join(family.optional_components) or "none"
+            raise ValueError(f"{self.name}: `without` names {unknown}; {family.name} models may leave out: {allowed}")
         if self.adapters is not None and not family.adapters:
             raise ValueError(f"{self.name}: adapters are not served for {family.name} models yet; remove `adapters`")
         for axis in ("width", "height"):

@@ -2,7 +2,8 @@
 
 A family is the set of diffusers pipelines that share a denoiser and its conditioning: SD 1.5 and SDXL (a UNet
 with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-packed latents, guidance embedded
-in the model for [dev] and absent for [schnell]). The API enforces each family's rules from this table (sizes,
+in the model for [dev] and absent for [schnell]) and SD 3.5 (a flow-matching MMDiT with classifier-free
+guidance, its T5 encoder optional). The API enforces each family's rules from this table (sizes,
 which guidance a request may ask for, negative prompts, adapters); the worker picks its denoiser by the same
 pipeline class (`model_worker/families`).
 """
@@ -32,6 +33,8 @@ class Family:
     gpu_dtype: Literal["float16", "bfloat16"]
     # Whether the worker's adapter code serves this family (a later change moves every family to diffusers' LoRA).
     adapters: bool
+    # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
+    optional_components: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -48,7 +51,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "sdxl",
-            {"StableDiffusionXLPipeline": "text-to-image"},
+            {"StableDiffusionXLPipeline": "text-to-image", "StableDiffusionXLImg2ImgPipeline": "image-to-image"},
             size_multiple=8,
             defaults={"num_inference_steps": 30, "guidance_scale": 5.0, "width": 1024, "height": 1024},
             guidance="cfg",
@@ -57,12 +60,22 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "flux",
-            {"FluxPipeline": "text-to-image"},
+            {"FluxPipeline": "text-to-image", "FluxImg2ImgPipeline": "image-to-image"},
             size_multiple=16,
             defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024},
             guidance="embedded",
             gpu_dtype="bfloat16",
             adapters=False,
+        ),
+        Family(
+            "sd3",
+            {"StableDiffusion3Pipeline": "text-to-image"},
+            size_multiple=16,  # the VAE's 8x times the transformer's 2x2 patches
+            defaults={"num_inference_steps": 28, "guidance_scale": 7.0, "width": 1024, "height": 1024},
+            guidance="cfg",
+            gpu_dtype="bfloat16",
+            adapters=False,
+            optional_components=("text_encoder_3",),
         ),
     )
 }

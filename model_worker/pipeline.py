@@ -55,7 +55,7 @@ class DiffusionRunner:
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)
         self._pipeline = pipeline_class.from_pretrained(
-            weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs
+            weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
         ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
         if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:

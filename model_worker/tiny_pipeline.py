@@ -94,7 +94,7 @@ def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline
     components = builder(out_dir, guidance_embeds=True) if guidance == "embedded" else builder(out_dir)
     pipeline = getattr(diffusers, pipeline_class)(**components)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
-    for tokenizer in ("tokenizer", "tokenizer_2"):
+    for tokenizer in ("tokenizer", "tokenizer_2", "tokenizer_3"):
         if (out_dir / tokenizer / "tokenizer_config.json").exists():
             _make_tokenizer_reproducible(out_dir / tokenizer)
     return out_dir
@@ -255,11 +255,49 @@ def build_t5_tokenizer(out_dir: Path):
     return wrapped
 
 
+def _sd3(out_dir: Path) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=64,  # T5's width; the two CLIPs' hidden states side by side are padded to it
+        pooled_projection_dim=64,  # the two CLIPs' 32-wide projections side by side
+        out_channels=4,
+        pos_embed_max_size=64,  # up to 64x64 patches: 1024x1024 pixels
+    )
+    text_encoder, tokenizer = _clip(out_dir, "tokenizer", with_projection=True)
+    text_encoder_2, tokenizer_2 = _clip(out_dir, "tokenizer_2", with_projection=True)
+    t5_tokenizer = build_t5_tokenizer(out_dir / "tokenizer_3")
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tokenizer), d_model=64, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
+            decoder_start_token_id=t5_tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    vae = _vae(shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
+    return {
+        "transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "text_encoder_3": t5, "tokenizer_3": t5_tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+    }  # fmt: skip
+
+
 _BUILDERS = {
     "StableDiffusionPipeline": _sd15,
     "StableDiffusionImg2ImgPipeline": _sd15,
     "StableDiffusionXLPipeline": _sdxl,
+    "StableDiffusionXLImg2ImgPipeline": _sdxl,
     "FluxPipeline": _flux,
+    "FluxImg2ImgPipeline": _flux,
+    "StableDiffusion3Pipeline": _sd3,
 }
 
 

@@ -12,10 +12,12 @@ from model_worker.families.base import Denoiser
 
 def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
-    from model_worker.families.flow import FluxDenoiser
+    from model_worker.families.flow import FluxDenoiser, SD3Denoiser
     from model_worker.families.unet import SDXLDenoiser, UNetDenoiser
 
-    denoisers: dict[str, type[Denoiser]] = {"sd15": UNetDenoiser, "sdxl": SDXLDenoiser, "flux": FluxDenoiser}
+    denoisers: dict[str, type[Denoiser]] = {
+        "sd15": UNetDenoiser, "sdxl": SDXLDenoiser, "flux": FluxDenoiser, "sd3": SD3Denoiser,
+    }  # fmt: skip
     family = spec.family
     if family is None or family.name not in denoisers:
         raise ValueError(f"{spec.name}: no denoiser for pipeline {spec.pipeline}")

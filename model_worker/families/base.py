@@ -11,6 +11,8 @@ pool's batch key (model, size, adapter set), the same for every family.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
@@ -24,8 +26,8 @@ class Denoiser:
 
     # The pipeline component that denoises (and is compiled): `unet` or `transformer`.
     model_attribute = "unet"
-    # Extra arguments of the pipeline's `from_pretrained`.
-    load_kwargs: dict[str, Any] = {}
+    # Arguments of the pipeline's `from_pretrained` for the whole family (SD 1.5: no safety checker).
+    extra_load_kwargs: dict[str, Any] = {}
 
     def __init__(self, spec: ModelSpec, pipeline, device: str) -> None:
         import torch
@@ -46,6 +48,15 @@ class Denoiser:
         return getattr(self.pipeline, self.model_attribute)
 
     # --- loading -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def load_kwargs(cls, spec: ModelSpec) -> dict[str, Any]:
+        """Extra arguments of the pipeline's `from_pretrained`: the components the catalog entry leaves out."""
+        kwargs: dict[str, Any] = dict(cls.extra_load_kwargs)
+        for component in spec.without:
+            kwargs[component] = None
+            kwargs[component.replace("text_encoder", "tokenizer")] = None
+        return kwargs
 
     def check_loaded(self) -> None:
         """Refuses a loaded pipeline that contradicts its catalog entry (a clear error at start-up, not per request)."""
@@ -92,6 +103,17 @@ class Denoiser:
         raise NotImplementedError
 
     # --- shared by the families ----------------------------------------------------------------------------
+
+    @contextmanager
+    def using(self, scheduler) -> Iterator[None]:
+        """The pipeline's own helpers (`get_timesteps`, img2img's `prepare_latents`) read `pipeline.scheduler`:
+        lend them an image's own scheduler, so its schedule is set exactly as the pipeline sets it."""
+        saved = self.pipeline.scheduler
+        self.pipeline.scheduler = scheduler
+        try:
+            yield
+        finally:
+            self.pipeline.scheduler = saved
 
     def new_scheduler(self):
         """A fresh instance of the pipeline's scheduler: each image steps its own."""

@@ -1,10 +1,15 @@
-"""The flow-matching transformer family: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`).
+"""The flow-matching transformer families: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`), and SD 3.5
+(`SD3Transformer2DModel`, an MMDiT with classifier-free guidance).
 
-Latents are packed 2x2 into tokens; the schedule's shift `mu` depends on the token count, so each image gets
+FLUX: latents are packed 2x2 into tokens; the schedule's shift `mu` depends on the token count, so each image gets
 its own `FlowMatchEulerDiscreteScheduler` with its own sigmas, and images of different sizes never share a
 call (the pool's batch key has the size). One transformer call takes `timestep / 1000` and, for [dev], the
 embedded guidance as per-sample [B] tensors; the text and image position ids have no batch axis and are the
-same for every image of one size, so they are shared.
+same for every image of one size, so they are shared. Image-to-image starts each image at its own step of its
+own schedule (the pipeline's `get_timesteps` on the image's scheduler) from the noised input's latents.
+
+SD 3.5: unpacked latents, `timestep` as the scheduler gives it, classifier-free guidance as the UNet families
+do it (negative row, then positive row, per image), and the T5 encoder optional (`without: [text_encoder_3]`).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from contract.messages import GenerationParameters
 from model_worker.families.base import Denoiser, pad_rows
 from model_worker.runners import GenerationItem, RunningItem
 
-# The T5 prompt length, in both schedulings (the pipeline's default; [schnell] checkpoints also run 256).
+# The T5 prompt length, in both schedulings (each pipeline's default; FLUX.1 [schnell] checkpoints also run 256).
 MAX_SEQUENCE_LENGTH = 512
+SD3_MAX_SEQUENCE_LENGTH = 256
 
 
 class FluxDenoiser(Denoiser):
@@ -37,7 +43,10 @@ class FluxDenoiser(Denoiser):
             )
 
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
-        return {"width": params.width, "height": params.height, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+        if self.needs_image:
+            kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
+        return kwargs
 
     def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         import numpy as np
@@ -56,17 +65,27 @@ class FluxDenoiser(Denoiser):
             running = []
             for index, item in enumerate(items):
                 generator = torch.Generator(device="cpu").manual_seed(item.seed)
-                latents, image_ids = pipe.prepare_latents(
-                    1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
-                )
+                tokens = (params.height // pipe.vae_scale_factor // 2) * (params.width // pipe.vae_scale_factor // 2)
                 sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
                 mu = calculate_shift(
-                    latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                    tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                     config.get("base_shift", 0.5), config.get("max_shift", 1.15),
                 )  # fmt: skip
                 scheduler = self.new_scheduler()
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-                scheduler.set_begin_index(0)
+                if self.needs_image:
+                    with self.using(scheduler):
+                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
+                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
+                        latents, image_ids = pipe.prepare_latents(
+                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
+                            params.width, prompt_embeds.dtype, device, [generator],
+                        )  # fmt: skip
+                else:
+                    latents, image_ids = pipe.prepare_latents(
+                        1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
+                    )
+                    scheduler.set_begin_index(0)
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
@@ -119,6 +138,111 @@ class FluxDenoiser(Denoiser):
         with torch.inference_mode():
             latents = torch.cat([r.state["latents"] for r in running])
             latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+            latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+            images = pipe.vae.decode(latents, return_dict=False)[0]
+            arrays = pipe.image_processor.postprocess(images, output_type="np")
+        self.finished(running)
+        return list(arrays)
+
+
+class SD3Denoiser(Denoiser):
+    """SD 3.5: two CLIPs and T5 (or zeros in its place), classifier-free guidance with negative prompts."""
+
+    model_attribute = "transformer"
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "width": params.width, "height": params.height, "max_sequence_length": SD3_MAX_SEQUENCE_LENGTH,
+        }  # fmt: skip
+        if any(item.negative_prompt for item in items):
+            kwargs["negative_prompt"] = [item.negative_prompt or "" for item in items]
+        return kwargs
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        guided = params.guidance_scale > 1
+        config = pipe.scheduler.config
+        with torch.inference_mode():
+            prompt_embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, prompt_3=None, device=device,
+                num_images_per_prompt=1, do_classifier_free_guidance=guided,
+                negative_prompt=[item.negative_prompt or "" for item in items],
+                max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
+            )  # fmt: skip
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                latents = pipe.prepare_latents(
+                    1, pipe.transformer.config.in_channels, params.height, params.width, prompt_embeds.dtype, device,
+                    [generator],
+                )  # fmt: skip
+                kwargs = {}
+                if config.get("use_dynamic_shifting", None):
+                    patch = pipe.transformer.config.patch_size
+                    tokens = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
+                    kwargs["mu"] = calculate_shift(
+                        tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                        config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+                    )  # fmt: skip
+                scheduler = self.new_scheduler()
+                timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, device, **kwargs)
+                context, pooled_item = prompt_embeds[index : index + 1], pooled[index : index + 1]
+                if guided:
+                    context = torch.cat([negative_embeds[index : index + 1], context])
+                    pooled_item = torch.cat([negative_pooled[index : index + 1], pooled_item])
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "context": context,
+                    "pooled": pooled_item,
+                    "guidance": params.guidance_scale if guided else None,
+                    "size": (params.height, params.width),
+                    "step_kwargs": {},
+                }
+                running.append(RunningItem(item, total=len(timesteps), state=state))
+        return running
+
+    def denoise(self, running: list[RunningItem]) -> None:
+        torch = self._torch
+        with torch.inference_mode():
+            inputs, timesteps = [], []
+            for r in running:
+                latents = r.state["latents"]
+                x = torch.cat([latents] * 2) if r.state["guidance"] is not None else latents
+                inputs.append(x)
+                timesteps.append(r.state["timesteps"][r.done].expand(x.shape[0]))
+            sample, timestep = torch.cat(inputs), torch.cat(timesteps)
+            context = torch.cat([r.state["context"] for r in running])
+            pooled = torch.cat([r.state["pooled"] for r in running])
+            rows = sample.shape[0]
+            size = self.padded_rows(rows, rows_per_image=2)
+            if size != rows:
+                sample, timestep, context, pooled = (pad_rows(t, size) for t in (sample, timestep, context, pooled))
+            predicted = self.pipeline.transformer(
+                hidden_states=sample, timestep=timestep, encoder_hidden_states=context, pooled_projections=pooled,
+                return_dict=False,
+            )[0][:rows]  # fmt: skip
+            predictions, offset = [], 0
+            for r, x in zip(running, inputs, strict=True):
+                noise = predicted[offset : offset + x.shape[0]]
+                offset += x.shape[0]
+                if r.state["guidance"] is not None:
+                    uncond, text = noise.chunk(2)
+                    noise = uncond + r.state["guidance"] * (text - uncond)
+                predictions.append(noise)
+            self.step_items(running, predictions)
+
+    def decode(self, running: list[RunningItem]) -> list:
+        torch, pipe = self._torch, self.pipeline
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
             latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
             images = pipe.vae.decode(latents, return_dict=False)[0]
             arrays = pipe.image_processor.postprocess(images, output_type="np")

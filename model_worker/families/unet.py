@@ -18,7 +18,8 @@ class UNetDenoiser(Denoiser):
     """SD 1.5: `unet(sample, t, encoder_hidden_states)`; its conditioning is the CLIP context alone."""
 
     model_attribute = "unet"
-    load_kwargs = {"safety_checker": None, "requires_safety_checker": False}
+
+    extra_load_kwargs = {"safety_checker": None, "requires_safety_checker": False}
 
     def check_steppable(self) -> None:
         super().check_steppable()
@@ -164,9 +165,10 @@ class UNetDenoiser(Denoiser):
 
 class SDXLDenoiser(UNetDenoiser):
     """SDXL: the context is both encoders' hidden states side by side; `added_cond_kwargs` carry the second
-    encoder's pooled embedding and the size conditioning (original size, crop, target size)."""
+    encoder's pooled embedding and the size conditioning (original size, crop, target size; image-to-image's
+    with the aesthetic score when the weights ask for it)."""
 
-    load_kwargs: dict[str, Any] = {}
+    extra_load_kwargs: dict[str, Any] = {}
 
     def lora_components(self) -> dict | None:
         return None  # adapters for SDXL come with diffusers' own LoRA loading
@@ -188,18 +190,35 @@ class SDXLDenoiser(UNetDenoiser):
         projection = (
             pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else int(pooled.shape[-1])
         )
-        size = (params.height, params.width)
-        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=prompt_embeds.dtype,
-                                          text_encoder_projection_dim=projection).to(prompt_embeds.device)  # fmt: skip
+        size, dtype = (params.height, params.width), prompt_embeds.dtype
+        if self.needs_image:  # the img2img pipeline's time ids: with aesthetic scores (its defaults) when configured
+            time_ids, negative_time_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection
+            )
+        else:
+            time_ids = negative_time_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection
+            )
+        time_ids, negative_time_ids = time_ids.to(prompt_embeds.device), negative_time_ids.to(prompt_embeds.device)
         conditions = []
         for index in range(len(items)):
             context, text_embeds, ids = prompt_embeds[index : index + 1], pooled[index : index + 1], time_ids
             if guided:
                 context = torch.cat([negative_embeds[index : index + 1], context])
                 text_embeds = torch.cat([negative_pooled[index : index + 1], text_embeds])
-                ids = torch.cat([time_ids, time_ids])
+                ids = torch.cat([negative_time_ids, time_ids])
             conditions.append({"context": context, "text_embeds": text_embeds, "time_ids": ids})
         return conditions
+
+    def _image_latents(self, scheduler, item: GenerationItem, params: GenerationParameters, generator, device, dtype):
+        """The img2img pipeline's own `get_timesteps` and `prepare_latents` (VAE upcast, latent mean and std) for
+        one image, on its own scheduler."""
+        pipe = self.pipeline
+        with self.using(scheduler):
+            timesteps, _ = pipe.get_timesteps(params.num_inference_steps, params.strength, device)
+            image = pipe.image_processor.preprocess(item.image)
+            latents = pipe.prepare_latents(image, timesteps[:1].repeat(1), 1, 1, dtype, device, [generator])
+        return timesteps, latents
 
     def call_model(self, sample, timestep, condition: dict):
         added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}

@@ -22,7 +22,17 @@ SDXL = CATALOG.get("sdxl-txt2img")
 SCHNELL = CATALOG.get("flux-schnell")
 DEV = SCHNELL.model_copy(update={"name": "flux-dev", "guidance": "embedded"})
 SD15 = CATALOG.get("sd15-txt2img")
-FAMILIES = {"sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV}
+SD35 = CATALOG.get("sd35-txt2img")
+SD35_NO_T5 = SD35.model_copy(update={"name": "sd35-no-t5", "without": ["text_encoder_3"]})
+SDXL_IMG2IMG = SDXL.model_copy(update={"name": "sdxl-img2img", "task": "image-to-image",
+                                       "pipeline": "StableDiffusionXLImg2ImgPipeline"})  # fmt: skip
+FLUX_IMG2IMG = DEV.model_copy(update={"name": "flux-img2img", "task": "image-to-image",
+                                      "pipeline": "FluxImg2ImgPipeline"})  # fmt: skip
+SD15_IMG2IMG = CATALOG.get("sd15-img2img")
+FAMILIES = {
+    "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
+    "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
+}  # fmt: skip
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
 SIZE = 64  # a multiple of 16, so every family takes it
@@ -41,7 +51,8 @@ def pipelines(tmp_path_factory) -> dict:
     built = {}
     for name, spec in FAMILIES.items():
         directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode)
-        reference = getattr(diffusers, spec.pipeline).from_pretrained(directory)
+        left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
+        reference = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
         reference.set_progress_bar_config(disable=True)
         built[name] = (directory, reference)
     return built
@@ -67,8 +78,12 @@ def reference_images(pipelines, name: str, pending) -> list:
             "guidance_scale": params.guidance_scale, "width": params.width, "height": params.height,
             "generator": torch.Generator().manual_seed(item.seed), "output_type": "np",
         }  # fmt: skip
-        if spec.family.name == "flux":
-            kwargs["max_sequence_length"] = 512
+        if item.negative_prompt is not None:
+            kwargs["negative_prompt"] = item.negative_prompt
+        if spec.task == "image-to-image":
+            kwargs["image"], kwargs["strength"] = item.image, params.strength
+            if spec.family.name != "flux":  # the UNet img2img pipelines take the image's size
+                del kwargs["width"], kwargs["height"]
         images.append(pipelines[name][1](**kwargs).images[0])
     return images
 
@@ -80,6 +95,27 @@ def assert_close(got: list, expected: list) -> None:
         assert difference <= PIXEL_TOLERANCE, f"differs from the pipeline's own image by {difference:.1f}/255"
 
 
+def input_image(seed: int):
+    """A small input image of smooth colors (an image-to-image request's `image`)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    corners = rng.integers(0, 255, (2, 2, 3)).astype(np.float64)
+    ys, xs = np.mgrid[0:SIZE, 0:SIZE] / (SIZE - 1)
+    top = corners[0, 0] * (1 - xs[..., None]) + corners[0, 1] * xs[..., None]
+    bottom = corners[1, 0] * (1 - xs[..., None]) + corners[1, 1] * xs[..., None]
+    return Image.fromarray((top * (1 - ys[..., None]) + bottom * ys[..., None]).astype(np.uint8))
+
+
+def make_request(name: str, request_id: str, spec, **kwargs):
+    """`request` with what the family needs: an input image and a strength for image-to-image."""
+    if spec.task == "image-to-image":
+        kwargs.setdefault("image", input_image(kwargs.get("seed", 1)))
+        kwargs.setdefault("strength", 0.6)
+    return request(request_id, spec, **kwargs)
+
+
 def guidance_of(name: str, value: float) -> float:
     """A guidance scale the family takes: [schnell] takes none (the API refuses one), the others any."""
     return 0.0 if FAMILIES[name].guidance_mode == "none" else value
@@ -89,7 +125,8 @@ def guidance_of(name: str, value: float) -> float:
 def test_a_request_alone_equals_the_pipeline_in_both_schedulings(pipelines, name):
     for scheduling in ("step", "request"):
         spec, runner = runner_for(pipelines, name, scheduling)
-        pending = request(f"alone-{scheduling}", spec, steps=4, guidance=guidance_of(name, 3.5), seed=7, images=2)
+        pending = make_request(name, f"alone-{scheduling}", spec, steps=4, guidance=guidance_of(name, 3.5), seed=7,
+                               images=2)  # fmt: skip
         pending.request.parameters.width = pending.request.parameters.height = SIZE
         with Worker({spec.queue: runner}) as worker:
             worker.pool.add(pending)
@@ -102,8 +139,8 @@ def test_a_request_alone_equals_the_pipeline_in_both_schedulings(pipelines, name
 def test_requests_with_other_steps_and_guidance_share_steps_and_each_equals_the_pipeline(pipelines, name):
     spec, runner = runner_for(pipelines, name, "step")
     hooked = Hooked(runner)
-    first = request("first", spec, steps=5, guidance=guidance_of(name, 6.0), seed=3)
-    joiner = request("joiner", spec, steps=3, guidance=guidance_of(name, 1.0), seed=9, images=2)
+    first = make_request(name, "first", spec, steps=5, guidance=guidance_of(name, 6.0), seed=3)
+    joiner = make_request(name, "joiner", spec, steps=3, guidance=guidance_of(name, 1.0), seed=9, images=2)
     for pending in (first, joiner):
         pending.request.parameters.width = pending.request.parameters.height = SIZE
     with Worker({spec.queue: hooked}) as worker:
@@ -149,3 +186,25 @@ def test_a_flux_catalog_entry_whose_guidance_contradicts_the_weights_is_refused_
     wrong = SCHNELL.model_copy(update={"guidance": "embedded"})
     with pytest.raises(ValueError, match="guidance 'embedded'.*'none'"):
         DiffusionRunner(wrong, pipelines["flux-schnell"][0], torch_threads=1)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "sd35", "sd35-no-t5"])
+def test_a_negative_prompt_shares_steps_with_a_request_without_one_and_both_equal_the_pipeline(pipelines, name):
+    from dataclasses import replace
+
+    spec, runner = runner_for(pipelines, name, "step")
+    hooked = Hooked(runner)
+    plain = make_request(name, "plain", spec, steps=4, guidance=5.0, seed=4)
+    negative = make_request(name, "negative", spec, steps=4, guidance=5.0, seed=4)
+    # The same prompt and seed: only the negative prompt differs.
+    negative.items[0] = replace(plain.items[0], negative_prompt="fog and blur")
+    with Worker({spec.queue: hooked}) as worker:
+        hooked.after[1] = lambda: worker.pool.add(negative)
+        worker.pool.add(plain)
+        worker.outcomes.wait(2)
+    assert max(hooked.sizes) == 2
+    images = worker.outcomes.images
+    for pending in (plain, negative):
+        assert_close(images[pending.request_id], reference_images(pipelines, name, pending))
+    difference = np.abs(np.asarray(images["plain"][0]) - np.asarray(images["negative"][0])).max() * 255
+    assert difference > PIXEL_TOLERANCE, "the negative prompt changed nothing"
