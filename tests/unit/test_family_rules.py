@@ -88,3 +88,22 @@ def test_guidance_is_embedded_guidance_for_flux_dev_and_refused_for_schnell():
     assert resolve_parameters(parse_body(payload), DEV).guidance_scale == 4.0
     assert refusal(payload, SCHNELL).field == "parameters.guidance_scale"
     assert resolve_parameters(parse_body({"instances": [{"prompt": "x"}]}), SCHNELL).guidance_scale == 0.0
+
+
+def test_sd35_takes_negative_prompts_and_sizes_a_multiple_of_16_and_may_leave_t5_out():
+    sd35 = CATALOG.get("sd35-txt2img")
+    assert sd35.family.name == "sd3" and sd35.guidance_mode == "cfg"
+    payload = {"instances": [{"prompt": "x"}], "parameters": {"negative_prompt": "blur", "width": 512}}
+    assert resolve_parameters(parse_body(payload), sd35).negative_prompt == "blur"
+    assert refusal({"instances": [{"prompt": "x"}], "parameters": {"width": 520}}, sd35).field == "parameters.width"
+    assert ModelSpec.model_validate(entry(pipeline="StableDiffusion3Pipeline", without=["text_encoder_3"])).without
+    with pytest.raises(ValueError, match="may leave out: none"):
+        ModelSpec.model_validate(entry(without=["text_encoder_2"]))
+
+
+def test_image_to_image_pipelines_of_sdxl_and_flux_are_accepted_for_image_to_image_only():
+    for pipeline in ("StableDiffusionXLImg2ImgPipeline", "FluxImg2ImgPipeline"):
+        spec = ModelSpec.model_validate(entry(pipeline=pipeline, task="image-to-image"))
+        assert spec.task == "image-to-image"
+        with pytest.raises(ValueError, match="serves image-to-image"):
+            ModelSpec.model_validate(entry(pipeline=pipeline))
