@@ -127,6 +127,8 @@ class Settings:
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
+    # Weights that fail their manifest check are downloaded and checked again after this many seconds.
+    weights_retry_seconds: float = 30.0
     worker_health_port: int = 8081
     worker_health_host: str = "0.0.0.0"  # noqa: S104 - kubelet probes reach the pod IP; the local stack binds loopback
     torch_threads: int = 0
@@ -219,6 +221,7 @@ class Settings:
             janitor_older_than_seconds=int(env.get("MAAS_JANITOR_OLDER_THAN_SECONDS") or 0),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
+            weights_retry_seconds=float(env.get("MAAS_WEIGHTS_RETRY_SECONDS", cls.weights_retry_seconds)),
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),
             worker_health_host=env.get("MAAS_WORKER_HEALTH_HOST", cls.worker_health_host),
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),

@@ -50,12 +50,12 @@ class WorkerHealth:
         if path == "/startupz":
             return (200, "started") if self.started else (503, "loading")
         if path == "/readyz":
-            if not self.started:
-                return 503, "loading"
-            if self.draining:
-                return 503, "draining"
             with self._lock:
                 problems = "; ".join(f"{source}: {reason}" for source, reason in sorted(self._problems.items()))
+            if not self.started:
+                return 503, f"loading: {problems}" if problems else "loading"
+            if self.draining:
+                return 503, "draining"
             return (503, f"not ready: {problems}") if problems else (200, "ready")
         if path == "/livez":
             stalled = self.started and time.monotonic() - self._heartbeat > self._stall_seconds

@@ -63,7 +63,7 @@ class WorkerService:
             self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
         )
         self._storage = google_clients.storage_client(settings)
-        self.runners: dict[str, Runner] = {spec.queue: build_runner(spec, self._load_diffusers) for spec in specs}
+        self.runners: dict[str, Runner] = {spec.queue: self._load_verified(spec) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
         self.metrics.watch_gpu_memory()
@@ -143,6 +143,24 @@ class WorkerService:
             self.runners, self.pool, self.finisher, self.leases, self.replies, self.progress, self.metrics, self.health
         )
         self._stopped = threading.Event()
+
+    def _load_verified(self, spec: ModelSpec) -> Runner:
+        """The spec's runner, once its weights match their manifest. Until then nothing is pulled for this worker
+        (its requests stay queued for a healthy one, or expire): `/readyz` names the file and why, the log says
+        it once (then every minute), and the weights are downloaded and checked again every
+        `MAAS_WEIGHTS_RETRY_SECONDS`, so fixing the file in the bucket recovers the worker without a restart."""
+        from model_worker.weights import WeightsIntegrityError
+
+        source = f"weights of {spec.name} v{spec.version}"
+        while True:
+            try:
+                runner = build_runner(spec, self._load_diffusers)
+            except WeightsIntegrityError as exc:
+                self.health.report_problem(source, f"{exc} — not served")
+                time.sleep(self.settings.weights_retry_seconds)
+                continue
+            self.health.clear_problem(source)
+            return runner
 
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
         from model_worker.compiled import CompileCache, compile_cache_key

@@ -368,15 +368,13 @@ def publish_adapters(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) 
 
 
 def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
+    """Uploads the pipeline with its manifest (`model_worker/weights.py`), as an imported model is uploaded."""
     from contract import google_clients
     from contract.settings import Settings
+    from model_worker.weights import upload_with_manifest
 
-    bucket = google_clients.storage_client(Settings.from_env()).bucket(bucket_name)
-    count = 0
-    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-        bucket.blob(f"{prefix.rstrip('/')}/{path.relative_to(local_dir).as_posix()}").upload_from_filename(path)
-        count += 1
-    return count
+    client = google_clients.storage_client(Settings.from_env())
+    return len(upload_with_manifest(client, local_dir, bucket_name, prefix)["files"])
 
 
 def main() -> None:

@@ -1,0 +1,99 @@
+"""Weights are checked against their manifest before loading: a changed file is never served, and fixing it recovers.
+
+Against the real GCS emulator and a real worker process: the stack uploads every tiny pipeline with its
+manifest (`maas-manifest.json`, each file's size and SHA-256), as `python -m model_worker.weights` does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import requests
+
+from emulators.processes import ProcessRegistry
+from emulators.stack import ROOT, worker_env
+from model_worker.weights import MANIFEST, WeightsIntegrityError, download_weights
+
+pytestmark = pytest.mark.stack
+WEIGHTS = "flux-versions/2"
+CHANGED = "transformer/diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture
+def bucket(settings):
+    from contract import google_clients
+
+    client = google_clients.storage_client(settings)
+    return client, client.bucket(settings.model_bucket)
+
+
+def readyz(url: str) -> tuple[int, str]:
+    try:
+        response = requests.get(url, timeout=2)
+        return response.status_code, response.text
+    except requests.RequestException as exc:
+        return 0, str(exc)
+
+
+def wait_for(condition, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.3)
+    raise AssertionError("condition not reached in time")
+
+
+def test_the_stack_uploads_each_model_with_a_manifest_that_matches_its_files(bucket, settings, tmp_path):
+    client, model_bucket = bucket
+    manifest = json.loads(model_bucket.blob(f"{WEIGHTS}/{MANIFEST}").download_as_bytes())
+    assert CHANGED in manifest["files"] and "model_index.json" in manifest["files"]
+    directory = download_weights(client, settings.model_bucket, WEIGHTS, tmp_path)
+    assert (directory / CHANGED).stat().st_size == manifest["files"][CHANGED]["size"]
+
+
+@pytest.mark.parametrize("damage", ["changed", "truncated", "missing"])
+def test_a_damaged_file_is_refused_naming_the_file(bucket, settings, tmp_path, damage):
+    client, model_bucket = bucket
+    blob = model_bucket.blob(f"{WEIGHTS}/{CHANGED}")
+    original = blob.download_as_bytes()
+    try:
+        if damage == "changed":
+            blob.upload_from_string(original[:-16] + bytes(16))
+        elif damage == "truncated":
+            blob.upload_from_string(original[: len(original) // 2])
+        else:
+            blob.delete()
+        with pytest.raises(WeightsIntegrityError) as caught:
+            download_weights(client, settings.model_bucket, WEIGHTS, tmp_path)
+        assert caught.value.file == CHANGED
+        expected = {"changed": "sha256", "truncated": "bytes", "missing": "missing"}[damage]
+        assert expected in caught.value.reason
+    finally:
+        blob.upload_from_string(original)
+
+
+def test_a_worker_finding_a_changed_file_is_not_ready_naming_it_and_recovers_once_fixed(stack, bucket, tmp_path):
+    _, model_bucket = bucket
+    blob = model_bucket.blob(f"{WEIGHTS}/{CHANGED}")
+    original = blob.download_as_bytes()
+    registry = ProcessRegistry(stack.stack_dir)
+    index = 60
+    url = f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz"
+    env = {**worker_env(stack, "flux-versions", index), "MAAS_WEIGHTS_CACHE_DIR": str(tmp_path / "weights"),
+           "MAAS_WEIGHTS_RETRY_SECONDS": "1"}  # fmt: skip
+    try:
+        blob.upload_from_string(original[:-16] + bytes(16))
+        registry.start("worker-integrity", [sys.executable, "-m", "model_worker"], env, cwd=ROOT)
+        status, reason = wait_for(lambda: (r := readyz(url))[0] == 503 and CHANGED in r[1] and r)
+        assert status == 503 and "v2" in reason and "sha256" in reason and "not served" in reason
+        blob.upload_from_string(original)
+        wait_for(lambda: readyz(url)[0] == 200)
+        log = (stack.stack_dir / "logs" / "worker-integrity.log").read_text()
+        assert log.count(CHANGED) >= 1 and "recovered: weights of flux-versions v2" in log
+    finally:
+        blob.upload_from_string(original)
+        registry.stop("worker-integrity", timeout=30)
