@@ -154,6 +154,8 @@ def test_event_parser_and_progress_gate():
     for step in (1, 3, 3, 2, 5):
         gate.update(JobView.model_validate({**base, "status": "running", "progress": {"step": step, "total": 9}}))
     assert seen == [1, 3, 5]
+    gate.update(JobView.model_validate({**base, "status": "succeeded"}))
+    assert seen == [1, 3, 5, 9]  # a job that succeeds ends at its total
 
 
 def test_only_an_https_url_loads_certificates():

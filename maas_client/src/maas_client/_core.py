@@ -387,14 +387,19 @@ class EventParser:
 
 
 class ProgressGate:
-    """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing."""
+    """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing; a job that
+    succeeds ends at `(total, total)` (the stream sends at most ~4 steps a second, maybe not the last)."""
 
     def __init__(self, on_progress) -> None:
         self._on_progress = on_progress
-        self._step = 0
+        self._step = self._total = 0
 
     def update(self, view: JobView) -> None:
-        if self._on_progress is None or view.progress is None or view.progress.step <= self._step:
+        if self._on_progress is None:
             return
-        self._step = view.progress.step
-        self._on_progress(view.progress.step, view.progress.total)
+        if view.progress is not None and view.progress.step > self._step:
+            self._step, self._total = view.progress.step, view.progress.total
+            self._on_progress(view.progress.step, view.progress.total)
+        elif view.status == "succeeded" and self._step < self._total:
+            self._step = self._total
+            self._on_progress(self._total, self._total)
