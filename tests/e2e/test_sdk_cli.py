@@ -74,9 +74,10 @@ def test_cli_models_piped_shows_every_name_whole(stack, client):
     """`maas models | cat`: plain rows, nothing cut (a table at 80 columns printed `sd15-txt…`)."""
     done = run_cli(stack, "models")
     assert done.returncode == 0, done.stderr
-    rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
-    assert set(rows) == {model.name for model in client.models()}, done.stdout
-    assert rows["canary"] == "1*,2" and rows["noop"] == "1"
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert {row[0] for row in rows} == {model.name for model in client.models()}, done.stdout
+    versions = {row[0]: row[1] for row in rows}
+    assert versions["canary"] == "1*,2" and versions["noop"] == "1"
     assert "…" not in done.stdout
 
 
@@ -93,10 +94,12 @@ def test_an_sdk_call_across_an_api_restart_longer_than_10s_succeeds_once_with_on
         time.sleep(0.1)
     seed = random.randrange(10**9)  # the call's rows are found by it (retries carry it too)
     began = time.monotonic()
-    with Client(stack.api_url, TEST_API_KEYS[0]) as maas:
-        result = maas.predict("noop", f"across a restart {uuid.uuid4().hex}", seed=seed)
-    waited = time.monotonic() - began
-    outage.join(timeout=120)
+    try:
+        with Client(stack.api_url, TEST_API_KEYS[0]) as maas:
+            result = maas.predict("noop", f"across a restart {uuid.uuid4().hex}", seed=seed)
+        waited = time.monotonic() - began
+    finally:
+        outage.join(timeout=120)  # the API is back for the next test, whatever happened here
     assert not outage.is_alive() and registry.pid("api") != before
     assert result.seed == seed and waited > 5, waited  # it rode out the outage, not a lucky first try
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"

@@ -185,7 +185,7 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
             str(m.defaults.num_inference_steps),
             f"{m.limits.max_width}x{m.limits.max_height}",
             str(m.max_instances_per_request),
-        )  # fmt: skip
+        )
         for m in listed
     ]
     print_table(headers, rows, console=console)
