@@ -14,6 +14,7 @@ from api_server.errors import register_error_handlers
 from api_server.routes import adapters, docs, events, health, jobs, models, playground, predict, usage
 from api_server.routes import metrics as metrics_routes
 from api_server.state import AppState, build_app_state, install
+from api_server.wsgi_bridge import EVERY_RESPONSE_HEADERS
 from contract.jsonlog import bind_context, unbind_context
 from contract.settings import Settings
 from contract.tracing import reset_current_trace, set_current_trace, trace_from_headers
@@ -69,6 +70,8 @@ def create_app(settings: Settings | None = None, state: AppState | None = None) 
     @app.after_request
     def _record(response):
         response.headers.setdefault("X-Request-Id", g.get("request_id", ""))
+        for name, value in EVERY_RESPONSE_HEADERS:
+            response.headers.setdefault(name, value)
         started = g.get("started", time.perf_counter())
         records.count_request(request, response, started)
         records.access_line(request, response, started)

@@ -8,6 +8,10 @@ from gunicorn import util
 from gunicorn.asgi import protocol as asgi_protocol
 from gunicorn.workers import gasgi
 
+from api_server.wsgi_bridge import EVERY_RESPONSE_HEADERS
+
+ALWAYS = "".join(f"{name}: {value}\r\n" for name, value in EVERY_RESPONSE_HEADERS)
+
 # All interfaces in the container (Cloud Run routes to it); the local stack sets MAAS_API_HOST=127.0.0.1.
 bind = f"{os.environ.get('MAAS_API_HOST', '0.0.0.0')}:{os.environ.get('PORT', '8080')}"  # noqa: S104
 workers = int(os.environ.get("MAAS_API_WORKERS", "2"))
@@ -51,7 +55,7 @@ def _json_error(sock, status_int, reason, mesg):
     body = json.dumps({"error": {"code": status_int, "message": mesg or reason, "request_id": request_id}}).encode()
     head = (
         f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n{ALWAYS}\r\n"
     )
     util.write_nonblock(sock, head.encode("latin1") + body)
 
@@ -88,7 +92,7 @@ def _json_error_response(self, status, message, extra_headers=()):
     extra = "".join(f"{name}: {value}\r\n" for name, value in extra_headers)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nX-Request-Id: {request_id}\r\n"
-        f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}{ALWAYS}Connection: close\r\n\r\n"
     )
     self._safe_write(head.encode("latin-1") + body)  # noqa: SLF001
 

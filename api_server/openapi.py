@@ -59,7 +59,7 @@ class JobLinks(BaseModel):
 
 class JobAccepted(BaseModel):
     id: str
-    status: Literal["queued"]
+    status: Literal["queued", "succeeded"] = Field(description="`succeeded` at once when the cache held the answer")
     model: str
     links: JobLinks
     message: str | None = Field(default=None, description="why a sync request became a job")
@@ -113,7 +113,8 @@ class JobListQuery(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
-    version: str
+    version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
+    versions: list[str] = Field(description="every live version, each pinnable (`/versions/{version}:predict`)")
     task: Literal["text-to-image", "image-to-image"]
     family: str | None = Field(description="the model family (sd15, sdxl, flux); null for the synthetic models")
     guidance: Literal["cfg", "embedded", "none"] = Field(
@@ -156,7 +157,6 @@ class TrafficView(BaseModel):
 class ModelDetail(ModelInfo):
     """One model; a model with several versions also lists them, its stable one and the split in force."""
 
-    versions: list[str]
     stable_version: str
     sticky: Literal["api_key"] | None = None
     traffic: TrafficView | None = None

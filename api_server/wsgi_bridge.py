@@ -20,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 ASYNC_BODY = "maas.async_body"
+# Headers on every response the API sends, from the app, this bridge or gunicorn's own refusals: error bodies
+# echo what the client sent, so no browser may sniff them into something it would render or run.
+EVERY_RESPONSE_HEADERS = (("X-Content-Type-Options", "nosniff"),)
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -202,6 +205,7 @@ async def _json_error(send: Send, status: int, message: str) -> None:
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode()),
         (b"connection", b"close"),
+        *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in EVERY_RESPONSE_HEADERS),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -559,8 +559,9 @@ def down(config: StackConfig) -> list[str]:
     return live
 
 
-def restart(config: StackConfig, name: str) -> None:
-    """Stops one component and starts it again with the same command, port and environment."""
+def restart(config: StackConfig, name: str, stopped_for: float = 0.0) -> None:
+    """Stops one component and starts it again with the same command, port and environment, `stopped_for`
+    seconds later (a slow restart, for the tests: what clients see while an instance is gone)."""
     parts = components(config)
     if name not in parts:
         raise StartupError(f"unknown component {name!r}; one of: {', '.join(parts)}")
@@ -569,6 +570,7 @@ def restart(config: StackConfig, name: str) -> None:
     begun = time.monotonic()
     with registry.lock(name):  # the supervisor leaves it alone meanwhile
         registry.stop(name)
+        time.sleep(stopped_for)
         start_component(registry, part)
     registry.wait_until(name, part.started, timeout=part.start_timeout)
     log.info("%s restarted (pid %s) in %.1fs", name, registry.pid(name), time.monotonic() - begun)

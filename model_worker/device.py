@@ -24,7 +24,7 @@ from model_worker.leases import LeaseKeeper
 from model_worker.log_context import message_log_fields
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import PendingRequest, RequestPool
-from model_worker.runners import BatchAbandonedError, Runner
+from model_worker.runners import BatchAbandonedError, ModelFailedError, Runner
 from model_worker.stepping import RunningSet
 
 log = logging.getLogger(__name__)
@@ -292,14 +292,13 @@ class DeviceLoop:
 
     def _fail_alone(self, pending: PendingRequest, exc: Exception) -> None:
         traced = {"fields": message_log_fields(pending.message)}  # this request's id and trace
+        if isinstance(exc, ModelFailedError):
+            log.error("inference failed for %s, for good: %s", pending.request_id, exc, extra=traced)
+            self._answer_error(pending, "inference_failed", f"inference failed: {exc}")
+            return
         if isinstance(exc, (ValueError, PayloadError)):
             log.warning("request %s cannot run: %s", pending.request_id, exc, extra=traced)
-            self._metrics.errors.labels(kind="bad_input").inc()
-            reply = self._replies.make(
-                pending.spec, pending.request_id, pending.message,
-                status="error", error_kind="bad_input", error=f"cannot run this request: {exc}",
-            )  # fmt: skip
-            self._finisher.answer(pending.message, reply)
+            self._answer_error(pending, "bad_input", f"cannot run this request: {exc}")
             return
         # Possibly transient (device error, out of memory): Pub/Sub retries it with backoff, and after the
         # catalog's max delivery attempts the dead-letter responder tells the client.
@@ -313,6 +312,14 @@ class DeviceLoop:
         )
         self._metrics.errors.labels(kind="inference_failed").inc()
         self._leases.release(pending.message)
+
+    def _answer_error(self, pending: PendingRequest, kind: str, error: str) -> None:
+        """Answers one request with an error now (no retry); `kind` is the reply's and the log row's error_kind."""
+        self._metrics.errors.labels(kind=kind).inc()
+        reply = self._replies.make(
+            pending.spec, pending.request_id, pending.message, status="error", error_kind=kind, error=error
+        )
+        self._finisher.answer(pending.message, reply)
 
     def _answer_abandoned(self, pending: PendingRequest, when: str) -> None:
         if pending.cancelled:

@@ -88,6 +88,11 @@ class BatchAbandonedError(Exception):
     """Raised from the step callback when nobody waits for any image of the batch any more."""
 
 
+class ModelFailedError(Exception):
+    """The model failed this request for good: not its input's fault (that is a ValueError, `bad_input`) and not
+    worth a retry (any other exception is handed back to Pub/Sub). Answered at once as a worker error."""
+
+
 class SyntheticRunner:
     """Answers with a tiny PNG-able image per item, colored by its seed; `call_seconds` makes it a stand-in GPU."""
 
@@ -127,9 +132,9 @@ class SyntheticRunner:
 
     def _refuse_if_configured_to_fail(self) -> None:
         """A catalog version with `fails: true` (a broken canary, for the rollback tests) answers every request
-        with an error at once (a ValueError is not retried), where a poison prompt is retried until dead-lettered."""
+        with a worker error at once, where a poison prompt is retried until dead-lettered."""
         if self.spec.fails:
-            raise ValueError(f"{self.spec.name} version {self.spec.version} is configured to fail every request")
+            raise ModelFailedError(f"{self.spec.name} version {self.spec.version} is configured to fail every request")
 
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         return [RunningItem(item, total=params.num_inference_steps) for item in items]

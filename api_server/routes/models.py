@@ -13,10 +13,12 @@ from api_server.state import app_state
 bp = authenticated(Blueprint("models", __name__))
 
 
-def _public(spec) -> dict:
+def _public(spec, versions) -> dict:
+    """A model as every listing shows it: its stable version's settings, and every live version's name."""
     return {
         "name": spec.name,
         "version": spec.version,
+        "versions": [version.version for version in versions],
         "task": spec.task,
         "family": spec.family.name if spec.family else None,
         "guidance": spec.guidance_mode,
@@ -32,7 +34,9 @@ def _public(spec) -> dict:
 @documented(Response(HTTP_200=ModelList, **errors(401)), tags=["models"])
 def list_models():
     """The catalog: names, versions, tasks, defaults and limits"""
-    return jsonify({"models": [_public(spec) for _, spec in sorted(app_state().catalog.models.items())]})
+    serving = app_state().serving
+    views = (serving.model_view(name) for name in sorted(app_state().catalog.models))
+    return jsonify({"models": [_public(stable, versions) for stable, versions, _ in views]})
 
 
 @bp.get("/v1/models/<model:model>")
@@ -43,8 +47,7 @@ def get_model(model: str):
     rollout = app_state().catalog.rollout(model)
     return jsonify(
         {
-            **_public(stable),
-            "versions": [spec.version for spec in versions],
+            **_public(stable, versions),
             "stable_version": stable.version,
             "sticky": rollout.sticky if rollout else None,
             "traffic": split,

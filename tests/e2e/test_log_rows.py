@@ -98,3 +98,20 @@ def test_refused_requests_are_logged_with_their_kind(stack, auth_headers, bigque
     assert (row["http_status"], row["error_kind"], row["status"]) == (status, kind, "rejected")
     # An unknown model is refused before routing: no model version, so no model's usage in the views.
     assert (row["model_version"] is None) == (status == 404)
+
+
+def test_a_version_that_fails_every_call_is_logged_as_a_worker_error_not_bad_input(
+    stack, auth_headers, bigquery, settings
+):
+    """`rollback-bad` version 2 (`fails: true` in the local catalog) fails in the model, not in its input."""
+    response = requests.post(
+        f"{stack.api_url}/v1/models/rollback-bad/versions/2:predict",
+        json={"instances": [{"prompt": "a broken canary"}]},
+        headers=auth_headers,
+        timeout=60,
+    )
+    assert response.status_code == 500, response.text
+    request_id = response.headers["X-Request-Id"]
+    row = rows_for(bigquery, settings, [request_id])[request_id]
+    assert (row["http_status"], row["status"], row["error_kind"]) == (500, "error", "inference_failed")
+    assert row["model_version"] == "2"

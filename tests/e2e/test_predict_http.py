@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import socket
 
 import pytest
 import requests
@@ -81,7 +82,10 @@ def test_same_seeded_request_gives_byte_identical_images(stack, auth_headers):
         "parameters": {"seed": 1234, "num_inference_steps": 3, "width": 64, "height": 64},
     }
     first = predict(stack, TXT2IMG, body, auth_headers).json()["predictions"][0]["image_b64"]
-    second = predict(stack, TXT2IMG, body, auth_headers).json()["predictions"][0]["image_b64"]
+    again = predict(stack, TXT2IMG, body, auth_headers)
+    # What the README promises: the same bytes through the cache (a batch may move a pixel value by 1/255).
+    assert again.headers.get("X-Cache") == "hit"
+    second = again.json()["predictions"][0]["image_b64"]
     other = {**body, "parameters": {**body["parameters"], "seed": 1235}}
     third = predict(stack, TXT2IMG, other, auth_headers).json()["predictions"][0]["image_b64"]
     assert first == second
@@ -180,6 +184,21 @@ def test_unknown_model_is_404(stack, auth_headers):
     response = predict(stack, "no-such-model", {"instances": [{"prompt": "x"}]}, auth_headers)
     assert response.status_code == 404
     assert "no-such-model" in response.json()["error"]["message"]
+
+
+def test_every_answer_forbids_content_sniffing_a_404_and_gunicorns_own_refusals_too(stack, auth_headers):
+    """Error bodies echo what the client sent (here a model name holding markup): no browser may sniff them."""
+    not_found = predict(stack, "<b>no-such-model", {"instances": [{"prompt": "x"}]}, auth_headers)
+    assert not_found.status_code == 404 and "<b>" in not_found.json()["error"]["message"]
+    unauthorized = predict(stack, TXT2IMG, {"instances": [{"prompt": "x"}]}, {})
+    models = requests.get(f"{stack.api_url}/v1/models", headers=auth_headers, timeout=10)
+    health = requests.get(f"{stack.api_url}/healthz", timeout=5)
+    for response in (not_found, unauthorized, models, health):
+        assert response.headers.get("X-Content-Type-Options") == "nosniff", (response.status_code, response.headers)
+    with socket.create_connection(("127.0.0.1", stack.api_port), timeout=10) as raw:
+        raw.sendall(b"NOT AN HTTP REQUEST LINE\r\n\r\n")
+        head = raw.recv(65536).split(b"\r\n\r\n")[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 400") and "x-content-type-options: nosniff" in head, head
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "Basic abc"}])

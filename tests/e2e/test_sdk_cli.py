@@ -6,10 +6,12 @@ import asyncio
 import io
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import threading
+import time
 import typing
 import uuid
 from pathlib import Path
@@ -20,8 +22,10 @@ from PIL import Image
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
+from emulators.processes import ProcessRegistry, http_ok
+from emulators.stack import restart
 from maas_client import AsyncClient, Client, JobCancelled, Unauthorized, ValidationError, cli, types
-from tests.conftest import TEST_API_KEYS
+from tests.conftest import TEST_API_KEYS, query_rows
 
 pytestmark = pytest.mark.stack
 MAAS = str(Path(sys.executable).parent / "maas")
@@ -59,9 +63,58 @@ def test_sdk_types_match_the_servers_openapi_document(stack):
     assert {"ModelInfo", "PredictResponse", "JobView", "JobList", "JobAccepted", "Usage", "Prediction"} <= set(checked)
 
 
-def test_models_lists_the_catalog(client):
-    names = [model.name for model in client.models()]
-    assert {"noop", "sd15-txt2img"} <= set(names) and client.model("noop").task == "text-to-image"
+def test_models_lists_the_catalog_with_each_models_versions(client):
+    models = {model.name: model for model in client.models()}
+    assert {"noop", "sd15-txt2img"} <= set(models) and client.model("noop").task == "text-to-image"
+    assert models["noop"].versions == [models["noop"].version]
+    assert models["canary"].versions == ["1", "2"] and models["canary"].version == "1"
+
+
+def test_cli_models_piped_shows_every_name_whole(stack, client):
+    """`maas models | cat`: plain rows, nothing cut (a table at 80 columns printed `sd15-txt…`)."""
+    done = run_cli(stack, "models")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert {row[0] for row in rows} == {model.name for model in client.models()}, done.stdout
+    versions = {row[0]: row[1] for row in rows}
+    assert versions["canary"] == "1*,2" and versions["noop"] == "1"
+    assert "…" not in done.stdout
+
+
+def test_an_sdk_call_across_an_api_restart_longer_than_10s_succeeds_once_with_one_row(stack, bigquery, settings):
+    """The API is stopped for 12 s and started again (`restart`, as `make restart-api` with an outage): a call
+    made while it is gone retries until it is back, is answered once, and leaves one log row."""
+    registry = ProcessRegistry(stack.stack_dir)
+    before = registry.pid("api")
+    outage = threading.Thread(target=restart, args=(stack, "api"), kwargs={"stopped_for": 12.0}, daemon=True)
+    outage.start()
+    deadline = time.monotonic() + 60
+    while http_ok(f"{stack.api_url}/healthz"):
+        assert time.monotonic() < deadline, "the API did not stop"
+        time.sleep(0.1)
+    seed = random.randrange(10**9)  # the call's rows are found by it (retries carry it too)
+    began = time.monotonic()
+    try:
+        with Client(stack.api_url, TEST_API_KEYS[0]) as maas:
+            result = maas.predict("noop", f"across a restart {uuid.uuid4().hex}", seed=seed)
+        waited = time.monotonic() - began
+    finally:
+        outage.join(timeout=120)  # the API is back for the next test, whatever happened here
+    assert not outage.is_alive() and registry.pid("api") != before
+    assert result.seed == seed and waited > 5, waited  # it rode out the outage, not a lucky first try
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    sql = f"SELECT request_id, status, http_status FROM {table} WHERE model = 'noop' AND seed = {seed}"
+    assert query_rows(bigquery, sql, 1, timeout=60)
+    rows = query_rows(bigquery, sql, 2, timeout=10)  # a second row gets 10 s more to show up
+    assert [(row["request_id"], row["status"], row["http_status"]) for row in rows] == [(result.request_id, "ok", 200)]
+
+
+def test_cli_predict_shows_the_same_live_progress_as_jobs_wait(stack, tmp_path):
+    done = run_cli(stack, "predict", "sd15-txt2img", f"progress {uuid.uuid4().hex}", "--size", "128x128",
+                   "--steps", "30", "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "sd15-txt2img" in done.stderr and "step" in done.stderr and "30/30" in done.stderr, done.stderr
+    assert len(list(tmp_path.glob("*.png"))) == 1
 
 
 def test_predict_returns_a_png_of_the_asked_size(client):

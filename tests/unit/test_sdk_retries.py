@@ -1,13 +1,27 @@
-"""The SDK's retry policy and error mapping, over httpx's mock transport (no server)."""
+"""The SDK's retry policy and error mapping, over httpx's mock transport (no server), and `wait`'s timeout
+over a fake event stream that stays silent."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import socket
+import threading
+import time
 
 import httpx
 import pytest
 
-from maas_client import Client, ConnectionFailed, RateLimited, ServiceUnavailable, Unauthorized, ValidationError
+from maas_client import (
+    AsyncClient,
+    Client,
+    ConnectionFailed,
+    RateLimited,
+    ServiceUnavailable,
+    Timeout,
+    Unauthorized,
+    ValidationError,
+)
 from maas_client._core import EventParser, ProgressGate, RetryPolicy
 from maas_client.types import JobView
 
@@ -140,9 +154,131 @@ def test_event_parser_and_progress_gate():
     for step in (1, 3, 3, 2, 5):
         gate.update(JobView.model_validate({**base, "status": "running", "progress": {"step": step, "total": 9}}))
     assert seen == [1, 3, 5]
+    gate.update(JobView.model_validate({**base, "status": "succeeded"}))
+    assert seen == [1, 3, 5, 9]  # a job that succeeds ends at its total
 
 
 def test_only_an_https_url_loads_certificates():
     from maas_client import _core
 
     assert _core.verify_tls("https://maas.example.com") and not _core.verify_tls("http://127.0.0.1:8080")
+
+
+def test_a_safe_call_retries_past_three_attempts_until_it_succeeds_within_its_deadline():
+    """An API instance restarting refuses connections for seconds: the call rides it out, not 3 quick tries."""
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) <= 10:
+            raise httpx.ConnectError("Connection refused")
+        return httpx.Response(200, json=OK)
+
+    client = Client("http://api.test", "key", transport=httpx.MockTransport(handler))
+    client.retry.base_seconds = client.retry.max_seconds = 0.0
+    with client:
+        assert client.predict("noop", "a cat").request_id == "r1"
+    assert len(calls) == 11 and len({request.headers["Idempotency-Key"] for request in calls}) == 1
+    assert client.retry.deadline_seconds == 60.0 and client.retry.max_retries is None  # the documented default
+
+
+def test_retries_stop_at_the_clients_deadline_or_the_calls_own():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        raise httpx.ConnectError("Connection refused")
+
+    client = Client("http://api.test", "key", transport=httpx.MockTransport(handler), retry_deadline=0.5)
+    client.retry.base_seconds = client.retry.max_seconds = 0.01
+    with client:
+        began = time.monotonic()
+        with pytest.raises(ConnectionFailed):
+            client.models()
+        assert 0.5 <= time.monotonic() - began < 5 and len(calls) > 4  # a deadline, not a count
+        client.retry.deadline_seconds = 60.0
+        began = time.monotonic()
+        with pytest.raises(ConnectionFailed):
+            client.predict("noop", "a cat", retry_deadline=0.3)
+        assert time.monotonic() - began < 5
+
+
+def test_a_retry_after_beyond_the_deadline_is_not_waited_for():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(503, headers={"Retry-After": "30"}, json={"error": {"code": 503, "message": "later"}})
+
+    client = Client("http://api.test", "key", transport=httpx.MockTransport(handler), retry_deadline=2)
+    with client, pytest.raises(ServiceUnavailable) as caught:
+        client.models()
+    assert len(calls) == 1 and caught.value.retry_after == 30
+
+
+class EventStreamServer:
+    """A fake API whose job event streams answer 200 and then never send an event: nothing at all, or only
+    keep-alive comments."""
+
+    def __init__(self, keepalive_seconds: float | None = None) -> None:
+        self._keepalive = keepalive_seconds
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while not self._stop.wait(self._keepalive or 3600):
+                conn.sendall(b"d\r\n: keepalive\n\n\r\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+
+
+@pytest.mark.parametrize("keepalive_seconds", [None, 0.2], ids=["silent", "only-keepalives"])
+def test_wait_ends_at_its_timeout_when_the_event_stream_says_nothing(keepalive_seconds):
+    server = EventStreamServer(keepalive_seconds)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        with Client(server.url, "key") as client:
+            try:
+                client.job("j1").wait(timeout=1)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                outcome.append(exc)
+
+    began = time.monotonic()
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    elapsed = time.monotonic() - began
+    server.close()
+    assert not waiter.is_alive(), "wait(timeout=1) still waiting after 30 s"
+    assert len(outcome) == 1 and isinstance(outcome[0], Timeout), outcome
+    assert 1 <= elapsed < 5
+
+
+def test_the_asyncio_wait_ends_at_its_timeout_on_a_silent_stream():
+    server = EventStreamServer()
+
+    async def wait() -> None:
+        async with AsyncClient(server.url, "key") as client:
+            await client.job("j1").wait(timeout=1)
+
+    began = time.monotonic()
+    with pytest.raises(Timeout):
+        asyncio.run(asyncio.wait_for(wait(), timeout=30))
+    server.close()
+    assert 1 <= time.monotonic() - began < 5

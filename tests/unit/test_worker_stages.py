@@ -125,7 +125,7 @@ def device_with(runner) -> tuple[DeviceLoop, Recorder]:
     recorder = Recorder()
     progress = SimpleNamespace(begin=lambda *a: None, update=lambda *a: None, end=lambda: None)
     loop = DeviceLoop(
-        {runner.spec.name: runner},
+        {runner.spec.queue: runner},
         RequestPool(8),
         recorder,
         recorder,
@@ -150,6 +150,14 @@ def test_a_crash_that_may_be_transient_hands_the_request_back_for_a_retry():
     loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
     loop.run_batch([pending("flaky", spec=NOOP)])
     assert recorder.released == ["ack-flaky"] and recorder.answered == {} and recorder.finished == {}
+
+
+def test_a_version_configured_to_fail_every_call_is_a_worker_error_not_bad_input():
+    broken = CATALOG.version("rollback-bad", "2")
+    assert broken.fails
+    loop, recorder = device_with(SyntheticRunner(broken))
+    loop.run_batch([pending("broken", spec=broken)])
+    assert recorder.answered == {"broken": ("error", "inference_failed")} and recorder.released == []
 
 
 def test_a_batch_nobody_waits_for_stops_at_the_next_step():

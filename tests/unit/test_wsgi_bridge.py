@@ -77,10 +77,11 @@ def test_a_body_over_the_limit_is_the_apps_413_without_being_read_whole():
     assert call(bridge, "POST", "/echo", [], headers=declared)[0] == 413
 
 
-def test_a_body_that_stops_arriving_is_a_json_408():
+def test_a_body_that_stops_arriving_is_a_json_408_not_to_be_sniffed():
     bridge = WsgiBridge(flask_app(), threads=2, max_body_bytes=100, body_timeout=0.2)
     status, headers, body = call(bridge, "POST", "/echo", [{"type": "http.request", "body": b"{", "more_body": True}])
     assert status == 408 and headers["content-type"] == "application/json"
+    assert headers["x-content-type-options"] == "nosniff"
     assert json.loads(body)["error"]["code"] == 408
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import random
 import re
@@ -172,6 +173,15 @@ def new_idempotency_key() -> str:
     return f"maas-sdk-{uuid.uuid4().hex}"
 
 
+def inference_headers(idempotency_key: str | None, *, as_job: bool = False) -> dict[str, str]:
+    """A predict's or submit's headers: its Idempotency-Key (one per call, so a retry never runs it twice) and,
+    for a predict followed as a job from the start, `Prefer: respond-async`."""
+    headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
+    if as_job:
+        headers["Prefer"] = "respond-async"
+    return headers
+
+
 def retry_after_seconds(response: httpx.Response) -> float | None:
     value = response.headers.get("Retry-After")
     if value is None:
@@ -185,35 +195,106 @@ def retry_after_seconds(response: httpx.Response) -> float | None:
             return None
 
 
+# How long a safe call keeps retrying (connection failures, 429, 503, a 409 still running) before it raises the
+# last error: long enough to ride out one API instance restarting (the local stack's takes ~5-15 s).
+DEFAULT_RETRY_DEADLINE = 60.0
+
+
 @dataclass
 class RetryPolicy:
-    """Exponential backoff with full jitter; the server's Retry-After wins when it says more.
+    """Exponential backoff with full jitter, until a deadline; the server's Retry-After wins when it says more.
 
     Retried: connection failures, 429 and 503, and a 409 while a request with the same Idempotency-Key is
     still running. A POST is retried only with an Idempotency-Key, so a retry never runs the model twice.
+    A call retries until `deadline_seconds` after it began (no attempt starts later), or `max_retries` times
+    when that is set (0: never); a wait the server asks for that would end past the deadline is not waited.
     """
 
-    max_retries: int = 3
+    deadline_seconds: float = DEFAULT_RETRY_DEADLINE
+    max_retries: int | None = None
     base_seconds: float = 0.5
-    max_seconds: float = 20.0
+    max_seconds: float = 5.0
     random: random.Random = field(default_factory=random.Random)
 
     def backoff(self, attempt: int) -> float:
         return self.random.uniform(0, min(self.max_seconds, self.base_seconds * 2**attempt))
 
     def delay(
-        self, attempt: int, *, safe: bool, response: httpx.Response | None = None, error: Exception | None = None
+        self,
+        attempt: int,
+        *,
+        safe: bool,
+        response: httpx.Response | None = None,
+        error: Exception | None = None,
+        remaining: float = math.inf,
     ) -> float | None:
-        """Seconds to wait before retry number `attempt + 1`, or None: do not retry."""
-        if attempt >= self.max_retries or not safe:
+        """Seconds to wait before retry number `attempt + 1`, or None: do not retry. `remaining`: seconds left
+        before the call's deadline."""
+        if not safe or remaining <= 0 or (self.max_retries is not None and attempt >= self.max_retries):
             return None
         if error is not None:
-            return self.backoff(attempt) if isinstance(error, RETRYABLE_ERRORS) else None
+            return min(self.backoff(attempt), remaining) if isinstance(error, RETRYABLE_ERRORS) else None
         assert response is not None
         advised = retry_after_seconds(response)
         if response.status_code in RETRY_STATUSES or (response.status_code == 409 and advised is not None):
-            return min(self.max_seconds, max(advised or 0.0, self.backoff(attempt)))
+            if advised is not None and advised > remaining:
+                return None  # the server says no sooner than after the deadline: its answer is final
+            return min(max(advised or 0.0, self.backoff(attempt)), remaining)
         return None
+
+    def start(self, deadline_seconds: float | None = None) -> Retries:
+        """The retries of one call, which began now (`deadline_seconds`: this call's own, else the policy's)."""
+        seconds = self.deadline_seconds if deadline_seconds is None else deadline_seconds
+        return Retries(self, time.monotonic() + seconds)
+
+
+class Retries:
+    """One call's retries: how many so far, and the moment after which none starts."""
+
+    def __init__(self, policy: RetryPolicy, deadline: float) -> None:
+        self.policy = policy
+        self.deadline = deadline
+        self.attempt = 0
+
+    def next_delay(
+        self, *, safe: bool, response: httpx.Response | None = None, error: Exception | None = None
+    ) -> float | None:
+        """Seconds to wait before trying again, or None: the answer (or error) is final."""
+        delay = self.policy.delay(
+            self.attempt, safe=safe, response=response, error=error, remaining=self.deadline - time.monotonic()
+        )
+        if delay is not None:
+            self.attempt += 1
+        return delay
+
+
+def seconds_left(deadline: float | None) -> float:
+    """Seconds until a `time.monotonic()` deadline (infinite for None, never negative)."""
+    return math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def within(deadline: float | None, timeout: httpx.Timeout) -> dict[str, Any]:
+    """A request's options that keep it (retries and reads) inside `deadline`; none for no deadline."""
+    if deadline is None:
+        return {}
+    return {"retry_deadline": seconds_left(deadline), "timeout": timeout_within(timeout, deadline)}
+
+
+def timeout_within(timeout: httpx.Timeout, deadline: float | None) -> httpx.Timeout:
+    """The client's timeouts, none longer than the time left before `deadline`: a read on a silent connection
+    ends at the deadline, not at the client's read timeout."""
+    left = seconds_left(deadline)
+    if left == math.inf:
+        return timeout
+    left = max(left, 0.001)  # 0 would mean "no timeout" to some transports
+
+    def bounded(value: float | None) -> float:
+        return left if value is None else min(value, left)
+
+    return httpx.Timeout(
+        connect=bounded(timeout.connect), read=bounded(timeout.read), write=bounded(timeout.write),
+        pool=bounded(timeout.pool),
+    )  # fmt: skip
 
 
 def raise_for_answer(response: httpx.Response) -> None:
@@ -306,14 +387,19 @@ class EventParser:
 
 
 class ProgressGate:
-    """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing."""
+    """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing; a job that
+    succeeds ends at `(total, total)` (the stream sends at most ~4 steps a second, maybe not the last)."""
 
     def __init__(self, on_progress) -> None:
         self._on_progress = on_progress
-        self._step = 0
+        self._step = self._total = 0
 
     def update(self, view: JobView) -> None:
-        if self._on_progress is None or view.progress is None or view.progress.step <= self._step:
+        if self._on_progress is None:
             return
-        self._step = view.progress.step
-        self._on_progress(view.progress.step, view.progress.total)
+        if view.progress is not None and view.progress.step > self._step:
+            self._step, self._total = view.progress.step, view.progress.total
+            self._on_progress(view.progress.step, view.progress.total)
+        elif view.status == "succeeded" and self._step < self._total:
+            self._step = self._total
+            self._on_progress(self._total, self._total)

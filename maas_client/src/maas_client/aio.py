@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -24,12 +25,13 @@ class AsyncClient:
         api_key: str | None = None,
         *,
         timeout: httpx.Timeout | float = _core.DEFAULT_TIMEOUT,
-        max_retries: int = 3,
+        retry_deadline: float = _core.DEFAULT_RETRY_DEADLINE,
+        max_retries: int | None = None,
         max_connections: int = 100,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url, options = _core.http_options(url, api_key, timeout)
-        self.retry = _core.RetryPolicy(max_retries=max_retries)
+        self.retry = _core.RetryPolicy(deadline_seconds=retry_deadline, max_retries=max_retries)
         self._http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=max_connections), transport=transport, **options
         )
@@ -44,21 +46,27 @@ class AsyncClient:
         await self._http.aclose()
 
     async def request(
-        self, method: str, path: str, *, safe: bool, headers: dict | None = None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        safe: bool,
+        headers: dict | None = None,
+        retry_deadline: float | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
-        attempt = 0
+        retries = self.retry.start(retry_deadline)
         while True:
             try:
                 response = await self._http.request(method, path, headers=headers, **kwargs)
             except httpx.TransportError as exc:
-                if (delay := self.retry.delay(attempt, safe=safe, error=exc)) is None:
+                if (delay := retries.next_delay(safe=safe, error=exc)) is None:
                     raise _core.transport_error(exc, self.url) from None
             else:
-                if (delay := self.retry.delay(attempt, safe=safe, response=response)) is None:
+                if (delay := retries.next_delay(safe=safe, response=response)) is None:
                     _core.raise_for_answer(response)
                     return response
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def models(self) -> list[ModelInfo]:
         return ModelList.model_validate((await self.request("GET", "/v1/models", safe=True)).json()).models
@@ -67,20 +75,39 @@ class AsyncClient:
         return ModelInfo.model_validate((await self.request("GET", f"/v1/models/{name}", safe=True)).json())
 
     async def predict(
-        self, model: str, prompt: str, *, idempotency_key: str | None = None, on_progress=None, **options: Any
+        self,
+        model: str,
+        prompt: str,
+        *,
+        idempotency_key: str | None = None,
+        on_progress: ProgressCallback | None = None,
+        retry_deadline: float | None = None,
+        **options: Any,
     ) -> Result:
         body = _core.predict_body(prompt, **options)
-        headers = {"Idempotency-Key": idempotency_key or _core.new_idempotency_key()}
-        response = await self.request("POST", f"/v1/models/{model}:predict", safe=True, json=body, headers=headers)
+        headers = _core.inference_headers(idempotency_key, as_job=on_progress is not None)
+        response = await self.request(
+            "POST", f"/v1/models/{model}:predict", safe=True, json=body, headers=headers, retry_deadline=retry_deadline
+        )
         if response.status_code == 202:
             job = self.job(JobAccepted.model_validate(response.json()).id)
             return await job.wait(on_progress=on_progress)
         return _core.result_from_predict(response)
 
-    async def submit(self, model: str, prompt: str, *, idempotency_key: str | None = None, **options: Any) -> AsyncJob:
+    async def submit(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        idempotency_key: str | None = None,
+        retry_deadline: float | None = None,
+        **options: Any,
+    ) -> AsyncJob:
         body = _core.predict_body(prompt, **options)
-        headers = {"Idempotency-Key": idempotency_key or _core.new_idempotency_key()}
-        response = await self.request("POST", f"/v1/models/{model}/jobs", safe=True, json=body, headers=headers)
+        headers = _core.inference_headers(idempotency_key)
+        response = await self.request(
+            "POST", f"/v1/models/{model}/jobs", safe=True, json=body, headers=headers, retry_deadline=retry_deadline
+        )
         data = response.json()
         if response.status_code == 200:
             return AsyncJob(self, data["request_id"], done=_core.result_from_predict(response))
@@ -124,39 +151,50 @@ class AsyncJob:
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
 
-    async def status(self) -> JobView:
-        return JobView.model_validate((await self.client.request("GET", f"/v1/jobs/{self.id}", safe=True)).json())
+    async def status(self, *, deadline: float | None = None) -> JobView:
+        options = _core.within(deadline, self.client._http.timeout)
+        response = await self.client.request("GET", f"/v1/jobs/{self.id}", safe=True, **options)
+        return JobView.model_validate(response.json())
 
     async def cancel(self) -> JobView:
         response = await self.client.request("DELETE", f"/v1/jobs/{self.id}", safe=True)
         return JobView.model_validate(response.json())
 
-    async def events(self, last_event_id: str | None = None) -> AsyncIterator[JobView]:
+    def events(self, last_event_id: str | None = None) -> AsyncIterator[JobView]:
+        return self._follow(last_event_id, None)
+
+    async def _follow(self, last_event_id: str | None, deadline: float | None) -> AsyncGenerator[JobView]:
+        """As `Job._follow`: views until the end, or until `deadline` however silent the stream is."""
         parser = _core.EventParser()
         parser.last_id = last_event_id
-        failures = 0
-        while True:
+        retries: _core.Retries | None = None
+        while _core.seconds_left(deadline) > 0:
             headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
+            timeout = _core.timeout_within(self.client._http.timeout, deadline)
             try:
-                async with self.client._http.stream("GET", f"/v1/jobs/{self.id}/events", headers=headers) as response:
+                async with self.client._http.stream(
+                    "GET", f"/v1/jobs/{self.id}/events", headers=headers, timeout=timeout
+                ) as response:
                     if response.status_code == 204:
                         return
                     if response.status_code >= 400:
                         await response.aread()
                         _core.raise_for_answer(response)
                     async for line in response.aiter_lines():
-                        event = parser.feed(line)
-                        if event is None:
-                            continue
-                        failures = 0
-                        yield JobView.model_validate(event.json())
-                        if event.id == "end":
+                        if (event := parser.feed(line)) is not None:
+                            retries = None
+                            yield JobView.model_validate(event.json())
+                            if event.id == "end":
+                                return
+                        if _core.seconds_left(deadline) == 0:
                             return
             except httpx.TransportError as exc:
-                if (delay := self.client.retry.delay(failures, safe=True, error=exc)) is None:
+                if _core.seconds_left(deadline) == 0:
+                    return
+                retries = retries or self.client.retry.start()
+                if (delay := retries.next_delay(safe=True, error=exc)) is None:
                     raise _core.transport_error(exc, self.client.url) from None
-                failures += 1
-                await asyncio.sleep(delay)
+                await asyncio.sleep(min(delay, _core.seconds_left(deadline)))
 
     async def wait(self, on_progress: ProgressCallback | None = None, timeout: float | None = None) -> Result:
         if self._done is not None:
@@ -165,20 +203,21 @@ class AsyncJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         last: JobView | None = None
         try:
-            async for view in self.events():
-                gate.update(view)
-                last = view
-                if view.finished or (deadline is not None and time.monotonic() > deadline):
-                    break
+            async with contextlib.aclosing(self._follow(None, deadline)) as views:  # closes the stream on break
+                async for view in views:
+                    gate.update(view)
+                    last = view
+                    if view.finished:
+                        break
         except (NotFound, ServerError) as exc:
             if isinstance(exc, NotFound) and not await self._exists():
                 raise
         while last is None or not last.finished:
-            if deadline is not None and time.monotonic() > deadline:
-                raise Timeout(f"job {self.id} still {last.status if last else 'unknown'} after {timeout}s")
             if last is not None:
-                await asyncio.sleep(POLL_SECONDS)
-            last = await self.status()
+                await asyncio.sleep(min(POLL_SECONDS, _core.seconds_left(deadline)))
+            if _core.seconds_left(deadline) == 0:
+                raise Timeout(f"job {self.id} still {last.status if last else 'unknown'} after {timeout}s")
+            last = await self.status(deadline=deadline)
             gate.update(last)
         return _core.result_from_job(last)
 

@@ -10,6 +10,8 @@ import json
 import re
 import sys
 import typing
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -19,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from maas_client import _core
-from maas_client.client import Client, Job
+from maas_client.client import Client, Job, ProgressCallback
 from maas_client.errors import (
     ConnectionFailed,
     Forbidden,
@@ -30,7 +32,7 @@ from maas_client.errors import (
     Timeout,
     Unauthorized,
 )
-from maas_client.types import JobStatus, JobView, Result
+from maas_client.types import JobStatus, JobView, ModelInfo, Result
 
 EXIT_USAGE, EXIT_AUTH, EXIT_RATE_LIMITED, EXIT_SERVER = 2, 3, 4, 5
 JOB_STATES = typing.get_args(JobStatus)
@@ -90,6 +92,44 @@ def _emit(data: Any, human) -> None:
         human()
 
 
+def print_table(
+    headers: Sequence[str], rows: list[Sequence[str]], *, whole: int = 1, console: Console | None = None
+) -> None:
+    """A table whose first `whole` columns (the names a user copies: a model, a job id) are never cut.
+
+    Not on a terminal (`maas models | cat`, a script): plain aligned rows, every column whole. On a terminal:
+    a table, without its rightmost other columns while it is wider than the terminal; when even the whole
+    columns do not fit, plain rows again (the terminal wraps them, the names stay whole)."""
+    console = console or out
+    if console.is_terminal:
+        unbounded = console.options.update_width(1 << 16)  # a table's natural width, not the terminal's
+        for width in range(len(headers), whole - 1, -1):
+            grid = Table(*headers[:width])
+            for column in grid.columns[:whole]:
+                column.no_wrap = True
+            for row in rows:
+                grid.add_row(*row[:width])
+            if console.measure(grid, options=unbounded).maximum <= console.width:
+                console.print(grid)
+                return
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+    for row in (headers, *rows):
+        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)]
+        console.file.write("  ".join(cells).rstrip() + "\n")
+
+
+@contextmanager
+def live_progress(label: str) -> Iterator[ProgressCallback]:
+    """The progress bar on stderr that `jobs wait` and `predict` show (none with --json): `on_progress` in."""
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("step"), MofNCompleteColumn(),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=err, disable=bool(STATE.get("json")),
+    )  # fmt: skip
+    with bar:
+        task = bar.add_task(label, total=None)
+        yield lambda step, total: bar.update(task, completed=step, total=total)
+
+
 def _check_options(
     size: str | None, steps: int | None, n: int, image: Path | None, out_dir: Path | None = None
 ) -> None:
@@ -130,17 +170,31 @@ def models() -> None:
         except MaasError as exc:
             _fail(exc)
 
-    def table() -> None:
-        grid = Table("model", "version", "task", "default size", "steps", "max size", "max images")
-        for m in listed:
-            grid.add_row(
-                m.name, m.version, m.task, f"{m.defaults.width}x{m.defaults.height}",
-                str(m.defaults.num_inference_steps), f"{m.limits.max_width}x{m.limits.max_height}",
-                str(m.max_instances_per_request),
-            )  # fmt: skip
-        out.print(grid)
+    _emit([m.model_dump() for m in listed], lambda: print_models(listed))
 
-    _emit([m.model_dump() for m in listed], table)
+
+def print_models(listed: list[ModelInfo], console: Console | None = None) -> None:
+    """One row per model; with several versions, the stable one is marked `*`. Names are never cut."""
+    headers = ("model", "versions", "task", "default size", "steps", "max size", "max images")
+    rows = [
+        (
+            m.name,
+            _versions(m),
+            m.task,
+            f"{m.defaults.width}x{m.defaults.height}",
+            str(m.defaults.num_inference_steps),
+            f"{m.limits.max_width}x{m.limits.max_height}",
+            str(m.max_instances_per_request),
+        )
+        for m in listed
+    ]
+    print_table(headers, rows, console=console)
+
+
+def _versions(model: ModelInfo) -> str:
+    if model.versions == [model.version]:
+        return model.version
+    return ",".join(f"{version}*" if version == model.version else version for version in model.versions)
 
 
 def _print_result(result: Result, paths: list[Path]) -> None:
@@ -179,7 +233,9 @@ def predict(
     _check_options(size, steps, n, image, out_dir)
     with _client() as client:
         try:
-            result = client.predict(model, prompt, **_options_dict(seed, steps, size, image, negative, n))
+            with live_progress(model) as on_progress:
+                options = _options_dict(seed, steps, size, image, negative, n)
+                result = client.predict(model, prompt, on_progress=on_progress, **options)
             paths = result.save(out_dir)
         except MaasError as exc:
             _fail(exc)
@@ -233,17 +289,8 @@ def jobs_wait(job_id: str, out_dir: OutDir = Path(".")) -> None:
     _check_options(None, None, 1, None, out_dir)
     with _client() as client:
         job = client.job(job_id)
-        bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("step"), MofNCompleteColumn(),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=err, disable=bool(STATE.get("json")),
-        )  # fmt: skip
         try:
-            with bar:
-                task = bar.add_task(f"job {job_id[:12]}", total=None)
-
-                def on_progress(step: int, total: int) -> None:
-                    bar.update(task, completed=step, total=total)
-
+            with live_progress(f"job {job_id[:12]}") as on_progress:
                 result = job.wait(on_progress=on_progress)
             paths = result.save(out_dir)
         except KeyboardInterrupt:
@@ -298,10 +345,8 @@ def jobs_list(
     rows = [{"id": v.id, "model": v.model, "status": v.status, "created_at": v.created_at} for v in views]
 
     def table() -> None:
-        grid = Table("job", "model", "status", "created")
-        for row in rows:
-            grid.add_row(row["id"], row["model"], row["status"], row["created_at"])
-        out.print(grid)
+        cells = [(row["id"], row["model"], row["status"], row["created_at"]) for row in rows]
+        print_table(("job", "model", "status", "created"), cells)
 
     _emit(rows, table)
 
@@ -318,15 +363,16 @@ def usage(since: Annotated[str, typer.Option(help="7d, 30d or a date YYYY-MM-DD"
             _fail(exc)
 
     def table() -> None:
-        grid = Table("day", "model", "requests", "succeeded", "images", "cache hits", "GPU s")
-        for row in report.days:
-            grid.add_row(row.day, row.model, str(row.requests), str(row.succeeded), str(row.images),
-                         str(row.cache_hits), f"{row.gpu_seconds:.2f}")  # fmt: skip
+        cells = [
+            (row.day, row.model, str(row.requests), str(row.succeeded), str(row.images), str(row.cache_hits),
+             f"{row.gpu_seconds:.2f}")
+            for row in report.days
+        ]  # fmt: skip
         t = report.totals
-        grid.add_row("total", "", str(t.requests), str(t.succeeded), str(t.images), str(t.cache_hits),
-                     f"{t.gpu_seconds:.2f}")  # fmt: skip
+        cells.append(("total", "", str(t.requests), str(t.succeeded), str(t.images), str(t.cache_hits),
+                      f"{t.gpu_seconds:.2f}"))  # fmt: skip
         out.print(f"key {report.api_key_id} since {report.since}", highlight=False)
-        out.print(grid)
+        print_table(("day", "model", "requests", "succeeded", "images", "cache hits", "GPU s"), cells, whole=2)
 
     _emit(report.model_dump(), table)
 

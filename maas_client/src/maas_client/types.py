@@ -33,7 +33,8 @@ class GenerationLimits(_Body):
 
 class ModelInfo(_Body):
     name: str
-    version: str
+    version: str  # the stable one
+    versions: list[str]  # every live version
     task: Literal["text-to-image", "image-to-image"]
     max_instances_per_request: int
     request_timeout_seconds: int
@@ -71,7 +72,7 @@ class JobLinks(_Body):
 
 class JobAccepted(_Body):
     id: str
-    status: Literal["queued"]
+    status: Literal["queued", "succeeded"]  # succeeded at once when the cache held the answer
     model: str
     links: JobLinks
     message: str | None = None
