@@ -122,9 +122,13 @@ class InferenceService:
         """Publishes the request and returns at once (a job); raises 503 if the queue is unreachable."""
         self._dispatcher.submit(self._request(prepared), prepared.spec, deadline_ms, prepared.priority)
 
-    def run(self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int) -> InferenceReply | None:
-        """Publishes and waits up to the model's request timeout; None if no reply came by then."""
-        return self._dispatcher.run(self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms)
+    def run(
+        self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int, wait_seconds: float | None = None
+    ) -> InferenceReply | None:
+        """Publishes and waits up to the model's request timeout (or `wait_seconds`); None if no reply came by then."""
+        return self._dispatcher.run(
+            self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms, wait_seconds
+        )
 
     def predictions(self, reply: InferenceReply) -> list[dict]:
         return [self._prediction_json(prediction) for prediction in reply.predictions]

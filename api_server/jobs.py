@@ -81,6 +81,17 @@ class JobState:
         return self.deadline_ms if self.status == "expired" else None
 
 
+@dataclass(frozen=True)
+class EndedJob:
+    """A job that ended with its log row still to write: the partial row, the reply (None: it expired
+    unanswered), and whether its outcome feeds the rollback guard (a job submitted as one)."""
+
+    job_id: str
+    row: dict
+    reply: InferenceReply | None
+    observe: bool
+
+
 class JobStore:
     def __init__(self, client: redis.Redis, results: ResultStore, ttl_seconds: int) -> None:
         self._redis = client
@@ -172,15 +183,16 @@ class JobStore:
             state.status = "expired"
         return state
 
-    def defer_log_row(self, job_id: str, row: dict, deadline_ms: int) -> None:
-        """Keeps the job's partial log row until the job ends (see `job_log.py`)."""
+    def defer_log_row(self, job_id: str, row: dict, deadline_ms: int, observe: bool = False) -> None:
+        """Keeps the job's partial log row until the job ends (see `job_log.py`); `observe`: its outcome then
+        also feeds the rollback guard."""
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(job_key(job_id), "log_row", json.dumps(row))
+        pipe.hset(job_key(job_id), mapping={"log_row": json.dumps(row), "observe": int(observe)})
         pipe.zadd(UNLOGGED_JOBS_KEY, {job_id: deadline_ms})
         pipe.execute()
 
-    def ended_unlogged(self, limit: int = 500) -> list[tuple[str, dict, InferenceReply | None]]:
-        """(job id, partial row, reply or None when it expired unanswered) for unlogged jobs that ended."""
+    def ended_unlogged(self, limit: int = 500) -> list[EndedJob]:
+        """Unlogged jobs that ended: answered, or expired unanswered (reply None)."""
         now_ms = time.time() * 1000
         ended = []
         for raw_id, deadline_ms in self._redis.zrange(UNLOGGED_JOBS_KEY, 0, limit - 1, withscores=True):
@@ -188,11 +200,11 @@ class JobStore:
             reply = self._results.get(job_id)
             if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
                 continue
-            raw_row = self._redis.hget(job_key(job_id), "log_row")
+            raw_row, observe = self._redis.hmget(job_key(job_id), ["log_row", "observe"])
             if raw_row is None:  # the job record expired: nothing left to complete
                 self._redis.zrem(UNLOGGED_JOBS_KEY, job_id)
                 continue
-            ended.append((job_id, json.loads(raw_row), reply))
+            ended.append(EndedJob(job_id, json.loads(raw_row), reply, observe == b"1"))
         return ended
 
     def claim_log_row(self, job_id: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 JSON = {"Content-Type": "application/json"}
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
@@ -66,6 +68,23 @@ class JobMade(StrEnum):
     CACHED = "cached"  # a job answered from the cache: it has already succeeded
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """A request's first attempt, on the version the split chose, failed with a model error; the stable version
+    (`answered_by`) was then asked once, within the caller's wait."""
+
+    failed_version: str
+    error: str
+    failed_ms: float
+    answered_by: ModelSpec
+
+
+def fallback_request_id(request_id: str) -> str:
+    """The stable version's attempt runs under an id of its own: the first attempt's answer is already stored
+    under the caller's, and a worker answers a request id once."""
+    return f"{request_id}-fallback"
+
+
 @dataclass
 class Answer:
     """What the serving stage did with a request: the outcome, the exact bytes to send, and how it got them."""
@@ -82,6 +101,13 @@ class Answer:
     output_bytes: int | None = None
     job_made: JobMade | None = None
     job_deadline_ms: int | None = None
+    # The version the split chose failed with a model error and the stable version was asked (its answer is this).
+    fallback: Fallback | None = None
+
+    @property
+    def version(self) -> ModelSpec | None:
+        """The version whose answer this is when it is not the one the request was routed to (a fallback)."""
+        return self.fallback.answered_by if self.fallback is not None else None
 
 
 class ServingStage:
@@ -194,14 +220,14 @@ class ServingStage:
         return self._inference.prepare(spec, payload, request_id, caller, **options)
 
     def answer(self, prepared: PreparedRequest, mode: Mode) -> Answer:
-        self._send_shadow(prepared)
         compute = self._submit_job if mode is Mode.JOB else self._through_cache
         if prepared.idempotency_key is None:
             return compute(prepared)
         return self._idempotent(prepared, mode, compute)
 
     def _send_shadow(self, prepared: PreparedRequest) -> None:
-        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it."""
+        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it. Called
+        where the primary publishes an inference, so a replay, a cache hit or a coalesced caller sends none."""
         rollout = self._catalog.rollout(prepared.spec.name)
         if rollout is None or prepared.pinned:
             return
@@ -325,33 +351,95 @@ class ServingStage:
     # The model: wait for its reply, or hand back a job.
 
     def _run_sync(self, prepared: PreparedRequest) -> Answer:
-        timings = DispatchTimings()
+        self._send_shadow(prepared)
         # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
         deadline_ms = self._inference.job_deadline_ms()
+        started = time.perf_counter()
+        answer = self._ask(prepared, deadline_ms)
+        if answer is None:
+            return self._hand_over_as_job(prepared, deadline_ms)
+        stable = self._fallback_version(prepared, answer)
+        if stable is None:
+            return answer
+        return self._fall_back(prepared, stable, answer, time.perf_counter() - started)
+
+    def _fallback_version(self, prepared: PreparedRequest, answer: Answer) -> ModelSpec | None:
+        """The stable version, when the split sent this request to another version that failed it with a model
+        error (a reply with status `error`); None otherwise (a pinned request keeps the version it asked for)."""
+        rollout = self._catalog.rollout(prepared.spec.name)
+        if rollout is None or prepared.pinned or prepared.spec.version == rollout.stable:
+            return None
+        if answer.reply is None or answer.reply.status != "error":
+            return None
+        return rollout.versions[rollout.stable]
+
+    def _fall_back(self, prepared: PreparedRequest, stable: ModelSpec, failed: Answer, failed_seconds: float) -> Answer:
+        """Asks the stable version once, within what is left of the caller's wait; its answer is the caller's, so a
+        canary's failure reaches neither the caller nor the bill (the row names both attempts)."""
+        assert failed.reply is not None
+        fallback = Fallback(
+            prepared.spec.version,
+            (failed.reply.error or f"model worker answered {failed.reply.status}")[:1024],
+            round(failed_seconds * 1000, 2),
+            stable,
+        )
+        left = prepared.received + prepared.spec.request_timeout_seconds - time.perf_counter()
+        retry = replace(
+            prepared,
+            request_id=fallback_request_id(prepared.request_id),
+            spec=stable,
+            idempotency_key=None,
+            webhook_url=None,
+        )
+        answer = None
+        if left > 0:
+            log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
+                        prepared.spec.version, prepared.request_id, fallback.error, stable.version)  # fmt: skip
+            metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
+            deadline_ms = int((time.time() + left) * 1000)
+            answer = self._ask(retry, deadline_ms, wait_seconds=left, answering_for=prepared.request_id)
+        if answer is None:
+            waited = f"{prepared.spec.request_timeout_seconds}s"
+            message = (f"version {prepared.spec.version} failed ({fallback.error}) and the stable version "
+                       f"{stable.version} gave no reply within the request's {waited}")  # fmt: skip
+            answer = _refusal(ApiError(504, message), prepared.request_id)
+        return replace(answer, fallback=fallback)
+
+    def _ask(
+        self,
+        prepared: PreparedRequest,
+        deadline_ms: int,
+        wait_seconds: float | None = None,
+        answering_for: str | None = None,
+    ) -> Answer | None:
+        """One inference on `prepared.spec`, waited for: its answer, or None when no reply came within the wait.
+        `answering_for`: the caller's request id, when this inference runs under an id of its own (a fallback)."""
+        request_id = answering_for or prepared.request_id
+        timings = DispatchTimings()
         metrics.INFLIGHT_WAITS.inc()
         try:
-            reply = self._inference.run(prepared, timings, deadline_ms)
+            reply = self._inference.run(prepared, timings, deadline_ms, wait_seconds)
         except ApiError as error:
-            return _refusal(error, prepared.request_id)
+            return _refusal(error, request_id)
         finally:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
-            return self._hand_over_as_job(prepared, deadline_ms)
+            return None
         published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
         outcome = Outcome.for_reply(reply.status, reply.error_kind)
         if outcome is not Outcome.OK:
             message = reply.error or f"model worker answered {reply.status}"
-            record = _error_record(outcome.spec.http_status, message, prepared.request_id, outcome)
+            record = _error_record(outcome.spec.http_status, message, request_id, outcome)
             return Answer(outcome, record, reply=reply, published_ms=published_ms)
         try:
             predictions = self._inference.predictions(reply)
         except ApiError as error:
-            return replace(_refusal(error, prepared.request_id), reply=reply, published_ms=published_ms)
+            return replace(_refusal(error, request_id), reply=reply, published_ms=published_ms)
         body = {
             "predictions": predictions,
             "model": prepared.spec.name,
             "model_version": prepared.spec.version,
-            "request_id": prepared.request_id,
+            "request_id": request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - prepared.received) * 1000, 2),
                 "queue": round(reply.queue_ms, 2),
@@ -405,6 +493,7 @@ class ServingStage:
             self._inference.submit(prepared, deadline_ms)
         except ApiError as error:
             return _refusal(error, prepared.request_id)
+        self._send_shadow(prepared)
         return Answer(
             Outcome.ACCEPTED,
             _job_record(prepared, "queued"),

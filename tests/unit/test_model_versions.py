@@ -86,6 +86,31 @@ def test_a_bad_versioned_entry_is_refused_with_a_clear_error(fields, message):
 
 
 @pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"limits": {"max_inference_steps": 50, "max_width": 128, "max_height": 1024}}, "limits.max_width to 128"),
+        ({"max_instances_per_request": 2}, "max_instances_per_request to 2"),
+        ({"defaults": {"num_inference_steps": 20, "guidance_scale": 7.5, "width": 512, "height": 512}},
+         "defaults.num_inference_steps to 20"),
+        ({"adapters": None}, "sets adapters to None"),
+        ({"task": "image-to-image", "pipeline": "StableDiffusionImg2ImgPipeline"}, "task to 'image-to-image'"),
+    ],
+)  # fmt: skip
+def test_a_version_that_would_refuse_or_resolve_a_request_differently_is_refused_at_load(override, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        catalog_with(m={"versions": {"1": {}, "2": override}, "traffic": {"1": 90, "2": 10}})
+    assert "m: version '2'" in str(refused.value) and "stable version '1'" in str(refused.value)
+
+
+def test_versions_may_differ_in_how_they_run():
+    how = {"weights_path": "m/2", "max_batch_size": 4, "request_timeout_seconds": 90, "scheduling": "request",
+           "adapters": {**yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())["models"]["sd15-txt2img"]["adapters"],
+                        "host_cache": 2, "device_cache": 1}}  # fmt: skip
+    catalog = catalog_with(m={"versions": {"1": {}, "2": how}, "traffic": {"1": 90, "2": 10}})
+    assert catalog.version("m", "2").max_batch_size == 4
+
+
+@pytest.mark.parametrize(
     ("traffic", "shadow", "field"),
     [
         ({"1": 50, "2": 40}, None, "traffic"),
