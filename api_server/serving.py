@@ -1,9 +1,10 @@
 """The serving stage: a validated request's fate, from the model's choice to its answer, as one `Answer`.
 
 `answer(prepared, mode)` tries, in order, an Idempotency-Key record, the result cache, an identical request
-already in flight (coalescing), then the model: waiting for its reply (sync) or handing back a job. It
-knows nothing of Flask; the routes parse and render, the records stage (`records.py`) logs what it returns.
-Refusals (a bad Idempotency-Key, a rate limit) raise `ApiError`; everything else is an `Answer`.
+already in flight (coalescing), then the model: waiting for its reply (sync; a canary's model error is asked
+again of the stable version, once) or handing back a job. Only an inference the model runs sends a shadow
+copy. It knows nothing of Flask; the routes parse and render, the records stage (`records.py`) logs what it
+returns. Refusals (a bad Idempotency-Key, a rate limit) raise `ApiError`; everything else is an `Answer`.
 """
 
 from __future__ import annotations
@@ -103,11 +104,6 @@ class Answer:
     job_deadline_ms: int | None = None
     # The version the split chose failed with a model error and the stable version was asked (its answer is this).
     fallback: Fallback | None = None
-
-    @property
-    def version(self) -> ModelSpec | None:
-        """The version whose answer this is when it is not the one the request was routed to (a fallback)."""
-        return self.fallback.answered_by if self.fallback is not None else None
 
 
 class ServingStage:
