@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import yaml
 
+from api_server.inference_log import InferenceLogRow
+from api_server.job_log import JobLogFinisher
+from api_server.jobs import EndedJob
 from api_server.rollouts import Window, breach, window_of
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
+from contract.messages import InferenceReply
 
 OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
 CATALOG = load_catalog(None, OVERLAY)
@@ -145,3 +151,60 @@ def test_a_slow_canary_breaches_on_p95_and_too_few_requests_never_breach():
     stable = Window(20, 0.0, 100.0)
     assert "p95" in (breach(POLICY, stable, Window(20, 0.0, 400.0)) or "")
     assert breach(POLICY, stable, Window(4, 1.0, 9999.0)) is None
+
+
+class EndedJobs:
+    """The job store as the job-log finisher reads it: these jobs ended, each claimable once."""
+
+    def __init__(self, ended: list[EndedJob]) -> None:
+        self.ended, self.claimed = ended, set()
+
+    def ended_unlogged(self) -> list[EndedJob]:
+        return self.ended
+
+    def claim_log_row(self, job_id: str) -> bool:
+        first = job_id not in self.claimed
+        self.claimed.add(job_id)
+        return first
+
+
+class Rows:
+    closed = False
+
+    def __init__(self) -> None:
+        self.rows: list[InferenceLogRow] = []
+
+    def write(self, row: InferenceLogRow) -> None:
+        self.rows.append(row)
+
+
+class Observed:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def observe(self, model: str, version: str, request_id: str, total_ms: float, ok: bool) -> None:
+        self.calls.append((model, version, request_id, ok))
+
+
+def ended_job(job_id: str, status: str | None, observe: bool) -> EndedJob:
+    created = datetime.now(UTC) - timedelta(seconds=3)
+    row = InferenceLogRow(job_id, created, "rollback-jobs", "accepted", 202, model_version="2", endpoint="job")
+    reply = None
+    if status is not None:
+        reply = InferenceReply(request_id=job_id, model="rollback-jobs", model_version="2", status=status,
+                               error=None if status == "ok" else "failed", answered_ms=int(time.time() * 1000))  # fmt: skip
+    return EndedJob(job_id, row.to_json(), reply, observe)
+
+
+def test_a_submitted_job_feeds_the_rollback_guard_once_when_it_ends():
+    jobs = EndedJobs([
+        ended_job("ok", "ok", True), ended_job("failed", "error", True), ended_job("expired", None, True),
+        ended_job("cancelled", "cancelled", True), ended_job("converted", "error", False),
+    ])  # fmt: skip
+    rows, observed = Rows(), Observed()
+    finisher = JobLogFinisher(jobs, rows, observations=observed)
+    assert finisher.finish_ended() == 5 and finisher.finish_ended() == 0  # claimed once, by one process
+    # A cancelled job says nothing about its version; a converted one was observed when its sync wait ran out.
+    assert observed.calls == [("rollback-jobs", "2", "ok", True), ("rollback-jobs", "2", "failed", False),
+                              ("rollback-jobs", "2", "expired", False)]  # fmt: skip
+    assert all(row.total_ms >= 2500 for row in rows.rows if row.request_id != "cancelled")
