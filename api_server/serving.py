@@ -35,14 +35,14 @@ from api_server.flights import (
     StillRunningError,
 )
 from api_server.inference import InferenceService, PreparedRequest
-from api_server.jobs import JobCursor, JobState, JobStore, job_view
+from api_server.jobs import FallbackRequest, JobCursor, JobState, JobStore, fallback_request_id, job_view
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
-from contract.messages import InferenceReply, Payload, Prediction
+from contract.messages import InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -78,12 +78,6 @@ class Fallback:
     error: str
     failed_ms: float
     answered_by: ModelSpec
-
-
-def fallback_request_id(request_id: str) -> str:
-    """The stable version's attempt runs under an id of its own: the first attempt's answer is already stored
-    under the caller's, and a worker answers a request id once."""
-    return f"{request_id}-fallback"
 
 
 @dataclass
@@ -361,13 +355,27 @@ class ServingStage:
 
     def _fallback_version(self, prepared: PreparedRequest, answer: Answer) -> ModelSpec | None:
         """The stable version, when the split sent this request to another version that failed it with a model
-        error (a reply with status `error`); None otherwise (a pinned request keeps the version it asked for)."""
+        error (a reply with status `error`); None otherwise."""
+        if answer.reply is None or answer.reply.status != "error":
+            return None
+        return self._stable_behind(prepared)
+
+    def _stable_behind(self, prepared: PreparedRequest) -> ModelSpec | None:
+        """The stable version, when the split sent this request to another one (a pinned request keeps the
+        version it asked for)."""
         rollout = self._catalog.rollout(prepared.spec.name)
         if rollout is None or prepared.pinned or prepared.spec.version == rollout.stable:
             return None
-        if answer.reply is None or answer.reply.status != "error":
-            return None
         return rollout.versions[rollout.stable]
+
+    def _job_fallback(self, prepared: PreparedRequest, message: InferenceRequest) -> FallbackRequest | None:
+        """For a job the split sent to a canary: the stable version's request, asked if the canary fails it (the
+        job-log loop does, `job_log.py`). Its inputs are the canary's (same objects, nothing uploaded twice)."""
+        stable = self._stable_behind(prepared)
+        if stable is None:
+            return None
+        update = {"request_id": fallback_request_id(prepared.request_id), "model_version": stable.version}
+        return FallbackRequest(message.model_copy(update=update).model_dump_json(), prepared.priority)
 
     def _fall_back(self, prepared: PreparedRequest, stable: ModelSpec, failed: Answer, failed_seconds: float) -> Answer:
         """Asks the stable version once, within what is left of the caller's wait; its answer is the caller's, so a
@@ -479,14 +487,23 @@ class ServingStage:
             return self._cached_job(prepared, hit)
         deadline_ms = self._inference.job_deadline_ms()
         try:
+            message = self._inference.message(prepared)
+        except ApiError as error:
+            return _refusal(error, prepared.request_id)
+        try:
             self._jobs.create(
-                prepared.request_id, prepared.caller.key_id, prepared.spec, deadline_ms, _arrival_ms(prepared)
+                prepared.request_id,
+                prepared.caller.key_id,
+                prepared.spec,
+                deadline_ms,
+                _arrival_ms(prepared),
+                self._job_fallback(prepared, message),
             )
         except redis.RedisError as exc:
             self._redis.failed(exc)
             return _refusal(_job_store_unavailable(), prepared.request_id)
         try:
-            self._inference.submit(prepared, deadline_ms)
+            self._inference.publish(message, prepared.spec, deadline_ms, prepared.priority)
         except ApiError as error:
             return _refusal(error, prepared.request_id)
         self._send_shadow(prepared)

@@ -330,8 +330,32 @@ def test_a_request_the_canary_fails_is_answered_by_the_stable_version_and_logged
     assert (billed["requests"], billed["succeeded"]) == (len(callers), len(served))
 
 
+def test_a_job_the_canary_fails_is_answered_by_the_stable_version(stack, auth_headers, settings, bigquery):
+    """A job is answered by the stable version too: its view, its result and its one row follow that attempt."""
+    job = requests.post(f"{stack.api_url}/v1/models/fallback/jobs", json=body(), headers=auth_headers, timeout=10)
+    assert job.status_code == 202, job.text
+    job_id, started = job.json()["id"], time.monotonic()
+    while (view := requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=auth_headers, timeout=10).json())[
+        "status"
+    ] in ("queued", "running"):
+        assert time.monotonic() - started < 30, view
+        time.sleep(0.2)
+    assert (view["status"], view["model_version"]) == ("succeeded", "1"), view
+    assert view["result"]["predictions"][0]["image_b64"]
+    sql = (
+        f"SELECT request_id, model_version, status, endpoint, fallback_from, fallback_error "
+        f"FROM {table(settings, 'inference_log')} WHERE request_id IN ('{job_id}', '{job_id}-fallback')"
+    )
+    (row,) = query_rows(bigquery, sql, 1, timeout=60)
+    assert (row["request_id"], row["model_version"], row["status"], row["endpoint"], row["fallback_from"]) == (
+        job_id, "1", "ok", "job", "2",
+    )  # fmt: skip
+    assert "configured to fail" in row["fallback_error"]
+
+
 def test_a_canary_failing_only_through_jobs_is_rolled_back(stack, auth_headers, settings, bigquery):
-    """Jobs are observed when they end: `rollback-jobs`'s canary fails every job and is taken to 0%."""
+    """Jobs are observed when they end (a fallback's failed first attempt when it fails): `rollback-jobs`'s
+    canary fails every job and is taken to 0%."""
     url = f"{stack.api_url}/v1/models/rollback-jobs/jobs"
     started, submitted = time.monotonic(), []
     try:
@@ -345,9 +369,6 @@ def test_a_canary_failing_only_through_jobs_is_rolled_back(stack, auth_headers, 
                 time.sleep(0.2)
         info = model_info(stack, "rollback-jobs", auth_headers)["traffic"]
         assert info["traffic"] == {"1": 100, "2": 0} and info["set_by"] == "rollback-guard"
-        failed = [job_id for job_id in submitted if choose_version({"1": 50, "2": 50}, job_id) == "2"]
-        view = requests.get(f"{stack.api_url}/v1/jobs/{failed[0]}", headers=auth_headers, timeout=10).json()
-        assert view["status"] == "failed" and view["model_version"] == "2"
         sql = (
             f"SELECT reason FROM {table(settings, 'rollout_audit')} "
             "WHERE model = 'rollback-jobs' AND action = 'rollback'"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -10,14 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from api_server.errors import ApiError
 from api_server.inference_log import InferenceLogRow
 from api_server.job_log import JobLogFinisher
-from api_server.jobs import EndedJob
+from api_server.jobs import EndedJob, FallbackRequest
 from api_server.rollouts import Window, breach, window_of
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
-from contract.messages import InferenceReply
+from contract.messages import InferenceReply, InferenceRequest
 
 OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
 CATALOG = load_catalog(None, OVERLAY)
@@ -208,3 +210,59 @@ def test_a_submitted_job_feeds_the_rollback_guard_once_when_it_ends():
     assert observed.calls == [("rollback-jobs", "2", "ok", True), ("rollback-jobs", "2", "failed", False),
                               ("rollback-jobs", "2", "expired", False)]  # fmt: skip
     assert all(row.total_ms >= 2500 for row in rows.rows if row.request_id != "cancelled")
+
+
+class Publisher:
+    def __init__(self, refuse: bool = False) -> None:
+        self.published: list[tuple] = []
+        self.refuse = refuse
+
+    def publish(self, message: InferenceRequest, spec, deadline_ms: int, priority: str) -> None:
+        if self.refuse:
+            raise ApiError(503, "request queue unavailable, retry later")
+        assert message.published_at_ms > 1  # stamped when published, not when the job was accepted
+        self.published.append((message.request_id, spec.queue, deadline_ms, priority))
+
+
+class FallingBackJobs(EndedJobs):
+    def __init__(self, ended: list[EndedJob]) -> None:
+        super().__init__(ended)
+        self.fallen: list[tuple] = []
+        self.dropped: list[str] = []
+
+    def fell_back(self, job_id: str, failed: str, error: str, stable: str, deadline_ms: int) -> None:
+        self.fallen.append((job_id, failed, stable))
+
+    def drop_fallback(self, job_id: str) -> None:
+        self.dropped.append(job_id)
+
+
+def failed_canary_job(job_id: str) -> EndedJob:
+    job = ended_job(job_id, "error", True)
+    request = {"request_id": f"{job_id}-fallback", "model": "rollback-jobs", "model_version": "1",
+               "instances": [{"prompt": "p"}], "published_at_ms": 1,
+               "parameters": {"seed": 1, "num_inference_steps": 10, "guidance_scale": 7.5, "width": 64, "height": 64}}  # fmt: skip
+    fallback = FallbackRequest(json.dumps(request), "normal")
+    return EndedJob(job.job_id, job.row, job.reply, True, deadline_ms=10**13, fallback=fallback)
+
+
+def test_a_job_the_canary_failed_is_sent_once_to_the_stable_version_and_its_row_waits_for_that_attempt():
+    jobs, rows, observed, publisher = FallingBackJobs([failed_canary_job("j")]), Rows(), Observed(), Publisher()
+    finisher = JobLogFinisher(jobs, rows, observations=observed, catalog=CATALOG, inference=publisher)
+    assert finisher.finish_ended() == 0 and rows.rows == []  # not ended: the stable version is asked
+    assert publisher.published == [("j-fallback", "rollback-jobs--1", 10**13, "normal")]
+    assert jobs.fallen == [("j", "2", "1")] and observed.calls == [("rollback-jobs", "2", "j", False)]
+    # Its stable attempt ended: one row, the stable version's, naming the failed first attempt.
+    answered = ended_job("j", "ok", True)
+    jobs.ended, jobs.claimed = [EndedJob("j", answered.row, answered.reply, True, 10**13, None, "2", "boom")], set()
+    assert finisher.finish_ended() == 1
+    (row,) = rows.rows
+    assert (row.model_version, row.status, row.fallback_from, row.fallback_error) == ("1", "ok", "2", "boom")
+    assert observed.calls[-1] == ("rollback-jobs", "1", "j", True)
+
+
+def test_a_job_whose_stable_version_cannot_be_asked_ends_with_the_canarys_answer():
+    jobs, rows = FallingBackJobs([failed_canary_job("j")]), Rows()
+    finisher = JobLogFinisher(jobs, rows, catalog=CATALOG, inference=Publisher(refuse=True))
+    assert finisher.finish_ended() == 1 and jobs.dropped == ["j"] and jobs.fallen == []
+    assert (rows.rows[0].model_version, rows.rows[0].status, rows.rows[0].fallback_from) == ("2", "error", None)
