@@ -236,11 +236,14 @@ class JobStore:
                   "cancelled_ms"]  # fmt: skip
         for raw_id, deadline_ms in self._redis.zrange(UNLOGGED_JOBS_KEY, 0, limit - 1, withscores=True):
             job_id = raw_id.decode()
-            record = dict(zip(fields, self._redis.hmget(job_key(job_id), fields), strict=True))
-            fallen_back = record["fallback_from"] is not None
-            reply = self._results.get(fallback_request_id(job_id) if fallen_back else job_id)
+            reply = self._results.get(job_id)
             if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
-                continue
+                continue  # the common case costs one round trip: not answered yet
+            record = dict(zip(fields, self._redis.hmget(job_key(job_id), fields), strict=True))
+            if record["fallback_from"] is not None:  # the job is its stable version's attempt now
+                reply = self._results.get(fallback_request_id(job_id))
+                if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
+                    continue
             if record["log_row"] is None:  # the job record expired: nothing left to complete
                 self._redis.zrem(UNLOGGED_JOBS_KEY, job_id)
                 continue
