@@ -1,7 +1,8 @@
 """Model versions on the real stack: split routing, pinning, the runtime split, shadow traffic, automatic rollback.
 
 The synthetic versioned models live in contract/models.local.yaml (`canary` 90/10, `canary-sticky`, `shadowed`
-with a 2 s shadow, `rollback-bad` whose canary fails every request, `rollback-good`). The 90/10 proportion
+with a 2 s shadow, `shadowed-once` with a fast one, `fallback` whose version 2 takes every request and fails it,
+`rollback-bad` whose canary fails every request, `rollback-jobs` the same reached through jobs, `rollback-good`). The 90/10 proportion
 is checked over 1,000 request ids in-process (tests/unit/test_model_versions.py: the version is a pure
 function of the id); here a smaller real batch checks that the API applies that function and that every
 response, log row and cache entry carries the version it used.
@@ -23,7 +24,7 @@ from api_server.app import create_app
 from api_server.state import app_state
 from api_server.traffic import choose_version
 from contract import naming
-from contract.settings import Settings
+from contract.settings import Settings, api_key_digest
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
 from tests.conftest import TEST_ADMIN_KEY, TEST_API_KEYS, query_rows
@@ -264,16 +265,17 @@ def test_a_version_that_narrows_what_a_request_may_ask_is_refused_at_load(stack,
 
 
 def shadow_copies_sent(stack) -> float:
-    """The API's count of shadow copies sent for `shadowed` (its /metrics; the local stack runs one process)."""
+    """The API's count of shadow copies sent for `shadowed-once` (its /metrics; the local stack runs one API
+    process)."""
     text = requests.get(f"{stack.api_url}/metrics", timeout=10).text
-    prefix = 'maas_api_shadow_copies_total{model="shadowed",result="sent"} '
+    prefix = 'maas_api_shadow_copies_total{model="shadowed-once",result="sent"} '
     return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_one_shadow_copy_per_inference_the_primary_runs(stack, settings, bigquery):
     """Cache hits, coalesced callers and Idempotency-Key replays run no inference, so they send no shadow copy."""
     headers = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}
-    url = f"{stack.api_url}/v1/models/shadowed:predict"
+    url = f"{stack.api_url}/v1/models/shadowed-once:predict"
     before = shadow_copies_sent(stack)
     seeded = body(prompt=f"shadow once {uuid.uuid4().hex}", seed=11)
     with ThreadPoolExecutor(4) as pool:
@@ -324,20 +326,23 @@ def test_a_request_the_canary_fails_is_answered_by_the_stable_version_and_logged
     (billed,) = query_rows(
         bigquery,
         f"SELECT SUM(requests) AS requests, SUM(succeeded) AS succeeded "
-        f"FROM {table(settings, 'billing_by_api_key_daily')} WHERE model = 'fallback'",
+        f"FROM {table(settings, 'billing_by_api_key_daily')} "
+        f"WHERE model = 'fallback' AND api_key_id = '{api_key_digest(TEST_API_KEYS[0])[:12]}'",
         1,
     )
     assert (billed["requests"], billed["succeeded"]) == (len(callers), len(served))
 
 
-def test_a_job_the_canary_fails_is_answered_by_the_stable_version(stack, auth_headers, settings, bigquery):
+def test_a_job_the_canary_fails_is_answered_by_the_stable_version(stack, settings, bigquery):
     """A job is answered by the stable version too: its view, its result and its one row follow that attempt."""
-    job = requests.post(f"{stack.api_url}/v1/models/fallback/jobs", json=body(), headers=auth_headers, timeout=10)
+    headers = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}  # not the key whose bill the sync test reads
+    job = requests.post(f"{stack.api_url}/v1/models/fallback/jobs", json=body(), headers=headers, timeout=10)
     assert job.status_code == 202, job.text
     job_id, started = job.json()["id"], time.monotonic()
-    while (view := requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=auth_headers, timeout=10).json())[
-        "status"
-    ] in ("queued", "running"):
+    while (view := requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=headers, timeout=10).json())["status"] in (
+        "queued",
+        "running",
+    ):
         assert time.monotonic() - started < 30, view
         time.sleep(0.2)
     assert (view["status"], view["model_version"]) == ("succeeded", "1"), view
