@@ -309,12 +309,13 @@ class ServingStage:
         key = self._cache_key(prepared)
         if key is None:
             return replace(self._run_sync(prepared), cache_event="uncacheable")
-        policy = cache_policy(prepared.spec, self._settings.cache_ttl_seconds, self._settings.cache_max_entry_bytes)
-        if prepared.fresh:
-            answer = self._run_sync(prepared)
-            self._cache_flights.store(key, answer.record, policy)
-            return replace(answer, cache="miss", cache_event="bypass")
         computed: list[Answer] = []
+        policy = cache_policy(prepared.spec, self._settings.cache_ttl_seconds, self._settings.cache_max_entry_bytes)
+        policy = _kept_unless_fallback(policy, computed)
+        if prepared.fresh:
+            computed.append(self._run_sync(prepared))
+            self._cache_flights.store(key, computed[-1].record, policy)
+            return replace(computed[-1], cache="miss", cache_event="bypass")
         record, role = self._cache_flights.run(key, "", _computing(self._run_sync, prepared, computed), policy)
         if role is Role.STORED:
             return Answer(Outcome.CACHE_HIT, record, cache="hit", cache_event="hit")
@@ -556,6 +557,16 @@ def _computing(compute: Callable[[PreparedRequest], Answer], prepared: PreparedR
         return answer.record
 
     return run
+
+
+def _kept_unless_fallback(policy: FlightPolicy, computed: list[Answer]) -> FlightPolicy:
+    """`policy`, except that a fallback's answer is never kept: the cache key names the version the split
+    chose, and that answer is the stable version's (the callers already waiting still share it)."""
+
+    def keep_for(record: ResponseRecord) -> int | None:
+        return None if computed and computed[-1].fallback is not None else policy.keep_for(record)
+
+    return replace(policy, keep_for=keep_for)
 
 
 def _stored_outcome(record: ResponseRecord) -> Outcome:

@@ -305,6 +305,13 @@ def test_a_request_the_canary_fails_is_answered_by_the_stable_version_and_logged
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.json()["model_version"] == "1" and answer.json()["predictions"]
+    # The cache key names version 2: version 1's answer is not kept under it, so a repeat asks again.
+    prompt = f"fallback seeded {uuid.uuid4().hex}"
+    seeded = [predict(stack, "fallback", auth_headers, prompt=prompt, seed=5) for _ in range(2)]
+    assert [(a.status_code, a.headers["X-Cache"], a.json()["model_version"]) for a in seeded] == [
+        (200, "miss", "1")
+    ] * 2
+    answers += seeded
     # Pinned to the failing version: the caller asked for it, so its error is the answer.
     pinned = predict(stack, "fallback", auth_headers, version="2")
     assert pinned.status_code == 500 and "configured to fail" in pinned.json()["error"]["message"]
