@@ -380,15 +380,17 @@ class ServingStage:
 
     def _fall_back(self, prepared: PreparedRequest, stable: ModelSpec, failed: Answer, failed_seconds: float) -> Answer:
         """Asks the stable version once, within what is left of the caller's wait; its answer is the caller's, so a
-        canary's failure reaches neither the caller nor the bill (the row names both attempts)."""
+        canary's failure reaches neither the caller nor the bill (the row names both attempts). With no time
+        left, the canary's answer stands."""
         assert failed.reply is not None
-        fallback = Fallback(
-            prepared.spec.version,
-            (failed.reply.error or f"model worker answered {failed.reply.status}")[:1024],
-            round(failed_seconds * 1000, 2),
-            stable,
-        )
         left = prepared.received + prepared.spec.request_timeout_seconds - time.perf_counter()
+        if left <= 0:
+            return failed
+        error = (failed.reply.error or f"model worker answered {failed.reply.status}")[:1024]
+        fallback = Fallback(prepared.spec.version, error, round(failed_seconds * 1000, 2), stable)
+        log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
+                    prepared.spec.version, prepared.request_id, error, stable.version)  # fmt: skip
+        metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
         retry = replace(
             prepared,
             request_id=fallback_request_id(prepared.request_id),
@@ -396,17 +398,11 @@ class ServingStage:
             idempotency_key=None,
             webhook_url=None,
         )
-        answer = None
-        if left > 0:
-            log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
-                        prepared.spec.version, prepared.request_id, fallback.error, stable.version)  # fmt: skip
-            metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
-            deadline_ms = int((time.time() + left) * 1000)
-            answer = self._ask(retry, deadline_ms, wait_seconds=left, answering_for=prepared.request_id)
+        deadline_ms = int((time.time() + left) * 1000)
+        answer = self._ask(retry, deadline_ms, wait_seconds=left, answering_for=prepared.request_id)
         if answer is None:
-            waited = f"{prepared.spec.request_timeout_seconds}s"
-            message = (f"version {prepared.spec.version} failed ({fallback.error}) and the stable version "
-                       f"{stable.version} gave no reply within the request's {waited}")  # fmt: skip
+            message = (f"version {prepared.spec.version} failed ({error}) and the stable version {stable.version} "
+                       f"gave no reply within the request's {prepared.spec.request_timeout_seconds}s")  # fmt: skip
             answer = _refusal(ApiError(504, message), prepared.request_id)
         return replace(answer, fallback=fallback)
 

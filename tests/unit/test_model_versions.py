@@ -7,19 +7,26 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from api_server.auth import Caller
 from api_server.errors import ApiError
+from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import EndedJob, FallbackRequest
 from api_server.rollouts import Window, breach, window_of
+from api_server.schemas import PredictBody
+from api_server.serving import ServingStage
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
+from contract.generation import GenerationParameters
 from contract.messages import InferenceReply, InferenceRequest
+from contract.outcomes import Outcome
 
 OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
 CATALOG = load_catalog(None, OVERLAY)
@@ -266,3 +273,63 @@ def test_a_job_whose_stable_version_cannot_be_asked_ends_with_the_canarys_answer
     finisher = JobLogFinisher(jobs, rows, catalog=CATALOG, inference=Publisher(refuse=True))
     assert finisher.finish_ended() == 1 and jobs.dropped == ["j"] and jobs.fallen == []
     assert (rows.rows[0].model_version, rows.rows[0].status, rows.rows[0].fallback_from) == ("2", "error", None)
+
+
+class ScriptedInference:
+    """The inference service as the serving stage calls it: each `run` answers the next scripted reply."""
+
+    def __init__(self, *replies: InferenceReply | None) -> None:
+        self.replies, self.runs = list(replies), []
+
+    def job_deadline_ms(self) -> int:
+        return int((time.time() + 900) * 1000)
+
+    def run(self, prepared, timings, deadline_ms: int, wait_seconds: float | None = None) -> InferenceReply | None:
+        self.runs.append((prepared.request_id, prepared.spec.version, wait_seconds))
+        return self.replies.pop(0)
+
+    def predictions(self, reply: InferenceReply) -> list[dict]:
+        return [{"image_b64": "AAAA", "seed": 1, "width": 64, "height": 64}]
+
+
+def serving_with(inference: ScriptedInference) -> ServingStage:
+    splits = SimpleNamespace(split=lambda name: SimpleNamespace(shadow=None))
+    return ServingStage(None, CATALOG, inference, None, None, None, None, None, None,
+                        SimpleNamespace(splits=splits), None)  # type: ignore[arg-type]  # fmt: skip
+
+
+def canary_request(received: float | None = None, pinned: bool = False) -> PreparedRequest:
+    spec = CATALOG.version("fallback", "2")
+    body = PredictBody.model_validate({"instances": [{"prompt": "p"}]})
+    params = GenerationParameters(seed=1, num_inference_steps=10, guidance_scale=7.5, width=64, height=64)
+    return PreparedRequest("r", spec, body, params, [None], "normal", Caller("k", "d"), pinned=pinned,
+                           received=time.perf_counter() if received is None else received)  # fmt: skip
+
+
+def reply(status: str, version: str) -> InferenceReply:
+    return InferenceReply(request_id="r", model="fallback", model_version=version, status=status,
+                          error=None if status == "ok" else "configured to fail")  # fmt: skip
+
+
+def test_a_canary_error_is_asked_once_of_the_stable_version_within_the_callers_wait():
+    inference = ScriptedInference(reply("error", "2"), reply("ok", "1"))
+    answer = serving_with(inference)._run_sync(canary_request())
+    assert answer.outcome is Outcome.OK and json.loads(answer.record.body)["model_version"] == "1"
+    assert json.loads(answer.record.body)["request_id"] == "r"
+    assert (answer.fallback.failed_version, answer.fallback.answered_by.version) == ("2", "1")
+    (first, second) = inference.runs
+    assert first == ("r", "2", None) and second[:2] == ("r-fallback", "1") and 0 < second[2] <= 30
+
+
+def test_a_stable_version_silent_in_the_time_left_is_a_504_naming_both():
+    answer = serving_with(ScriptedInference(reply("error", "2"), None))._run_sync(canary_request())
+    assert answer.record.status == 504 and answer.fallback is not None
+    assert "version 2 failed (configured to fail)" in json.loads(answer.record.body)["error"]["message"]
+
+
+def test_no_fallback_when_no_time_is_left_or_the_version_was_pinned():
+    late = canary_request(received=time.perf_counter() - 31)
+    for prepared in (late, canary_request(pinned=True)):
+        inference = ScriptedInference(reply("error", "2"))
+        answer = serving_with(inference)._run_sync(prepared)
+        assert answer.record.status == 500 and answer.fallback is None and len(inference.runs) == 1
