@@ -51,11 +51,12 @@ class InferenceDispatcher:
         timings: DispatchTimings,
         priority: naming.Priority = "normal",
         deadline_ms: int | None = None,
+        wait_seconds: float | None = None,
     ) -> InferenceReply | None:
-        """Subscribe, publish, wait up to the model's timeout: raises 503 if the queue is unreachable and returns
-        None when no reply comes in time. A `deadline_ms` beyond the wait keeps the request runnable after it
-        (a sync request turned into a job)."""
-        timeout = spec.request_timeout_seconds
+        """Subscribe, publish, wait up to the model's timeout (or `wait_seconds`): raises 503 if the queue is
+        unreachable and returns None when no reply comes in time. A `deadline_ms` beyond the wait keeps the
+        request runnable after it (a sync request turned into a job)."""
+        timeout = spec.request_timeout_seconds if wait_seconds is None else wait_seconds
         wait_until = time.time() + timeout
         deadline_ms = deadline_ms or int(wait_until * 1000)
         started = time.perf_counter()

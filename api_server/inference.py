@@ -118,18 +118,24 @@ class InferenceService:
     def job_deadline_ms(self) -> int:
         return int((time.time() + self._job_deadline_seconds) * 1000)
 
-    def submit(self, prepared: PreparedRequest, deadline_ms: int) -> None:
-        """Publishes the request and returns at once (a job); raises 503 if the queue is unreachable."""
-        self._dispatcher.submit(self._request(prepared), prepared.spec, deadline_ms, prepared.priority)
+    def publish(self, message: InferenceRequest, spec: ModelSpec, deadline_ms: int, priority: naming.Priority) -> None:
+        """Publishes a request message (`message`) and returns at once (a job); raises 503 if the queue is
+        unreachable."""
+        self._dispatcher.submit(message, spec, deadline_ms, priority)
 
-    def run(self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int) -> InferenceReply | None:
-        """Publishes and waits up to the model's request timeout; None if no reply came by then."""
-        return self._dispatcher.run(self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms)
+    def run(
+        self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int, wait_seconds: float | None = None
+    ) -> InferenceReply | None:
+        """Publishes and waits up to the model's request timeout (or `wait_seconds`); None if no reply came by then."""
+        return self._dispatcher.run(
+            self.message(prepared), prepared.spec, timings, prepared.priority, deadline_ms, wait_seconds
+        )
 
     def predictions(self, reply: InferenceReply) -> list[dict]:
         return [self._prediction_json(prediction) for prediction in reply.predictions]
 
-    def _request(self, prepared: PreparedRequest) -> InferenceRequest:
+    def message(self, prepared: PreparedRequest) -> InferenceRequest:
+        """The request as its model's queue takes it (input images packed: inline, or uploaded to GCS)."""
         instances = [
             RequestInstance(
                 prompt=prompt,

@@ -74,6 +74,8 @@ class InferenceLogRow:
     attempt: int | None = None
     api_instance: str | None = None
     shadow_of: str | None = None
+    fallback_from: str | None = None
+    fallback_error: str | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:

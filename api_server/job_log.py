@@ -3,27 +3,51 @@
 An accepted job's partial row waits in Redis with the job (`JobStore.defer_log_row`). Every API process
 looks at the unlogged jobs once a second; a job whose reply the worker stored (or whose deadline passed
 unanswered) is claimed with ZREM, which succeeds in exactly one process, and its completed row written.
-A job is therefore logged once even if the process that accepted it died.
+A job is therefore logged once even if the process that accepted it died. The one process that writes a
+submitted job's row also hands its outcome and latency to the rollback guard (`rollouts.py`), so a canary
+failing only through jobs is rolled back like one failing sync calls. A job the split sent to a canary that
+failed it with a model error is not ended yet: the process that claims it asks the stable version once (under
+`{job}-fallback`, within the job's deadline), and the job, its view and its row follow that attempt.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 
+from api_server import metrics
+from api_server.errors import ApiError
+from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.jobs import JobStore, reply_outcome
+from api_server.jobs import EndedJob, JobStore, reply_outcome
+from api_server.rollouts import RolloutObservations
+from contract.catalog import ModelCatalog
+from contract.messages import InferenceRequest
 from contract.outcomes import Outcome
 
 log = logging.getLogger(__name__)
 
 
 class JobLogFinisher:
-    def __init__(self, jobs: JobStore, inference_log: InferenceLogWriter, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        jobs: JobStore,
+        inference_log: InferenceLogWriter,
+        interval: float = 1.0,
+        observations: RolloutObservations | None = None,
+        catalog: ModelCatalog | None = None,
+        inference: InferenceService | None = None,
+    ) -> None:
+        """`catalog` and `inference`: to ask the stable version when a canary failed a job (without them, a
+        canary's failed job is failed)."""
         self._jobs = jobs
         self._log = inference_log
+        self._observations = observations
+        self._catalog = catalog
+        self._inference = inference
         self._interval = interval
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="job-log", daemon=True)
@@ -45,10 +69,15 @@ class JobLogFinisher:
         written = 0
         if self._log.closed:
             return 0  # shutting down: another process claims and writes these
-        for job_id, row_json, reply in self._jobs.ended_unlogged():
-            if self._log.closed or not self._jobs.claim_log_row(job_id):
+        for ended in self._jobs.ended_unlogged():
+            if self._log.closed or not self._jobs.claim_log_row(ended.job_id):
                 continue  # another API process writes this one
-            row = InferenceLogRow.from_json(row_json)
+            row, reply = InferenceLogRow.from_json(ended.row), ended.reply
+            if ended.fallback is not None and self._fall_back(ended, row):
+                continue  # not ended: its stable version's attempt is, when it ends
+            if ended.fallback_from is not None:
+                row.model_version = self._stable_version(row.model) or row.model_version
+                row.fallback_from, row.fallback_error = ended.fallback_from, ended.fallback_error
             outcome = Outcome.EXPIRED if reply is None else reply_outcome(reply)
             if reply is None:
                 row.error = "no worker answered before the deadline"
@@ -62,8 +91,51 @@ class JobLogFinisher:
             if not outcome.answered:
                 row.error_kind = row.error_kind or outcome.spec.error_kind
             self._log.write(row)
+            if ended.observe:
+                self._observe(row, outcome)
             written += 1
         return written
+
+    def _fall_back(self, ended: EndedJob, row: InferenceLogRow) -> bool:
+        """Asks the stable version once for a job a canary failed; False when it cannot be asked (the
+        canary's answer is then the job's)."""
+        assert ended.fallback is not None and ended.reply is not None
+        stable = self._stable_version(row.model)
+        if self._inference is None or self._catalog is None or stable is None:
+            self._jobs.drop_fallback(ended.job_id)
+            return False
+        spec = self._catalog.rollouts[row.model].versions[stable]
+        failed, error = ended.reply.model_version, (ended.reply.error or ended.reply.status)[:1024]
+        message = InferenceRequest.model_validate_json(ended.fallback.request_json).model_copy(
+            update={"published_at_ms": int(time.time() * 1000)}
+        )
+        try:
+            self._inference.publish(message, spec, ended.deadline_ms, ended.fallback.priority)  # type: ignore[arg-type]
+        except ApiError as exc:
+            log.error("job %s: the stable version of %s could not be asked (%s)", ended.job_id, row.model, exc)
+            self._jobs.drop_fallback(ended.job_id)
+            return False
+        self._jobs.fell_back(ended.job_id, failed, error, stable, ended.deadline_ms)
+        metrics.FALLBACKS.labels(row.model, failed).inc()
+        log.warning("job %s: %s version %s failed it (%s); asking the stable version %s", ended.job_id, row.model,
+                    failed, error, stable)  # fmt: skip
+        if ended.observe and self._observations is not None:
+            answered = ended.reply.answered_ms or int(time.time() * 1000)
+            failed_ms = max(0.0, answered - row.created_at.timestamp() * 1000)
+            self._observations.observe(row.model, failed, row.request_id, failed_ms, False)
+        return True
+
+    def _stable_version(self, model: str) -> str | None:
+        rollout = self._catalog.rollout(model) if self._catalog is not None else None
+        return rollout.stable if rollout is not None else None
+
+    def _observe(self, row: InferenceLogRow, outcome: Outcome) -> None:
+        """A submitted job's end feeds the rollback guard like a sync answer: its outcome and its latency from
+        arrival to result (a cancelled job says nothing about its version)."""
+        if self._observations is None or row.model_version is None or outcome is Outcome.CANCELLED:
+            return
+        ok = outcome is Outcome.OK
+        self._observations.observe(row.model, row.model_version, row.request_id, row.total_ms or 0.0, ok)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -32,6 +32,12 @@ def reply_outcome(reply: InferenceReply) -> Outcome:
     return Outcome.for_reply(reply.status, reply.error_kind)
 
 
+def fallback_request_id(request_id: str) -> str:
+    """The stable version's attempt at a request a canary failed runs under an id of its own: the first
+    attempt's answer is already stored under the request's id, and a worker answers a request id once."""
+    return f"{request_id}-fallback"
+
+
 def job_key(job_id: str) -> str:
     return f"maas:job:{job_id}"
 
@@ -81,25 +87,60 @@ class JobState:
         return self.deadline_ms if self.status == "expired" else None
 
 
+@dataclass(frozen=True)
+class EndedJob:
+    """A job that ended with its log row still to write: the partial row, the reply (None: it expired
+    unanswered; the stable version's, after a fallback), and whether its outcome feeds the rollback guard (a
+    job submitted as one). `fallback`: the stable version's request, when a canary failed this job and the
+    stable version is to be asked now (the job has not ended, then); `fallback_from`/`_error`: it was asked."""
+
+    job_id: str
+    row: dict
+    reply: InferenceReply | None
+    observe: bool
+    deadline_ms: int = 0
+    fallback: FallbackRequest | None = None
+    fallback_from: str | None = None
+    fallback_error: str | None = None
+
+
+@dataclass(frozen=True)
+class FallbackRequest:
+    """What a job routed to a canary keeps so the stable version can be asked if the canary fails it: the
+    request as the stable version's queue takes it (under `fallback_request_id`), and its priority."""
+
+    request_json: str
+    priority: str
+
+
 class JobStore:
     def __init__(self, client: redis.Redis, results: ResultStore, ttl_seconds: int) -> None:
         self._redis = client
         self._results = results
         self._ttl = ttl_seconds
 
-    def create(self, job_id: str, owner: str, spec: ModelSpec, deadline_ms: int, created_ms: int | None = None) -> None:
-        """`created_ms`: when the request arrived, for a sync request turned into a job (default: now)."""
+    def create(
+        self,
+        job_id: str,
+        owner: str,
+        spec: ModelSpec,
+        deadline_ms: int,
+        created_ms: int | None = None,
+        fallback: FallbackRequest | None = None,
+    ) -> None:
+        """`created_ms`: when the request arrived, for a sync request turned into a job (default: now);
+        `fallback`: the stable version's request, for a job the split sent to a canary."""
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(
-            job_key(job_id),
-            mapping={
-                f"owner:{owner}": "1",
-                "model": spec.name,
-                "model_version": spec.version,
-                "created_ms": created_ms if created_ms is not None else int(time.time() * 1000),
-                "deadline_ms": deadline_ms,
-            },
-        )
+        fields = {
+            f"owner:{owner}": "1",
+            "model": spec.name,
+            "model_version": spec.version,
+            "created_ms": created_ms if created_ms is not None else int(time.time() * 1000),
+            "deadline_ms": deadline_ms,
+        }
+        if fallback is not None:
+            fields.update(fallback_request=fallback.request_json, fallback_priority=fallback.priority)
+        pipe.hset(job_key(job_id), mapping=fields)
         pipe.expire(job_key(job_id), self._ttl)
         self._index(pipe, owner, job_id, created_ms if created_ms is not None else int(time.time() * 1000))
         pipe.execute()
@@ -160,40 +201,83 @@ class JobStore:
             deadline_ms=int(record["deadline_ms"]),
             status="queued",
         )
-        state.reply = self._results.get(job_id)
+        # After a fallback the job is the stable version's attempt; a canary's error waiting for its fallback
+        # to start (the job-log loop starts it within a second) is not the job's end.
+        attempt = fallback_request_id(job_id) if "fallback_from" in record else job_id
+        state.reply = self._results.get(attempt)
+        pending = "fallback_request" in record and time.time() * 1000 < state.deadline_ms
+        if state.reply is not None and pending and state.reply.status == "error":
+            state.reply = None
         if "cancelled_ms" in record:
             # Cancelled before it finished (a finished job cannot be cancelled): any result is discarded.
             state.status, state.reply, state.cancelled_ms = "cancelled", None, int(record["cancelled_ms"])
         elif state.reply is not None:
             state.status = reply_outcome(state.reply).spec.job_state or "failed"
-        elif (progress := self._results.get_progress(job_id)) is not None:
+        elif (progress := self._results.get_progress(attempt)) is not None:
             state.status, state.progress = "running", progress
         elif time.time() * 1000 > state.deadline_ms + EXPIRY_GRACE_MS:
             state.status = "expired"
         return state
 
-    def defer_log_row(self, job_id: str, row: dict, deadline_ms: int) -> None:
-        """Keeps the job's partial log row until the job ends (see `job_log.py`)."""
+    def defer_log_row(self, job_id: str, row: dict, deadline_ms: int, observe: bool = False) -> None:
+        """Keeps the job's partial log row until the job ends (see `job_log.py`); `observe`: its outcome then
+        also feeds the rollback guard."""
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(job_key(job_id), "log_row", json.dumps(row))
+        pipe.hset(job_key(job_id), mapping={"log_row": json.dumps(row), "observe": int(observe)})
         pipe.zadd(UNLOGGED_JOBS_KEY, {job_id: deadline_ms})
         pipe.execute()
 
-    def ended_unlogged(self, limit: int = 500) -> list[tuple[str, dict, InferenceReply | None]]:
-        """(job id, partial row, reply or None when it expired unanswered) for unlogged jobs that ended."""
+    def ended_unlogged(self, limit: int = 500) -> list[EndedJob]:
+        """Unlogged jobs that ended: answered, or expired unanswered (reply None); and jobs a canary failed
+        whose stable version is to be asked now (`fallback` set)."""
         now_ms = time.time() * 1000
         ended = []
+        fields = ["log_row", "observe", "fallback_request", "fallback_priority", "fallback_from", "fallback_error",
+                  "cancelled_ms"]  # fmt: skip
         for raw_id, deadline_ms in self._redis.zrange(UNLOGGED_JOBS_KEY, 0, limit - 1, withscores=True):
             job_id = raw_id.decode()
             reply = self._results.get(job_id)
             if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
-                continue
-            raw_row = self._redis.hget(job_key(job_id), "log_row")
-            if raw_row is None:  # the job record expired: nothing left to complete
+                continue  # the common case costs one round trip: not answered yet
+            record = dict(zip(fields, self._redis.hmget(job_key(job_id), fields), strict=True))
+            if record["fallback_from"] is not None:  # the job is its stable version's attempt now
+                reply = self._results.get(fallback_request_id(job_id))
+                if reply is None and now_ms <= deadline_ms + EXPIRY_GRACE_MS:
+                    continue
+            if record["log_row"] is None:  # the job record expired: nothing left to complete
                 self._redis.zrem(UNLOGGED_JOBS_KEY, job_id)
                 continue
-            ended.append((job_id, json.loads(raw_row), reply))
+            fallback = None
+            if _may_fall_back(record, reply, now_ms, deadline_ms):
+                fallback = FallbackRequest(record["fallback_request"].decode(), record["fallback_priority"].decode())
+            ended.append(
+                EndedJob(
+                    job_id,
+                    json.loads(record["log_row"]),
+                    reply,
+                    record["observe"] == b"1",
+                    int(deadline_ms),
+                    fallback,
+                    _text(record["fallback_from"]),
+                    _text(record["fallback_error"]),
+                )
+            )
         return ended
+
+    def drop_fallback(self, job_id: str) -> None:
+        """The stable version could not be asked (its queue refused): the canary's answer is the job's."""
+        self._redis.hdel(job_key(job_id), "fallback_request")
+
+    def fell_back(self, job_id: str, failed_version: str, error: str, stable_version: str, deadline_ms: int) -> None:
+        """Records that the stable version was asked (the job is now its attempt) and waits for its end again."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(
+            job_key(job_id),
+            mapping={"fallback_from": failed_version, "fallback_error": error, "model_version": stable_version},
+        )
+        pipe.hdel(job_key(job_id), "fallback_request")
+        pipe.zadd(UNLOGGED_JOBS_KEY, {job_id: deadline_ms})
+        pipe.execute()
 
     def claim_log_row(self, job_id: str) -> bool:
         """True for exactly one caller: that one writes the row."""
@@ -228,16 +312,37 @@ class JobStore:
         cancelled), in one round trip: the event stream re-reads a job in full only when it changes."""
         pipe = self._redis.pipeline(transaction=False)
         for job_id in job_ids:
+            fallback = fallback_request_id(job_id)
             pipe.get(naming.progress_key(job_id))
             pipe.exists(naming.result_key(job_id))
             pipe.hexists(job_key(job_id), "cancelled_ms")
+            pipe.get(naming.progress_key(fallback))
+            pipe.exists(naming.result_key(fallback))
+            pipe.hexists(job_key(job_id), "fallback_from")
         flat = pipe.execute()
-        return [tuple(flat[index : index + 3]) for index in range(0, len(flat), 3)]
+        return [tuple(flat[index : index + 6]) for index in range(0, len(flat), 6)]
 
     def cancel(self, job_id: str) -> None:
         """Marks the job cancelled: a queued request is answered `cancelled` unrun, a running batch stops."""
         self._results.cancel(job_id)
+        self._results.cancel(fallback_request_id(job_id))
         self._redis.hset(job_key(job_id), "cancelled_ms", int(time.time() * 1000))
+
+
+def _may_fall_back(record: dict, reply: InferenceReply | None, now_ms: float, deadline_ms: float) -> bool:
+    """A job routed to a canary that failed it with a model error, with time left: its stable version is asked."""
+    return (
+        record["fallback_request"] is not None
+        and record["fallback_from"] is None
+        and record["cancelled_ms"] is None
+        and reply is not None
+        and reply.status == "error"
+        and now_ms < deadline_ms
+    )
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
 
 
 def _iso(epoch_ms: int | None) -> str | None:

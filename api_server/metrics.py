@@ -36,6 +36,16 @@ JOBS = Counter(
     "Job events: submitted, converted (sync request turned job), cached (answered from the cache), cancelled",
     ["event"],
 )
+FALLBACKS = Counter(
+    "maas_api_fallbacks_total",
+    "Requests a canary version failed with a model error that were sent on to the stable version",
+    ["model", "version"],
+)
+SHADOW_COPIES = Counter(
+    "maas_api_shadow_copies_total",
+    "Copies of callers' requests for a shadow version: sent, or dropped (too many in flight)",
+    ["model", "result"],
+)
 JOB_STATES = Counter("maas_api_job_reads_total", "Job reads by the state they reported", ["state"])
 INFLIGHT_WAITS = Gauge(
     "maas_api_inflight_waits", "Requests waiting for a worker's reply or another request", multiprocess_mode="livesum"

@@ -89,6 +89,10 @@ class RequestRecords:
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
             row.model_family = call.spec.family.name if call.spec.family else None
+        if answer is not None and answer.fallback is not None:
+            # Both attempts: the version the split chose (its error) and the stable version, which answered.
+            row.model_version = answer.fallback.answered_by.version
+            row.fallback_from, row.fallback_error = answer.fallback.failed_version, answer.fallback.error
         if (prepared := call.prepared) is not None:
             for name in LOGGED_PARAMETERS:
                 setattr(row, name, getattr(prepared.params, name))
@@ -111,14 +115,19 @@ class RequestRecords:
             self._log.write(row)
 
     def _observe(self, call: InferenceCall, outcome: Outcome, total_ms: float) -> None:
-        """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard."""
+        """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard;
+        a fallback feeds it twice: the failed first attempt, and the stable version's own."""
         spec, answer = call.spec, call.answer
         if self._observations is None or spec is None or not spec.versioned or answer is None:
             return
-        if answer.reply is None and outcome is not Outcome.ACCEPTED:
+        if (fallback := answer.fallback) is not None:
+            request_id = call.row.request_id
+            self._observations.observe(spec.name, fallback.failed_version, request_id, fallback.failed_ms, False)
+            spec, total_ms = fallback.answered_by, max(0.0, total_ms - fallback.failed_ms)
+        elif answer.reply is None and outcome is not Outcome.ACCEPTED:
             return  # a cache hit, a replay, a refusal: nothing the version did
         if answer.job_made in (JobMade.SUBMITTED, JobMade.CACHED):
-            return  # a job's own latency is not the version's
+            return  # a submitted job is observed when it ends (job_log.py); a cached one ran nothing
         ok = outcome is Outcome.OK
         self._observations.observe(spec.name, spec.version, call.row.request_id, total_ms, ok)
 
@@ -149,7 +158,9 @@ class RequestRecords:
     def _defer(self, row: InferenceLogRow, answer: Answer) -> None:
         """Now, or, for a job this request created, when the job ends (its row then carries the outcome)."""
         try:
-            self._jobs.defer_log_row(row.request_id, row.to_json(), answer.job_deadline_ms or 0)
+            # A converted job's wait already fed the rollback guard (as a call not answered in time).
+            observe = answer.job_made is JobMade.SUBMITTED
+            self._jobs.defer_log_row(row.request_id, row.to_json(), answer.job_deadline_ms or 0, observe)
             return
         except redis.RedisError as exc:
             self._redis.failed(exc)  # written now, as accepted: a row without its outcome beats no row

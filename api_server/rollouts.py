@@ -2,8 +2,9 @@
 to 0% by itself.
 
 The guard measures from the API's own observations, not the log: every sync answer that reached a model
-version (its reply, an error reply or a timeout; cache hits and refusals excluded) is added to a Redis sorted
-set per version, `maas:rollout:obs:{model}:{version}`, scored by time, so every API process's calls count.
+version (its reply, an error reply or a timeout; both attempts of a fallback to the stable version; cache hits
+and refusals excluded) and every submitted job when it ends (`job_log.py`) is added to a Redis sorted set per
+version, `maas:rollout:obs:{model}:{version}`, scored by time, so every API process's calls count.
 One API process at a time (a Redis lease) compares, over the catalog's `rollback.window_seconds`, each
 canary's error rate and p95 total latency with the stable version's; a breach moves the canary's share to
 the stable version, logs an ERROR and writes an audit row naming the breach. Recovery is a PUT or DELETE.

@@ -1,15 +1,17 @@
 """The serving stage: a validated request's fate, from the model's choice to its answer, as one `Answer`.
 
 `answer(prepared, mode)` tries, in order, an Idempotency-Key record, the result cache, an identical request
-already in flight (coalescing), then the model: waiting for its reply (sync) or handing back a job. It
-knows nothing of Flask; the routes parse and render, the records stage (`records.py`) logs what it returns.
-Refusals (a bad Idempotency-Key, a rate limit) raise `ApiError`; everything else is an `Answer`.
+already in flight (coalescing), then the model: waiting for its reply (sync; a canary's model error is asked
+again of the stable version, once) or handing back a job. Only an inference the model runs sends a shadow
+copy. It knows nothing of Flask; the routes parse and render, the records stage (`records.py`) logs what it
+returns. Refusals (a bad Idempotency-Key, a rate limit) raise `ApiError`; everything else is an `Answer`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,18 +35,19 @@ from api_server.flights import (
     StillRunningError,
 )
 from api_server.inference import InferenceService, PreparedRequest
-from api_server.jobs import JobCursor, JobState, JobStore, job_view
+from api_server.jobs import FallbackRequest, JobCursor, JobState, JobStore, fallback_request_id, job_view
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
-from contract.messages import InferenceReply, Payload, Prediction
+from contract.messages import InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 JSON = {"Content-Type": "application/json"}
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
@@ -66,6 +69,17 @@ class JobMade(StrEnum):
     CACHED = "cached"  # a job answered from the cache: it has already succeeded
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """A request's first attempt, on the version the split chose, failed with a model error; the stable version
+    (`answered_by`) was then asked once, within the caller's wait."""
+
+    failed_version: str
+    error: str
+    failed_ms: float
+    answered_by: ModelSpec
+
+
 @dataclass
 class Answer:
     """What the serving stage did with a request: the outcome, the exact bytes to send, and how it got them."""
@@ -82,6 +96,8 @@ class Answer:
     output_bytes: int | None = None
     job_made: JobMade | None = None
     job_deadline_ms: int | None = None
+    # The version the split chose failed with a model error and the stable version was asked (its answer is this).
+    fallback: Fallback | None = None
 
 
 class ServingStage:
@@ -194,14 +210,14 @@ class ServingStage:
         return self._inference.prepare(spec, payload, request_id, caller, **options)
 
     def answer(self, prepared: PreparedRequest, mode: Mode) -> Answer:
-        self._send_shadow(prepared)
         compute = self._submit_job if mode is Mode.JOB else self._through_cache
         if prepared.idempotency_key is None:
             return compute(prepared)
         return self._idempotent(prepared, mode, compute)
 
     def _send_shadow(self, prepared: PreparedRequest) -> None:
-        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it."""
+        """The split's shadow share of requests is also sent to the shadow version; nobody waits for it. Called
+        where the primary publishes an inference, so a replay, a cache hit or a coalesced caller sends none."""
         rollout = self._catalog.rollout(prepared.spec.name)
         if rollout is None or prepared.pinned:
             return
@@ -293,12 +309,13 @@ class ServingStage:
         key = self._cache_key(prepared)
         if key is None:
             return replace(self._run_sync(prepared), cache_event="uncacheable")
-        policy = cache_policy(prepared.spec, self._settings.cache_ttl_seconds, self._settings.cache_max_entry_bytes)
-        if prepared.fresh:
-            answer = self._run_sync(prepared)
-            self._cache_flights.store(key, answer.record, policy)
-            return replace(answer, cache="miss", cache_event="bypass")
         computed: list[Answer] = []
+        policy = cache_policy(prepared.spec, self._settings.cache_ttl_seconds, self._settings.cache_max_entry_bytes)
+        policy = _kept_unless_fallback(policy, computed)
+        if prepared.fresh:
+            computed.append(self._run_sync(prepared))
+            self._cache_flights.store(key, computed[-1].record, policy)
+            return replace(computed[-1], cache="miss", cache_event="bypass")
         record, role = self._cache_flights.run(key, "", _computing(self._run_sync, prepared, computed), policy)
         if role is Role.STORED:
             return Answer(Outcome.CACHE_HIT, record, cache="hit", cache_event="hit")
@@ -325,33 +342,105 @@ class ServingStage:
     # The model: wait for its reply, or hand back a job.
 
     def _run_sync(self, prepared: PreparedRequest) -> Answer:
-        timings = DispatchTimings()
+        self._send_shadow(prepared)
         # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
         deadline_ms = self._inference.job_deadline_ms()
+        started = time.perf_counter()
+        answer = self._ask(prepared, deadline_ms)
+        if answer is None:
+            return self._hand_over_as_job(prepared, deadline_ms)
+        stable = self._fallback_version(prepared, answer)
+        if stable is None:
+            return answer
+        return self._fall_back(prepared, stable, answer, time.perf_counter() - started)
+
+    def _fallback_version(self, prepared: PreparedRequest, answer: Answer) -> ModelSpec | None:
+        """The stable version, when the split sent this request to another version that failed it with a model
+        error (a reply with status `error`); None otherwise."""
+        if answer.reply is None or answer.reply.status != "error":
+            return None
+        return self._stable_behind(prepared)
+
+    def _stable_behind(self, prepared: PreparedRequest) -> ModelSpec | None:
+        """The stable version, when the split sent this request to another one (a pinned request keeps the
+        version it asked for)."""
+        rollout = self._catalog.rollout(prepared.spec.name)
+        if rollout is None or prepared.pinned or prepared.spec.version == rollout.stable:
+            return None
+        return rollout.versions[rollout.stable]
+
+    def _job_fallback(self, prepared: PreparedRequest, message: InferenceRequest) -> FallbackRequest | None:
+        """For a job the split sent to a canary: the stable version's request, asked if the canary fails it (the
+        job-log loop does, `job_log.py`). Its inputs are the canary's (same objects, nothing uploaded twice)."""
+        stable = self._stable_behind(prepared)
+        if stable is None:
+            return None
+        update = {"request_id": fallback_request_id(prepared.request_id), "model_version": stable.version}
+        return FallbackRequest(message.model_copy(update=update).model_dump_json(), prepared.priority)
+
+    def _fall_back(self, prepared: PreparedRequest, stable: ModelSpec, failed: Answer, failed_seconds: float) -> Answer:
+        """Asks the stable version once, within what is left of the caller's wait; its answer is the caller's, so a
+        canary's failure reaches neither the caller nor the bill (the row names both attempts). With no time
+        left, the canary's answer stands."""
+        assert failed.reply is not None
+        left = prepared.received + prepared.spec.request_timeout_seconds - time.perf_counter()
+        if left <= 0:
+            return failed
+        error = (failed.reply.error or f"model worker answered {failed.reply.status}")[:1024]
+        fallback = Fallback(prepared.spec.version, error, round(failed_seconds * 1000, 2), stable)
+        log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
+                    prepared.spec.version, prepared.request_id, error, stable.version)  # fmt: skip
+        metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
+        retry = replace(
+            prepared,
+            request_id=fallback_request_id(prepared.request_id),
+            spec=stable,
+            idempotency_key=None,
+            webhook_url=None,
+        )
+        deadline_ms = int((time.time() + left) * 1000)
+        answer = self._ask(retry, deadline_ms, wait_seconds=left, answering_for=prepared.request_id)
+        if answer is None:
+            message = (f"version {prepared.spec.version} failed ({error}) and the stable version {stable.version} "
+                       f"gave no reply within the request's {prepared.spec.request_timeout_seconds}s")  # fmt: skip
+            answer = _refusal(ApiError(504, message), prepared.request_id)
+        return replace(answer, fallback=fallback)
+
+    def _ask(
+        self,
+        prepared: PreparedRequest,
+        deadline_ms: int,
+        wait_seconds: float | None = None,
+        answering_for: str | None = None,
+    ) -> Answer | None:
+        """One inference on `prepared.spec`, waited for: its answer, or None when no reply came within the wait.
+        `answering_for`: the caller's request id, when this inference runs under an id of its own (a fallback)."""
+        request_id = answering_for or prepared.request_id
+        timings = DispatchTimings()
         metrics.INFLIGHT_WAITS.inc()
         try:
-            reply = self._inference.run(prepared, timings, deadline_ms)
+            reply = self._inference.run(prepared, timings, deadline_ms, wait_seconds)
         except ApiError as error:
-            return _refusal(error, prepared.request_id)
+            return _refusal(error, request_id)
         finally:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
-            return self._hand_over_as_job(prepared, deadline_ms)
+            return None
         published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
         outcome = Outcome.for_reply(reply.status, reply.error_kind)
         if outcome is not Outcome.OK:
             message = reply.error or f"model worker answered {reply.status}"
-            record = _error_record(outcome.spec.http_status, message, prepared.request_id, outcome)
+            record = _error_record(outcome.spec.http_status, message, request_id, outcome)
             return Answer(outcome, record, reply=reply, published_ms=published_ms)
         try:
             predictions = self._inference.predictions(reply)
         except ApiError as error:
-            return replace(_refusal(error, prepared.request_id), reply=reply, published_ms=published_ms)
+            return replace(_refusal(error, request_id), reply=reply, published_ms=published_ms)
         body = {
             "predictions": predictions,
             "model": prepared.spec.name,
             "model_version": prepared.spec.version,
-            "request_id": prepared.request_id,
+            "request_id": request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - prepared.received) * 1000, 2),
                 "queue": round(reply.queue_ms, 2),
@@ -395,16 +484,26 @@ class ServingStage:
             return self._cached_job(prepared, hit)
         deadline_ms = self._inference.job_deadline_ms()
         try:
+            message = self._inference.message(prepared)
+        except ApiError as error:
+            return _refusal(error, prepared.request_id)
+        try:
             self._jobs.create(
-                prepared.request_id, prepared.caller.key_id, prepared.spec, deadline_ms, _arrival_ms(prepared)
+                prepared.request_id,
+                prepared.caller.key_id,
+                prepared.spec,
+                deadline_ms,
+                _arrival_ms(prepared),
+                self._job_fallback(prepared, message),
             )
         except redis.RedisError as exc:
             self._redis.failed(exc)
             return _refusal(_job_store_unavailable(), prepared.request_id)
         try:
-            self._inference.submit(prepared, deadline_ms)
+            self._inference.publish(message, prepared.spec, deadline_ms, prepared.priority)
         except ApiError as error:
             return _refusal(error, prepared.request_id)
+        self._send_shadow(prepared)
         return Answer(
             Outcome.ACCEPTED,
             _job_record(prepared, "queued"),
@@ -454,6 +553,16 @@ def _computing(compute: Callable[[PreparedRequest], Answer], prepared: PreparedR
         return answer.record
 
     return run
+
+
+def _kept_unless_fallback(policy: FlightPolicy, computed: list[Answer]) -> FlightPolicy:
+    """`policy`, except that a fallback's answer is never kept: the cache key names the version the split
+    chose, and that answer is the stable version's (the callers already waiting still share it)."""
+
+    def keep_for(record: ResponseRecord) -> int | None:
+        return None if computed and computed[-1].fallback is not None else policy.keep_for(record)
+
+    return replace(policy, keep_for=keep_for)
 
 
 def _stored_outcome(record: ResponseRecord) -> Outcome:

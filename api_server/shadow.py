@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from api_server import metrics
 from api_server.dispatch import DispatchTimings
 from api_server.errors import ApiError
 from api_server.inference import InferenceService, PreparedRequest
@@ -48,6 +49,7 @@ class ShadowTraffic:
     def send(self, prepared: PreparedRequest, spec: ModelSpec) -> bool:
         """Starts the shadow call and returns at once; False when too many are already in flight (dropped)."""
         if not self._slots.acquire(blocking=False):
+            metrics.SHADOW_COPIES.labels(spec.name, "dropped").inc()
             log.warning("shadow copy of %s to %s v%s dropped: %d in flight", prepared.request_id, spec.name,
                         spec.version, MAX_IN_FLIGHT)  # fmt: skip
             return False
@@ -64,6 +66,7 @@ class ShadowTraffic:
         except RuntimeError:  # shutting down
             self._slots.release()
             return False
+        metrics.SHADOW_COPIES.labels(spec.name, "sent").inc()
         return True
 
     def close(self) -> None:

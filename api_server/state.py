@@ -194,7 +194,9 @@ def build_app_state(settings: Settings) -> AppState:
         records=RequestRecords(
             inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations
         ),
-        job_log=JobLogFinisher(jobs, inference_log),
+        job_log=JobLogFinisher(
+            jobs, inference_log, observations=rollouts.observations, catalog=catalog, inference=inference
+        ),
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),
         rollouts=rollouts,

@@ -259,6 +259,16 @@ class Rollout(BaseModel):
         problem = split_problem(self.versions, self.traffic, self.shadow, self.stable)
         if problem:
             raise ValueError(f"{self.name}: {problem[1]}")
+        stable = self.versions[self.stable]
+        for version, spec in self.versions.items():
+            if (difference := request_contract_difference(stable, spec)) is not None:
+                field, want, have = difference
+                raise ValueError(
+                    f"{self.name}: version {version!r} sets {field} to {have!r} where the stable version "
+                    f"{self.stable!r} has {want!r}; every version of a model must accept and resolve "
+                    f"the same requests ({', '.join(REQUEST_CONTRACT)} are the model's, not a version's), or a "
+                    "request's answer would depend on the split: serve the narrower one as a model of its own"
+                )
         return self
 
     @property
@@ -285,6 +295,34 @@ def split_problem(
             )
         if shadow.version == stable:
             return "shadow.version", f"shadow version {shadow.version!r} is the stable version"
+    return None
+
+
+# What decides whether a request is accepted and what it means once resolved (api_server/schemas.py and
+# adapters.py read these): the same for every version of a model, so the split never changes a request's fate,
+# and the stable version can take any request a canary failed. The adapter caches are the worker's business.
+REQUEST_CONTRACT = ("task", "max_instances_per_request", "defaults", "limits", "adapters")
+WORKER_ONLY_ADAPTER_FIELDS = frozenset({"host_cache", "device_cache"})
+
+
+def _request_contract(spec: ModelSpec) -> dict[str, object]:
+    view = spec.model_dump(include=set(REQUEST_CONTRACT))
+    if view["adapters"] is not None:
+        view["adapters"] = {k: v for k, v in view["adapters"].items() if k not in WORKER_ONLY_ADAPTER_FIELDS}
+    return view
+
+
+def request_contract_difference(stable: ModelSpec, other: ModelSpec) -> tuple[str, object, object] | None:
+    """(field, stable's value, other's value) of the first request-contract field where they differ, or None."""
+    want, have = _request_contract(stable), _request_contract(other)
+    for name in REQUEST_CONTRACT:
+        mine, theirs = want[name], have[name]
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            for key in [*mine, *(key for key in theirs if key not in mine)]:
+                if mine.get(key) != theirs.get(key):
+                    return f"{name}.{key}", mine.get(key), theirs.get(key)
+        elif mine != theirs:
+            return name, mine, theirs
     return None
 
 

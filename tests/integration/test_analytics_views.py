@@ -314,6 +314,25 @@ def test_zz_version_comparison_puts_versions_and_shadow_calls_side_by_side(views
                 "batch_size": 2,
             }
         )
+    # A request version 2 failed and version 1 (stable) then answered: a call of each, version 2's an error.
+    rows.append(
+        {
+            "request_id": "v1-fallback",
+            "created_at": hour.isoformat(),
+            "model": VERSIONED,
+            "model_version": "1",
+            "fallback_from": "2",
+            "fallback_error": "cannot run this request",
+            "endpoint": "sync",
+            "api_key_id": "key-a",
+            "status": "ok",
+            "http_status": 200,
+            "num_images": 2,
+            "total_ms": 150.0,
+            "inference_ms": 50.0,
+            "batch_size": 4,
+        }
+    )
     rows.append(
         {
             "request_id": "v1-hit",
@@ -330,15 +349,16 @@ def test_zz_version_comparison_puts_versions_and_shadow_calls_side_by_side(views
     assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.log_table}", rows) == []
     got = {(r["model_version"], r["traffic"]): r for r in views("version_comparison", "hour, model")
            if r["model"] == VERSIONED}  # fmt: skip
-    assert set(got) == {("1", "served"), ("2", "shadow")}
-    served, shadow = got[("1", "served")], got[("2", "shadow")]
-    assert (served["requests"], served["error_rate"]) == (4, 0.25)  # the cache hit ran no version
+    assert set(got) == {("1", "served"), ("2", "served"), ("2", "shadow")}
+    served, failed_first, shadow = got[("1", "served")], got[("2", "served")], got[("2", "shadow")]
+    assert (served["requests"], served["error_rate"]) == (5, 0.2)  # the cache hit ran no version
+    assert (failed_first["requests"], failed_first["error_rate"], failed_first["gpu_seconds"]) == (1, 1.0, 0)
     assert (shadow["requests"], shadow["error_rate"]) == (2, 0.0)
     assert served["p95_total_ms"] in (200.0, 300.0) and shadow["p50_inference_ms"] == 2000.0
     assert served["images_per_call"] == 4 and shadow["images_per_call"] == 2
-    assert served["gpu_seconds"] == pytest.approx(3 * 0.05 * 2 / 4) and shadow["gpu_seconds"] == pytest.approx(4.0)
+    assert served["gpu_seconds"] == pytest.approx(4 * 0.05 * 2 / 4) and shadow["gpu_seconds"] == pytest.approx(4.0)
     billed = [r for r in views("billing_by_api_key_daily", "day") if r["model"] == VERSIONED]
-    assert sum(r["requests"] for r in billed) == 5  # the shadow calls are never billed
+    assert sum(r["requests"] for r in billed) == 6  # one line per caller's request; shadow calls are never billed
 
 
 def test_zz_rollouts_lists_every_split_change(views, settings):

@@ -1,7 +1,8 @@
 """Model versions on the real stack: split routing, pinning, the runtime split, shadow traffic, automatic rollback.
 
 The synthetic versioned models live in contract/models.local.yaml (`canary` 90/10, `canary-sticky`, `shadowed`
-with a 2 s shadow, `rollback-bad` whose canary fails every request, `rollback-good`). The 90/10 proportion
+with a 2 s shadow, `shadowed-once` with a fast one, `fallback` whose version 2 takes every request and fails it,
+`rollback-bad` whose canary fails every request, `rollback-jobs` the same reached through jobs, `rollback-good`). The 90/10 proportion
 is checked over 1,000 request ids in-process (tests/unit/test_model_versions.py: the version is a pure
 function of the id); here a smaller real batch checks that the API applies that function and that every
 response, log row and cache entry carries the version it used.
@@ -12,21 +13,32 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import redis
 import requests
+import yaml
 
 from api_server.app import create_app
 from api_server.state import app_state
 from api_server.traffic import choose_version
-from contract.settings import Settings
+from contract import naming
+from contract.settings import Settings, api_key_digest
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
 from tests.conftest import TEST_ADMIN_KEY, TEST_API_KEYS, query_rows
 
 pytestmark = pytest.mark.stack
 ADMIN = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
+# A single-version synthetic entry (contract/models.local.yaml's `noop`), as a base for versioned test entries.
+NARROWABLE = {
+    key: value
+    for key, value in yaml.safe_load(Path(naming.__file__).with_name("models.local.yaml").read_text())["models"][
+        "noop"
+    ].items()
+    if key != "version"
+}
 IN_FORCE_SECONDS = 2.0
 
 
@@ -208,7 +220,9 @@ def test_a_failing_canary_is_rolled_back_within_its_window_and_a_healthy_one_is_
     while model_info(stack, "rollback-bad", auth_headers)["traffic"]["traffic"]["2"] != 0:
         assert time.monotonic() - started < 60, "the failing canary was not rolled back within its window"
         if sent < 40:
-            predict(stack, "rollback-bad", auth_headers)
+            # The canary's failures reach the guard, not the callers: the stable version answers them.
+            bad = predict(stack, "rollback-bad", auth_headers)
+            assert bad.status_code == 200 and bad.json()["model_version"] == "1", bad.text
             predict(stack, "rollback-good", auth_headers)
             sent += 1
         else:
@@ -229,3 +243,149 @@ def test_a_failing_canary_is_rolled_back_within_its_window_and_a_healthy_one_is_
     (audit,) = query_rows(bigquery, sql, 1, timeout=30)
     assert audit["actor"] == "rollback-guard" and "error rate" in audit["reason"]
     requests.delete(f"{stack.api_url}/v1/models/rollback-bad/traffic", headers=ADMIN, timeout=10)
+
+
+def test_a_version_that_narrows_what_a_request_may_ask_is_refused_at_load(stack, tmp_path):
+    """A canary with `max_width: 128` under a stable 1024 would 422 requests the stable serves: refused at load,
+    naming the model, the version and the field, so the split can never change a request's fate."""
+    overlay = tmp_path / "narrow.yaml"
+    narrowing = {"limits": {"max_inference_steps": 50, "max_width": 128, "max_height": 1024}}
+    overlay.write_text(yaml.safe_dump({"models": {"narrow-canary": {
+        **NARROWABLE, "versions": {"1": {}, "2": narrowing}, "traffic": {"1": 90, "2": 10},
+    }}}))  # fmt: skip
+    env = {**stack.service_env(), "MAAS_CATALOG_OVERLAY": str(overlay), "MAAS_LOG_SPOOL_DIR": str(tmp_path / "spool")}
+    app = None
+    with pytest.raises(ValueError) as refused:
+        app = create_app(Settings.from_env(env))
+    if app is not None:
+        app_state(app).close()
+    message = str(refused.value)
+    assert "narrow-canary: version '2' sets limits.max_width to 128" in message
+    assert "stable version '1' has 1024" in message
+
+
+def shadow_copies_sent(stack) -> float:
+    """The API's count of shadow copies sent for `shadowed-once` (its /metrics; the local stack runs one API
+    process)."""
+    text = requests.get(f"{stack.api_url}/metrics", timeout=10).text
+    prefix = 'maas_api_shadow_copies_total{model="shadowed-once",result="sent"} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_one_shadow_copy_per_inference_the_primary_runs(stack, settings, bigquery):
+    """Cache hits, coalesced callers and Idempotency-Key replays run no inference, so they send no shadow copy."""
+    headers = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}
+    url = f"{stack.api_url}/v1/models/shadowed-once:predict"
+    before = shadow_copies_sent(stack)
+    seeded = body(prompt=f"shadow once {uuid.uuid4().hex}", seed=11)
+    with ThreadPoolExecutor(4) as pool:
+        identical = list(pool.map(lambda _: requests.post(url, json=seeded, headers=headers, timeout=40), range(4)))
+    identical.append(requests.post(url, json=seeded, headers=headers, timeout=40))
+    assert all(answer.status_code == 200 for answer in identical), [a.text for a in identical]
+    ran = [answer.json()["request_id"] for answer in identical if answer.headers["X-Cache"] == "miss"]
+    assert len(ran) == 1, [answer.headers["X-Cache"] for answer in identical]
+    keyed, key = body(), {**headers, "Idempotency-Key": f"shadow-{uuid.uuid4().hex}"}
+    repeats = [requests.post(url, json=keyed, headers=key, timeout=40) for _ in range(3)]
+    assert [answer.status_code for answer in repeats] == [200, 200, 200]
+    assert [answer.headers.get("Idempotent-Replayed") for answer in repeats] == [None, "true", "true"]
+    ran.append(repeats[0].json()["request_id"])
+    assert shadow_copies_sent(stack) - before == len(ran)
+    callers = [answer.json()["request_id"] for answer in identical + repeats]
+    ids = ", ".join(f"'{request_id}'" for request_id in callers)
+    sql = f"SELECT shadow_of FROM {table(settings, 'inference_log')} WHERE shadow_of IN ({ids})"
+    rows = query_rows(bigquery, sql, len(ran), timeout=60)
+    assert sorted(row["shadow_of"] for row in rows) == sorted(ran)
+
+
+def test_a_request_the_canary_fails_is_answered_by_the_stable_version_and_logged_with_both(
+    stack, auth_headers, settings, bigquery
+):
+    """`fallback` sends every request to version 2, which fails it; version 1 (stable) answers, once."""
+    answers = [predict(stack, "fallback", auth_headers) for _ in range(4)]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model_version"] == "1" and answer.json()["predictions"]
+    # The cache key names version 2: version 1's answer is not kept under it, so a repeat asks again.
+    prompt = f"fallback seeded {uuid.uuid4().hex}"
+    seeded = [predict(stack, "fallback", auth_headers, prompt=prompt, seed=5) for _ in range(2)]
+    assert [(a.status_code, a.headers["X-Cache"], a.json()["model_version"]) for a in seeded] == [
+        (200, "miss", "1")
+    ] * 2
+    answers += seeded
+    # Pinned to the failing version: the caller asked for it, so its error is the answer.
+    pinned = predict(stack, "fallback", auth_headers, version="2")
+    assert pinned.status_code == 500 and "configured to fail" in pinned.json()["error"]["message"]
+    served = [answer.json()["request_id"] for answer in answers]
+    callers = [*served, pinned.json()["error"]["request_id"]]
+    ids = ", ".join(f"'{request_id}', '{request_id}-fallback'" for request_id in callers)
+    sql = (
+        f"SELECT request_id, model_version, status, http_status, fallback_from, fallback_error, worker_id "
+        f"FROM {table(settings, 'inference_log')} WHERE request_id IN ({ids})"
+    )
+    rows = {row["request_id"]: row for row in query_rows(bigquery, sql, len(callers), timeout=60)}
+    assert sorted(rows) == sorted(callers)  # one row per caller, none for the stable version's attempt
+    for request_id in served:
+        row = rows[request_id]
+        assert (row["model_version"], row["status"], row["http_status"], row["fallback_from"]) == ("1", "ok", 200, "2")
+        assert "configured to fail" in row["fallback_error"] and row["worker_id"]
+    assert (rows[callers[-1]]["model_version"], rows[callers[-1]]["fallback_from"]) == ("2", None)
+    # The callers are billed for what they got: every fallback succeeded; only the pinned call failed.
+    (billed,) = query_rows(
+        bigquery,
+        f"SELECT SUM(requests) AS requests, SUM(succeeded) AS succeeded "
+        f"FROM {table(settings, 'billing_by_api_key_daily')} "
+        f"WHERE model = 'fallback' AND api_key_id = '{api_key_digest(TEST_API_KEYS[0])[:12]}'",
+        1,
+    )
+    assert (billed["requests"], billed["succeeded"]) == (len(callers), len(served))
+
+
+def test_a_job_the_canary_fails_is_answered_by_the_stable_version(stack, settings, bigquery):
+    """A job is answered by the stable version too: its view, its result and its one row follow that attempt."""
+    headers = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}  # not the key whose bill the sync test reads
+    job = requests.post(f"{stack.api_url}/v1/models/fallback/jobs", json=body(), headers=headers, timeout=10)
+    assert job.status_code == 202, job.text
+    job_id, started = job.json()["id"], time.monotonic()
+    while (view := requests.get(f"{stack.api_url}/v1/jobs/{job_id}", headers=headers, timeout=10).json())["status"] in (
+        "queued",
+        "running",
+    ):
+        assert time.monotonic() - started < 30, view
+        time.sleep(0.2)
+    assert (view["status"], view["model_version"]) == ("succeeded", "1"), view
+    assert view["result"]["predictions"][0]["image_b64"]
+    sql = (
+        f"SELECT request_id, model_version, status, endpoint, fallback_from, fallback_error "
+        f"FROM {table(settings, 'inference_log')} WHERE request_id IN ('{job_id}', '{job_id}-fallback')"
+    )
+    (row,) = query_rows(bigquery, sql, 1, timeout=60)
+    assert (row["request_id"], row["model_version"], row["status"], row["endpoint"], row["fallback_from"]) == (
+        job_id, "1", "ok", "job", "2",
+    )  # fmt: skip
+    assert "configured to fail" in row["fallback_error"]
+
+
+def test_a_canary_failing_only_through_jobs_is_rolled_back(stack, auth_headers, settings, bigquery):
+    """Jobs are observed when they end (a fallback's failed first attempt when it fails): `rollback-jobs`'s
+    canary fails every job and is taken to 0%."""
+    url = f"{stack.api_url}/v1/models/rollback-jobs/jobs"
+    started, submitted = time.monotonic(), []
+    try:
+        while model_info(stack, "rollback-jobs", auth_headers)["traffic"]["traffic"]["2"] != 0:
+            assert time.monotonic() - started < 60, "the canary failing every job was not rolled back in 60 s"
+            if len(submitted) < 60:
+                job = requests.post(url, json=body(), headers=auth_headers, timeout=10)
+                assert job.status_code == 202, job.text
+                submitted.append(job.json()["id"])
+            else:
+                time.sleep(0.2)
+        info = model_info(stack, "rollback-jobs", auth_headers)["traffic"]
+        assert info["traffic"] == {"1": 100, "2": 0} and info["set_by"] == "rollback-guard"
+        sql = (
+            f"SELECT reason FROM {table(settings, 'rollout_audit')} "
+            "WHERE model = 'rollback-jobs' AND action = 'rollback'"
+        )
+        (audit,) = query_rows(bigquery, sql, 1, timeout=30)
+        assert "error rate" in audit["reason"]
+    finally:
+        requests.delete(f"{stack.api_url}/v1/models/rollback-jobs/traffic", headers=ADMIN, timeout=10)
