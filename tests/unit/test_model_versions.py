@@ -103,7 +103,7 @@ def test_a_bad_versioned_entry_is_refused_with_a_clear_error(fields, message):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"limits": {"max_inference_steps": 50, "max_width": 128, "max_height": 1024}}, "limits.max_width to 128"),
+        ({"limits": {"max_inference_steps": 50, "max_width": 768, "max_height": 1024}}, "limits.max_width to 768"),
         ({"max_instances_per_request": 2}, "max_instances_per_request to 2"),
         ({"defaults": {"num_inference_steps": 20, "guidance_scale": 7.5, "width": 512, "height": 512}},
          "defaults.num_inference_steps to 20"),
