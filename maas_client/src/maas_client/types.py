@@ -36,6 +36,9 @@ class ModelInfo(_Body):
     version: str  # the stable one
     versions: list[str]  # every live version
     task: Literal["text-to-image", "image-to-image"]
+    family: str | None  # sd15, sdxl, flux, sd3; None for the synthetic models
+    guidance: Literal["cfg", "embedded", "none"]  # what guidance_scale means for the model
+    size_multiple: int  # width and height must be multiples of this
     max_instances_per_request: int
     request_timeout_seconds: int
     defaults: GenerationDefaults
