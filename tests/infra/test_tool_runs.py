@@ -54,7 +54,5 @@ def test_a_runaway_tool_is_ended_at_its_cpu_limit():
 
 
 def test_a_tool_that_stops_using_cpu_is_killed_as_hung():
-    started = time.monotonic()
     with pytest.raises(StalledError, match="used no CPU for 2s"):
         run_bounded_by_cpu([sys.executable, "-c", "import time; time.sleep(600)"], cpu_seconds=10, stall_seconds=2)
-    assert time.monotonic() - started < 60
