@@ -56,3 +56,20 @@ def test_a_runaway_tool_is_ended_at_its_cpu_limit():
 def test_a_tool_that_stops_using_cpu_is_killed_as_hung():
     with pytest.raises(StalledError, match="used no CPU for 2s"):
         run_bounded_by_cpu([sys.executable, "-c", "import time; time.sleep(600)"], cpu_seconds=10, stall_seconds=2)
+
+
+def test_a_hung_tool_is_left_even_when_a_process_that_left_its_group_holds_its_output(tmp_path):
+    pid_file = tmp_path / "escaped.pid"
+    escaped = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)"
+    )
+    with pytest.raises(StalledError):
+        run_bounded_by_cpu([sys.executable, "-c", escaped], cpu_seconds=10, stall_seconds=2)
+    escaped_pid = int(pid_file.read_text())
+    try:
+        os.kill(escaped_pid, 0)  # still there: the run ended without waiting for it to close the output
+    finally:
+        os.kill(escaped_pid, signal.SIGKILL)

@@ -49,7 +49,10 @@ def run_bounded_by_cpu(
     finally:
         if process.returncode is None:
             os.killpg(process.pid, signal.SIGKILL)  # the whole group: a forked worker must not outlive the run
-            process.communicate()
+            # Not communicate(): a descendant that left the group may hold the pipes open for ever.
+            process.stdout.close()
+            process.stderr.close()
+            process.wait()
 
 
 def group_cpu_ticks(group: int) -> int:
