@@ -68,7 +68,7 @@ class AdapterService:
         except AdapterNotFoundError as exc:
             raise ApiError(422, f"version: {exc}", "version") from exc
         except AdapterFileError as exc:
-            raise ApiError(422, f"adapter file: {exc}", "file") from exc
+            raise ApiError(422, f"adapter file of {name}@{version}: {exc}", "file") from exc
 
     def listing(self, spec: ModelSpec) -> list[AdapterRecord]:
         return self._registry.list(spec)

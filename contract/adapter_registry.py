@@ -26,6 +26,7 @@ from contract.lora_files import (
     AdapterFileError,
     bytes_reader,
     check_file_names,
+    check_finite,
     check_targets,
     lora_targets,
     read_header,
@@ -86,8 +87,10 @@ class AdapterRegistry:
         data = blob.download_as_bytes()
         if len(data) > policy.max_bytes:
             raise AdapterFileError(f"{naming.ADAPTER_FILE}: {len(data)} bytes exceeds the limit of {policy.max_bytes}")
-        targets = lora_targets(read_header(bytes_reader(data), len(data)))
+        header = read_header(bytes_reader(data), len(data))
+        targets = lora_targets(header)
         rank = check_targets(targets, self._base_headers(spec), policy.max_rank)
+        check_finite(header, data)
         return AdapterRecord(
             name=name,
             version=version,

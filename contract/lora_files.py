@@ -4,7 +4,9 @@ An adapter is one safetensors file in diffusers' PEFT layout (`save_lora_weights
 module, `{component}.{module}.lora_A.weight` (rank x in) and `.lora_B.weight` (out x rank), with
 `component` `unet` or `text_encoder`, and an optional scalar `.alpha` (absent: alpha = rank). Every target
 must exist, with the same shape, in the base model's own safetensors headers, so a LoRA built for another
-architecture is refused before anything loads it. Only headers are parsed: a pickle never is.
+architecture is refused before anything loads it. Only headers are parsed: a pickle never is. The one look at
+the data is for NaN and infinity (their exponent bits, compared a byte column at a time), which would turn
+every image the adapter touches black.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ _KEY = re.compile(r"^(unet|text_encoder)\.(.+)\.(lora_A\.weight|lora_B\.weight|a
 
 # Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
 RangeReader = Callable[[int, int], bytes]
+
+
+def _all_ones(mask: int) -> bytes:
+    """A `bytes.translate` table: 1 for a byte whose `mask` bits are all set, 0 for any other."""
+    return bytes(int(byte & mask == mask) for byte in range(256))
+
+
+# Per floating dtype: its element size, and (byte within a little-endian element, its exponent bits) for every
+# byte that holds exponent bits. An element is NaN or infinite exactly when all its exponent bits are set.
+_EXPONENT_BYTES = {
+    "F64": (8, ((7, 0x7F), (6, 0xF0))),
+    "F32": (4, ((3, 0x7F), (2, 0x80))),
+    "F16": (2, ((1, 0x7C),)),
+    "BF16": (2, ((1, 0x7F), (0, 0x80))),
+    "F8_E5M2": (1, ((0, 0x7C),)),
+    "F8_E4M3": (1, ((0, 0x7F),)),  # E4M3FN: no infinity, and NaN is the one all-ones pattern
+}
+_TABLES = {mask: _all_ones(mask) for _, exponent in _EXPONENT_BYTES.values() for _, mask in exponent}
 
 
 class AdapterFileError(ValueError):
@@ -117,6 +137,25 @@ def check_targets(targets: list[LoraTarget], base: dict[str, dict], max_rank: in
                 f"match the base model's {'x'.join(map(str, weight['shape']))} (a LoRA for another model?)"
             )
     return max(target.rank for target in targets)
+
+
+def check_finite(header: dict, data: bytes) -> None:
+    """Refuses a file (`header`: its `read_header`) whose floating tensors hold NaN or infinity, naming the first.
+
+    Linear in the file's size at C speed (slices, `translate` and one big-integer AND per exponent byte), no
+    numpy or torch: about what the SHA-256 of the same bytes costs (0.29 s against 0.21 s for 67 MB here)."""
+    start = 8 + int.from_bytes(data[:8], "little")
+    for name, entry in header.items():
+        if entry["dtype"] not in _EXPONENT_BYTES:
+            continue  # integers are finite
+        size, exponent = _EXPONENT_BYTES[entry["dtype"]]
+        first, last = (start + offset for offset in entry["data_offsets"])
+        all_set = -1
+        for byte, mask in exponent:
+            column = data[first + byte : last : size].translate(_TABLES[mask])
+            all_set &= int.from_bytes(column, "little")
+        if all_set:
+            raise AdapterFileError(f"{name} holds NaN or infinite values")
 
 
 def check_file_names(names: list[str]) -> None:

@@ -5,8 +5,8 @@ else back) until the set is ready, so the device loop never waits for a download
 others and the request joins once its adapters are in memory. A set holds its own references to the
 loaded weights, so an adapter dropped from the cache while a request waits for the device is not loaded
 twice for it. Each file is checked again here (its digest against the registration, its header and targets
-against the local base weights) before any tensor is read; a set that fails is ready too, and its request
-fails alone (bad_input) when the runner refuses it.
+against the local base weights, and its values for NaN and infinity) before torch loads a tensor; a set that
+fails is ready too, and its request fails alone (bad_input, naming the adapter) when the runner refuses it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from contract.lora_files import (
     BASE_FILES,
     AdapterFileError,
     bytes_reader,
+    check_finite,
     check_targets,
     lora_targets,
     read_header,
@@ -171,8 +172,13 @@ class AdapterLoader:
         data = blob.download_as_bytes()
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise AdapterFileError(f"{ref.name}@{ref.version}: the file changed since it was registered")
-        targets = lora_targets(read_header(bytes_reader(data), len(data)))
-        check_targets(targets, self._base_headers(spec), policy.max_rank)
+        try:
+            header = read_header(bytes_reader(data), len(data))
+            targets = lora_targets(header)
+            check_targets(targets, self._base_headers(spec), policy.max_rank)
+            check_finite(header, data)  # also for a version registered before registration checked it
+        except AdapterFileError as exc:
+            raise AdapterFileError(f"{ref.name}@{ref.version}: {exc}") from exc
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(data)

@@ -3,6 +3,9 @@
 
 Every call runs one adapter set (requests with different sets never share a UNet call: the batch key),
 so switching is between calls: the hooks of the previous set are removed and the new set's registered.
+Switching is all or nothing: every target module and device copy is found before the first hook is attached,
+and a failure while attaching removes what was attached, so a set that cannot be applied fails its own
+request and leaves the base model behind, never half an adapter.
 A base-model call runs with no hook at all, so it is exactly the plain model whatever ran before it, and
 an adapter's weights are never merged into (and rounded into) the base weights. The device copies of the
 adapters are an LRU of `device_cache` per model; a miss copies from host memory on the device thread
@@ -27,30 +30,52 @@ class LoraHooks:
         self._active: tuple = ()
 
     def activate(self, adapters: list[tuple[LoraWeights, float]]) -> None:
-        """Makes `adapters` (weights, scale) the set the next calls run with; [] is the base model."""
+        """Makes `adapters` (weights, scale) the set the next calls run with; [] is the base model.
+
+        All or nothing: when it raises (ValueError naming the adapter: its request fails alone), no hook is left
+        attached and the next call runs the base model."""
         key = tuple((weights.key, scale) for weights, scale in adapters)
         if key == self._active:
             return
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._active = [], ()
-        deltas: dict[tuple[str, str], list] = {}
-        for weights, scale in adapters:
-            for target, (a, b, factor) in self._on_device(weights).items():
-                deltas.setdefault(target, []).append((a, b, scale * factor))
-        for (component, module), terms in deltas.items():
-            linear = self._module(component, module)
-            self._handles.append(linear.register_forward_hook(_adds(terms)))
+        self._detach()
+        try:
+            terms = self._terms(adapters)
+            for linear, added in terms.values():
+                self._handles.append(linear.register_forward_hook(_adds(added)))
+        except BaseException:
+            self._detach()
+            raise
         self._active = key
 
-    def _module(self, component: str, module: str):
+    def _detach(self) -> None:
+        handles, self._handles, self._active = self._handles, [], ()
+        for handle in handles:
+            handle.remove()
+
+    def _terms(self, adapters: list[tuple[LoraWeights, float]]) -> dict:
+        """Per target module: the module and its (A, B, scale x alpha / rank) terms, before anything is attached."""
+        terms: dict[tuple[str, str], tuple] = {}
+        for weights, scale in adapters:
+            for target, (a, b, factor) in self._on_device(weights).items():
+                if target not in terms:
+                    terms[target] = (self._module(weights, *target), [])
+                terms[target][1].append((a, b, scale * factor))
+        return terms
+
+    def _module(self, weights: LoraWeights, component: str, module: str):
+        import torch
+
+        adapter = f"adapter {weights.name}@{weights.version}"
         root = self._components.get(component)
         if root is None:
-            raise ValueError(f"adapter targets {component}, which this pipeline does not have")
+            raise ValueError(f"{adapter} targets {component}, which this pipeline does not have")
         try:
-            return root.get_submodule(module)
+            found = root.get_submodule(module)
         except AttributeError as exc:
-            raise ValueError(f"adapter targets {component}.{module}, which does not exist") from exc
+            raise ValueError(f"{adapter} targets {component}.{module}, which does not exist") from exc
+        if not isinstance(found, torch.nn.Linear):
+            raise ValueError(f"{adapter} targets {component}.{module} ({type(found).__name__}): not a Linear module")
+        return found
 
     def _on_device(self, weights: LoraWeights) -> dict:
         resident = self._resident.get(weights.key)

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-import subprocess
+import signal
 import sys
 import time
 import typing
@@ -24,6 +24,7 @@ import pytest
 
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelSpec, load_catalog
+from tests.infra.tool_runs import run_bounded_by_cpu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TERRAFORM_DIR = REPO_ROOT / "terraform"
@@ -33,7 +34,8 @@ EXAMPLE_PROJECT = "example-project"
 CATALOG = load_catalog()
 # Every servable unit by its queue name: a model, or one version of a model with `versions`.
 MODELS = [spec.queue for spec in CATALOG.units()]
-CHECKOV_TIMEOUT_SECONDS = 120
+# checkov needs about 4 s of CPU here: a limit on its CPU time, which the machine's load does not stretch.
+CHECKOV_CPU_SECONDS = 60
 
 
 # --- Reading the configuration -------------------------------------------------------------------
@@ -183,12 +185,7 @@ def resolve_module_path(value: str) -> Path:
 def test_terraform_files_are_formatted():
     terraform = shutil.which("terraform")
     assert terraform, "terraform is not installed; it is needed for `terraform fmt -check`"
-    result = subprocess.run(
-        [terraform, "fmt", "-check", "-recursive", "-diff", str(TERRAFORM_DIR)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_bounded_by_cpu([terraform, "fmt", "-check", "-recursive", "-diff", str(TERRAFORM_DIR)], cpu_seconds=30)
     assert result.returncode == 0, f"terraform fmt would change:\n{result.stdout}{result.stderr}"
 
 
@@ -766,15 +763,15 @@ def test_checkov_finds_no_failure_without_a_written_justification():
         f"checkov not found at {checkov}: create .venv-checkov from requirements-checkov.txt or set MAAS_CHECKOV_BIN"
     )
     started = time.monotonic()
-    result = subprocess.run(
+    # Bounded by the CPU it uses, not by the wall clock: its wall time grows with the machine's load (tool_runs).
+    result = run_bounded_by_cpu(
         [str(checkov), "-d", str(TERRAFORM_DIR), "--framework", "terraform", "--quiet", "--compact"]
         + ["--skip-download", "-o", "json"],
-        capture_output=True,
-        text=True,
-        timeout=CHECKOV_TIMEOUT_SECONDS,
+        CHECKOV_CPU_SECONDS,
         cwd=REPO_ROOT,
     )
     print(f"checkov took {time.monotonic() - started:.1f}s")
+    assert result.returncode not in (-signal.SIGXCPU, -signal.SIGKILL), f"checkov used {CHECKOV_CPU_SECONDS}s of CPU"
     assert result.stdout.strip(), f"checkov printed nothing (exit {result.returncode}):\n{result.stderr}"
     reports = json.loads(result.stdout)
     reports = reports if isinstance(reports, list) else [reports]

@@ -4,6 +4,7 @@ the model bucket on the GCS emulator, the API and the step-scheduled worker."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import pickle
 import threading
@@ -16,10 +17,10 @@ import pytest
 import requests
 
 from contract import google_clients, naming
-from contract.adapter_registry import AdapterRegistry
+from contract.adapter_registry import AdapterRecord, AdapterRegistry
 from contract.lora_files import AdapterFileError
 from emulators.stack import local_catalog
-from tests.conftest import SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS, TEST_ADMIN_KEY
+from tests.conftest import SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS, TEST_ADMIN_KEY, query_rows
 
 pytestmark = pytest.mark.stack
 MODEL = "sd15-txt2img"
@@ -167,6 +168,71 @@ def test_registration_checks_the_files_and_needs_an_admin_key(stack, auth_header
         assert response.status_code == 422, (name, response.text)
         assert expected[name] in response.json()["error"]["message"], (name, response.text)
     assert register(stack, admin, "never-uploaded").status_code == 422
+
+
+def error_row(bigquery, settings, response: requests.Response) -> dict:
+    """The log row of a request the stack answered with an error."""
+    assert response.status_code != 200, response.text
+    request_id = response.json()["error"]["request_id"]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    [row] = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id = '{request_id}'", 1, timeout=30)
+    return row
+
+
+def test_an_adapter_with_non_finite_weights_is_refused_at_registration_and_at_the_workers_first_load(
+    stack, auth_headers, admin, bucket, bigquery, settings
+):
+    from safetensors.torch import load, save
+
+    tensors = load(lora_bytes(stack, seed=9))
+    poisoned = next(name for name in sorted(tensors) if name.endswith("lora_B.weight"))
+    tensors[poisoned][0, 0] = float("nan")
+    nan_file = save(tensors)
+    upload_adapter(bucket, "nan-style", {naming.ADAPTER_FILE: nan_file})
+    refused = register(stack, admin, "nan-style")
+    assert refused.status_code == 422, refused.text
+    assert f"nan-style@1: {poisoned} holds NaN or infinite values" in refused.json()["error"]["message"]
+
+    # One registered before registration looked at the values (as the probe's was): the worker refuses it at its
+    # first load, and the request fails alone, with bad_input, naming the adapter; it is never served black.
+    record = AdapterRecord(name="nan-style", version="1", sha256=hashlib.sha256(nan_file).hexdigest(),
+                           bytes=len(nan_file), rank=4, targets=len(tensors) // 2)  # fmt: skip
+    bucket.blob(naming.adapter_record(MODEL, "nan-style")).upload_from_string(record.model_dump_json())
+    for seed in (30, 31):  # the second is refused again (nothing was cached), not served
+        failed = predict(stack, auth_headers, seed, [{"name": "nan-style", "scale": 1.0}])
+        message = failed.json()["error"]["message"]
+        assert f"nan-style@1: {poisoned} holds NaN or infinite values" in message, failed.text
+        assert error_row(bigquery, settings, failed)["error_kind"] == "bad_input"
+    pixels(predict(stack, auth_headers, 32, **{"Cache-Control": "no-cache"}))  # and the worker serves on
+
+
+def test_an_adapter_set_that_cannot_be_applied_fails_alone_and_the_next_base_request_is_the_base_image(
+    stack, auth_headers, admin, bucket, bigquery, settings
+):
+    """An adapter whose last target is no Linear module (the text encoder's token embedding: checks of the file's
+    header cannot tell) passes registration; applying it after tiny-ink fails part-way, and must leave no hook."""
+    import torch
+    from safetensors.torch import load, save
+
+    from contract.lora_files import BASE_FILES, bytes_reader, read_header
+
+    base_file = (stack.tiny_model_dir / MODEL / BASE_FILES["text_encoder"]).read_bytes()
+    vocab, width = read_header(bytes_reader(base_file), len(base_file))["embeddings.token_embedding.weight"]["shape"]
+    embedding = "text_encoder.embeddings.token_embedding"
+    upload_adapter(bucket, "embedding-style", {naming.ADAPTER_FILE: save({
+        **load(lora_bytes(stack, seed=10)),
+        f"{embedding}.lora_A.weight": torch.zeros(4, width),
+        f"{embedding}.lora_B.weight": torch.zeros(vocab, 4),
+    })})  # fmt: skip
+    assert register(stack, admin, "embedding-style").status_code == 200
+    seed, ink = 13, [{"name": "tiny-ink", "scale": 0.8}]
+    base, inked = fresh(stack, auth_headers, seed), fresh(stack, auth_headers, seed, ink)
+    failed = predict(stack, auth_headers, seed, [*ink, {"name": "embedding-style"}], **{"Cache-Control": "no-cache"})
+    message = failed.json()["error"]["message"]
+    assert f"adapter embedding-style@1 targets {embedding} (Embedding): not a Linear module" in message, failed.text
+    assert error_row(bigquery, settings, failed)["error_kind"] == "bad_input"
+    assert np.array_equal(fresh(stack, auth_headers, seed), base), "the next base request ran with part of an adapter"
+    assert np.array_equal(fresh(stack, auth_headers, seed, ink), inked)
 
 
 def test_an_oversized_adapter_is_refused(stack, bucket):

@@ -16,6 +16,7 @@ from contract.lora_files import (
     AdapterFileError,
     bytes_reader,
     check_file_names,
+    check_finite,
     check_targets,
     lora_targets,
     read_header,
@@ -185,3 +186,150 @@ def test_a_catalog_listed_adapter_resolves_without_registration_and_is_checked_o
     assert registry.resolve(spec, "house-style") == record
     assert bucket.reads.count(lora) == 1
     assert registry.resolve(spec, "not-listed") is None
+
+
+# --- non-finite weights --------------------------------------------------------------------------
+
+
+def lora_with(dtype, value: float) -> bytes:
+    """A LoRA file whose lora_B holds one `value` among finite numbers, in `dtype`."""
+    import torch
+    from safetensors.torch import save
+
+    b = torch.linspace(-3.0, 3.0, 64).reshape(16, 4)
+    b[5, 2] = value
+    return save(
+        {f"unet.{MODULE}.lora_A.weight": torch.ones(4, 32, dtype=dtype), f"unet.{MODULE}.lora_B.weight": b.to(dtype)}
+    )
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(dtype_name, value):
+    import torch
+
+    data = lora_with(getattr(torch, dtype_name), value)
+    header = read_header(bytes_reader(data), len(data))
+    with pytest.raises(AdapterFileError, match=rf"unet\.{MODULE}\.lora_B\.weight holds NaN or infinite values"):
+        check_finite(header, data)
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"])
+def test_finite_extremes_pass_and_a_non_finite_scalar_of_any_float_dtype_is_found(dtype_name):
+    import torch
+    from safetensors.torch import save
+
+    dtype = getattr(torch, dtype_name)
+    info = torch.finfo(dtype)
+    values = [info.max, -info.max, info.tiny, info.smallest_normal / 4, -0.0, 0.0, 1.0, -1.5]
+    extremes = torch.tensor(values, dtype=torch.float64).to(dtype)
+    assert torch.isfinite(extremes.double()).all()  # the extremes really are finite in `dtype`
+    fine = save({"extremes": extremes, "alpha": torch.tensor(4.0).to(dtype)})
+    check_finite(read_header(bytes_reader(fine), len(fine)), fine)
+    broken = save({"extremes": extremes, "alpha": torch.tensor(float("nan")).to(dtype)})
+    with pytest.raises(AdapterFileError, match="alpha holds NaN"):
+        check_finite(read_header(bytes_reader(broken), len(broken)), broken)
+
+
+def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_load(tmp_path):
+    import hashlib
+
+    import torch
+
+    from contract import naming
+    from emulators.stack import local_catalog
+    from model_worker.adapters import AdapterLoader
+
+    spec = local_catalog().get("sd15-txt2img")
+    data = lora_with(torch.float32, float("nan"))
+    base = safetensors({f"{MODULE}.weight": ("F32", [16, 32])})
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(base)
+    bucket = FakeBucket({naming.adapter_prefix(spec.name, "nan-style", "1") + naming.ADAPTER_FILE: data})
+    loader = AdapterLoader(bucket, {spec.queue: tmp_path}, lambda: None)
+    loader.start()
+    try:
+        ref = AdapterRef(name="nan-style", version="1", scale=1.0, sha256=hashlib.sha256(data).hexdigest())
+        adapters = loader.request(spec, (ref,))
+        assert adapters.done.wait(30)
+    finally:
+        loader.stop()
+    # The runner's ValueError is what the device loop answers as bad_input, this request alone.
+    with pytest.raises(ValueError, match=r"nan-style@1: unet\..*lora_B\.weight holds NaN or infinite values"):
+        adapters.weights()
+    assert loader.loads == 0  # nothing cached: the next request for it is refused again, not served black
+
+
+# --- activation on the real tiny pipeline ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny SD 1.5 pipeline `make up` builds, its runner, and its adapter `tiny-ink` as loaded weights."""
+    import hashlib
+
+    import torch
+
+    from contract import naming
+    from emulators.stack import local_catalog
+    from model_worker.adapters import AdapterLoader
+    from model_worker.pipeline import DiffusionRunner
+    from model_worker.tiny_pipeline import build_adapter, build_pipeline
+
+    torch.set_num_threads(1)
+    spec = local_catalog().get("sd15-txt2img").model_copy(update={"scheduling": "request"})
+    root = tmp_path_factory.mktemp("tiny")
+    weights = build_pipeline(root / spec.name, spec.pipeline)
+    data = build_adapter(weights, root / "ink.safetensors", seed=1, rank=4).read_bytes()
+    bucket = FakeBucket({naming.adapter_prefix(spec.name, "tiny-ink", "1") + naming.ADAPTER_FILE: data})
+    loader = AdapterLoader(bucket, {spec.queue: weights}, lambda: None)
+    loader.start()
+    ref = AdapterRef(name="tiny-ink", version="1", scale=0.8, sha256=hashlib.sha256(data).hexdigest())
+    ink = loader.request(spec, (ref,))
+    assert ink.done.wait(60)
+    loader.stop()
+    return DiffusionRunner(spec, weights, torch_threads=1), ink
+
+
+def image(runner, adapters=None):
+    from contract.messages import GenerationParameters
+    from model_worker.runners import GenerationItem
+
+    params = GenerationParameters(seed=5, num_inference_steps=2, guidance_scale=7.5, width=64, height=64)
+    return runner.generate([GenerationItem("a lighthouse", 5, adapters=adapters)], params, lambda step, total: None)[0]
+
+
+def hooks_attached(runner) -> int:
+    pipeline = runner._pipeline
+    return sum(len(m._forward_hooks) for part in (pipeline.unet, pipeline.text_encoder) for m in part.modules())
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "why"),
+    [
+        ("missing-module", ("unet", "down_blocks.0.attentions.0.no_such_module"), "which does not exist"),
+        ("embedding", ("text_encoder", "embeddings.token_embedding"), r"\(Embedding\): not a Linear module"),
+    ],
+)
+def test_an_activation_that_fails_part_way_leaves_the_base_model_behind(tiny, name, target, why):
+    import numpy as np
+    import torch
+
+    from model_worker.adapters import LoraWeights
+
+    runner, ink = tiny
+    base, inked = image(runner), image(runner, ink)
+    assert np.abs(inked - base).max() > 0.02, "the adapter did not change the image"
+    # The request's second adapter has one target that cannot be hooked, after targets that can: the old code
+    # had attached the first adapter's hooks (and the second's others) when it failed.
+    [(ink_weights, _)] = ink.loaded
+    targets = {**ink_weights.targets, target: (torch.zeros(4, 32), torch.zeros(32, 4), 1.0)}
+    broken = LoraWeights(name, "1", targets, 0)
+    both = AdapterSet((*ink.refs, REF.model_copy(update={"name": name})), loaded=[*ink.loaded, (broken, 1.0)])
+    both.done.set()
+    with pytest.raises(ValueError, match=rf"adapter {name}@1 targets {target[0]}\.{target[1]},? {why}"):
+        image(runner, both)
+    assert np.array_equal(image(runner), base), "the base request after the failure ran with part of an adapter"
+    assert hooks_attached(runner) == 0
+    assert np.array_equal(image(runner, ink), inked)
+    assert np.array_equal(image(runner), base)
