@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api_server.adapters import AdapterService
@@ -44,6 +45,9 @@ class PreparedRequest:
     received: float = field(default_factory=time.perf_counter)
     # Asked for one version by name (POST .../versions/{v}:predict): no shadow copy.
     pinned: bool = False
+    # Its partial inference log row (the records stage's), kept in Redis with the published request so that
+    # another API process writes it if this one dies before answering.
+    log_row: Callable[[], dict] | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -82,6 +86,7 @@ class InferenceService:
         fresh: bool = False,
         received: float | None = None,
         pinned: bool = False,
+        log_row: Callable[[], dict] | None = None,
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
@@ -113,18 +118,24 @@ class InferenceService:
             fresh,
             time.perf_counter() if received is None else received,
             pinned,
+            log_row,
         )
 
     def job_deadline_ms(self) -> int:
         return int((time.time() + self._job_deadline_seconds) * 1000)
 
-    def submit(self, prepared: PreparedRequest, deadline_ms: int) -> None:
-        """Publishes the request and returns at once (a job); raises 503 if the queue is unreachable."""
-        self._dispatcher.submit(self._request(prepared), prepared.spec, deadline_ms, prepared.priority)
+    def submit(self, prepared: PreparedRequest, deadline_ms: int) -> bool:
+        """Publishes the request and returns at once (a job); raises 503 if the queue is unreachable. True when its
+        partial log row was kept with it (see `run`)."""
+        log_row = prepared.log_row() if prepared.log_row is not None else None
+        return self._dispatcher.submit(self._request(prepared), prepared.spec, deadline_ms, prepared.priority, log_row)
 
     def run(self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int) -> InferenceReply | None:
         """Publishes and waits up to the model's request timeout; None if no reply came by then."""
-        return self._dispatcher.run(self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms)
+        log_row = prepared.log_row() if prepared.log_row is not None else None
+        return self._dispatcher.run(
+            self._request(prepared), prepared.spec, timings, prepared.priority, deadline_ms, log_row
+        )
 
     def predictions(self, reply: InferenceReply) -> list[dict]:
         return [self._prediction_json(prediction) for prediction in reply.predictions]

@@ -40,6 +40,7 @@ from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
+from contract.inflight import InflightStore
 from contract.messages import InferenceReply, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
@@ -51,6 +52,8 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 # Retryable answers are not kept for an Idempotency-Key: the retry should run.
 NOT_KEPT_FOR_IDEMPOTENCY = (429, 503)
 FINISHED_STATES = "succeeded, failed, expired or cancelled"
+# How often a request adopting a dead process's request looks for that request's stored answer.
+ADOPTED_POLL_SECONDS = 0.2
 
 
 class Mode(StrEnum):
@@ -82,6 +85,8 @@ class Answer:
     output_bytes: int | None = None
     job_made: JobMade | None = None
     job_deadline_ms: int | None = None
+    # Its request was published with its partial log row kept in Redis: the records stage settles it.
+    row_kept: bool = False
 
 
 class ServingStage:
@@ -98,8 +103,10 @@ class ServingStage:
         limiter: RequestLimiter,
         rollouts: Rollouts,
         shadow: ShadowTraffic,
+        inflight: InflightStore | None = None,
     ) -> None:
         self._settings = settings
+        self._inflight = inflight
         self._catalog = catalog
         self._inference = inference
         self._jobs = jobs
@@ -266,7 +273,14 @@ class ServingStage:
         )
         computed: list[Answer] = []
         try:
-            record, role = self._flights.run(key, fingerprint, _computing(compute, prepared, computed), policy)
+            record, role = self._flights.run(
+                key,
+                fingerprint,
+                _computing(compute, prepared, computed),
+                policy,
+                ticket=prepared.request_id,
+                adopt=lambda request_id: self._adopted(prepared, mode, request_id),
+            )
         except FingerprintMismatchError as exc:
             raise ApiError(
                 422, "Idempotency-Key: already used with a different request body", "Idempotency-Key"
@@ -281,11 +295,52 @@ class ServingStage:
                 "Idempotency-Key cannot be honoured right now (state store unavailable)",
                 headers={"Retry-After": "5"},
             ) from exc
-        if role in (Role.STORED, Role.FOLLOWER):
+        if role in (Role.STORED, Role.FOLLOWER, Role.ADOPTED):
             outcome = _stored_outcome(record)
             replayed = replace(record, headers={**record.headers, "Idempotent-Replayed": "true"})
             return Answer(Outcome.REPLAY if outcome.answered else outcome, replayed, replayed=True)
         return computed[-1]
+
+    def _adopted(self, prepared: PreparedRequest, mode: Mode, request_id: str) -> ResponseRecord | None:
+        """The answer of `request_id`, the first request with this Idempotency-Key, whose API process died before
+        answering: its stored reply, waited for while it is still in flight (up to the model's timeout, then
+        handed over as its job), rather than run again. None when it never reached the queue: this one runs."""
+        if self._inflight is None or not request_id:
+            return None
+        spec = prepared.spec
+        started = time.perf_counter()
+        give_up = time.monotonic() + spec.request_timeout_seconds
+        try:
+            if mode is Mode.JOB:  # its answer is its job, if the dead process made it
+                made = self._jobs.get(request_id, prepared.caller.key_id) is not None
+                return _job_record(request_id, spec.name, "queued") if made else None
+            reply = self._results.get(request_id)
+            if reply is None and not self._inflight.in_flight(request_id):
+                return None
+            while reply is None and time.monotonic() < give_up:
+                time.sleep(ADOPTED_POLL_SECONDS)
+                reply = self._results.get(request_id)
+            if reply is None:
+                return self._adopted_as_job(prepared, request_id)
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return _refusal(_job_store_unavailable(), prepared.request_id).record
+        self._redis.succeeded()
+        timings = DispatchTimings(wait_ms=round((time.perf_counter() - started) * 1000, 2))
+        return self._replied(prepared, reply, timings, request_id).record
+
+    def _adopted_as_job(self, prepared: PreparedRequest, request_id: str) -> ResponseRecord:
+        """An adopted request still unanswered after the wait: the caller gets it as a job, as it would have."""
+        spec = prepared.spec
+        kept = self._inflight.states([request_id])[0].kept if self._inflight is not None else None
+        deadline_ms = kept.deadline_ms if kept is not None else self._inference.job_deadline_ms()
+        self._jobs.create(request_id, prepared.caller.key_id, spec, deadline_ms, _arrival_ms(prepared))
+        message = (
+            f"no reply from {spec.name} within {spec.request_timeout_seconds}s; it is still queued as job "
+            f"{request_id}: poll GET /v1/jobs/{request_id} (the Location header) until its status is "
+            f"{FINISHED_STATES}; DELETE it to cancel"
+        )
+        return _job_record(request_id, spec.name, "queued", message)
 
     # The result cache and coalescing (sync), or the cache alone (jobs).
 
@@ -332,26 +387,32 @@ class ServingStage:
         try:
             reply = self._inference.run(prepared, timings, deadline_ms)
         except ApiError as error:
-            return _refusal(error, prepared.request_id)
+            return replace(_refusal(error, prepared.request_id), row_kept=timings.row_kept)
         finally:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
-            return self._hand_over_as_job(prepared, deadline_ms)
+            return replace(self._hand_over_as_job(prepared, deadline_ms), row_kept=timings.row_kept)
+        return replace(self._replied(prepared, reply, timings, prepared.request_id), row_kept=timings.row_kept)
+
+    def _replied(
+        self, prepared: PreparedRequest, reply: InferenceReply, timings: DispatchTimings, request_id: str
+    ) -> Answer:
+        """The answer to `prepared` from the worker's reply to `request_id` (the request that ran the model)."""
         published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
         outcome = Outcome.for_reply(reply.status, reply.error_kind)
         if outcome is not Outcome.OK:
             message = reply.error or f"model worker answered {reply.status}"
-            record = _error_record(outcome.spec.http_status, message, prepared.request_id, outcome)
+            record = _error_record(outcome.spec.http_status, message, request_id, outcome)
             return Answer(outcome, record, reply=reply, published_ms=published_ms)
         try:
             predictions = self._inference.predictions(reply)
         except ApiError as error:
-            return replace(_refusal(error, prepared.request_id), reply=reply, published_ms=published_ms)
+            return replace(_refusal(error, request_id), reply=reply, published_ms=published_ms)
         body = {
             "predictions": predictions,
             "model": prepared.spec.name,
             "model_version": prepared.spec.version,
-            "request_id": prepared.request_id,
+            "request_id": request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - prepared.received) * 1000, 2),
                 "queue": round(reply.queue_ms, 2),
@@ -384,7 +445,7 @@ class ServingStage:
         )
         return Answer(
             Outcome.ACCEPTED,
-            _job_record(prepared, "queued", message),
+            _job_record(prepared.request_id, prepared.spec.name, "queued", message),
             job_made=JobMade.CONVERTED,
             job_deadline_ms=deadline_ms,
         )
@@ -402,14 +463,15 @@ class ServingStage:
             self._redis.failed(exc)
             return _refusal(_job_store_unavailable(), prepared.request_id)
         try:
-            self._inference.submit(prepared, deadline_ms)
+            row_kept = self._inference.submit(prepared, deadline_ms)
         except ApiError as error:
             return _refusal(error, prepared.request_id)
         return Answer(
             Outcome.ACCEPTED,
-            _job_record(prepared, "queued"),
+            _job_record(prepared.request_id, prepared.spec.name, "queued"),
             job_made=JobMade.SUBMITTED,
             job_deadline_ms=deadline_ms,
+            row_kept=row_kept,
         )
 
     def _cached_job(self, prepared: PreparedRequest, hit: ResponseRecord) -> Answer:
@@ -437,7 +499,7 @@ class ServingStage:
             return _refusal(_job_store_unavailable(), prepared.request_id)
         return Answer(
             Outcome.CACHE_HIT,
-            _job_record(prepared, "succeeded", outcome=Outcome.CACHE_HIT),
+            _job_record(prepared.request_id, spec.name, "succeeded", outcome=Outcome.CACHE_HIT),
             cache="hit",
             cache_event="hit",
             job_made=JobMade.CACHED,
@@ -468,10 +530,10 @@ def _job_store_unavailable() -> ApiError:
 
 
 def _job_record(
-    prepared: PreparedRequest, status: str, message: str | None = None, outcome: Outcome = Outcome.ACCEPTED
+    job_id: str, model: str, status: str, message: str | None = None, outcome: Outcome = Outcome.ACCEPTED
 ) -> ResponseRecord:
-    location = f"/v1/jobs/{prepared.request_id}"
-    body = {"id": prepared.request_id, "status": status, "model": prepared.spec.name, "links": {"self": location}}
+    location = f"/v1/jobs/{job_id}"
+    body = {"id": job_id, "status": status, "model": model, "links": {"self": location}}
     if message:
         body["message"] = message
     return ResponseRecord(202, json.dumps(body).encode(), {**JSON, "Location": location}, outcome=outcome)
