@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -41,8 +42,11 @@ class JobLogFinisher:
         interval: float = 1.0,
         inflight: InflightStore | None = None,
         results: ResultStore | None = None,
+        forget_reply_subscription: Callable[[str], object] | None = None,
     ) -> None:
+        """`forget_reply_subscription(request_id)`: deletes the per-request reply subscription an orphan leaked."""
         self._jobs = jobs
+        self._forget_reply_subscription = forget_reply_subscription
         self._inflight = inflight
         self._results = results
         self._log = inference_log
@@ -102,6 +106,8 @@ class JobLogFinisher:
             )  # fmt: skip
             self._log.write(row)
             written += 1
+            if row.reply_mode == "per-request" and self._forget_reply_subscription is not None:
+                self._forget_reply_subscription(item.request_id)  # nobody waits on it any more
         return written
 
     def stop(self) -> None:

@@ -302,9 +302,10 @@ class ServingStage:
         return computed[-1]
 
     def _adopted(self, prepared: PreparedRequest, mode: Mode, request_id: str) -> ResponseRecord | None:
-        """The answer of `request_id`, the first request with this Idempotency-Key, whose API process died before
-        answering: its stored reply, waited for while it is still in flight (up to the model's timeout, then
-        handed over as its job), rather than run again. None when it never reached the queue: this one runs."""
+        """The answer of `request_id`, an earlier request with this Idempotency-Key (or an identical cacheable one)
+        whose API process died before answering: its stored reply, waited for while it is still in flight (up to
+        the model's timeout, then handed over as its job), rather than run again. None when it never reached the
+        queue: this one runs."""
         if self._inflight is None or not request_id:
             return None
         spec = prepared.spec
@@ -354,10 +355,18 @@ class ServingStage:
             self._cache_flights.store(key, answer.record, policy)
             return replace(answer, cache="miss", cache_event="bypass")
         computed: list[Answer] = []
-        record, role = self._cache_flights.run(key, "", _computing(self._run_sync, prepared, computed), policy)
+        record, role = self._cache_flights.run(
+            key,
+            "",
+            _computing(self._run_sync, prepared, computed),
+            policy,
+            ticket=prepared.request_id,
+            # An identical request whose process died running it: its answer is this one's too.
+            adopt=lambda request_id: self._adopted(prepared, Mode.SYNC, request_id),
+        )
         if role is Role.STORED:
             return Answer(Outcome.CACHE_HIT, record, cache="hit", cache_event="hit")
-        if role is Role.FOLLOWER:
+        if role in (Role.FOLLOWER, Role.ADOPTED):
             if record.status == 202:
                 self._share_job(record, prepared.caller)
             outcome = _stored_outcome(record)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -19,7 +20,7 @@ from api_server.dispatch import InferenceDispatcher
 from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogWriter
-from api_server.janitor import JanitorTask, build_janitor_task
+from api_server.janitor import JanitorTask, build_janitor_task, delete_orphaned_subscription
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
 from api_server.limits import KeyLimits, RequestLimiter
@@ -211,7 +212,13 @@ def build_app_state(settings: Settings) -> AppState:
         records=RequestRecords(
             inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations, inflight
         ),
-        job_log=JobLogFinisher(jobs, inference_log, inflight=inflight, results=results),
+        job_log=JobLogFinisher(
+            jobs,
+            inference_log,
+            inflight=inflight,
+            results=results,
+            forget_reply_subscription=partial(delete_orphaned_subscription, subscriber, settings.project_id),
+        ),
         liveness=ProcessLiveness(inflight, settings.instance_id),
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),

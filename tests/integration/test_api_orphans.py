@@ -166,6 +166,15 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
     # Those it had not answered at least (one answered but not yet sent back when it froze is an orphan too).
     assert {row["request_id"] for row in orphans} >= set(unanswered)
 
+    # The reply subscriptions the dead process waited on are deleted by whoever adopted its rows, not left a day.
+    leaked = {subscriber.subscription_path(settings.project_id, naming.reply_subscription(r)) for r in published}
+    deadline = time.monotonic() + 30
+    while leaked and time.monotonic() < deadline:
+        listed = subscriber.list_subscriptions(request={"project": f"projects/{settings.project_id}"})
+        leaked &= {subscription.name for subscription in listed}
+        time.sleep(0.5)
+    assert not leaked
+
 
 # The doubled-row side: the row of a dead process's request is adopted by exactly one of the processes that find it.
 
