@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from api_server.app import create_app
+from api_server.auth import Caller
+from api_server.cache import cache_key
 from api_server.flights import FlightPolicy, ResponseRecord, Role, SharedFlights, StillRunningError
 from api_server.inference_log import InferenceLogRow
 from api_server.job_log import NO_ANSWER_HTTP_STATUS, JobLogFinisher
@@ -28,10 +31,11 @@ from api_server.jobs import JobStore
 from api_server.redis_state import RedisState
 from contract import google_clients, naming
 from contract.inflight import InflightStore
-from contract.messages import Attr, InferenceReply
+from contract.messages import Attr, InferenceReply, Payload, Prediction
 from contract.results import ResultStore
+from contract.settings import Settings
 from emulators.processes import ProcessRegistry, http_ok
-from tests.conftest import TEST_API_KEYS, query_rows
+from tests.conftest import TEST_API_KEYS, png_b64, query_rows
 
 pytestmark = pytest.mark.stack
 
@@ -317,3 +321,30 @@ def test_a_live_holders_lease_is_waited_for_not_taken_over(client):
     with pytest.raises(StillRunningError):
         flights.run(key, "fp", lambda: ResponseRecord(200, b"second"), short, adopt=lambda ticket: None)
     assert client.get(f"{key}:lease") == f"fp|{live}|running-request".encode()
+
+
+def test_an_identical_request_adopts_a_dead_processes_inference_instead_of_running_it_again(
+    stack, auth_headers, client
+):
+    app = create_app(Settings.from_env(stack.service_env()))  # an API process of its own
+    try:
+        state = app.extensions["maas"]
+        spec = state.serving.stable("noop")
+        body = {"instances": [{"prompt": f"adopted {uuid.uuid4().hex}"}], "parameters": {"seed": 7}}
+        prepared = state.serving.prepare(spec, body, "probe", Caller("probe", "probe"))
+        key = cache_key(spec, prepared.params, prepared.prompts, prepared.images)
+        # A process that died waiting on its request `first`, identical, which a worker has answered since.
+        first, dead = uuid.uuid4().hex, f"test-dead-{uuid.uuid4().hex[:8]}"
+        image = Payload(b64=png_b64(8, 8))
+        ResultStore(client, 600).put(InferenceReply(
+            request_id=first, model=spec.name, model_version=spec.version, status="ok",
+            predictions=[Prediction(image=image, seed=7, width=8, height=8)],
+        ))  # fmt: skip
+        client.set(f"{key}:lease", f"|{dead}|{first}", px=60_000)
+        response = app.test_client().post(f"/v1/models/{spec.name}:predict", json=body, headers=auth_headers)
+    finally:
+        state.close()
+    assert response.status_code == 200 and response.headers["X-Cache"] == "hit", response.get_json()
+    assert response.get_json()["request_id"] == first  # the dead process's inference answered it
+    assert response.get_json()["predictions"][0]["image_b64"] == image.b64
+    assert not client.exists(naming.result_key(response.headers["X-Request-Id"]))  # and the model did not run again
