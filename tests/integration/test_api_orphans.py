@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
 from google.api_core import exceptions
 
 from api_server.app import create_app
@@ -31,10 +32,12 @@ from api_server.job_log import NO_ANSWER_HTTP_STATUS, JobLogFinisher
 from api_server.jobs import JobStore
 from api_server.redis_state import RedisState
 from contract import google_clients, naming
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.inflight import InflightStore
 from contract.messages import Attr, InferenceReply, Payload, Prediction
 from contract.results import ResultStore
 from contract.settings import Settings
+from emulators.bootstrap import bootstrap_pubsub
 from emulators.processes import ProcessRegistry, http_ok
 from tests.conftest import TEST_API_KEYS, png_b64, query_rows
 
@@ -352,3 +355,41 @@ def test_an_identical_request_adopts_a_dead_processes_inference_instead_of_runni
     assert response.get_json()["request_id"] == first  # the dead process's inference answered it
     assert response.get_json()["predictions"][0]["image_b64"] == image.b64
     assert not client.exists(naming.result_key(response.headers["X-Request-Id"]))  # and the model did not run again
+
+
+def test_a_retry_adopting_a_request_still_unanswered_after_its_wait_gets_that_request_as_a_job(
+    stack, settings, auth_headers, client, tmp_path
+):
+    raw = yaml.safe_load(DEFAULT_CATALOG_PATH.read_text())
+    raw["models"]["unserved-orphan"] = {
+        **raw["models"]["sd15-txt2img"], "weights_path": "unserved-orphan/1", "request_timeout_seconds": 30,
+        "ack_deadline_seconds": 10,
+    }  # fmt: skip
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    bootstrap_pubsub(settings, ModelCatalog.from_yaml(path))  # a queue no worker pulls
+    env = {**stack.service_env(), "MAAS_CATALOG_PATH": str(path), "MAAS_JOB_DEADLINE_SECONDS": "60"}
+    first, retry = create_app(Settings.from_env(env)), create_app(Settings.from_env(env))  # two API processes
+    headers = {**auth_headers, "Idempotency-Key": uuid.uuid4().hex}
+    body = {"instances": [{"prompt": "nobody runs this"}], "parameters": {"width": 64, "height": 64}}
+    known = set(client.zrange(naming.INFLIGHT_DEADLINES_KEY, 0, -1))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(first.test_client().post, "/v1/models/unserved-orphan:predict", json=body,
+                                  headers=headers)  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not (published := kept_requests_of(client, "unserved-orphan", known)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(published) == 1
+            first.extensions["maas"].liveness.stop()  # its process is gone, as far as the others can tell
+            response = retry.test_client().post("/v1/models/unserved-orphan:predict", json=body, headers=headers)
+            job = retry.test_client().get(f"/v1/jobs/{published[0]}", headers=auth_headers)
+            waiting.result(timeout=120)
+    finally:
+        first.extensions["maas"].close()
+        retry.extensions["maas"].close()
+    assert response.status_code == 202, response.get_json()
+    assert response.headers["Location"] == f"/v1/jobs/{published[0]}"  # the first request's job, not a new one
+    assert response.headers["Idempotent-Replayed"] == "true"
+    assert job.status_code == 200 and job.get_json()["status"] == "queued"
+    assert not client.exists(naming.inflight_key(response.headers["X-Request-Id"]))  # the retry published nothing
