@@ -43,9 +43,9 @@ from tests.conftest import TEST_API_KEYS, png_b64, query_rows
 
 pytestmark = pytest.mark.stack
 
-# A version whose every call takes 2 s (one call at a time): the calls are still running when the API dies. The
-# SDK names a model by its path, so a pinned version is `{model}/versions/{version}`.
-SLOW_MODEL, SLOW_VERSION = "shadowed", "2"
+# Served by the `synthetic` worker, which is frozen while the calls are published: they are all in flight when
+# the API dies, and run once it is gone.
+MODEL, MODEL_WORKER = "sleep", "worker-synthetic"
 CALLS = 6
 
 
@@ -107,7 +107,7 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
         request={"name": replies_sub, "topic": f"projects/{settings.project_id}/topics/{naming.REPLIES_TOPIC}"}
     )
     registry = ProcessRegistry(stack.stack_dir)
-    victim = gunicorn_worker(registry.pid("api"))
+    victim, model_worker = gunicorn_worker(registry.pid("api")), registry.pid(MODEL_WORKER)
     known = set(client.zrange(naming.INFLIGHT_DEADLINES_KEY, 0, -1))
     base_seed = random.randrange(1_000_000, 2_000_000_000)
     seeds = [base_seed + index for index in range(CALLS)]
@@ -115,22 +115,22 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
 
     def call(seed: int):
         with Client(stack.api_url, TEST_API_KEYS[0]) as sdk:
-            return sdk.predict(f"{SLOW_MODEL}/versions/{SLOW_VERSION}", f"orphan probe {seed}", seed=seed)
+            return sdk.predict(MODEL, f"orphan probe {seed}", seed=seed)
 
+    os.killpg(model_worker, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(CALLS) as pool:
             futures = [pool.submit(call, seed) for seed in seeds]
             deadline = time.monotonic() + 60
-            while len(kept_requests_of(client, SLOW_MODEL, known)) < CALLS and time.monotonic() < deadline:
+            while len(kept_requests_of(client, MODEL, known)) < CALLS and time.monotonic() < deadline:
                 time.sleep(0.02)
-            published = kept_requests_of(client, SLOW_MODEL, known)
+            published = kept_requests_of(client, MODEL, known)
             assert len(published) == CALLS, "the calls were never published"
-            os.kill(victim, signal.SIGSTOP)  # frozen first, so what it had in flight is read exactly
-            unanswered = [r for r in published if not client.exists(naming.result_key(r))]
-            os.kill(victim, signal.SIGKILL)
-            assert unanswered, "every call was answered before the kill: nothing was in flight"
+            os.kill(victim, signal.SIGKILL)  # every call in flight: published, and its worker frozen
+            os.killpg(model_worker, signal.SIGCONT)
             results = [future.result(timeout=300) for future in futures]
     finally:
+        os.killpg(model_worker, signal.SIGCONT)
         registry.wait_until("api", lambda: http_ok(f"{stack.api_url}/readyz", timeout=3), timeout=120)
 
     # Each call answered once, with its own images.
@@ -138,7 +138,7 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
 
     # One inference per call: the workers' replies (each request id once: a stored answer may be re-sent).
     try:
-        replies = [r for r in drain_replies(subscriber, replies_sub) if r.model == SLOW_MODEL and r.predictions]
+        replies = [r for r in drain_replies(subscriber, replies_sub) if r.model == MODEL and r.predictions]
     finally:
         subscriber.delete_subscription(request={"subscription": replies_sub})
     inferences = {seed: set() for seed in seeds}
@@ -156,7 +156,7 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
     seed_list = ", ".join(str(seed) for seed in seeds)
     sql = (
         f"SELECT request_id, seed, status, http_status, batch_id, idempotent_replay, api_instance FROM {table} "
-        f"WHERE model = '{SLOW_MODEL}' AND seed IN ({seed_list}) "
+        f"WHERE model = '{MODEL}' AND seed IN ({seed_list}) "
         f"AND created_at >= TIMESTAMP_SECONDS({int(started) - 5})"
     )
     inference_rows = []
@@ -173,9 +173,9 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
     assert all(row["status"] == "ok" for row in inference_rows)
     replays = [row for row in rows if row["batch_id"] is None]
     assert all(row["idempotent_replay"] for row in replays), replays
-    orphans = [row for row in inference_rows if row["http_status"] == NO_ANSWER_HTTP_STATUS]
-    # Those it had not answered at least (one answered but not yet sent back when it froze is an orphan too).
-    assert {row["request_id"] for row in orphans} >= set(unanswered)
+    # Written by the process that adopted them: the dead one answered nobody.
+    assert all(row["http_status"] == NO_ANSWER_HTTP_STATUS for row in inference_rows), inference_rows
+    assert sorted(row["request_id"] for row in inference_rows) == sorted(published)
 
     # The reply subscriptions the dead process waited on are deleted by whoever adopted its rows, not left a day.
     leaked = {subscriber.subscription_path(settings.project_id, naming.reply_subscription(r)) for r in published}
