@@ -41,7 +41,7 @@ from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
 from contract.inflight import InflightStore
-from contract.messages import InferenceReply, Payload, Prediction
+from contract.messages import Attr, InferenceReply, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -335,6 +335,9 @@ class ServingStage:
         spec = prepared.spec
         kept = self._inflight.states([request_id])[0].kept if self._inflight is not None else None
         deadline_ms = kept.deadline_ms if kept is not None else self._inference.job_deadline_ms()
+        if kept is not None and (rollout := self._catalog.rollout(spec.name)) is not None:
+            # The version the split gave the adopted request, which need not be the one it gives this one.
+            spec = rollout.versions.get(kept.attributes.get(Attr.MODEL_VERSION, ""), spec)
         self._jobs.create(request_id, prepared.caller.key_id, spec, deadline_ms, _arrival_ms(prepared))
         message = (
             f"no reply from {spec.name} within {spec.request_timeout_seconds}s; it is still queued as job "
@@ -420,7 +423,8 @@ class ServingStage:
         body = {
             "predictions": predictions,
             "model": prepared.spec.name,
-            "model_version": prepared.spec.version,
+            # The version that ran it: an adopted request's, which the split may have sent elsewhere than this one.
+            "model_version": reply.model_version or prepared.spec.version,
             "request_id": request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - prepared.received) * 1000, 2),
