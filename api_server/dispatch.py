@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
@@ -27,6 +28,9 @@ class DispatchTimings:
     publish_ms: float = 0.0
     wait_ms: float = 0.0
     cleanup_ms: float = 0.0
+    # The request's partial log row is kept in Redis with its message: settled by this process when it answers,
+    # adopted by another if this one dies first (`contract/inflight.py`).
+    row_kept: bool = False
 
 
 class InferenceDispatcher:
@@ -52,10 +56,13 @@ class InferenceDispatcher:
         priority: naming.Priority = "normal",
         deadline_ms: int | None = None,
         wait_seconds: float | None = None,
+        log_row: dict | None = None,
     ) -> InferenceReply | None:
         """Subscribe, publish, wait up to the model's timeout (or `wait_seconds`): raises 503 if the queue is
         unreachable and returns None when no reply comes in time. A `deadline_ms` beyond the wait keeps the
-        request runnable after it (a sync request turned into a job)."""
+        request runnable after it (a sync request turned into a job). `log_row`: the request's partial log row,
+        kept with the request (`timings.row_kept` says whether it was) so that its row is written even if this
+        process dies."""
         timeout = spec.request_timeout_seconds if wait_seconds is None else wait_seconds
         wait_until = time.time() + timeout
         deadline_ms = deadline_ms or int(wait_until * 1000)
@@ -70,7 +77,7 @@ class InferenceDispatcher:
             started = time.perf_counter()
             attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
             attributes.update(self._waiter.request_attributes())
-            self._publish(request, spec, attributes, priority)
+            timings.row_kept = self._publish(request, spec, attributes, priority, log_row)
             timings.publish_ms = _ms_since(started)
             started = time.perf_counter()
             reply = pending.wait(max(0.0, wait_until - time.time()))
@@ -81,12 +88,28 @@ class InferenceDispatcher:
             timings.cleanup_ms = _ms_since(started)
         return reply
 
-    def submit(self, request: InferenceRequest, spec: ModelSpec, deadline_ms: int, priority: naming.Priority) -> None:
-        """Publish only (a job): nobody waits for the reply message; the worker's stored reply is read later."""
+    def submit(
+        self,
+        request: InferenceRequest,
+        spec: ModelSpec,
+        deadline_ms: int,
+        priority: naming.Priority,
+        log_row: dict | None = None,
+    ) -> bool:
+        """Publish only (a job): nobody waits for the reply message; the worker's stored reply is read later.
+        True when `log_row` was kept with the request (see `run`)."""
         attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
-        self._publish(request, spec, attributes, priority)
+        return self._publish(request, spec, attributes, priority, log_row)
 
-    def _publish(self, request: InferenceRequest, spec: ModelSpec, attributes: dict, priority: naming.Priority) -> None:
+    def _publish(
+        self,
+        request: InferenceRequest,
+        spec: ModelSpec,
+        attributes: dict,
+        priority: naming.Priority,
+        log_row: dict | None = None,
+    ) -> bool:
+        """Publishes, then keeps the request in Redis; True when `log_row` was kept with it."""
         topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.queue, priority))
         data = request.model_dump_json().encode()
         try:
@@ -94,8 +117,11 @@ class InferenceDispatcher:
         except Exception as exc:  # publish futures raise transport and timeout errors alike
             log.error("publish to %s failed: %s", topic, exc)
             raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
-        if self._keeper is not None:
-            self._keeper.keep(topic, data, attributes)
+        if self._keeper is None:
+            return False
+        if log_row is not None:
+            log_row = {**log_row, "published_at": datetime.now(UTC).isoformat()}
+        return self._keeper.keep(topic, data, attributes, log_row) and log_row is not None
 
 
 def _traced(attributes: dict[str, str]) -> dict[str, str]:

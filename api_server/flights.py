@@ -7,6 +7,11 @@ Within a process, callers of the same key wait on an in-memory event behind one 
 processes, that caller takes the Redis lease (`SET NX PX`) or polls for the lease holder's outcome.
 A waiter that outlives its bound, or sees the lease vanish with no outcome (its holder died), computes
 by itself. Without Redis every process still coalesces its own callers and nothing else changes.
+
+A lease names its holder's API process and ticket (the request computing it). A waiter that finds that process
+dead (its liveness key lapsed, `contract/inflight.py`) takes the lease over in one atomic step, so exactly one
+waiter does, and adopts the dead holder's computation: `adopt(ticket)` answers from what the holder started
+(its request's stored answer) instead of computing again, or returns None to compute afresh.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import redis
 
 from api_server import metrics
 from api_server.redis_state import RedisState
+from contract import naming
 
 log = logging.getLogger(__name__)
 # Outcomes not kept for later callers stay this long, for the callers already waiting on them.
@@ -52,6 +58,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
 return 1
 """
+# A dead holder's lease taken over, only if it is still that holder's and its process's liveness key has lapsed.
+# KEYS: lease, the holder's liveness key; ARGV: the holder's token, the new token, lease ms.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+# How often a waiter looks whether the lease's holder is still alive.
+TAKE_OVER_CHECK_SECONDS = 0.5
 
 
 @dataclass
@@ -83,6 +98,7 @@ class Role(StrEnum):
     FOLLOWER = "follower"  # waited for an identical request's computation
     STORED = "stored"  # found a kept outcome (a cache hit, an idempotent replay)
     ALONE = "alone"  # computed without coordination (Redis down, or the wait ran out)
+    ADOPTED = "adopted"  # its holder's process died: answered from the holder's computation, taken over
 
 
 class FingerprintMismatchError(Exception):
@@ -117,13 +133,31 @@ class _LocalFlight:
     error: Exception | None = None
 
 
+@dataclass(frozen=True)
+class _Holder:
+    """Who holds a lease, read from its token `{fingerprint}|{instance}|{ticket}`."""
+
+    fingerprint: str
+    instance: str
+    ticket: str
+
+    @classmethod
+    def parse(cls, token: str) -> _Holder:
+        fingerprint, _, rest = token.partition("|")
+        instance, separator, ticket = rest.partition("|")
+        return cls(fingerprint, instance, ticket) if separator else cls(fingerprint, "", "")
+
+
 class SharedFlights:
-    def __init__(self, state: RedisState) -> None:
+    def __init__(self, state: RedisState, instance_id: str = "") -> None:
+        """`instance_id`: this API process, named in its leases so that waiters can adopt them if it dies."""
         self._state = state
+        self._instance = instance_id
         self._lock = threading.Lock()
         self._local: dict[str, _LocalFlight] = {}
         self._begin = state.client.register_script(_BEGIN)
         self._finish = state.client.register_script(_FINISH)
+        self._take_over = state.client.register_script(_TAKE_OVER)
 
     def lookup(self, key: str, fingerprint: str = "") -> ResponseRecord | None:
         """The kept outcome for `key`, or None (also when Redis is down)."""
@@ -147,8 +181,18 @@ class SharedFlights:
             self._state.failed(exc)
 
     def run(
-        self, key: str, fingerprint: str, compute: Callable[[], ResponseRecord], policy: FlightPolicy
+        self,
+        key: str,
+        fingerprint: str,
+        compute: Callable[[], ResponseRecord],
+        policy: FlightPolicy,
+        ticket: str | None = None,
+        adopt: Callable[[str], ResponseRecord | None] | None = None,
     ) -> tuple[ResponseRecord, Role]:
+        """`ticket`: what this caller's computation is (its request id), named in its lease; `adopt`: how to answer
+        from a dead holder's ticket (None: compute afresh). Without `adopt` a dead holder's lease is taken over and
+        computed again at once, rather than waited for until it lapses."""
+        flight_token = f"{fingerprint}|{self._instance}|{ticket or uuid.uuid4().hex}"
         with self._lock:
             flight = self._local.get(key)
             first = flight is None
@@ -157,7 +201,7 @@ class SharedFlights:
         if not first:
             return self._follow_local(flight, fingerprint, compute, policy)
         try:
-            flight.record, role = self._run_shared(key, fingerprint, compute, policy)
+            flight.record, role = self._run_shared(key, fingerprint, flight_token, compute, adopt, policy)
             return flight.record, role
         except Exception as exc:
             flight.error = exc
@@ -183,10 +227,12 @@ class SharedFlights:
             raise StillRunningError
         return compute(), Role.ALONE
 
-    def _run_shared(self, key: str, fingerprint: str, compute, policy: FlightPolicy) -> tuple[ResponseRecord, Role]:
+    def _run_shared(
+        self, key: str, fingerprint: str, token: str, compute, adopt, policy: FlightPolicy
+    ) -> tuple[ResponseRecord, Role]:
         lease_key, settled_key = f"{key}:lease", f"{key}:settled"
-        token = f"{fingerprint}|{uuid.uuid4().hex}"
         deadline = time.monotonic() + policy.wait_seconds
+        next_liveness_check = 0.0
         pause = POLL_FIRST_SECONDS
         waiting = False
         lease_ms = int(policy.lease_seconds * 1000)
@@ -210,6 +256,12 @@ class SharedFlights:
                     raise FingerprintMismatchError
                 if found == b"leader":
                     return self._lead(key, lease_key, settled_key, token, fingerprint, compute, policy), Role.LEADER
+                if found == b"held" and time.monotonic() >= next_liveness_check:
+                    next_liveness_check = time.monotonic() + TAKE_OVER_CHECK_SECONDS
+                    holder = value[0].decode()
+                    if self._took_over(lease_key, holder, token, lease_ms):
+                        return self._adopt(key, lease_key, settled_key, token, fingerprint, holder, compute, adopt,
+                                           policy)  # fmt: skip
                 if time.monotonic() >= deadline:
                     log.warning("gave up waiting for the holder of %s", lease_key)
                     return _alone(compute, policy, StillRunningError), Role.ALONE
@@ -221,6 +273,35 @@ class SharedFlights:
         finally:
             if waiting:
                 metrics.INFLIGHT_WAITS.dec()
+
+    def _took_over(self, lease_key: str, holder: str, token: str, lease_ms: int) -> bool:
+        """True when the lease's holder process is dead and this caller now holds its lease (one caller does)."""
+        instance = _Holder.parse(holder).instance
+        if not instance or not self._instance:
+            return False  # a holder that names no process (or a caller that cannot be named) is waited for
+        try:
+            took = self._take_over(keys=[lease_key, naming.api_liveness_key(instance)], args=[holder, token, lease_ms])
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+            return False  # the next poll finds out what Redis can say
+        if took:
+            log.warning("took over %s from API process %s, which is gone", lease_key, instance)
+        return bool(took)
+
+    def _adopt(
+        self, key, lease_key, settled_key, token, fingerprint, holder: str, compute, adopt, policy: FlightPolicy
+    ) -> tuple[ResponseRecord, Role]:
+        """Holding a dead holder's lease: its computation's answer if `adopt` finds one, else computed afresh."""
+        adopted: list[bool] = []
+
+        def answer() -> ResponseRecord:
+            if adopt is not None and (record := adopt(_Holder.parse(holder).ticket)) is not None:
+                adopted.append(True)
+                return record
+            return compute()
+
+        record = self._lead(key, lease_key, settled_key, token, fingerprint, answer, policy)
+        return record, (Role.ADOPTED if adopted else Role.LEADER)
 
     def _lead(self, key, lease_key, settled_key, token, fingerprint, compute, policy: FlightPolicy) -> ResponseRecord:
         computed = compute()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api_server.adapters import AdapterService
@@ -44,6 +45,9 @@ class PreparedRequest:
     received: float = field(default_factory=time.perf_counter)
     # Asked for one version by name (POST .../versions/{v}:predict): no shadow copy.
     pinned: bool = False
+    # Its partial inference log row (the records stage's), kept in Redis with the published request so that
+    # another API process writes it if this one dies before answering.
+    log_row: Callable[[], dict] | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -82,6 +86,7 @@ class InferenceService:
         fresh: bool = False,
         received: float | None = None,
         pinned: bool = False,
+        log_row: Callable[[], dict] | None = None,
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
@@ -113,22 +118,32 @@ class InferenceService:
             fresh,
             time.perf_counter() if received is None else received,
             pinned,
+            log_row,
         )
 
     def job_deadline_ms(self) -> int:
         return int((time.time() + self._job_deadline_seconds) * 1000)
 
-    def publish(self, message: InferenceRequest, spec: ModelSpec, deadline_ms: int, priority: naming.Priority) -> None:
+    def publish(
+        self,
+        message: InferenceRequest,
+        spec: ModelSpec,
+        deadline_ms: int,
+        priority: naming.Priority,
+        log_row: dict | None = None,
+    ) -> bool:
         """Publishes a request message (`message`) and returns at once (a job); raises 503 if the queue is
-        unreachable."""
-        self._dispatcher.submit(message, spec, deadline_ms, priority)
+        unreachable. True when its partial log row (`log_row`) was kept with it (see `run`)."""
+        return self._dispatcher.submit(message, spec, deadline_ms, priority, log_row)
 
     def run(
         self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int, wait_seconds: float | None = None
     ) -> InferenceReply | None:
-        """Publishes and waits up to the model's request timeout (or `wait_seconds`); None if no reply came by then."""
+        """Publishes and waits up to the model's request timeout (or `wait_seconds`); None if no reply came by then.
+        The request's partial log row is kept with it, so that its row is written even if this process dies."""
+        log_row = prepared.log_row() if prepared.log_row is not None else None
         return self._dispatcher.run(
-            self.message(prepared), prepared.spec, timings, prepared.priority, deadline_ms, wait_seconds
+            self.message(prepared), prepared.spec, timings, prepared.priority, deadline_ms, wait_seconds, log_row
         )
 
     def predictions(self, reply: InferenceReply) -> list[dict]:

@@ -13,6 +13,9 @@ was killed mid-wait); its expiration policy would remove it a day later, the jan
   they are left to their expiration policy too. The threshold may not be shorter than the longest request
   timeout plus `MIN_MARGIN_SECONDS`, so a live wait is never deleted.
 
+A request whose API process is known dead (its liveness key lapsed: `contract/inflight.py`) needs no age: the
+process that adopts its log row deletes its subscription at once (`delete_orphaned_subscription`).
+
 `python -m api_server.janitor [--older-than SECONDS] [--dry-run]` runs one sweep (a Cloud Run job on a Cloud
 Scheduler trigger in production); `MAAS_JANITOR_INTERVAL_SECONDS` runs it inside the API process instead.
 """
@@ -106,15 +109,26 @@ class ReplySubscriptionJanitor:
         )
 
     def _delete(self, name: str) -> bool:
-        try:
-            self._subscriber.delete_subscription(request={"subscription": name}, timeout=10)
-        except exceptions.NotFound:
-            pass  # deleted meanwhile: by its own request's cleanup, or another janitor
-        except exceptions.GoogleAPICallError as exc:
-            log.warning("janitor could not delete %s: %s", name, exc)
-            return False
-        log.info("deleted leaked reply subscription", extra={"fields": {"subscription": name}})
-        return True
+        return _delete_subscription(self._subscriber, name)
+
+
+def delete_orphaned_subscription(subscriber: pubsub_v1.SubscriberClient, project_id: str, request_id: str) -> bool:
+    """Deletes the reply subscription of a request whose API process died waiting on it: leaked, whatever its age."""
+    return _delete_subscription(
+        subscriber, subscriber.subscription_path(project_id, naming.reply_subscription(request_id))
+    )
+
+
+def _delete_subscription(subscriber: pubsub_v1.SubscriberClient, name: str) -> bool:
+    try:
+        subscriber.delete_subscription(request={"subscription": name}, timeout=10)
+    except exceptions.NotFound:
+        pass  # deleted meanwhile: by its own request's cleanup, or another janitor
+    except exceptions.GoogleAPICallError as exc:
+        log.warning("janitor could not delete %s: %s", name, exc)
+        return False
+    log.info("deleted leaked reply subscription", extra={"fields": {"subscription": name}})
+    return True
 
 
 def _created(subscription) -> float | None:

@@ -28,6 +28,7 @@ from api_server.rollouts import RolloutObservations
 from api_server.serving import Answer, JobMade, Mode
 from contract.catalog import ModelSpec
 from contract.generation import LOGGED_PARAMETERS
+from contract.inflight import InflightStore
 from contract.outcomes import Outcome
 
 log = logging.getLogger("api_server")
@@ -59,8 +60,10 @@ class RequestRecords:
         instance_id: str,
         reply_mode: str,
         observations: RolloutObservations | None = None,
+        inflight: InflightStore | None = None,
     ) -> None:
         self._log = inference_log
+        self._inflight = inflight
         self._observations = observations
         self._jobs = jobs
         self._redis = redis_state
@@ -81,9 +84,43 @@ class RequestRecords:
         )
         return InferenceCall(row, mode)
 
+    def pending_row(self, call: InferenceCall) -> dict:
+        """The row as it stands when the request is published: kept with it in Redis, so that if this process dies
+        before answering, the process that adopts the request writes it (`job_log.py`)."""
+        self._fill(call)
+        return call.row.to_json()
+
     def close(self, call: InferenceCall, http_status: int, error: str | None) -> None:
         """Completes the row from what the request reached, then writes it (or leaves it to its job)."""
         row, answer = call.row, call.answer
+        self._fill(call)
+        outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
+        row.http_status, row.status = http_status, outcome.spec.log_status
+        if answer is not None:
+            self._answered(row, answer, call.prepared)
+        if not outcome.answered and outcome is not Outcome.ACCEPTED:
+            row.error = (error or outcome.value)[:1024]
+            row.error_kind = row.error_kind or outcome.spec.error_kind
+        row.total_ms = round((time.perf_counter() - call.started) * 1000, 2)
+        self._observe(call, outcome, row.total_ms)
+        if answer is not None and answer.row_kept and not self._settle(row.request_id):
+            return  # this process looked dead: another adopted the request and wrote its row
+        if answer is not None and answer.job_made in DEFERRED and http_status == 202:
+            self._defer(row, answer)
+        else:
+            self._log.write(row)
+
+    def _settle(self, request_id: str) -> bool:
+        """True when the row kept with the published request is still this process's to write."""
+        try:
+            return self._inflight is None or self._inflight.settle_row(request_id)
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return True  # nobody can adopt it without Redis either: written now
+
+    def _fill(self, call: InferenceCall) -> None:
+        """What the request reached so far: caller, model version, parameters."""
+        row = call.row
         if call.caller is not None:
             row.api_key_id = call.caller.key_id
         if call.spec is not None:
@@ -100,19 +137,6 @@ class RequestRecords:
             if prepared.params.adapters:
                 row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
-        outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
-        row.http_status, row.status = http_status, outcome.spec.log_status
-        if answer is not None:
-            self._answered(row, answer, prepared)
-        if not outcome.answered and outcome is not Outcome.ACCEPTED:
-            row.error = (error or outcome.value)[:1024]
-            row.error_kind = row.error_kind or outcome.spec.error_kind
-        row.total_ms = round((time.perf_counter() - call.started) * 1000, 2)
-        self._observe(call, outcome, row.total_ms)
-        if answer is not None and answer.job_made in DEFERRED and http_status == 202:
-            self._defer(row, answer)
-        else:
-            self._log.write(row)
 
     def _observe(self, call: InferenceCall, outcome: Outcome, total_ms: float) -> None:
         """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard;

@@ -42,7 +42,8 @@ from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
-from contract.messages import InferenceReply, InferenceRequest, Payload, Prediction
+from contract.inflight import InflightStore
+from contract.messages import Attr, InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -54,6 +55,8 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 # Retryable answers are not kept for an Idempotency-Key: the retry should run.
 NOT_KEPT_FOR_IDEMPOTENCY = (429, 503)
 FINISHED_STATES = "succeeded, failed, expired or cancelled"
+# How often a request adopting a dead process's request looks for that request's stored answer.
+ADOPTED_POLL_SECONDS = 0.2
 
 
 class Mode(StrEnum):
@@ -98,6 +101,8 @@ class Answer:
     job_deadline_ms: int | None = None
     # The version the split chose failed with a model error and the stable version was asked (its answer is this).
     fallback: Fallback | None = None
+    # Its request was published with its partial log row kept in Redis: the records stage settles it.
+    row_kept: bool = False
 
 
 class ServingStage:
@@ -114,8 +119,10 @@ class ServingStage:
         limiter: RequestLimiter,
         rollouts: Rollouts,
         shadow: ShadowTraffic,
+        inflight: InflightStore | None = None,
     ) -> None:
         self._settings = settings
+        self._inflight = inflight
         self._catalog = catalog
         self._inference = inference
         self._jobs = jobs
@@ -282,7 +289,14 @@ class ServingStage:
         )
         computed: list[Answer] = []
         try:
-            record, role = self._flights.run(key, fingerprint, _computing(compute, prepared, computed), policy)
+            record, role = self._flights.run(
+                key,
+                fingerprint,
+                _computing(compute, prepared, computed),
+                policy,
+                ticket=prepared.request_id,
+                adopt=lambda request_id: self._adopted(prepared, mode, request_id),
+            )
         except FingerprintMismatchError as exc:
             raise ApiError(
                 422, "Idempotency-Key: already used with a different request body", "Idempotency-Key"
@@ -297,11 +311,56 @@ class ServingStage:
                 "Idempotency-Key cannot be honoured right now (state store unavailable)",
                 headers={"Retry-After": "5"},
             ) from exc
-        if role in (Role.STORED, Role.FOLLOWER):
+        if role in (Role.STORED, Role.FOLLOWER, Role.ADOPTED):
             outcome = _stored_outcome(record)
             replayed = replace(record, headers={**record.headers, "Idempotent-Replayed": "true"})
             return Answer(Outcome.REPLAY if outcome.answered else outcome, replayed, replayed=True)
         return computed[-1]
+
+    def _adopted(self, prepared: PreparedRequest, mode: Mode, request_id: str) -> ResponseRecord | None:
+        """The answer of `request_id`, an earlier request with this Idempotency-Key (or an identical cacheable one)
+        whose API process died before answering: its stored reply, waited for while it is still in flight (up to
+        the model's timeout, then handed over as its job), rather than run again. None when it never reached the
+        queue: this one runs."""
+        if self._inflight is None or not request_id:
+            return None
+        spec = prepared.spec
+        started = time.perf_counter()
+        give_up = time.monotonic() + spec.request_timeout_seconds
+        try:
+            if mode is Mode.JOB:  # its answer is its job, if the dead process made it
+                made = self._jobs.get(request_id, prepared.caller.key_id) is not None
+                return _job_record(request_id, spec.name, "queued") if made else None
+            reply = self._results.get(request_id)
+            if reply is None and not self._inflight.in_flight(request_id):
+                return None
+            while reply is None and time.monotonic() < give_up:
+                time.sleep(ADOPTED_POLL_SECONDS)
+                reply = self._results.get(request_id)
+            if reply is None:
+                return self._adopted_as_job(prepared, request_id)
+        except redis.RedisError as exc:
+            self._redis.failed(exc)
+            return _refusal(_job_store_unavailable(), prepared.request_id).record
+        self._redis.succeeded()
+        timings = DispatchTimings(wait_ms=round((time.perf_counter() - started) * 1000, 2))
+        return self._replied(prepared, reply, timings, request_id).record
+
+    def _adopted_as_job(self, prepared: PreparedRequest, request_id: str) -> ResponseRecord:
+        """An adopted request still unanswered after the wait: the caller gets it as a job, as it would have."""
+        spec = prepared.spec
+        kept = self._inflight.states([request_id])[0].kept if self._inflight is not None else None
+        deadline_ms = kept.deadline_ms if kept is not None else self._inference.job_deadline_ms()
+        if kept is not None and (rollout := self._catalog.rollout(spec.name)) is not None:
+            # The version the split gave the adopted request, which need not be the one it gives this one.
+            spec = rollout.versions.get(kept.attributes.get(Attr.MODEL_VERSION, ""), spec)
+        self._jobs.create(request_id, prepared.caller.key_id, spec, deadline_ms, _arrival_ms(prepared))
+        message = (
+            f"no reply from {spec.name} within {spec.request_timeout_seconds}s; it is still queued as job "
+            f"{request_id}: poll GET /v1/jobs/{request_id} (the Location header) until its status is "
+            f"{FINISHED_STATES}; DELETE it to cancel"
+        )
+        return _job_record(request_id, spec.name, "queued", message)
 
     # The result cache and coalescing (sync), or the cache alone (jobs).
 
@@ -316,10 +375,18 @@ class ServingStage:
             computed.append(self._run_sync(prepared))
             self._cache_flights.store(key, computed[-1].record, policy)
             return replace(computed[-1], cache="miss", cache_event="bypass")
-        record, role = self._cache_flights.run(key, "", _computing(self._run_sync, prepared, computed), policy)
+        record, role = self._cache_flights.run(
+            key,
+            "",
+            _computing(self._run_sync, prepared, computed),
+            policy,
+            ticket=prepared.request_id,
+            # An identical request whose process died running it: its answer is this one's too.
+            adopt=lambda request_id: self._adopted(prepared, Mode.SYNC, request_id),
+        )
         if role is Role.STORED:
             return Answer(Outcome.CACHE_HIT, record, cache="hit", cache_event="hit")
-        if role is Role.FOLLOWER:
+        if role in (Role.FOLLOWER, Role.ADOPTED):
             if record.status == 202:
                 self._share_job(record, prepared.caller)
             outcome = _stored_outcome(record)
@@ -346,9 +413,10 @@ class ServingStage:
         # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
         deadline_ms = self._inference.job_deadline_ms()
         started = time.perf_counter()
-        answer = self._ask(prepared, deadline_ms)
+        timings = DispatchTimings()
+        answer = self._ask(prepared, deadline_ms, timings)
         if answer is None:
-            return self._hand_over_as_job(prepared, deadline_ms)
+            return replace(self._hand_over_as_job(prepared, deadline_ms), row_kept=timings.row_kept)
         stable = self._fallback_version(prepared, answer)
         if stable is None:
             return answer
@@ -397,35 +465,43 @@ class ServingStage:
             spec=stable,
             idempotency_key=None,
             webhook_url=None,
+            log_row=None,  # the caller's row, kept with the first attempt, is the one row of both attempts
         )
         deadline_ms = int((time.time() + left) * 1000)
-        answer = self._ask(retry, deadline_ms, wait_seconds=left, answering_for=prepared.request_id)
+        answer = self._ask(retry, deadline_ms, DispatchTimings(), wait_seconds=left, answering_for=prepared.request_id)
         if answer is None:
             message = (f"version {prepared.spec.version} failed ({error}) and the stable version {stable.version} "
                        f"gave no reply within the request's {prepared.spec.request_timeout_seconds}s")  # fmt: skip
             answer = _refusal(ApiError(504, message), prepared.request_id)
-        return replace(answer, fallback=fallback)
+        return replace(answer, fallback=fallback, row_kept=failed.row_kept)
 
     def _ask(
         self,
         prepared: PreparedRequest,
         deadline_ms: int,
+        timings: DispatchTimings,
         wait_seconds: float | None = None,
         answering_for: str | None = None,
     ) -> Answer | None:
-        """One inference on `prepared.spec`, waited for: its answer, or None when no reply came within the wait.
-        `answering_for`: the caller's request id, when this inference runs under an id of its own (a fallback)."""
+        """One inference on `prepared.spec`, waited for: its answer, or None when no reply came within the wait
+        (`timings.row_kept` then says whether its partial log row was kept with it). `answering_for`: the
+        caller's request id, when this inference runs under an id of its own (a fallback)."""
         request_id = answering_for or prepared.request_id
-        timings = DispatchTimings()
         metrics.INFLIGHT_WAITS.inc()
         try:
             reply = self._inference.run(prepared, timings, deadline_ms, wait_seconds)
         except ApiError as error:
-            return _refusal(error, request_id)
+            return replace(_refusal(error, request_id), row_kept=timings.row_kept)
         finally:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
             return None
+        return replace(self._replied(prepared, reply, timings, request_id), row_kept=timings.row_kept)
+
+    def _replied(
+        self, prepared: PreparedRequest, reply: InferenceReply, timings: DispatchTimings, request_id: str
+    ) -> Answer:
+        """The answer to `prepared` from the worker's reply to `request_id` (the request that ran the model)."""
         published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
         outcome = Outcome.for_reply(reply.status, reply.error_kind)
         if outcome is not Outcome.OK:
@@ -439,7 +515,8 @@ class ServingStage:
         body = {
             "predictions": predictions,
             "model": prepared.spec.name,
-            "model_version": prepared.spec.version,
+            # The version that ran it: an adopted request's, which the split may have sent elsewhere than this one.
+            "model_version": reply.model_version or prepared.spec.version,
             "request_id": request_id,
             "timings_ms": {
                 "total": round((time.perf_counter() - prepared.received) * 1000, 2),
@@ -473,7 +550,7 @@ class ServingStage:
         )
         return Answer(
             Outcome.ACCEPTED,
-            _job_record(prepared, "queued", message),
+            _job_record(prepared.request_id, prepared.spec.name, "queued", message),
             job_made=JobMade.CONVERTED,
             job_deadline_ms=deadline_ms,
         )
@@ -500,15 +577,17 @@ class ServingStage:
             self._redis.failed(exc)
             return _refusal(_job_store_unavailable(), prepared.request_id)
         try:
-            self._inference.publish(message, prepared.spec, deadline_ms, prepared.priority)
+            log_row = prepared.log_row() if prepared.log_row is not None else None
+            row_kept = self._inference.publish(message, prepared.spec, deadline_ms, prepared.priority, log_row)
         except ApiError as error:
             return _refusal(error, prepared.request_id)
         self._send_shadow(prepared)
         return Answer(
             Outcome.ACCEPTED,
-            _job_record(prepared, "queued"),
+            _job_record(prepared.request_id, prepared.spec.name, "queued"),
             job_made=JobMade.SUBMITTED,
             job_deadline_ms=deadline_ms,
+            row_kept=row_kept,
         )
 
     def _cached_job(self, prepared: PreparedRequest, hit: ResponseRecord) -> Answer:
@@ -536,7 +615,7 @@ class ServingStage:
             return _refusal(_job_store_unavailable(), prepared.request_id)
         return Answer(
             Outcome.CACHE_HIT,
-            _job_record(prepared, "succeeded", outcome=Outcome.CACHE_HIT),
+            _job_record(prepared.request_id, spec.name, "succeeded", outcome=Outcome.CACHE_HIT),
             cache="hit",
             cache_event="hit",
             job_made=JobMade.CACHED,
@@ -577,10 +656,10 @@ def _job_store_unavailable() -> ApiError:
 
 
 def _job_record(
-    prepared: PreparedRequest, status: str, message: str | None = None, outcome: Outcome = Outcome.ACCEPTED
+    job_id: str, model: str, status: str, message: str | None = None, outcome: Outcome = Outcome.ACCEPTED
 ) -> ResponseRecord:
-    location = f"/v1/jobs/{prepared.request_id}"
-    body = {"id": prepared.request_id, "status": status, "model": prepared.spec.name, "links": {"self": location}}
+    location = f"/v1/jobs/{job_id}"
+    body = {"id": job_id, "status": status, "model": model, "links": {"self": location}}
     if message:
         body["message"] = message
     return ResponseRecord(202, json.dumps(body).encode(), {**JSON, "Location": location}, outcome=outcome)

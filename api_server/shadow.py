@@ -60,6 +60,7 @@ class ShadowTraffic:
             idempotency_key=None,
             webhook_url=None,
             received=time.perf_counter(),
+            log_row=None,  # the shadow's row is its own, written here
         )
         try:
             self._pool.submit(self._run, shadow, prepared.request_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -19,7 +20,7 @@ from api_server.dispatch import InferenceDispatcher
 from api_server.flights import SharedFlights
 from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogWriter
-from api_server.janitor import JanitorTask, build_janitor_task
+from api_server.janitor import JanitorTask, build_janitor_task, delete_orphaned_subscription
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import JobStore
 from api_server.limits import KeyLimits, RequestLimiter
@@ -35,7 +36,7 @@ from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
 from contract.adapter_registry import AdapterRegistry
 from contract.catalog import ModelCatalog
-from contract.inflight import InflightStore, RequestKeeper
+from contract.inflight import InflightStore, ProcessLiveness, RequestKeeper
 from contract.payloads import PayloadCodec
 from contract.results import ResultStore
 from contract.settings import Settings
@@ -70,13 +71,15 @@ class AppState:
     rollouts: Rollouts
     rollback_guard: RollbackGuard
     shadow: ShadowTraffic
+    liveness: ProcessLiveness
     cache_redis: redis.Redis | None = None
     adapters: AdapterService | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
     def start(self) -> None:
-        """The background threads: job log rows, webhook deliveries, the reply-subscription janitor."""
+        """The background threads: liveness, job and orphan log rows, webhooks, the reply-subscription janitor."""
+        self.liveness.start()
         self.job_log.start()
         if self.webhooks is not None:
             self.webhooks.start()
@@ -97,6 +100,7 @@ class AppState:
         self.shadow.close()
         self.waiter.close()
         self.inference_log.close()
+        self.liveness.stop()  # after the last row: nothing of this process is left for another to adopt
         self.publisher.stop()
         self.subscriber.close()
         for client in (self.redis, self.cache_redis):
@@ -134,13 +138,14 @@ def build_app_state(settings: Settings) -> AppState:
     payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
     adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
+    inflight = InflightStore(redis_client)
     inference = InferenceService(
         # Every published request is kept in Redis until its deadline: the workers' watchdog re-dispatches it.
         InferenceDispatcher(
             publisher,
             waiter,
             settings.project_id,
-            RequestKeeper(InflightStore(redis_client), settings.redis_retry_seconds),
+            RequestKeeper(inflight, settings.redis_retry_seconds),
         ),
         payloads,
         settings.job_deadline_seconds,
@@ -150,7 +155,9 @@ def build_app_state(settings: Settings) -> AppState:
     )
     jobs = JobStore(redis_client, results, settings.result_ttl_seconds)
     inference_log = build_inference_log(settings)
-    cache_flights, flights = SharedFlights(cache_state), SharedFlights(redis_state)
+    # Leases name this process, so a waiter can take over a dead one's; liveness keys live in the main Redis only.
+    flights = SharedFlights(redis_state, settings.instance_id)
+    cache_flights = SharedFlights(cache_state, "" if settings.cache_redis_url else settings.instance_id)
     limiter = RequestLimiter(
         redis_state, KeyLimits(settings.rate_limit_per_minute, settings.concurrency_limit), settings.key_limits
     )
@@ -189,14 +196,33 @@ def build_app_state(settings: Settings) -> AppState:
         flights=flights,
         limiter=limiter,
         serving=ServingStage(
-            settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow
-        ),
+            settings,
+            catalog,
+            inference,
+            jobs,
+            results,
+            redis_state,
+            flights,
+            cache_flights,
+            limiter,
+            rollouts,
+            shadow,
+            inflight,
+        ),  # fmt: skip
         records=RequestRecords(
-            inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations
+            inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations, inflight
         ),
         job_log=JobLogFinisher(
-            jobs, inference_log, observations=rollouts.observations, catalog=catalog, inference=inference
+            jobs,
+            inference_log,
+            observations=rollouts.observations,
+            catalog=catalog,
+            inference=inference,
+            inflight=inflight,
+            results=results,
+            forget_reply_subscription=partial(delete_orphaned_subscription, subscriber, settings.project_id),
         ),
+        liveness=ProcessLiveness(inflight, settings.instance_id),
         webhooks=webhooks,
         janitor=build_janitor_task(settings, catalog, redis_client),
         rollouts=rollouts,

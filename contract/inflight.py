@@ -6,12 +6,17 @@ A watchdog reads the other side: requests whose holder lease lapsed with no stor
 published again, and requests past their deadline that nobody holds (`overdue`) are answered `expired`. Holder
 leases are Redis keys with a TTL, so a dead worker's hold ends on Redis's clock, not on any host's.
 
+The API's processes are watched the same way: each keeps a liveness key alive (`ProcessLiveness`), and a sync
+request's partial log row is kept with its message (`keep(row=...)`) until a process claims it (`settle_row` by
+its own process, `claim_row` by another once that one is dead): the claim is one ZREM, so the row is written once.
+
 Callers decide what a Redis failure means: the worker and the API carry on without it, and a dead worker's
 requests then come back through the broker's redelivery instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -26,6 +31,8 @@ from contract.messages import Attr
 log = logging.getLogger(__name__)
 # The kept message outlives its deadline by this much, so the watchdog still finds it to answer `expired`.
 KEEP_PAST_DEADLINE_SECONDS = 300
+# An API process whose liveness key is this old is dead (renewed every second): what it held is adopted.
+API_LIVENESS_SECONDS = 5.0
 
 # Refresh (or re-claim, after a Redis outage) the holder lease of each request, unless another worker holds it.
 _HEARTBEAT = """
@@ -67,6 +74,13 @@ for i = 3, #KEYS, 2 do
 end
 return 0
 """
+# Claim a kept log row: exactly one caller removes it from the index, and only that one gets the row.
+_CLAIM_ROW = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return false end
+local row = redis.call('GET', KEYS[2])
+redis.call('DEL', KEYS[2])
+return row or ''
+"""
 # Renew the watchdog's leadership if this process holds it, else take it if it is free.
 _LEAD = """
 local holder = redis.call('GET', KEYS[1])
@@ -92,6 +106,19 @@ class KeptRequest:
     attributes: dict[str, str]
     deadline_ms: int
     redispatches: int
+
+
+@dataclass(frozen=True)
+class UnloggedRow:
+    """A published sync request whose log row is still waiting in Redis, and the API process that owns it."""
+
+    request_id: str
+    row: dict
+    deadline_ms: int
+
+    @property
+    def owner(self) -> str:
+        return str(self.row.get("api_instance") or "")
 
 
 @dataclass(frozen=True)
@@ -138,12 +165,23 @@ class InflightStore:
         self._take = client.register_script(_TAKE)
         self._let_go = client.register_script(_LET_GO)
         self._lead = client.register_script(_LEAD)
+        self._claim_row = client.register_script(_CLAIM_ROW)
 
     # The API's side.
 
-    def keep(self, request_id: str, topic: str, data: bytes, attributes: dict[str, str], deadline_ms: int) -> None:
-        """Keeps a just-published request until its deadline (and a margin past it)."""
+    def keep(
+        self,
+        request_id: str,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str],
+        deadline_ms: int,
+        row: dict | None = None,
+    ) -> None:
+        """Keeps a just-published request until its deadline (and a margin past it); `row`: its partial log row,
+        kept apart from the message (which the worker drops when it answers) until a process claims it."""
         key = naming.inflight_key(request_id)
+        expiry_ms = deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(
             key,
@@ -155,9 +193,64 @@ class InflightStore:
                 "redispatches": 0,
             },
         )
-        pipe.pexpireat(key, deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000)
+        pipe.pexpireat(key, expiry_ms)
         pipe.zadd(naming.INFLIGHT_DEADLINES_KEY, {request_id: deadline_ms})
+        if row is not None:
+            pipe.set(naming.inflight_row_key(request_id), json.dumps(row), pxat=expiry_ms)
+            pipe.zadd(naming.INFLIGHT_UNLOGGED_KEY, {request_id: deadline_ms})
         pipe.execute()
+
+    def in_flight(self, request_id: str) -> bool:
+        """True while a published request is kept: its message (unanswered) or its log row (unwritten)."""
+        return bool(self._redis.exists(naming.inflight_key(request_id), naming.inflight_row_key(request_id)))
+
+    def settle_row(self, request_id: str) -> bool:
+        """The owning process's claim on its request's kept row: True when it is still this process's to write,
+        False when another process adopted it (and wrote it) because this one looked dead."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.zrem(naming.INFLIGHT_UNLOGGED_KEY, request_id)
+        pipe.delete(naming.inflight_row_key(request_id))
+        return bool(pipe.execute()[0])
+
+    def unlogged(self, limit: int = 500) -> list[UnloggedRow]:
+        """Kept rows not yet written, oldest deadline first (a row whose key expired is dropped from the index)."""
+        entries = self._redis.zrange(naming.INFLIGHT_UNLOGGED_KEY, 0, limit - 1, withscores=True)
+        if not entries:
+            return []
+        ids = [raw.decode() for raw, _ in entries]
+        rows = self._redis.mget([naming.inflight_row_key(request_id) for request_id in ids])
+        found = []
+        for (request_id, (_, deadline_ms)), raw in zip(zip(ids, entries, strict=True), rows, strict=True):
+            if raw is None:
+                self._redis.zrem(naming.INFLIGHT_UNLOGGED_KEY, request_id)
+                continue
+            found.append(UnloggedRow(request_id, json.loads(raw), int(deadline_ms)))
+        return found
+
+    def claim_row(self, request_id: str) -> dict | None:
+        """Adopts a kept row: the row for exactly one caller across processes, None for every other."""
+        raw = self._claim_row(
+            keys=[naming.INFLIGHT_UNLOGGED_KEY, naming.inflight_row_key(request_id)], args=[request_id]
+        )
+        return json.loads(raw) if raw else None
+
+    def beat(self, instance_id: str, ttl_seconds: float) -> None:
+        """Says the API process `instance_id` is alive for `ttl_seconds` more."""
+        self._redis.set(naming.api_liveness_key(instance_id), "1", px=int(ttl_seconds * 1000))
+
+    def alive(self, instance_ids: list[str]) -> set[str]:
+        """The API processes among `instance_ids` whose liveness key has not lapsed."""
+        unique = sorted(set(instance_ids))
+        if not unique:
+            return set()
+        pipe = self._redis.pipeline(transaction=False)
+        for instance_id in unique:
+            pipe.exists(naming.api_liveness_key(instance_id))
+        return {instance_id for instance_id, live in zip(unique, pipe.execute(), strict=True) if live}
+
+    def pass_away(self, instance_id: str) -> None:
+        """Ends the process's liveness at once (a clean shutdown: it has nothing left in flight)."""
+        self._redis.delete(naming.api_liveness_key(instance_id))
 
     # A worker's side.
 
@@ -276,13 +369,52 @@ class RequestKeeper:
         self._skip_until = 0.0
         self._outage = RedisOutage("keeping published requests")
 
-    def keep(self, topic: str, data: bytes, attributes: dict[str, str]) -> None:
+    def keep(self, topic: str, data: bytes, attributes: dict[str, str], row: dict | None = None) -> bool:
+        """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt."""
         if time.monotonic() < self._skip_until:
-            return
+            return False
+        request_id, deadline_ms = attributes[Attr.REQUEST_ID], int(attributes[Attr.DEADLINE_MS])
         try:
-            self._store.keep(attributes[Attr.REQUEST_ID], topic, data, attributes, int(attributes[Attr.DEADLINE_MS]))
+            self._store.keep(request_id, topic, data, attributes, deadline_ms, row)
         except redis.RedisError as exc:
             self._skip_until = time.monotonic() + self._retry_seconds
             self._outage.failed(exc)
-            return
+            return False
         self._outage.succeeded()
+        return True
+
+
+class ProcessLiveness:
+    """Keeps this API process's liveness key alive from a thread of its own: once it lapses (the process died),
+    other processes adopt what it left in flight: its Idempotency-Key leases and its requests' log rows."""
+
+    def __init__(
+        self, store: InflightStore, instance_id: str, ttl_seconds: float = API_LIVENESS_SECONDS, interval: float = 1.0
+    ) -> None:
+        self._store = store
+        self.instance_id = instance_id
+        self._ttl = ttl_seconds
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+
+    def start(self) -> None:
+        self._beat()  # alive before the first request is served
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self._store.beat(self.instance_id, self._ttl)
+        except redis.RedisError as exc:
+            log.debug("liveness not renewed: %s", exc)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(redis.RedisError):  # else it lapses by itself
+            self._store.pass_away(self.instance_id)

@@ -132,9 +132,22 @@ def holder_key(request_id: str) -> str:
     return f"{PREFIX}:holder:{request_id}"
 
 
+def inflight_row_key(request_id: str) -> str:
+    """Redis key keeping a published sync request's partial log row until its API process writes it, or, if that
+    process died, until another one adopts and writes it."""
+    return f"{PREFIX}:inflight-row:{request_id}"
+
+
+def api_liveness_key(instance_id: str) -> str:
+    """Redis key that exists while the API process `instance_id` is alive (it lapses seconds after its death)."""
+    return f"{PREFIX}:api:live:{instance_id}"
+
+
 # Redis sorted sets the watchdog scans: requests in flight by deadline (epoch ms), held ones by lease expiry.
 INFLIGHT_DEADLINES_KEY = f"{PREFIX}:inflight:deadlines"
 INFLIGHT_HELD_KEY = f"{PREFIX}:inflight:held"
+# Redis sorted set of the published sync requests whose log row is not written yet, by deadline (epoch ms).
+INFLIGHT_UNLOGGED_KEY = f"{PREFIX}:inflight:unlogged"
 # Redis lease naming the one worker whose watchdog runs at a time.
 WATCHDOG_LEADER_KEY = f"{PREFIX}:watchdog:leader"
 

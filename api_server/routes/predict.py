@@ -94,7 +94,8 @@ def _mode() -> Mode:
 
 def _serve() -> Response:
     call: InferenceCall = g.inference
-    serving = app_state().serving
+    state = app_state()
+    serving = state.serving
     call.prepared = serving.prepare(
         call.spec,
         _json_body(),
@@ -104,6 +105,7 @@ def _serve() -> Response:
         fresh="no-cache" in request.headers.get("Cache-Control", "").lower(),
         received=call.started,
         pinned="version" in (request.view_args or {}),
+        log_row=lambda: state.records.pending_row(call),
     )
     call.answer = serving.answer(call.prepared, call.mode)
     return _render(call.answer)
