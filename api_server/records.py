@@ -94,6 +94,10 @@ class RequestRecords:
         """Completes the row from what the request reached, then writes it (or leaves it to its job)."""
         row, answer = call.row, call.answer
         self._fill(call)
+        if answer is not None and answer.fallback is not None:
+            # Both attempts: the version the split chose (its error) and the stable version, which answered.
+            row.model_version = answer.fallback.answered_by.version
+            row.fallback_from, row.fallback_error = answer.fallback.failed_version, answer.fallback.error
         outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
         row.http_status, row.status = http_status, outcome.spec.log_status
         if answer is not None:
@@ -126,10 +130,6 @@ class RequestRecords:
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
             row.model_family = call.spec.family.name if call.spec.family else None
-        if answer is not None and answer.fallback is not None:
-            # Both attempts: the version the split chose (its error) and the stable version, which answered.
-            row.model_version = answer.fallback.answered_by.version
-            row.fallback_from, row.fallback_error = answer.fallback.failed_version, answer.fallback.error
         if (prepared := call.prepared) is not None:
             for name in LOGGED_PARAMETERS:
                 setattr(row, name, getattr(prepared.params, name))
