@@ -15,7 +15,8 @@ NAMES = ("sd15-txt2img", "sd15-img2img", "a-model-with-a-rather-long-name-v2", "
 
 def model(name: str, versions: list[str], stable: str = "1") -> ModelInfo:
     return ModelInfo.model_validate({
-        "name": name, "version": stable, "versions": versions, "task": "text-to-image",
+        "name": name, "version": stable, "versions": versions, "task": "text-to-image", "family": "sd15",
+        "guidance": "cfg", "size_multiple": 8,
         "max_instances_per_request": 4, "request_timeout_seconds": 120,
         "defaults": {"num_inference_steps": 25, "guidance_scale": 7.5, "width": 512, "height": 512},
         "limits": {"max_inference_steps": 50, "max_width": 1024, "max_height": 1024},
