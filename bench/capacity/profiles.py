@@ -117,21 +117,33 @@ def from_direct_rates(
 ) -> CostProfile:
     """A profile from whole pipeline calls at one step count (images/s by batch) and one timed denoising call.
 
-    The whole call at each batch is split between the denoising calls and the rest (text encoding, VAE decode,
-    post-processing) in the proportion measured at the batch where the denoising call was timed; the rest is
-    the text encoder's and the decoder's, by their arithmetic (CLIP-L on 77 tokens twice, for guidance: ~1.5%
-    of the decoder's 2.5 TFLOP)."""
+    A roofline with floors: each part of a call (the denoising calls; the rest: text encoding, VAE decode,
+    post-processing) costs the more of a floor (launch- and latency-bound) and a per-image cost. The per-image
+    costs are the timed batch's (the largest: compute-bound); the two floors are solved from the two smallest
+    batches, taking the smallest as on both floors and the next as on the denoising floor only (checked). The
+    rest is split between the text encoder and the decoder by their arithmetic (CLIP-L on 77 tokens twice, for
+    guidance: ~1.5% of the decoder's 2.5 TFLOP). `meta` keeps each measured call's error under the fit."""
     calls = steps + PNDM_EXTRA_CALLS
     timed_batch, timed_step = unet_step_s
-    whole = {b: b / rate for b, rate in images_per_s.items()}
-    share = calls * timed_step / whole[timed_batch]
-    step = {b: share * t / calls for b, t in whole.items()}
-    fixed = {b: (1 - share) * t for b, t in whole.items()}
+    whole = {b: b / rate for b, rate in sorted(images_per_s.items())}
+    step_per_image = timed_step / timed_batch
+    rest_per_image = (whole[timed_batch] - calls * timed_step) / timed_batch
+    smallest, second = sorted(whole)[:2]
+    step_floor = (whole[second] - second * rest_per_image) / calls
+    rest_floor = whole[smallest] - calls * step_floor
+    if not (
+        smallest * rest_per_image <= rest_floor <= second * rest_per_image and step_floor >= second * step_per_image
+    ):
+        raise ValueError(f"{name}: the measured calls do not fit a roofline with floors")
+    step = {b: max(step_floor, b * step_per_image) for b in whole}
+    fixed = {b: max(rest_floor, b * rest_per_image) for b in whole}
     start = {b: 0.015 * f for b, f in fixed.items()}
     decode = {b: f - start[b] for b, f in fixed.items()}
     encode = VAE_ENCODE_SHARE_OF_DECODE * decode[timed_batch] / timed_batch
-    return CostProfile(name, source, fixed, step, start, dict(step), decode, reply_s, encode,
-                       meta={"share_in_denoising": round(share, 4), "steps": steps})  # fmt: skip
+    errors = {b: round((fixed[b] + calls * step[b]) / t - 1, 3) for b, t in whole.items()}
+    meta = {"steps": steps, "denoise_floor_s": round(step_floor, 4), "rest_floor_s": round(rest_floor, 4),
+            "fit_error_by_batch": errors}  # fmt: skip
+    return CostProfile(name, source, fixed, step, start, dict(step), decode, reply_s, encode, meta=meta)
 
 
 def scaled_by_matmul_rate(base: CostProfile, name: str, ratio: float, source: str) -> CostProfile:
@@ -155,9 +167,9 @@ def gpu_profiles() -> list[CostProfile]:
     h100 = from_direct_rates(
         "h100-sd15",
         "DESIGN.md, GPU facts (H100, SD-1.5-sized random weights, 512x512, 25 steps, fp16, diffusers eager): "
-        "direct pipeline 1.23/4.42/5.16/5.41 img/s at batch 1/4/8/16, UNet step 56.6 ms at batch 16; the split of "
-        "each call between denoising and the rest is batch 16's; PNG encode 54 ms per image (reply_s). Derived, "
-        "not measured by this tool.",
+        "direct pipeline 1.23/4.42/5.16/5.41 img/s at batch 1/4/8/16, UNet step 56.6 ms at batch 16, fitted "
+        "with a roofline with floors (from_direct_rates); PNG encode 54 ms per image (reply_s). Derived, not "
+        "measured by this tool.",
         {1: 1.23, 4: 4.42, 8: 5.16, 16: 5.41},
         steps=25,
         unet_step_s=(16, 0.0566),
