@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="a recorded day instead of the curve (CSV or JSON lines)")
     parser.add_argument("--profile", default="l4-sd15", help="cost profile in bench/capacity/profiles.json")
     parser.add_argument("--schedulings", nargs="+", default=["request", "step"])
-    parser.add_argument("--backlog-targets", nargs="+", default=["deployed", "1"],
+    parser.add_argument("--backlog-targets", nargs="+", default=["deployed", "0.5"],
                         help="KEDA backlog targets per replica to compare ('deployed': the rendered one)")  # fmt: skip
     parser.add_argument("--fixed-replicas", type=int, default=SEED_GPUS, help="also a run with this many GPUs held")
     parser.add_argument("--seed", type=int, default=1)

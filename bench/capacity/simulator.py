@@ -208,9 +208,8 @@ class Simulation:
     def run(self) -> SimulationResult:
         times, n = self.at, len(self.at)
         first = float(times[0]) if n else 0.0
-        if self.autoscale:
-            for dep in self.deps:
-                self._push(first, _TICK, dep)
+        for dep in self.deps:  # the autoscaler's ticks also sample the pods held, autoscaling or not
+            self._push(first, _TICK, dep)
         heap, index = self._heap, 0
         handlers = {_READY: self._on_ready, _SEGMENT: self._on_segment, _TICK: self._on_tick,
                     _BUFFER: self._on_buffer}  # fmt: skip
@@ -531,7 +530,8 @@ class Simulation:
             seen = dep.history.popleft()
         if seen is not None:
             dep.history.appendleft(seen)
-            self._scale(dep, now, seen[1], seen[2])
+            if self.autoscale:
+                self._scale(dep, now, seen[1], seen[2])
         self._push(now + scaler.sync_seconds, _TICK, dep)
 
     def _unacked(self, dep: _Deployment, now: float) -> tuple[int, float]:

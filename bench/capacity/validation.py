@@ -146,13 +146,26 @@ def run_validation(model_dir: Path, measured_path: Path | None, requests: int, o
         for derived in gpu_profiles():
             save_profile(derived)
         print("measured the cpu-tiny profile", flush=True)
-    measured = json.loads(measured_path.read_text()) if measured_path else measure_open_loop(model_dir, requests)
+    if measured_path:
+        measured = json.loads(measured_path.read_text())
+    else:
+        measured = measure_open_loop(model_dir, requests)
+        ended = {"utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()}
+        measured["run"] = {"began_utc": began["utc"], "ended_utc": ended["utc"],
+                           "load_average_before": began["load_average"][0], "load_average_after": ended["load_average"][0]}  # fmt: skip
     profile = load_profiles()["cpu-tiny"]
     simulated = simulate_sweep(measured, profile)
     rows = comparison(measured, simulated)
     ended = {"utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()}
     text = markdown(measured, simulated, rows, profile)
-    text += f"\nRun {began['utc']} to {ended['utc']}, load average {_load(began)} before, {_load(ended)} after.\n"
+    if measured_path:
+        run = measured.get("run", {})
+        text += (f"\nMeasured: `{measured_path}` ({run.get('began_utc', '?')} to {run.get('ended_utc', '?')} UTC, load "
+                 f"average {run.get('load_average_before', '?')} before, {run.get('load_average_after', '?')} after).\n")  # fmt: skip
+    else:
+        text += (
+            f"\nMeasured {began['utc']} to {ended['utc']}, load average {_load(began)} before, {_load(ended)} after.\n"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"measured": measured, "simulated": simulated, "rows": rows,

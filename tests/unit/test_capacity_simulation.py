@@ -11,7 +11,7 @@ from bench.capacity.profiles import CostProfile, interpolate, load_profiles, mod
 from bench.capacity.report import summarize
 from bench.capacity.scenario import catalog_deployments
 from bench.capacity.simulator import EXPIRED, LATE, ON_TIME, Simulation
-from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, poisson_arrivals
+from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, poisson_arrivals, trace_arrivals
 from contract.catalog import load_catalog
 from infra.k8s.render import worker_deployments
 
@@ -142,3 +142,19 @@ def test_a_lone_request_takes_one_pipeline_call(l4):
         if scheduling == "step":
             call = l4.start(1, True) + 19 * l4.denoise(1) + l4.decode(1) + l4.reply_s
         assert result.done[0] - result.arrival[0] == pytest.approx(call)
+
+
+def test_a_recorded_trace_replays_its_rows_from_its_midnight(tmp_path, l4):
+    trace = tmp_path / "day.csv"
+    trace.write_text(
+        "created_at,model,num_images,width,height,num_inference_steps\n"
+        "2026-11-20T00:00:30Z,sd15-img2img,1,512,512,25\n"
+        "2026-11-20T13:00:00+00:00,sd15-img2img,2,512,512,25\n"
+        "2026-11-20 00:00:10 UTC,sd15-img2img,1,512,512,25\n"
+    )
+    arrivals = trace_arrivals(trace, {IMG2IMG: 0.75})
+    assert list(arrivals.times) == [10.0, 30.0, 13 * 3600.0]
+    assert [arrivals.mix[c].images for c in arrivals.classes] == [1, 1, 2]
+    assert {c.strength for c in arrivals.mix} == {0.75}
+    result = Simulation(arrivals, deployments(), l4, "step", overhead_seconds=0.1).run()
+    assert set(result.outcome) == {ON_TIME}
