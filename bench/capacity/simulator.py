@@ -246,6 +246,7 @@ class Simulation:
             else:
                 return
             # One pull takes as many messages as the pool has room for.
+            held_before = len(worker.pool)
             while queue and worker.pool_images < capacity:
                 request = queue.popleft()
                 if self.deadline[request] < now:
@@ -258,7 +259,7 @@ class Simulation:
                 continue
             if worker.busy_until is None:
                 self._next_turn(worker, now)
-            elif self.scheduling == "step":
+            elif self.scheduling == "step" and held_before == 0:
                 self._maybe_cut_segment(worker, now)
 
     def _refresh(self, worker: _Worker) -> None:
@@ -411,8 +412,9 @@ class Simulation:
         return self.class_key[self.cls[head]] == worker.key and self.class_images[self.cls[head]] <= room
 
     def _maybe_cut_segment(self, worker: _Worker, now: float) -> None:
-        """A request just held that can join: the segment ends at the next step boundary instead."""
-        if worker.seg_steps <= 1 or len(worker.pool) != 1 or not self._can_join(worker):
+        """Requests just held by a worker that held none, the first of which can join: the segment ends at the next
+        step boundary instead (a held request that could not join before cannot now: the set has not changed)."""
+        if worker.seg_steps <= 1 or not self._can_join(worker):
             return
         done = max(1, math.ceil((now - worker.seg_start) / worker.seg_step))
         if done >= worker.seg_steps:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.capacity.profiles import CostProfile, interpolate, load_profiles, model_calls
+from bench.capacity.profiles import CostProfile, gpu_profiles, interpolate, load_profiles, model_calls
 from bench.capacity.report import summarize
 from bench.capacity.scenario import catalog_deployments
 from bench.capacity.simulator import EXPIRED, LATE, ON_TIME, Simulation
@@ -158,3 +158,21 @@ def test_a_recorded_trace_replays_its_rows_from_its_midnight(tmp_path, l4):
     assert {c.strength for c in arrivals.mix} == {0.75}
     result = Simulation(arrivals, deployments(), l4, "step", overhead_seconds=0.1).run()
     assert set(result.outcome) == {ON_TIME}
+
+
+def test_the_h100_profile_gives_back_the_measured_pipeline_calls_it_was_fitted_to():
+    h100 = {p.name: p for p in gpu_profiles()}["h100-sd15"]
+    for batch, images_per_s in {1: 1.23, 4: 4.42, 8: 5.16, 16: 5.41}.items():
+        assert h100.pipeline_call(batch, model_calls(25, None)) == pytest.approx(batch / images_per_s, rel=0.05)
+    assert h100.denoise(16) == pytest.approx(0.0566)
+
+
+def test_the_l4_profile_is_the_h100_one_at_the_matmul_ratio_and_never_faster():
+    profiles = {p.name: p for p in gpu_profiles()}
+    h100, l4 = profiles["h100-sd15"], profiles["l4-sd15"]
+    ratio = 756 / 121
+    assert l4.denoise(16) == pytest.approx(h100.denoise(16) * ratio)
+    for batch in (1, 4, 8, 16):
+        assert l4.denoise(batch) >= h100.denoise(batch)
+        assert l4.pipeline_call(batch, 19, True) >= h100.pipeline_call(batch, 19, True)
+    assert load_profiles()["l4-sd15"] == l4  # the file holds what the code derives
