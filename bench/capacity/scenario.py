@@ -78,6 +78,9 @@ def catalog_deployments(
                 gpu_share=1 / DEFAULT_MAX_SHARED_CLIENTS_PER_GPU if spec.gpu_sharing else 1.0,
             )
         )
+    pools = {catalog.get(d.model).hardware for d in found}
+    if len(pools) > 1:
+        raise ValueError(f"models on several GPU pools ({sorted(pools)}): simulate one pool at a time")
     missing = models - {d.model for d in found}
     if missing:
         raise ValueError(f"not in the catalog: {sorted(missing)}")

@@ -181,8 +181,9 @@ class Simulation:
         self._seq = 0
         self._next_worker = 0
         self._all_workers: dict[int, _Worker] = {}
-        self._buffer_warm = {0: max((d.spec.scaler.buffer_nodes for d in self.deps), default=0)}
-        self._buffer_total = self._buffer_warm[0]
+        # Warm nodes of the capacity reservation (one GPU pool: every simulated model's `hardware` is the same).
+        self._buffer_warm = max((d.spec.scaler.buffer_nodes for d in self.deps), default=0)
+        self._buffer_total = self._buffer_warm
         self.result = SimulationResult(
             scheduling, deployments[0].scaler.name if deployments else "", self.at, self.done, self.outcome,
             self.deadline, np.array(self.class_dep, dtype=np.int32)[self.cls] if n else np.zeros(0, np.int32),
@@ -471,8 +472,8 @@ class Simulation:
     def _create_worker(self, dep: _Deployment, now: float, ready_at: float | None = None) -> None:
         if ready_at is None:
             ready_at = now + self.timing.pod_start_seconds
-            if self._buffer_warm[0] > 0:
-                self._buffer_warm[0] -= 1
+            if self._buffer_warm > 0:
+                self._buffer_warm -= 1
                 self._push(now + self.timing.node_provision_seconds, _BUFFER, None)
             else:
                 ready_at += self.timing.node_provision_seconds
@@ -494,7 +495,7 @@ class Simulation:
         self._deliver(dep, now)
 
     def _on_buffer(self, _obj, now: float, _version: int) -> None:
-        self._buffer_warm[0] += 1
+        self._buffer_warm += 1
 
     def _remove_worker(self, dep: _Deployment, now: float) -> None:
         """The ReplicaSet's choice: a pod not yet ready first, then an idle one, then the newest."""
