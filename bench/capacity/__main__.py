@@ -42,10 +42,14 @@ def parse_mix(values: list[str] | None) -> list[RequestClass]:
     return mix
 
 
-def lone_seconds(profile: CostProfile, cls: RequestClass, image_input: bool, overhead: float) -> float:
-    """A request alone on an idle worker: its pipeline call at its own batch, the reply, the way back."""
-    calls = profile.calls(cls.steps, cls.strength if image_input else None)
-    return profile.pipeline_call(cls.images, calls, image_input) + profile.reply_s * cls.images + overhead
+def lone_seconds(profile: CostProfile, cls: RequestClass, deployment: ModelDeployment, overhead: float) -> float:
+    """A request alone on an idle worker: its pipeline call at its own batch (at a time-shared pod's speed), the
+    reply, the way back."""
+    image_input = deployment.image_input
+    call = profile.pipeline_call(
+        cls.images, profile.calls(cls.steps, cls.strength if image_input else None), image_input
+    )
+    return call / deployment.gpu_share + profile.reply_s * cls.images + overhead
 
 
 def day_runs(args: argparse.Namespace) -> None:
@@ -62,7 +66,7 @@ def day_runs(args: argparse.Namespace) -> None:
     slo = {}
     for dep in deployed:
         first = max((c for c in arrivals.mix if c.model == dep.model), key=lambda c: c.share)
-        slo[dep.model] = args.slo or args.slo_factor * lone_seconds(profile, first, dep.image_input, args.overhead)
+        slo[dep.model] = args.slo or args.slo_factor * lone_seconds(profile, first, dep, args.overhead)
     settings: list[tuple[str, list[ModelDeployment], bool]] = []
     for target in args.backlog_targets:
         if target == "deployed":
@@ -119,6 +123,20 @@ def measure(args: argparse.Namespace) -> None:
     print(json.dumps(profile.to_json(), indent=1))
 
 
+def trace(args: argparse.Namespace) -> None:
+    """One day of the inference log as a trace CSV: the configured BigQuery, or a local stack's emulator."""
+    from bench.capacity.traffic import export_trace
+    from contract import google_clients
+    from contract.settings import Settings
+
+    if args.stack is not None:  # the stack's own settings, as `python -m analytics --stack` reads them
+        os.environ.update({k: v for k, v in json.loads((args.stack / "stack.json").read_text()).items() if k.isupper()})
+    settings = Settings.from_env()
+    table = f"{settings.project_id}.{settings.dataset}.inference_log_unique"
+    count = export_trace(google_clients.bigquery_client(settings), table, args.day, args.out)
+    print(f"{count:,} requests of {args.day} from {table} in {args.out}")
+
+
 def validate(args: argparse.Namespace) -> None:
     from bench.capacity.validation import run_validation
 
@@ -158,8 +176,14 @@ def main() -> None:
     validate_parser.add_argument("--requests", type=int, default=48, help="arrivals per rate and scheduling")
     validate_parser.add_argument("--no-measure", action="store_true", help="keep profiles.json's cpu-tiny points")
     validate_parser.add_argument("--out", type=Path, default=RESULTS / "capacity_validation")
+    trace_parser = sub.add_parser("trace", help="export one day of the inference log as a trace CSV")
+    trace_parser.add_argument("--day", required=True, help="YYYY-MM-DD (UTC)")
+    trace_parser.add_argument("--stack", type=Path, help="a local stack directory: query its BigQuery emulator")
+    trace_parser.add_argument("--out", type=Path, default=Path("day.csv"))
     args = parser.parse_args()
-    if args.command == "measure":
+    if args.command == "trace":
+        trace(args)
+    elif args.command == "measure":
         measure(args)
     elif args.command == "validate":
         validate(args)

@@ -65,7 +65,7 @@ def summarize(result: SimulationResult, slo_seconds: dict[str, float], day: floa
         "gpu_hours": gpu_hours,
         "buffer_gpu_hours": result.buffer_nodes * day / 3600,
         "busy_gpu_hours": sum(h["gpus_busy"] for h in hours),
-        "peak_gpus": max((h["gpus_peak"] for h in hours), default=math.nan),
+        "peak_gpus": max((h["gpus_peak"] for h in hours if math.isfinite(h["gpus_peak"])), default=math.nan),
         "models": models,
         "hours": hours,
     }
@@ -81,7 +81,7 @@ def summary_table(runs: list[dict]) -> str:
         for name, m in run["models"].items():
             lines.append(
                 f"| {run['scheduling']}-level | {run['autoscaler']} | {name} | {run['gpu_hours']:,.0f} "
-                f"(+ {run['buffer_gpu_hours']:.0f}) | {run['busy_gpu_hours']:,.0f} | {run['peak_gpus']:.0f} | "
+                f"(+ {run['buffer_gpu_hours']:.0f}) | {run['busy_gpu_hours']:,.0f} | {run['peak_gpus']:g} | "
                 f"{_seconds(m['p50_s'])} | {_seconds(m['p95_s'])} | {_seconds(m['p99_s'])} | "
                 f"{m['slo_attainment']:.1%} (≤ {m['slo_s']:.1f} s) | {m['late']:,} | {m['expired']:,} |"
             )

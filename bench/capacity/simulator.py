@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.capacity.profiles import CostProfile
-from bench.capacity.traffic import Arrivals
+from bench.capacity.traffic import DAY_SECONDS, Arrivals
 
 ON_TIME, LATE, EXPIRED = 0, 1, 2
 UNRESOLVED = -1
@@ -208,13 +208,14 @@ class Simulation:
 
     def run(self) -> SimulationResult:
         times, n = self.at, len(self.at)
-        first = float(times[0]) if n else 0.0
+        # Ticks (and so the pods' count) run from the day's start, or the warm-up's, to its end at least.
+        first = min(float(times[0]), self.arrivals.start) if n else self.arrivals.start
         for dep in self.deps:  # the autoscaler's ticks also sample the pods held, autoscaling or not
             self._push(first, _TICK, dep)
         heap, index = self._heap, 0
         handlers = {_READY: self._on_ready, _SEGMENT: self._on_segment, _TICK: self._on_tick,
                     _BUFFER: self._on_buffer}  # fmt: skip
-        last = float(times[-1]) if n else 0.0
+        last = max(float(times[-1]) if n else 0.0, self.arrivals.start + DAY_SECONDS)
         while index < n or heap:
             if index < n and (not heap or times[index] <= heap[0][0]):
                 self._on_arrival(index, float(times[index]))

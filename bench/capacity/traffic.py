@@ -2,8 +2,8 @@
 
 Arrivals are two parallel arrays, times (seconds from midnight, sorted) and the index of each one's request
 class in the mix. A request class is what the worker's batching rules look at: model, steps, size, strength and
-images. The recorded trace is rows of the inference log (`maas.inference_log_unique`, `TRACE_SQL`), as CSV or
-JSON lines: `created_at` (ISO time or epoch seconds), `model`, `num_images`, `width`, `height`,
+images. The recorded trace is rows of the inference log (`maas.inference_log_unique`, `TRACE_SQL`; `export_trace` writes
+one day of it), as CSV or JSON lines: `created_at` (ISO time or epoch seconds), `model`, `num_images`, `width`, `height`,
 `num_inference_steps`; cache hits, coalesced requests and replays never reach a GPU and are left out by the query.
 """
 
@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 
 DAY_SECONDS = 86_400
-TRACE_SQL = """SELECT created_at, model, num_images, width, height, num_inference_steps
-FROM `PROJECT.maas.inference_log_unique`
-WHERE model_version IS NOT NULL AND status = 'ok' AND shadow_of IS NULL
-  AND NOT cache_hit AND NOT coalesced AND NOT idempotent_replay
+TRACE_COLUMNS = ("created_at", "model", "num_images", "width", "height", "num_inference_steps")
+# Requests that reached a GPU on one day: no refusals, cache hits, coalesced requests, replays or shadow copies.
+TRACE_SQL = """SELECT {columns}
+FROM `{table}`
+WHERE created_at >= @begin AND created_at < @end AND model_version IS NOT NULL AND status = 'ok'
+  AND shadow_of IS NULL AND NOT cache_hit AND NOT coalesced AND NOT idempotent_replay
 ORDER BY created_at"""
 
 
@@ -138,3 +140,24 @@ def _seconds(value) -> float:
     if isinstance(value, (int, float)) or str(value).replace(".", "", 1).isdigit():
         return float(value)
     return datetime.fromisoformat(str(value).replace("Z", "+00:00").replace(" UTC", "+00:00")).timestamp()
+
+
+def export_trace(client, table: str, day: str, path: Path) -> int:
+    """One day (`YYYY-MM-DD`, UTC) of the inference log as a trace CSV, through a BigQuery client; rows written."""
+    from datetime import UTC, timedelta
+
+    from google.cloud import bigquery
+
+    begin = datetime.fromisoformat(day).replace(tzinfo=UTC)
+    parameters = [bigquery.ScalarQueryParameter("begin", "TIMESTAMP", begin),
+                  bigquery.ScalarQueryParameter("end", "TIMESTAMP", begin + timedelta(days=1))]  # fmt: skip
+    sql = TRACE_SQL.format(columns=", ".join(TRACE_COLUMNS), table=table)
+    rows = client.query(sql, job_config=bigquery.QueryJobConfig(query_parameters=parameters)).result()
+    count = 0
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(TRACE_COLUMNS)
+        for row in rows:
+            writer.writerow([row["created_at"].isoformat(), *(row[c] for c in TRACE_COLUMNS[1:])])
+            count += 1
+    return count
