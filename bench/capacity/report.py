@@ -25,6 +25,9 @@ def nearest_rank(sorted_values: np.ndarray, share: float) -> float:
 def summarize(result: SimulationResult, slo_seconds: dict[str, float], day: float = DAY_SECONDS) -> dict:
     """One run: per model latency percentiles, SLO attainment, late and expired; GPUs per hour and for the day."""
     in_day = (result.arrival >= result.start) & (result.arrival < result.start + day)
+    ticks = np.array(result.ticks)
+    day_ticks = (ticks >= result.start) & (ticks < result.start + day)
+    first_hour, last_hour = math.floor(result.start / 3600), math.floor((result.start + day) / 3600)
     models = {}
     for index, name in enumerate(result.models):
         mask = in_day & (result.model_of == index)
@@ -39,8 +42,12 @@ def summarize(result: SimulationResult, slo_seconds: dict[str, float], day: floa
             "slo_attainment": float((values <= slo_seconds[name]).sum() / count) if count else math.nan,
             "late": int((result.outcome[mask] == LATE).sum()),
             "expired": int((result.outcome[mask] == EXPIRED).sum()),
+            "gpu_hours": float(np.array(result.held[name])[day_ticks].mean() * day / 3600)
+            if day_ticks.any()
+            else math.nan,
+            "busy_gpu_hours": sum(v for h, v in result.busy_seconds[name].items() if first_hour <= h < last_hour)
+            / 3600,
         }
-    ticks = np.array(result.ticks)
     held = sum(np.array(v, dtype=float) for v in result.held.values())
     hours = []
     for hour in range(int(day // 3600)):
@@ -57,7 +64,6 @@ def summarize(result: SimulationResult, slo_seconds: dict[str, float], day: floa
             "gpus_busy": busy / 3600,
             "p95_s": nearest_rank(values, 0.95),
         })  # fmt: skip
-    day_ticks = (ticks >= result.start) & (ticks < result.start + day)
     gpu_hours = float(held[day_ticks].mean() * day / 3600) if day_ticks.any() else math.nan
     return {
         "scheduling": result.scheduling,
@@ -73,15 +79,15 @@ def summarize(result: SimulationResult, slo_seconds: dict[str, float], day: floa
 
 def summary_table(runs: list[dict]) -> str:
     lines = [
-        "| scheduling | autoscaler | model | GPU-hours (+ buffer) | busy GPU-hours | peak GPUs | p50 s | p95 s | p99 s "
+        "| scheduling | autoscaler | model | GPU-hours (+ buffer) | busy GPU-hours | peak GPUs (all models) | p50 s | p95 s | p99 s "
         "| SLO attainment | late | expired |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         for name, m in run["models"].items():
             lines.append(
-                f"| {run['scheduling']}-level | {run['autoscaler']} | {name} | {run['gpu_hours']:,.0f} "
-                f"(+ {run['buffer_gpu_hours']:.0f}) | {run['busy_gpu_hours']:,.0f} | {run['peak_gpus']:g} | "
+                f"| {run['scheduling']}-level | {run['autoscaler']} | {name} | {m['gpu_hours']:,.0f} "
+                f"(+ {run['buffer_gpu_hours']:.0f}) | {m['busy_gpu_hours']:,.0f} | {run['peak_gpus']:g} | "
                 f"{_seconds(m['p50_s'])} | {_seconds(m['p95_s'])} | {_seconds(m['p99_s'])} | "
                 f"{m['slo_attainment']:.1%} (≤ {m['slo_s']:.1f} s) | {m['late']:,} | {m['expired']:,} |"
             )

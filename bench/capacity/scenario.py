@@ -73,7 +73,6 @@ def catalog_deployments(
                 max_batch_size=spec.max_batch_size,
                 timeout_seconds=spec.request_timeout_seconds,
                 image_input=spec.task == "image-to-image",
-                drain_seconds=spec.drain_seconds,
                 scaler=scaler,
                 gpu_share=1 / DEFAULT_MAX_SHARED_CLIENTS_PER_GPU if spec.gpu_sharing else 1.0,
             )

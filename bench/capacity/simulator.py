@@ -78,7 +78,6 @@ class ModelDeployment:
     max_batch_size: int
     timeout_seconds: float
     image_input: bool
-    drain_seconds: float
     scaler: ScalerSettings
     gpu_share: float = 1.0  # a time-shared pod holds this much of a GPU and runs at this share of its speed
 
