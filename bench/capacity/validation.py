@@ -152,7 +152,8 @@ def run_validation(model_dir: Path, measured_path: Path | None, requests: int, o
         measured = measure_open_loop(model_dir, requests)
         ended = {"utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()}
         measured["run"] = {"began_utc": began["utc"], "ended_utc": ended["utc"],
-                           "load_average_before": began["load_average"][0], "load_average_after": ended["load_average"][0]}  # fmt: skip
+                           "load_average_before": round(began["load_average"][0], 2),
+                           "load_average_after": round(ended["load_average"][0], 2)}  # fmt: skip
     profile = load_profiles()["cpu-tiny"]
     simulated = simulate_sweep(measured, profile)
     rows = comparison(measured, simulated)
@@ -160,7 +161,7 @@ def run_validation(model_dir: Path, measured_path: Path | None, requests: int, o
     text = markdown(measured, simulated, rows, profile)
     if measured_path:
         run = measured.get("run", {})
-        text += (f"\nMeasured: `{measured_path}` ({run.get('began_utc', '?')} to {run.get('ended_utc', '?')} UTC, load "
+        text += (f"\nMeasured: `{measured_path}` ({run.get('began_utc', '?')} to {run.get('ended_utc', '?')}, load "
                  f"average {run.get('load_average_before', '?')} before, {run.get('load_average_after', '?')} after).\n")  # fmt: skip
     else:
         text += (

@@ -65,7 +65,7 @@ def test_the_same_seed_gives_the_same_day_and_another_seed_another(l4):
     assert len(other.arrival) != len(first.arrival) or not np.array_equal(other.arrival, first.arrival)
 
 
-# The tiny pipeline's costs as measured here (bench/capacity/profiles.json, cpu-tiny, 2026-11-24), kept in the test
+# The tiny pipeline's costs as measured here (`python -m bench.capacity measure`, 2026-11-24 21:48 UTC), kept in the test
 # so that re-measuring cannot change it: a floor per call, then a cost per image, as on a GPU short of saturation.
 TINY = CostProfile(
     "tiny-as-measured", "test",
