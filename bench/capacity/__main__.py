@@ -1,0 +1,195 @@
+"""How many GPUs a day of traffic needs: `python -m bench.capacity` simulates it (README, "Capacity").
+
+.venv/bin/python -m bench.capacity                                   # the seed's day on L4s, both schedulings
+.venv/bin/python -m bench.capacity --trace day.csv --profile l4-sd15 # a recorded day (traffic.TRACE_SQL)
+.venv/bin/python -m bench.capacity measure --model-dir DIR           # the CPU tiny pipeline's cost points
+.venv/bin/python -m bench.capacity validate --model-dir DIR          # against bench/open_loop.py, measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.capacity.profiles import CostProfile, load_profiles
+from bench.capacity.report import hourly_table, plot, summarize, summary_table
+from bench.capacity.scenario import SEED_MODEL, catalog_deployments, default_strengths, with_backlog_target
+from bench.capacity.simulator import ModelDeployment, PodTiming, Simulation
+from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, trace_arrivals
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+# The seed's day: 1.4 million SD 1.5 image-to-image requests, 512x512, 25 steps, strength 0.75, one image each.
+SEED_REQUESTS = 1_400_000
+SEED_MIX = [RequestClass(SEED_MODEL, 25, 512, 512, 0.75)]
+SEED_GPUS = 150
+
+
+def parse_mix(values: list[str] | None) -> list[RequestClass]:
+    """`model:steps:width:height:strength:images:share` per class (strength `-` for text-to-image)."""
+    if not values:
+        return SEED_MIX
+    mix = []
+    for value in values:
+        model, steps, width, height, strength, images, share = value.split(":")
+        mix.append(RequestClass(model, int(steps), int(width), int(height),
+                                None if strength == "-" else float(strength), int(images), float(share)))  # fmt: skip
+    return mix
+
+
+def lone_seconds(profile: CostProfile, cls: RequestClass, deployment: ModelDeployment, overhead: float) -> float:
+    """A request alone on an idle worker: its pipeline call at its own batch (at a time-shared pod's speed), the
+    reply, the way back."""
+    image_input = deployment.image_input
+    call = profile.pipeline_call(
+        cls.images, profile.calls(cls.steps, cls.strength if image_input else None), image_input
+    )
+    return call / deployment.gpu_share + profile.reply_s * cls.images + overhead
+
+
+def day_runs(args: argparse.Namespace) -> None:
+    profile = load_profiles()[args.profile]
+    if args.trace:
+        arrivals = trace_arrivals(args.trace, default_strengths())
+    else:
+        shape = DayShape(args.requests, peak_hour=args.peak_hour, amplitude=args.amplitude, bursts=args.bursts,
+                         burst_factor=args.burst_factor)  # fmt: skip
+        arrivals = day_arrivals(shape, parse_mix(args.mix), args.seed, warmup_s=args.warmup)
+    models = {c.model for c in arrivals.mix}
+    timing = PodTiming(args.node_provision, args.pod_start)
+    deployed = catalog_deployments(models, buffer_nodes=args.buffer_nodes, metric_delay_seconds=args.metric_delay)
+    slo = {}
+    for dep in deployed:
+        first = max((c for c in arrivals.mix if c.model == dep.model), key=lambda c: c.share)
+        slo[dep.model] = args.slo or args.slo_factor * lone_seconds(profile, first, dep, args.overhead)
+    settings: list[tuple[str, list[ModelDeployment], bool]] = []
+    for target in args.backlog_targets:
+        if target == "deployed":
+            settings.append(("deployed", deployed, True))
+        else:
+            settings.append((f"backlog {target}/replica", with_backlog_target(deployed, float(target), f"backlog {target}/replica"), True))  # fmt: skip
+    if args.fixed_replicas:
+        fixed = [replace(d, scaler=replace(d.scaler, name=f"fixed {args.fixed_replicas}")) for d in deployed]
+        settings.append((f"fixed {args.fixed_replicas}", fixed, False))
+    print(f"{len(arrivals):,} arrivals ({args.warmup / 3600:g} h of warm-up first), profile {profile.name}: "
+          f"{profile.source}", flush=True)  # fmt: skip
+    runs = []
+    for scheduling in args.schedulings:
+        for name, deployments, autoscale in settings:
+            began = time.perf_counter()
+            initial = {d.model: (args.fixed_replicas if not autoscale else d.scaler.min_replicas) for d in deployments}
+            simulation = Simulation(
+                arrivals, deployments, profile, scheduling, timing, args.overhead, initial, autoscale
+            )
+            result = simulation.run()
+            run = summarize(result, slo)
+            run["autoscaler"] = name
+            run["seconds"] = time.perf_counter() - began
+            runs.append(run)
+            model = next(iter(run["models"].values()))
+            print(f"  {scheduling}-level, {name}: {run['gpu_hours']:,.0f} GPU-hours, peak {run['peak_gpus']:.0f}, "
+                  f"p95 {model['p95_s']:.1f} s, SLO {model['slo_attainment']:.1%}, expired {model['expired']:,} "
+                  f"({run['seconds']:.0f} s to simulate)", flush=True)  # fmt: skip
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    title = f"{len(arrivals):,} requests ({', '.join(c.label for c in arrivals.mix)}), profile {profile.name}"
+    meta = {"title": title, "profile": profile.name, "profile_source": profile.source, "timing": vars(timing),
+            "overhead_s": args.overhead, "metric_delay_s": args.metric_delay, "buffer_nodes": args.buffer_nodes,
+            "seed": args.seed, "trace": str(args.trace) if args.trace else None, "load_average": os.getloadavg()}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=_jsonable))
+    text = f"## {title}\n\n{summary_table(runs)}\n\nGPUs held, mean / peak / busy, and p95 latency, per hour:\n\n{hourly_table(runs)}\n"
+    out.with_suffix(".md").write_text(text)
+    plot(runs, out.with_suffix(".png"), title)
+    print("\n" + summary_table(runs))
+    print(f"\nwritten: {out.with_suffix('.md')}, .json, .png")
+
+
+def _jsonable(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
+
+
+def measure(args: argparse.Namespace) -> None:
+    from bench.capacity.profiles import gpu_profiles, measure_cpu_tiny, save_profile
+
+    profile = measure_cpu_tiny(args.model_dir)
+    save_profile(profile)
+    for derived in gpu_profiles():
+        save_profile(derived)
+    print(json.dumps(profile.to_json(), indent=1))
+
+
+def trace(args: argparse.Namespace) -> None:
+    """One day of the inference log as a trace CSV: the configured BigQuery, or a local stack's emulator."""
+    from bench.capacity.traffic import export_trace
+    from contract import google_clients
+    from contract.settings import Settings
+
+    if args.stack is not None:  # the stack's own settings, as `python -m analytics --stack` reads them
+        os.environ.update({k: v for k, v in json.loads((args.stack / "stack.json").read_text()).items() if k.isupper()})
+    settings = Settings.from_env()
+    table = f"{settings.project_id}.{settings.dataset}.inference_log_unique"
+    count = export_trace(google_clients.bigquery_client(settings), table, args.day, args.out)
+    print(f"{count:,} requests of {args.day} from {table} in {args.out}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    from bench.capacity.validation import run_validation
+
+    run_validation(args.model_dir, args.measured, args.requests, args.out, remeasure=not args.no_measure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    parser.add_argument("--requests", type=int, default=SEED_REQUESTS, help="requests in the day (curve)")
+    parser.add_argument("--mix", nargs="+", help="model:steps:width:height:strength:images:share (default: the seed's)")
+    parser.add_argument("--trace", type=Path, help="a recorded day instead of the curve (CSV or JSON lines)")
+    parser.add_argument("--profile", default="l4-sd15", help="cost profile in bench/capacity/profiles.json")
+    parser.add_argument("--schedulings", nargs="+", default=["request", "step"])
+    parser.add_argument("--backlog-targets", nargs="+", default=["deployed", "0.5"],
+                        help="KEDA backlog targets per replica to compare ('deployed': the rendered one)")  # fmt: skip
+    parser.add_argument("--fixed-replicas", type=int, default=SEED_GPUS, help="also a run with this many GPUs held")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--peak-hour", type=float, default=15.0)
+    parser.add_argument("--amplitude", type=float, default=0.6, help="peak is 1 + amplitude times the mean rate")
+    parser.add_argument("--bursts", type=int, default=6)
+    parser.add_argument("--burst-factor", type=float, default=2.0)
+    parser.add_argument("--warmup", type=float, default=3600.0, help="seconds simulated before the day, not reported")
+    parser.add_argument("--overhead", type=float, default=0.1, help="seconds per request outside the worker")
+    parser.add_argument("--node-provision", type=float, default=PodTiming.node_provision_seconds)
+    parser.add_argument("--pod-start", type=float, default=PodTiming.pod_start_seconds)
+    parser.add_argument("--metric-delay", type=float, default=120.0, help="Cloud Monitoring's lag, seconds")
+    parser.add_argument("--buffer-nodes", type=int, default=1, help="warm GPU nodes (the capacity reservation)")
+    parser.add_argument("--slo", type=float, help="SLO seconds (default: slo-factor x a lone request's latency)")
+    parser.add_argument("--slo-factor", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "capacity")
+    measure_parser = sub.add_parser("measure", help="time the CPU tiny pipeline; rewrite profiles.json")
+    measure_parser.add_argument("--model-dir", type=Path, required=True)
+    validate_parser = sub.add_parser("validate", help="simulate bench/open_loop.py's sweep and compare")
+    validate_parser.add_argument("--model-dir", type=Path, required=True)
+    validate_parser.add_argument("--measured", type=Path, help="an open_loop.py --json result (else run it now)")
+    validate_parser.add_argument("--requests", type=int, default=48, help="arrivals per rate and scheduling")
+    validate_parser.add_argument("--no-measure", action="store_true", help="keep profiles.json's cpu-tiny points")
+    validate_parser.add_argument("--out", type=Path, default=RESULTS / "capacity_validation")
+    trace_parser = sub.add_parser("trace", help="export one day of the inference log as a trace CSV")
+    trace_parser.add_argument("--day", required=True, help="YYYY-MM-DD (UTC)")
+    trace_parser.add_argument("--stack", type=Path, help="a local stack directory: query its BigQuery emulator")
+    trace_parser.add_argument("--out", type=Path, default=Path("day.csv"))
+    args = parser.parse_args()
+    if args.command == "trace":
+        trace(args)
+    elif args.command == "measure":
+        measure(args)
+    elif args.command == "validate":
+        validate(args)
+    else:
+        day_runs(args)
+
+
+if __name__ == "__main__":
+    main()

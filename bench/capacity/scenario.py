@@ -1,0 +1,96 @@
+"""The simulated deployments as the catalog and the rendered manifests make them: batch limits, timeouts, and the
+ScaledObject's thresholds, replica bounds and HPA behaviour read from `infra/k8s/render.py`'s output."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bench.capacity.simulator import ModelDeployment, ScalerSettings
+from contract.catalog import ModelCatalog, load_catalog
+from infra.k8s.render import (
+    DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
+    RenderSettings,
+    model_worker_manifests,
+    worker_deployments,
+)
+
+SEED_MODEL = "sd15-img2img"
+
+
+def deployed_scaler(manifests: list[dict], buffer_nodes: int) -> ScalerSettings:
+    """The ScaledObject of one rendered worker deployment, as simulator settings."""
+    scaled = next(m for m in manifests if m["kind"] == "ScaledObject")
+    spec = scaled["spec"]
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    up, down = behavior["scaleUp"], behavior["scaleDown"]
+    up_policies = {p["type"]: p for p in up["policies"]}
+    down_percent = next(p for p in down["policies"] if p["type"] == "Percent")
+    return ScalerSettings(
+        name="deployed",
+        min_replicas=spec["minReplicaCount"],
+        max_replicas=spec["maxReplicaCount"],
+        backlog_per_replica=float(triggers["backlog-per-worker"]["metadata"]["threshold"]),
+        oldest_age_seconds=float(triggers["oldest-request-age"]["metadata"]["threshold"]),
+        sync_seconds=float(spec["pollingInterval"]),
+        up_percent=float(up_policies["Percent"]["value"]),
+        up_pods=int(up_policies["Pods"]["value"]),
+        up_period=float(up_policies["Pods"]["periodSeconds"]),
+        up_window=float(up["stabilizationWindowSeconds"]),
+        down_percent=float(down_percent["value"]),
+        down_period=float(down_percent["periodSeconds"]),
+        down_window=float(down["stabilizationWindowSeconds"]),
+        buffer_nodes=buffer_nodes,
+    )
+
+
+def catalog_deployments(
+    models: set[str],
+    catalog: ModelCatalog | None = None,
+    buffer_nodes: int = 1,
+    metric_delay_seconds: float = 120.0,
+    max_replicas: int | None = None,
+) -> list[ModelDeployment]:
+    """One simulated deployment per catalog model named in `models` (each model is a deployment of its own in
+    `models.yaml`); `max_replicas` overrides the catalog's (e.g. to hold the seed's 150 GPUs)."""
+    catalog = catalog or load_catalog()
+    found = []
+    for deployment in worker_deployments(catalog):
+        if not set(deployment.model_names) & models:
+            continue
+        if len(deployment.models) != 1:
+            raise ValueError(f"{deployment.name}: a worker group of several models is not simulated")
+        spec = deployment.models[0]
+        scaler = replace(
+            deployed_scaler(model_worker_manifests(deployment, RenderSettings()), buffer_nodes),
+            metric_delay_seconds=metric_delay_seconds,
+        )
+        if max_replicas is not None:
+            scaler = replace(scaler, max_replicas=max_replicas, min_replicas=min(scaler.min_replicas, max_replicas))
+        found.append(
+            ModelDeployment(
+                model=spec.name,
+                max_batch_size=spec.max_batch_size,
+                timeout_seconds=spec.request_timeout_seconds,
+                image_input=spec.task == "image-to-image",
+                scaler=scaler,
+                gpu_share=1 / DEFAULT_MAX_SHARED_CLIENTS_PER_GPU if spec.gpu_sharing else 1.0,
+            )
+        )
+    pools = {catalog.get(d.model).hardware for d in found}
+    if len(pools) > 1:
+        raise ValueError(f"models on several GPU pools ({sorted(pools)}): simulate one pool at a time")
+    missing = models - {d.model for d in found}
+    if missing:
+        raise ValueError(f"not in the catalog: {sorted(missing)}")
+    return found
+
+
+def with_backlog_target(deployments: list[ModelDeployment], target: float, name: str) -> list[ModelDeployment]:
+    """The same deployments with another KEDA backlog target per replica."""
+    return [replace(d, scaler=replace(d.scaler, name=name, backlog_per_replica=target)) for d in deployments]
+
+
+def default_strengths(catalog: ModelCatalog | None = None) -> dict[str, float | None]:
+    catalog = catalog or load_catalog()
+    return {spec.name: spec.defaults.model_dump().get("strength") for spec in catalog.units()}
