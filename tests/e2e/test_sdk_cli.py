@@ -220,7 +220,9 @@ def test_cli_exit_codes_bad_key_bad_flags_and_unreachable(stack, tmp_path):
         done = CliRunner().invoke(cli.app, args, env={"MAAS_URL": "http://127.0.0.1:9", "MAAS_API_KEY": "k"})
         assert done.exit_code == 2 and message in done.stderr, (args, done.output)
         assert "Traceback" not in done.output and isinstance(done.exception, SystemExit)
-    env = {"MAAS_URL": f"http://127.0.0.1:{free_port()}", "MAAS_API_KEY": "k", "PATH": "/usr/bin:/bin"}
+    # An unreachable API is retried until the retry deadline (MAAS_RETRY_DEADLINE; 60 s by default), then refused.
+    env = {"MAAS_URL": f"http://127.0.0.1:{free_port()}", "MAAS_API_KEY": "k", "PATH": "/usr/bin:/bin",
+           "MAAS_RETRY_DEADLINE": "2"}  # fmt: skip
     down = subprocess.run([MAAS, "models"], env=env, capture_output=True, text=True, timeout=60)
     assert down.returncode == 5 and down.stderr.count("\n") == 1 and "cannot reach" in down.stderr
     invalid = run_cli(stack, "predict", "noop", "x", "--size", "4096x64")

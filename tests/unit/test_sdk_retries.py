@@ -282,3 +282,15 @@ def test_the_asyncio_wait_ends_at_its_timeout_on_a_silent_stream():
         asyncio.run(asyncio.wait_for(wait(), timeout=30))
     server.close()
     assert 1 <= time.monotonic() - began < 5
+
+
+def test_the_retry_deadline_comes_from_maas_retry_deadline_unless_given(monkeypatch):
+    monkeypatch.delenv("MAAS_RETRY_DEADLINE", raising=False)
+    assert Client("http://api.test", "key").retry.deadline_seconds == 60.0
+    monkeypatch.setenv("MAAS_RETRY_DEADLINE", "2.5")
+    assert Client("http://api.test", "key").retry.deadline_seconds == 2.5
+    assert AsyncClient("http://api.test", "key").retry.deadline_seconds == 2.5
+    assert Client("http://api.test", "key", retry_deadline=9).retry.deadline_seconds == 9
+    monkeypatch.setenv("MAAS_RETRY_DEADLINE", "soon")
+    with pytest.raises(ValueError, match="MAAS_RETRY_DEADLINE"):
+        Client("http://api.test", "key")

@@ -38,6 +38,22 @@ RETRYABLE_ERRORS = (httpx.TransportError,)
 PNG, JPEG, WEBP = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF"
 
 
+def retry_deadline_from_env(given: float | None) -> float:
+    """The retry deadline: the one given, else `MAAS_RETRY_DEADLINE` (seconds), else the default (60 s)."""
+    if given is not None:
+        return given
+    raw = os.environ.get("MAAS_RETRY_DEADLINE")
+    if not raw:
+        return DEFAULT_RETRY_DEADLINE
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InputError(f"MAAS_RETRY_DEADLINE {raw!r}: expected seconds, e.g. 60") from None
+    if value < 0:
+        raise InputError(f"MAAS_RETRY_DEADLINE {raw!r}: expected seconds, e.g. 60")
+    return value
+
+
 def settings_from_env(url: str | None, api_key: str | None) -> tuple[str, str]:
     url = (url or os.environ.get("MAAS_URL") or DEFAULT_URL).rstrip("/")
     api_key = api_key or os.environ.get("MAAS_API_KEY")

@@ -25,13 +25,15 @@ class AsyncClient:
         api_key: str | None = None,
         *,
         timeout: httpx.Timeout | float = _core.DEFAULT_TIMEOUT,
-        retry_deadline: float = _core.DEFAULT_RETRY_DEADLINE,
+        retry_deadline: float | None = None,
         max_retries: int | None = None,
         max_connections: int = 100,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url, options = _core.http_options(url, api_key, timeout)
-        self.retry = _core.RetryPolicy(deadline_seconds=retry_deadline, max_retries=max_retries)
+        self.retry = _core.RetryPolicy(
+            deadline_seconds=_core.retry_deadline_from_env(retry_deadline), max_retries=max_retries
+        )
         self._http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=max_connections), transport=transport, **options
         )

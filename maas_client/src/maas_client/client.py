@@ -25,14 +25,17 @@ class Client:
         api_key: str | None = None,
         *,
         timeout: httpx.Timeout | float = _core.DEFAULT_TIMEOUT,
-        retry_deadline: float = _core.DEFAULT_RETRY_DEADLINE,
+        retry_deadline: float | None = None,
         max_retries: int | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """`retry_deadline`: seconds a safe call keeps retrying (connection failures, 429, 503) before it raises;
+        """`retry_deadline`: seconds a safe call keeps retrying (connection failures, 429, 503) before it raises
+        (default: `MAAS_RETRY_DEADLINE`, else 60);
         `max_retries`: also stop after that many retries (0: never retry)."""
         self.url, options = _core.http_options(url, api_key, timeout)
-        self.retry = _core.RetryPolicy(deadline_seconds=retry_deadline, max_retries=max_retries)
+        self.retry = _core.RetryPolicy(
+            deadline_seconds=_core.retry_deadline_from_env(retry_deadline), max_retries=max_retries
+        )
         self._http = httpx.Client(transport=transport, **options)
 
     def __enter__(self) -> Client:
