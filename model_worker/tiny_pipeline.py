@@ -140,6 +140,21 @@ def _clip(out_dir: Path, name: str, with_projection: bool = False, hidden: int =
     return encoder, CLIPTokenizer.from_pretrained(tokenizer_dir)
 
 
+def _t5(out_dir: Path, name: str, d_model: int):
+    """A small T5 encoder and its locally built tokenizer."""
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_t5_tokenizer(out_dir / name)
+    encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    return encoder, tokenizer
+
+
 def _sd15(out_dir: Path) -> dict:
     from diffusers import PNDMScheduler, UNet2DConditionModel
 
@@ -198,7 +213,6 @@ def _sdxl(out_dir: Path) -> dict:
 
 def _flux(out_dir: Path, guidance_embeds: bool = False) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
 
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -213,14 +227,7 @@ def _flux(out_dir: Path, guidance_embeds: bool = False) -> dict:
         guidance_embeds=guidance_embeds,
     )
     text_encoder, tokenizer = _clip(out_dir, "tokenizer")
-    t5_tokenizer = build_t5_tokenizer(out_dir / "tokenizer_2")
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )  # fmt: skip
+    t5, t5_tokenizer = _t5(out_dir, "tokenizer_2", d_model=32)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
         max_shift=1.15,
@@ -257,7 +264,6 @@ def build_t5_tokenizer(out_dir: Path):
 
 def _sd3(out_dir: Path) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import T5Config, T5EncoderModel
 
     transformer = SD3Transformer2DModel(
         sample_size=32,
@@ -274,14 +280,7 @@ def _sd3(out_dir: Path) -> dict:
     )
     text_encoder, tokenizer = _clip(out_dir, "tokenizer", with_projection=True)
     text_encoder_2, tokenizer_2 = _clip(out_dir, "tokenizer_2", with_projection=True)
-    t5_tokenizer = build_t5_tokenizer(out_dir / "tokenizer_3")
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer), d_model=64, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )  # fmt: skip
+    t5, t5_tokenizer = _t5(out_dir, "tokenizer_3", d_model=64)
     vae = _vae(shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
     return {
         "transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,

@@ -162,6 +162,20 @@ def step_kwargs(scheduler, generator) -> dict:
     return kwargs
 
 
+def guided_predictions(running: list[RunningItem], inputs: list, predicted) -> list:
+    """Each item's slice of a shared call's output, with its own classifier-free guidance applied (a guided
+    item has two rows, negative then positive; an unguided one, one)."""
+    predictions, offset = [], 0
+    for r, x in zip(running, inputs, strict=True):
+        noise = predicted[offset : offset + x.shape[0]]
+        offset += x.shape[0]
+        if r.state["guidance"] is not None:
+            uncond, text = noise.chunk(2)
+            noise = uncond + r.state["guidance"] * (text - uncond)
+        predictions.append(noise)
+    return predictions
+
+
 def pad_rows(tensor, rows: int):
     """Repeats the last row up to `rows` (a compiled model's fixed batch)."""
     import torch

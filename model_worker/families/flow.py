@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract.messages import GenerationParameters
-from model_worker.families.base import Denoiser, pad_rows
+from model_worker.families.base import Denoiser, guided_predictions, pad_rows
 from model_worker.runners import GenerationItem, RunningItem
 
 # The T5 prompt length, in both schedulings (each pipeline's default; FLUX.1 [schnell] checkpoints also run 256).
@@ -229,15 +229,7 @@ class SD3Denoiser(Denoiser):
                 hidden_states=sample, timestep=timestep, encoder_hidden_states=context, pooled_projections=pooled,
                 return_dict=False,
             )[0][:rows]  # fmt: skip
-            predictions, offset = [], 0
-            for r, x in zip(running, inputs, strict=True):
-                noise = predicted[offset : offset + x.shape[0]]
-                offset += x.shape[0]
-                if r.state["guidance"] is not None:
-                    uncond, text = noise.chunk(2)
-                    noise = uncond + r.state["guidance"] * (text - uncond)
-                predictions.append(noise)
-            self.step_items(running, predictions)
+            self.step_items(running, guided_predictions(running, inputs, predicted))
 
     def decode(self, running: list[RunningItem]) -> list:
         torch, pipe = self._torch, self.pipeline

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract.messages import GenerationParameters
-from model_worker.families.base import Denoiser, pad_rows, randn, step_kwargs
+from model_worker.families.base import Denoiser, guided_predictions, pad_rows, randn, step_kwargs
 from model_worker.runners import GenerationItem, RunningItem
 
 
@@ -140,15 +140,7 @@ class UNetDenoiser(Denoiser):
                 sample, timestep = pad_rows(sample, size), pad_rows(timestep, size)
                 condition = {key: pad_rows(value, size) for key, value in condition.items()}
             predicted = self.call_model(sample, timestep, condition)[:rows]
-            predictions, offset = [], 0
-            for r, x in zip(running, inputs, strict=True):
-                noise = predicted[offset : offset + x.shape[0]]
-                offset += x.shape[0]
-                if r.state["guidance"] is not None:
-                    uncond, text = noise.chunk(2)
-                    noise = uncond + r.state["guidance"] * (text - uncond)
-                predictions.append(noise)
-            self.step_items(running, predictions)
+            self.step_items(running, guided_predictions(running, inputs, predicted))
 
     def decode(self, running: list[RunningItem]) -> list:
         torch, pipe = self._torch, self.pipeline
