@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # One install step: says what it does, runs it, says how long it took. $(call step,what,command)
 step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done in %ss\n' $$(( $$(date +%s) - started ))
 
-.PHONY: analytics capacity chaos install run up down test test-fast lint format bench clean system-deps
+.PHONY: analytics capacity chaos import-model install run up down test test-fast lint format bench clean system-deps
 
 .PHONY: status restart bootstrap browser-deps
 
@@ -88,6 +88,12 @@ format: $(VENV)/.installed
 # A bounded benchmark suite on its own stack (port offset 12000); QUICK=1 runs a ~2-minute subset.
 bench: install
 	$(PY) -m bench.suite $(if $(QUICK),--quick,)
+
+# Check a diffusers folder and upload it to the model bucket with its manifest; prints the catalog version to add:
+# make import-model SOURCE=path/to/folder MODEL=name VERSION=2 [FAMILY=sdxl]
+import-model: $(VENV)/.installed
+	@test -n "$(SOURCE)" -a -n "$(MODEL)" -a -n "$(VERSION)" || { echo "usage: make import-model SOURCE=dir MODEL=name VERSION=v [FAMILY=f]" >&2; exit 2; }
+	$(PY) -m model_worker.weights import "$(SOURCE)" --model "$(MODEL)" --version "$(VERSION)" $(if $(FAMILY),--family $(FAMILY),)
 
 # How many GPUs a day needs, by simulation (bench/capacity): the seed's day on L4s, both schedulings, two autoscaler
 # settings and the seed's 150 GPUs; a few minutes. ARGS passes options: make capacity ARGS="--trace day.csv"

@@ -121,3 +121,38 @@ def upload_with_manifest(client: storage.Client, local_dir: Path, bucket: str, p
         json.dumps(manifest, indent=1, sort_keys=True), content_type="application/json"
     )
     return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m model_worker.weights import SOURCE --model NAME --version V`: see `model_worker/importer.py`."""
+    import argparse
+    import sys
+
+    from contract import google_clients
+    from contract.settings import Settings
+    from model_worker.importer import ImportRefusedError, import_model
+
+    parser = argparse.ArgumentParser(prog="python -m model_worker.weights", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    importing = commands.add_parser("import", help="check a diffusers folder and upload it with its manifest")
+    importing.add_argument("source", type=Path, help="a diffusers folder (model_index.json and its components)")
+    importing.add_argument("--model", required=True)
+    importing.add_argument("--version", required=True)
+    importing.add_argument("--family", help="refuse the source unless it is of this family (sd15, sdxl, flux, sd3)")
+    importing.add_argument("--bucket", help="the model bucket (default: the settings' MAAS_MODEL_BUCKET)")
+    args = parser.parse_args(argv)
+    settings = Settings.from_env()
+    try:
+        client = google_clients.storage_client(settings)
+        entry = import_model(client, args.bucket or settings.model_bucket, args.source, args.model, args.version,
+                             args.family)  # fmt: skip
+    except ImportRefusedError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return 2
+    print(f"uploaded to gs://{args.bucket or settings.model_bucket}/{args.model}/{args.version}/ with {MANIFEST}")
+    print(entry)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Imports a model into the model bucket: checks it, uploads it with its manifest, prints its catalog version.
+
+    python -m model_worker.weights import SOURCE --model NAME --version V [--family F]
+
+SOURCE is a diffusers folder (`model_index.json` and its components). Nothing in it is executed or unpickled:
+every weight file must be safetensors with a sound header (a pickle renamed `.safetensors`, or a truncated
+file, is refused), and the pipeline class it names must be one the catalog serves. The files go to
+`gs://{bucket}/{model}/{version}/` followed by `maas-manifest.json` (each file's size and SHA-256), which the
+worker checks every download against. A single-file checkpoint is refused for now, with a message saying
+so: converting one needs the base model's configuration files, which this repository does not ship yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.families import PIPELINES, family_of
+from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_header
+
+# Weight files a diffusers folder may hold; anything else with these suffixes is refused.
+WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES, ".onnx", ".msgpack")
+
+
+class ImportRefusedError(ValueError):
+    """The source cannot be imported; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    directory: Path
+    pipeline: str
+    family: str
+    task: str
+    files: int
+    weight_bytes: int
+
+
+def check_folder(source: Path, family: str | None = None) -> CheckedModel:
+    """A diffusers folder the worker can load: a served pipeline class, safetensors weights only, sound headers."""
+    if source.is_file():
+        raise ImportRefusedError(
+            f"{source}: a single-file checkpoint; importing one needs the base model's configuration files "
+            "(not shipped yet): convert it with diffusers' `from_single_file` and import the folder"
+        )
+    index = source / "model_index.json"
+    if not index.is_file():
+        raise ImportRefusedError(f"{source}: no model_index.json (not a diffusers folder)")
+    try:
+        pipeline = json.loads(index.read_text())["_class_name"]
+    except (ValueError, KeyError) as exc:
+        raise ImportRefusedError(f"{index}: unreadable ({exc})") from exc
+    found = family_of(pipeline)
+    if found is None:
+        raise ImportRefusedError(f"{index}: pipeline {pipeline!r} is not served; one of {', '.join(sorted(PIPELINES))}")
+    if family is not None and family != found.name:
+        raise ImportRefusedError(f"{source}: --family {family}, but its pipeline {pipeline} is a {found.name} model")
+    weight_bytes, files = 0, 0
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        files += 1
+        if path.suffix in PICKLE_SUFFIXES or path.suffix in (".onnx", ".msgpack"):
+            raise ImportRefusedError(
+                f"{path.relative_to(source)}: not safetensors (pickled or foreign weights are refused)"
+            )
+        if path.suffix == ".safetensors":
+            check_safetensors(path, source)
+            weight_bytes += path.stat().st_size
+    if weight_bytes == 0:
+        raise ImportRefusedError(f"{source}: no safetensors weights")
+    return CheckedModel(source, pipeline, found.name, found.pipelines[pipeline], files, weight_bytes)
+
+
+def check_safetensors(path: Path, root: Path) -> None:
+    """The header parses and every tensor's bytes lie inside the file (a pickle or a truncated file fails)."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+
+        def read(start: int, end: int) -> bytes:
+            handle.seek(start)
+            return handle.read(end - start + 1)
+
+        try:
+            read_header(read, size)
+        except AdapterFileError as exc:
+            raise ImportRefusedError(f"{path.relative_to(root)}: {exc}") from exc
+
+
+def catalog_entry(model: str, version: str, checked: CheckedModel) -> str:
+    """The catalog lines for the new version, at 0% of the traffic until a canary is set."""
+    return (
+        f"# {model} version {version}: {checked.pipeline} ({checked.family}), {checked.files} files, "
+        f"{checked.weight_bytes / 1e6:.1f} MB of weights\n"
+        f"  {model}:\n"
+        f"    versions:\n"
+        f'      "{version}": {{weights_path: {model}/{version}, pipeline: {checked.pipeline}}}\n'
+        f"    traffic: {{...}}   # unchanged: the new version takes 0% until PUT /v1/models/{model}/traffic\n"
+    )
+
+
+def import_model(client, bucket: str, source: Path, model: str, version: str, family: str | None = None) -> str:
+    """Checks and uploads; returns the catalog entry to add."""
+    from model_worker.weights import upload_with_manifest
+
+    checked = check_folder(source, family)
+    upload_with_manifest(client, source, bucket, f"{model}/{version}")
+    return catalog_entry(model, version, checked)

@@ -1,0 +1,82 @@
+"""Importing a model: a diffusers folder checked, uploaded with its manifest to the real GCS emulator, and loaded
+by the worker's own download path; what cannot be served safely is refused with the file and the reason."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from emulators.stack import ROOT
+from model_worker.importer import ImportRefusedError, check_folder
+from model_worker.weights import MANIFEST, download_weights
+
+pytestmark = pytest.mark.stack
+UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tmp_path_factory):
+    from model_worker.tiny_pipeline import build_pipeline
+
+    return build_pipeline(tmp_path_factory.mktemp("import") / "sdxl", "StableDiffusionXLPipeline")
+
+
+def copy_of(folder, tmp_path):
+    return shutil.copytree(folder, tmp_path / "copy")
+
+
+def test_an_imported_folder_is_uploaded_with_its_manifest_and_loads_as_the_worker_loads_it(
+    stack, settings, tiny_sdxl, tmp_path
+):
+    env = {**stack.client_env(), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "model_worker.weights", "import", str(tiny_sdxl), "--model", "imported-sdxl",
+         "--version", "7", "--family", "sdxl"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "imported-sdxl/7" in done.stdout and "StableDiffusionXLPipeline (sdxl)" in done.stdout
+    assert '"7": {weights_path: imported-sdxl/7' in done.stdout and "0%" in done.stdout
+    from contract import google_clients
+
+    client = google_clients.storage_client(settings)
+    manifest = json.loads(client.bucket(settings.model_bucket).blob(f"imported-sdxl/7/{MANIFEST}").download_as_bytes())
+    local = {p.relative_to(tiny_sdxl).as_posix() for p in tiny_sdxl.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == local
+    loaded = download_weights(client, settings.model_bucket, "imported-sdxl/7", tmp_path)  # checked against it
+    assert (loaded / UNET_WEIGHTS).read_bytes() == (tiny_sdxl / UNET_WEIGHTS).read_bytes()
+
+
+def test_a_pickle_renamed_safetensors_is_refused_naming_the_file(tiny_sdxl, tmp_path):
+    folder = copy_of(tiny_sdxl, tmp_path)
+    (folder / UNET_WEIGHTS).write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    with pytest.raises(ImportRefusedError, match=f"{UNET_WEIGHTS}: not a safetensors file"):
+        check_folder(folder)
+
+
+def test_a_truncated_weights_file_is_refused(tiny_sdxl, tmp_path):
+    folder = copy_of(tiny_sdxl, tmp_path)
+    data = (folder / UNET_WEIGHTS).read_bytes()
+    (folder / UNET_WEIGHTS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ImportRefusedError, match=f"{UNET_WEIGHTS}: truncated"):
+        check_folder(folder)
+
+
+def test_pickled_weights_a_family_mismatch_and_a_single_file_are_refused(tiny_sdxl, tmp_path):
+    folder = copy_of(tiny_sdxl, tmp_path)
+    with pytest.raises(ImportRefusedError, match="--family flux, but its pipeline StableDiffusionXLPipeline is a sdxl"):
+        check_folder(folder, family="flux")
+    (folder / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ImportRefusedError, match="diffusion_pytorch_model.bin: not safetensors"):
+        check_folder(folder)
+    with pytest.raises(ImportRefusedError, match="single-file checkpoint"):
+        check_folder(tiny_sdxl / UNET_WEIGHTS)
+    index = json.loads((tiny_sdxl / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
+    with pytest.raises(ImportRefusedError, match="KandinskyPipeline' is not served"):
+        check_folder(folder)
