@@ -47,11 +47,23 @@ pytestmark = pytest.mark.stack
 # the API dies, and run once it is gone.
 MODEL, MODEL_WORKER = "sleep", "worker-synthetic"
 CALLS = 6
+# The Redis database of the tests that race process stand-ins (the stack's services use their URL's, 0).
+ISOLATED_DB = 9
 
 
 @pytest.fixture
 def client(stack) -> redis.Redis:
     return redis.Redis.from_url(stack.client_env()["MAAS_REDIS_URL"])
+
+
+@pytest.fixture
+def isolated(stack) -> redis.Redis:
+    """The stack's Redis server, in a database of the tests' own: the stack's API adopts every orphan it finds in
+    its database once a second, so the races between process stand-ins would have one more contender there."""
+    served = redis.Redis.from_url(stack.client_env()["MAAS_REDIS_URL"]).connection_pool.connection_kwargs
+    database = redis.Redis(host=served["host"], port=served["port"], db=ISOLATED_DB)
+    database.flushdb()
+    return database
 
 
 def gunicorn_worker(master: int) -> int:
@@ -124,10 +136,12 @@ def test_an_api_process_killed_mid_request_answers_each_call_once_with_one_infer
             deadline = time.monotonic() + 60
             while len(kept_requests_of(client, MODEL, known)) < CALLS and time.monotonic() < deadline:
                 time.sleep(0.02)
-            published = kept_requests_of(client, MODEL, known)
-            assert len(published) == CALLS, "the calls were never published"
-            os.kill(victim, signal.SIGKILL)  # every call in flight: published, and its worker frozen
-            os.killpg(model_worker, signal.SIGCONT)
+            try:
+                published = kept_requests_of(client, MODEL, known)
+                assert len(published) == CALLS, "the calls were never published"
+                os.kill(victim, signal.SIGKILL)  # every call in flight: published, and its worker frozen
+            finally:
+                os.killpg(model_worker, signal.SIGCONT)  # before the pool waits for its calls, whatever happened
             results = [future.result(timeout=300) for future in futures]
     finally:
         os.killpg(model_worker, signal.SIGCONT)
@@ -232,11 +246,11 @@ def finishers(client: redis.Redis, processes: int) -> list[tuple[JobLogFinisher,
     return made
 
 
-def test_a_dead_processes_row_is_written_once_however_many_processes_find_it(client):
-    store, results = InflightStore(client), ResultStore(client, 600)
+def test_a_dead_processes_row_is_written_once_however_many_processes_find_it(isolated):
+    store, results = InflightStore(isolated), ResultStore(isolated, 600)
     dead = f"test-dead-{uuid.uuid4().hex[:8]}"  # never beat: its liveness key does not exist
     request_ids = [keep_orphan(store, dead) for _ in range(5)]
-    processes = finishers(client, 4)
+    processes = finishers(isolated, 4)
     assert sum(finisher.finish_orphaned() for finisher, _ in processes) == 0  # unanswered yet: nothing to write
     for request_id in request_ids:
         results.put(InferenceReply(request_id=request_id, model="sleep", model_version="1", status="ok",
@@ -253,16 +267,16 @@ def test_a_dead_processes_row_is_written_once_however_many_processes_find_it(cli
     assert written == len(rows) == len(request_ids)
     assert sorted(row.request_id for row in rows) == sorted(request_ids)
     assert all(row.status == "ok" and row.http_status == NO_ANSWER_HTTP_STATUS and row.batch_id == "b1" for row in rows)
-    assert not any(client.exists(naming.inflight_row_key(request_id)) for request_id in request_ids)
+    assert not any(isolated.exists(naming.inflight_row_key(request_id)) for request_id in request_ids)
 
 
-def test_a_live_processes_row_is_its_own_and_an_adopted_one_is_not_written_again(client):
-    store, results = InflightStore(client), ResultStore(client, 600)
+def test_a_live_processes_row_is_its_own_and_an_adopted_one_is_not_written_again(isolated):
+    store, results = InflightStore(isolated), ResultStore(isolated, 600)
     live = f"test-live-{uuid.uuid4().hex[:8]}"
     store.beat(live, 30)
     mine = keep_orphan(store, live)
     results.put(InferenceReply(request_id=mine, model="sleep", model_version="1", status="ok"))
-    ((finisher, collected),) = finishers(client, 1)
+    ((finisher, collected),) = finishers(isolated, 1)
     finisher.finish_orphaned()
     assert not [row for row in collected.rows if row.request_id == mine]  # its owner is alive: left to it
     assert store.settle_row(mine)  # the owner's write claims it
@@ -287,9 +301,9 @@ def keep_for_a_minute(record: ResponseRecord) -> int | None:
 POLICY = FlightPolicy(keep_for=keep_for_a_minute, lease_seconds=30, wait_seconds=10, strict=True)
 
 
-def test_a_dead_holders_lease_is_taken_over_by_one_waiter_which_adopts_its_request(client):
+def test_a_dead_holders_lease_is_taken_over_by_one_waiter_which_adopts_its_request(isolated):
     key, dead = f"maas:test:{uuid.uuid4().hex}", f"test-dead-{uuid.uuid4().hex[:8]}"
-    client.set(f"{key}:lease", f"fp|{dead}|first-request", px=30_000)  # its process died holding it
+    isolated.set(f"{key}:lease", f"fp|{dead}|first-request", px=30_000)  # its process died holding it
     adopted, computed = [], []
     lock = threading.Lock()
 
@@ -303,7 +317,7 @@ def test_a_dead_holders_lease_is_taken_over_by_one_waiter_which_adopts_its_reque
         computed.append(1)
         return ResponseRecord(200, b"a second inference")
 
-    processes = [SharedFlights(RedisState(client), f"test-api-{index}") for index in range(2)]
+    processes = [SharedFlights(RedisState(isolated), f"test-api-{index}") for index in range(2)]
     barrier = threading.Barrier(6)
 
     def retry(flights: SharedFlights) -> tuple[ResponseRecord, Role]:
@@ -311,7 +325,7 @@ def test_a_dead_holders_lease_is_taken_over_by_one_waiter_which_adopts_its_reque
         return flights.run(key, "fp", compute, POLICY, ticket=uuid.uuid4().hex, adopt=adopt)
 
     for flights in processes:
-        InflightStore(client).beat(flights._instance, 30)  # noqa: SLF001 - the waiters' own processes are alive
+        InflightStore(isolated).beat(flights._instance, 30)  # noqa: SLF001 - the waiters' own processes are alive
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(retry, processes * 3))
     assert adopted == ["first-request"] and not computed
@@ -319,15 +333,15 @@ def test_a_dead_holders_lease_is_taken_over_by_one_waiter_which_adopts_its_reque
     assert sorted(role for _, role in answers).count(Role.ADOPTED) == 1
 
 
-def test_a_live_holders_lease_is_waited_for_not_taken_over(client):
+def test_a_live_holders_lease_is_waited_for_not_taken_over(isolated):
     key, live = f"maas:test:{uuid.uuid4().hex}", f"test-live-{uuid.uuid4().hex[:8]}"
-    InflightStore(client).beat(live, 30)
-    client.set(f"{key}:lease", f"fp|{live}|running-request", px=30_000)
-    flights = SharedFlights(RedisState(client), "test-api-waiter")
+    InflightStore(isolated).beat(live, 30)
+    isolated.set(f"{key}:lease", f"fp|{live}|running-request", px=30_000)
+    flights = SharedFlights(RedisState(isolated), "test-api-waiter")
     short = FlightPolicy(keep_for=keep_for_a_minute, lease_seconds=30, wait_seconds=1.5, strict=True)
     with pytest.raises(StillRunningError):
         flights.run(key, "fp", lambda: ResponseRecord(200, b"second"), short, adopt=lambda ticket: None)
-    assert client.get(f"{key}:lease") == f"fp|{live}|running-request".encode()
+    assert isolated.get(f"{key}:lease") == f"fp|{live}|running-request".encode()
 
 
 def test_an_identical_request_adopts_a_dead_processes_inference_instead_of_running_it_again(
