@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from api_server.adapters import AdapterService
 from api_server.auth import Caller
@@ -48,6 +48,13 @@ class PreparedRequest:
     # Its partial inference log row (the records stage's), kept in Redis with the published request so that
     # another API process writes it if this one dies before answering.
     log_row: Callable[[], dict] | None = None
+
+    def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
+        """This request asked of another version under an id of its own (a fallback, a shadow copy): no
+        Idempotency-Key, no webhook and no kept row of its own, which all belong to the caller's request."""
+        return replace(
+            self, request_id=request_id, spec=spec, idempotency_key=None, webhook_url=None, log_row=None, **changes
+        )
 
     @property
     def deterministic(self) -> bool:

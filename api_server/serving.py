@@ -459,14 +459,8 @@ class ServingStage:
         log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
                     prepared.spec.version, prepared.request_id, error, stable.version)  # fmt: skip
         metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
-        retry = replace(
-            prepared,
-            request_id=fallback_request_id(prepared.request_id),
-            spec=stable,
-            idempotency_key=None,
-            webhook_url=None,
-            log_row=None,  # the caller's row, kept with the first attempt, is the one row of both attempts
-        )
+        # The caller's row, kept with the first attempt, is the one row of both attempts.
+        retry = prepared.for_version(stable, fallback_request_id(prepared.request_id))
         deadline_ms = int((time.time() + left) * 1000)
         answer = self._ask(retry, deadline_ms, DispatchTimings(), wait_seconds=left, answering_for=prepared.request_id)
         if answer is None:

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from datetime import UTC, datetime
 
 from api_server import metrics
@@ -53,15 +52,8 @@ class ShadowTraffic:
             log.warning("shadow copy of %s to %s v%s dropped: %d in flight", prepared.request_id, spec.name,
                         spec.version, MAX_IN_FLIGHT)  # fmt: skip
             return False
-        shadow = replace(
-            prepared,
-            request_id=shadow_request_id(prepared.request_id),
-            spec=spec,
-            idempotency_key=None,
-            webhook_url=None,
-            received=time.perf_counter(),
-            log_row=None,  # the shadow's row is its own, written here
-        )
+        # The shadow's row is its own, written here.
+        shadow = prepared.for_version(spec, shadow_request_id(prepared.request_id), received=time.perf_counter())
         try:
             self._pool.submit(self._run, shadow, prepared.request_id)
         except RuntimeError:  # shutting down
