@@ -1,0 +1,260 @@
+"""Converts a single-file checkpoint (SD 1.5, SDXL, FLUX.1) into a diffusers folder with diffusers' own loaders.
+
+Fine-tunes are mostly shared as one `.safetensors` file in the original layout (CompVis/Stability's
+`model.diffusion_model.*` UNet with its VAE and text encoders; Black Forest Labs' FLUX transformer alone). Its
+family is read from its tensor names; nothing in it is executed or unpickled (only safetensors, header checked
+first). A single file carries weights but no configuration: the *base*, a diffusers folder of the same family
+(local, or the weights path of a model already served), gives every component's configuration, the
+tokenizers and scheduler, and every component the file lacks (a FLUX fine-tune ships only its transformer).
+A fine-tune has its base's shapes: the file's key tensors are checked against the base's own safetensors
+headers before converting, and every converted component against them after.
+
+Each component is converted by diffusers (`Model.from_single_file(..., config=base, subfolder=...)`, and
+`create_diffusers_clip_model_from_ldm` for the CLIP text encoders, what `Pipeline.from_single_file` calls),
+offline: the base is a local directory and `local_files_only` is set. One step is adapted: diffusers 0.42's
+FLUX converter splits `single_blocks.{i}.linear1` into q, k, v and the MLP at a hard-coded width of 3072
+(FLUX.1's); `convert_flux_transformer` runs diffusers' converter for everything and redoes that one split at
+the width the file itself has (`img_in.weight`'s rows), so narrower FLUX-architecture models convert too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.families import family_of
+from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_header
+
+UNET_PREFIX = "model.diffusion_model."
+# diffusers 0.42.1 `convert_flux_transformer_checkpoint_to_diffusers`: `inner_dim = 3072`.
+DIFFUSERS_FLUX_WIDTH = 3072
+
+
+class CheckpointRefusedError(ValueError):
+    """The checkpoint cannot be converted; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """A pipeline component a single file may carry: its diffusers class and the names of its tensors there."""
+
+    name: str
+    cls: str
+    prefixes: tuple[str, ...]
+    text_encoder: bool = False
+
+
+COMPONENTS = {
+    "sd15": (
+        Component("unet", "UNet2DConditionModel", (UNET_PREFIX,)),
+        Component("vae", "AutoencoderKL", ("first_stage_model.",)),
+        Component("text_encoder", "CLIPTextModel", ("cond_stage_model.transformer.",), text_encoder=True),
+    ),
+    "sdxl": (
+        Component("unet", "UNet2DConditionModel", (UNET_PREFIX,)),
+        Component("vae", "AutoencoderKL", ("first_stage_model.",)),
+        Component("text_encoder", "CLIPTextModel", ("conditioner.embedders.0.transformer.",), text_encoder=True),
+        Component(
+            "text_encoder_2", "CLIPTextModelWithProjection", ("conditioner.embedders.1.model.",), text_encoder=True
+        ),  # fmt: skip
+    ),
+    # FLUX files are the transformer's tensors, bare or under `model.diffusion_model.`; the rest is the base's.
+    "flux": (Component("transformer", "FluxTransformer2DModel", ("",)),),
+}
+_FLUX_NAMES = re.compile(r"^(model\.diffusion_model\.)?(double_blocks|single_blocks)\.\d+\.")
+_SD3_NAMES = re.compile(r"^(model\.diffusion_model\.)?joint_blocks\.\d+\.")
+
+# Tensors whose shapes say which model a file was trained from: (name in the file, name in the base component).
+_SIGNATURES = {
+    "sd15": (
+        "unet",
+        [
+            ("input_blocks.0.0.weight", "conv_in.weight"),
+            ("out.2.weight", "conv_out.weight"),
+            ("time_embed.0.weight", "time_embedding.linear_1.weight"),
+        ],
+    ),  # fmt: skip
+    "flux": (
+        "transformer",
+        [
+            ("img_in.weight", "x_embedder.weight"),
+            ("txt_in.weight", "context_embedder.weight"),
+            ("vector_in.in_layer.weight", "time_text_embed.text_embedder.linear_1.weight"),
+        ],
+    ),  # fmt: skip
+}
+_SIGNATURES["sdxl"] = ("unet", [*_SIGNATURES["sd15"][1], ("label_emb.0.0.weight", "add_embedding.linear_1.weight")])
+
+
+def read_checkpoint_header(path: Path) -> dict:
+    """The file's safetensors header; a pickle (whatever its name), a foreign format or a truncated file is refused."""
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointRefusedError(f"{path.name}: a pickle checkpoint ({path.suffix}); only safetensors is "
+                                     "imported (loading a pickle runs code from the file)")  # fmt: skip
+    if path.suffix != ".safetensors":
+        raise CheckpointRefusedError(f"{path.name}: not a .safetensors file")
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+
+        def read(start: int, end: int) -> bytes:
+            handle.seek(start)
+            return handle.read(end - start + 1)
+
+        try:
+            return read_header(read, size)
+        except AdapterFileError as exc:
+            raise CheckpointRefusedError(f"{path.name}: {exc}") from exc
+
+
+def detect_family(names: list[str] | set[str], file: str) -> str:
+    """sd15, sdxl or flux, from the tensor names alone."""
+    if any(_FLUX_NAMES.match(name) for name in names):
+        return "flux"
+    if any(_SD3_NAMES.match(name) for name in names):
+        raise CheckpointRefusedError(f"{file}: an SD 3 checkpoint (joint_blocks); import SD 3.5 as a diffusers folder")
+    if any(name.startswith(("conditioner.embedders.1.model.", UNET_PREFIX + "label_emb.")) for name in names):
+        return "sdxl"
+    if any(name.startswith("cond_stage_model.model.") for name in names):
+        raise CheckpointRefusedError(f"{file}: an SD 2.x checkpoint (OpenCLIP text encoder); SD 2.x is not served")
+    if any(name.startswith((UNET_PREFIX + "input_blocks.", "cond_stage_model.transformer.")) for name in names):
+        return "sd15"
+    raise CheckpointRefusedError(f"{file}: no SD 1.5, SDXL or FLUX tensors (e.g. {UNET_PREFIX}input_blocks.*, "
+                                 "conditioner.embedders.1.model.*, double_blocks.*); a LoRA or another model?")  # fmt: skip
+
+
+def base_pipeline(base: Path) -> str:
+    index = base / "model_index.json"
+    if not index.is_file():
+        raise CheckpointRefusedError(f"base {base}: no model_index.json (the base must be a diffusers folder)")
+    return json.loads(index.read_text())["_class_name"]
+
+
+def _base_header(base: Path, component: str) -> dict:
+    header = {}
+    for file in sorted((base / component).glob("*.safetensors")):
+        data = file.read_bytes()
+        header.update(read_header(lambda start, end, data=data: data[start : end + 1], len(data)))
+    return header
+
+
+def check_shapes(header: dict, family: str, base: Path, file: str) -> None:
+    """The file's key tensors have the base's shapes (and FLUX its block counts and guidance input)."""
+    component, pairs = _SIGNATURES[family]
+    base_header = _base_header(base, component)
+    prefix = UNET_PREFIX if family != "flux" or UNET_PREFIX + "img_in.weight" in header else ""
+    if family != "flux" and not any(name.startswith(UNET_PREFIX) for name in header):
+        return  # no UNet in the file: its text encoders and VAE are checked as they convert
+    for ours, theirs in pairs:
+        entry = header.get(prefix + ours)
+        if entry is None:
+            raise CheckpointRefusedError(f"{file}: no {prefix + ours} (a {family} checkpoint has one)")
+        if entry["shape"] != base_header[theirs]["shape"]:
+            raise CheckpointRefusedError(f"{file}: {prefix + ours} is {entry['shape']}, the base's {component}/"
+                                         f"{theirs} is {base_header[theirs]['shape']}: not a fine-tune of this base")  # fmt: skip
+    if family == "flux":
+        config = json.loads((base / "transformer" / "config.json").read_text())
+        counts = {kind: len({n.split(".")[1] for n in header if n.startswith(prefix + kind + ".")})
+                  for kind in ("double_blocks", "single_blocks")}  # fmt: skip
+        expected = {"double_blocks": config["num_layers"], "single_blocks": config["num_single_layers"]}
+        guided = any(n.startswith(prefix + "guidance_in.") for n in header)
+        if counts != expected or guided != bool(config.get("guidance_embeds")):
+            raise CheckpointRefusedError(f"{file}: {counts['double_blocks']} double and {counts['single_blocks']} single "
+                                         f"blocks, guidance input {guided}; the base has {expected['double_blocks']}, "
+                                         f"{expected['single_blocks']}, {bool(config.get('guidance_embeds'))}")  # fmt: skip
+
+
+def convert_flux_transformer(checkpoint: dict) -> dict:
+    """diffusers' FLUX converter, with `single_blocks.{i}.linear1` split at the file's own width.
+
+    The converter splits linear1 into (3072, 3072, 3072, 4 x 3072) rows whatever the model's width; it is given
+    a zero-copy placeholder of that shape, and its q, k, v and MLP outputs for each block are replaced by the
+    real linear1 split at `img_in.weight`'s width (the MLP taking the rest). Every other tensor is diffusers'."""
+    import torch
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    checkpoint = {name.removeprefix(UNET_PREFIX): tensor for name, tensor in checkpoint.items()}
+    width = checkpoint["img_in.weight"].shape[0]
+    if width == DIFFUSERS_FLUX_WIDTH:
+        return convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    linear1 = {name: checkpoint[name] for name in checkpoint if re.match(r"single_blocks\.\d+\.linear1\.", name)}
+    rows = 3 * DIFFUSERS_FLUX_WIDTH + 4 * DIFFUSERS_FLUX_WIDTH
+    for name, tensor in linear1.items():
+        checkpoint[name] = torch.zeros((1,) * tensor.ndim, dtype=tensor.dtype).expand(rows, *tensor.shape[1:])
+    converted = convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    for name, tensor in linear1.items():
+        block, part = re.match(r"single_blocks\.(\d+)\.linear1\.(weight|bias)", name).groups()
+        q, k, v, mlp = torch.split(tensor, (width, width, width, tensor.shape[0] - 3 * width), dim=0)
+        prefix = f"single_transformer_blocks.{block}."
+        for target, value in (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v), ("proj_mlp", mlp)):
+            converted[f"{prefix}{target}.{part}"] = value.contiguous()
+    return converted
+
+
+def _convert_component(component: Component, tensors: dict, base: Path):
+    import diffusers
+    import transformers
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+
+    if component.text_encoder:
+        cls = getattr(transformers, component.cls)
+        return create_diffusers_clip_model_from_ldm(cls, tensors, subfolder=component.name, config=str(base),
+                                                    local_files_only=True)  # fmt: skip
+    if component.cls == "FluxTransformer2DModel":
+        tensors = convert_flux_transformer(tensors)  # already diffusers' names: from_single_file loads them as is
+    cls = getattr(diffusers, component.cls)
+    return cls.from_single_file(tensors, config=str(base), subfolder=component.name, local_files_only=True)
+
+
+def _check_converted(model, component: str, base: Path, file: str) -> None:
+    """Every tensor converted, with its base's name and shape (nothing left uninitialised)."""
+    expected = {name: entry["shape"] for name, entry in _base_header(base, component).items()}
+    state = model.state_dict()
+    got = {name: list(tensor.shape) for name, tensor in state.items()}
+    empty = [name for name, tensor in state.items() if tensor.is_meta]
+    differing = sorted(n for n in expected.keys() | got.keys() if got.get(n) != expected.get(n))
+    if empty or differing:
+        what = differing[0] if differing else empty[0]
+        raise CheckpointRefusedError(f"{file}: its {component} does not have the base's tensors "
+                                     f"({what}: {got.get(what)}, the base's {expected.get(what)}; "
+                                     f"{len(differing) + len(empty)} such)")  # fmt: skip
+
+
+def convert_checkpoint(path: Path, base: Path, out: Path, family: str | None = None) -> tuple[str, list[str]]:
+    """Writes the diffusers folder for `path` into `out` (the base's folder, its converted components replaced);
+    returns the family and the components taken from the base unchanged."""
+    from safetensors.torch import load_file
+
+    header = read_checkpoint_header(path)
+    found = detect_family(list(header), path.name)
+    if family is not None and family != found:
+        raise CheckpointRefusedError(f"{path.name}: --family {family}, but its tensors are a {found} checkpoint")
+    pipeline = base_pipeline(base)
+    base_family = family_of(pipeline)
+    if base_family is None or base_family.name != found:
+        raise CheckpointRefusedError(f"{path.name}: a {found} checkpoint, but the base {base} is {pipeline} "
+                                     f"({base_family.name if base_family else 'not served'})")  # fmt: skip
+    check_shapes(header, found, base, path.name)
+    tensors = load_file(path)  # safetensors: tensors only, nothing executed
+    shutil.copytree(base, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("maas-manifest.json", ".download-*"))
+    from_base = []
+    for component in COMPONENTS[found]:
+        mine = {name: tensor for name, tensor in tensors.items() if name.startswith(component.prefixes)}
+        if not mine:
+            from_base.append(component.name)
+            continue
+        try:
+            model = _convert_component(component, mine, base)
+        except CheckpointRefusedError:
+            raise
+        except Exception as exc:  # diffusers' converters raise KeyError, ValueError, RuntimeError on foreign files
+            raise CheckpointRefusedError(f"{path.name}: its {component.name} does not convert against the base "
+                                         f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
+        _check_converted(model, component.name, base, path.name)
+        shutil.rmtree(out / component.name)
+        model.save_pretrained(out / component.name, safe_serialization=True)
+    from_base += [p.name for p in sorted(base.iterdir()) if p.is_dir() and p.name not in
+                  {c.name for c in COMPONENTS[found]}]  # fmt: skip
+    return found, sorted(set(from_base))
