@@ -126,6 +126,7 @@ def upload_with_manifest(client: storage.Client, local_dir: Path, bucket: str, p
 def main(argv: list[str] | None = None) -> int:
     """`python -m model_worker.weights import SOURCE --model NAME --version V`: see `model_worker/importer.py`."""
     import argparse
+    import os
     import sys
 
     from contract import google_clients
@@ -134,18 +135,23 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m model_worker.weights", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    importing = commands.add_parser("import", help="check a diffusers folder and upload it with its manifest")
-    importing.add_argument("source", type=Path, help="a diffusers folder (model_index.json and its components)")
+    importing = commands.add_parser("import", help="check a model (converted first if a single file) and upload it "
+                                    "with its manifest")  # fmt: skip
+    importing.add_argument("source", type=Path, help="a diffusers folder, or a single-file .safetensors checkpoint "
+                           "(SD 1.5, SDXL, FLUX.1) with --base")  # fmt: skip
     importing.add_argument("--model", required=True)
     importing.add_argument("--version", required=True)
     importing.add_argument("--family", help="refuse the source unless it is of this family (sd15, sdxl, flux, sd3)")
+    importing.add_argument("--base", help="for a single file: the diffusers folder, or gs://bucket/prefix of a served "
+                           "model, of the same family, giving configs, tokenizers and the components the file lacks")  # fmt: skip
     importing.add_argument("--bucket", help="the model bucket (default: the settings' MAAS_MODEL_BUCKET)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a conversion reads the base's files only, never the Hub
     settings = Settings.from_env()
     try:
         client = google_clients.storage_client(settings)
         entry = import_model(client, args.bucket or settings.model_bucket, args.source, args.model, args.version,
-                             args.family)  # fmt: skip
+                             args.family, args.base)  # fmt: skip
     except ImportRefusedError as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 2
