@@ -366,6 +366,10 @@ def publish_adapters(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) 
     return registered
 
 
+# The `origin` of the manifests the local stack writes for its tiny pipelines.
+TINY_ORIGIN = "local stack: tiny pipeline"
+
+
 def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
     """Uploads the pipeline with its manifest (`model_worker/weights.py`), as an imported model is uploaded."""
     from contract import google_clients
@@ -373,7 +377,32 @@ def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
     from model_worker.weights import upload_with_manifest
 
     client = google_clients.storage_client(Settings.from_env())
-    return len(upload_with_manifest(client, local_dir, bucket_name, prefix)["files"])
+    return len(upload_with_manifest(client, local_dir, bucket_name, prefix, origin=TINY_ORIGIN)["files"])
+
+
+def imported_weights(local_dir: Path, bucket_name: str, prefix: str) -> str | None:
+    """Why the weights under `prefix` are someone's import, or None when the tiny pipeline may be uploaded there.
+
+    A prefix whose manifest was not written by the stack (`origin`) and lists other files than the tiny
+    pipeline's was imported (`python -m model_worker.weights import`): the stack keeps it, so a restart never
+    overwrites a model being rolled out. The tiny pipeline is uploaded again over its own earlier upload, which
+    repairs a file a test changed."""
+    import json
+
+    from contract import google_clients
+    from contract.settings import Settings
+    from model_worker.weights import MANIFEST, build_manifest
+
+    blob = (
+        google_clients.storage_client(Settings.from_env()).bucket(bucket_name).blob(f"{prefix.rstrip('/')}/{MANIFEST}")
+    )
+    if not blob.exists():
+        return None
+    manifest = json.loads(blob.download_as_bytes())
+    listed = manifest.get("files") or {}
+    if manifest.get("origin") == TINY_ORIGIN or listed == build_manifest(local_dir)["files"]:
+        return None
+    return f"its {MANIFEST} lists {len(listed)} files of its own"
 
 
 def main() -> None:
@@ -394,8 +423,13 @@ def main() -> None:
             build_pipeline(target, spec.pipeline, spec.guidance_mode)
             log.info("built tiny %s for %s in %s", spec.pipeline, spec.queue, target)
         if args.upload:
-            count = upload_directory(target, settings.model_bucket, spec.weights_path)
-            log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
+            imported = imported_weights(target, settings.model_bucket, spec.weights_path)
+            if imported:
+                log.info("kept gs://%s/%s: imported weights, not the tiny pipeline (%s)",
+                         settings.model_bucket, spec.weights_path, imported)  # fmt: skip
+            else:
+                count = upload_directory(target, settings.model_bucket, spec.weights_path)
+                log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
             if spec.adapters is not None:
                 adapters = publish_adapters(spec, target, args.out / "adapters" / spec.name, settings.model_bucket)
                 log.info("registered adapters for %s: %s", spec.name, ", ".join(adapters))

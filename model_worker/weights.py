@@ -110,10 +110,15 @@ def download_weights(client: storage.Client, bucket: str, prefix: str, cache_dir
     return target
 
 
-def upload_with_manifest(client: storage.Client, local_dir: Path, bucket: str, prefix: str) -> dict:
+def upload_with_manifest(
+    client: storage.Client, local_dir: Path, bucket: str, prefix: str, origin: str | None = None
+) -> dict:
     """Uploads every file of `local_dir` under `prefix`, then the manifest of their sizes and digests (last, so a
-    reader never finds a manifest for files not yet there)."""
+    reader never finds a manifest for files not yet there). `origin` is recorded in it (the local stack marks
+    its tiny pipelines, so that it never uploads over an imported model)."""
     manifest = build_manifest(local_dir)
+    if origin is not None:
+        manifest["origin"] = origin
     target = client.bucket(bucket)
     for name in manifest["files"]:
         target.blob(f"{prefix.rstrip('/')}/{name}").upload_from_filename(str(local_dir / name))

@@ -80,3 +80,22 @@ def test_pickled_weights_a_family_mismatch_and_a_single_file_are_refused(tiny_sd
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
     with pytest.raises(ImportRefusedError, match="KandinskyPipeline' is not served"):
         check_folder(folder)
+
+
+def test_the_local_stack_never_uploads_its_tiny_pipeline_over_an_imported_model(stack, settings, tiny_sdxl, tmp_path):
+    """`make up` uploads the tiny pipeline to every catalog version's weights path: over its own earlier upload
+    (which repairs a changed file), never over a model imported there."""
+    from contract import google_clients
+    from model_worker.importer import import_model
+    from model_worker.tiny_pipeline import imported_weights, upload_directory
+
+    client = google_clients.storage_client(settings)
+    bucket = settings.model_bucket
+    upload_directory(tiny_sdxl, bucket, "stack-owned/1")
+    assert imported_weights(tiny_sdxl, bucket, "stack-owned/1") is None
+    assert imported_weights(tiny_sdxl, bucket, "nothing-here/1") is None
+
+    fine_tune = copy_of(tiny_sdxl, tmp_path)
+    (fine_tune / "README.md").write_text("a fine-tune of the tiny SDXL\n")
+    import_model(client, bucket, fine_tune, "stack-owned", "2", "sdxl")
+    assert "lists" in imported_weights(tiny_sdxl, bucket, "stack-owned/2")
