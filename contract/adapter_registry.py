@@ -147,8 +147,8 @@ class AdapterRegistry:
         if cached is not None:
             return cached
         headers = {}
-        for component, path in BASE_FILES.items():
-            blob = self._bucket.get_blob(f"{spec.weights_path.rstrip('/')}/{path}")
+        for component in spec.family.lora_components if spec.family else ():
+            blob = self._bucket.get_blob(f"{spec.weights_path.rstrip('/')}/{BASE_FILES[component]}")
             if blob is None:
                 continue
 
