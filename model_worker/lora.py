@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 TEXT_ENCODER_PREFIXES = ("text_encoder", "lora_te")
 
 
+class _OtherAdaptersReport(logging.Filter):
+    """Drops transformers' LOAD REPORT of a text-encoder adapter load: transformers 5.23 lists every other resident
+    adapter's weights as "MISSING ... newly initialized", which is false (they are untouched) and would alarm
+    whoever reads the worker's log; a load that really fails raises, and its request fails with the reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+logging.getLogger("transformers.integrations.peft").addFilter(_OtherAdaptersReport())
+
+
 class LoraSets:
     def __init__(self, pipeline, components: tuple[str, ...], device_cache: int, hotswap_rank: int | None = None):
         """`components`: the pipeline's LoRA components (the family's); `hotswap_rank`: a compiled model's
