@@ -7,8 +7,10 @@ An adapter is one safetensors file in one of the layouts diffusers' `load_lora_w
   `transformer`). diffusers refuses a stray `.alpha` in this layout, so this check does too.
 - kohya (`lora_unet_*`, `lora_te_*`/`lora_te1_*`, `lora_te2_*`): `.lora_down.weight`, `.lora_up.weight` and an
   optional scalar `.alpha`; the module is the diffusers module path with dots written as underscores, which is
-  how diffusers' conversion reads it back. LoCon files add conv layers: down (rank x in x kh x kw), up
-  (out x rank x 1 x 1).
+  how diffusers' conversion reads it back; SDXL files name the UNet in the original (SGM) blocks
+  (`input_blocks_4_1_...`, `middle_block_1_...`, `output_blocks_...`), renamed to diffusers' blocks as diffusers
+  does (`layers_per_block` read from the base UNet's header). LoCon files add conv layers: down
+  (rank x in x kh x kw), up (out x rank x 1 x 1).
 - FLUX.1 in kohya's BFL naming (`lora_unet_double_blocks_{i}_img_attn_qkv`, `lora_unet_single_blocks_{i}_linear1`,
   ...): diffusers splits a fused projection into its modules (q, k, v, and FLUX's MLP input), so the file's
   output rows must be those modules' rows side by side.
@@ -60,6 +62,15 @@ _BFL_SINGLE = {
     "modulation_lin": ("norm.linear",),
 }
 _BFL_KEY = re.compile(r"^(double|single)_blocks_(\d+)_(.+)$")
+# SDXL in kohya's SGM names (kohya trains SDXL on the original UNet): block -> diffusers block, as diffusers maps them.
+_SGM_KEY = re.compile(r"^(?:(input_blocks|output_blocks)_(\d+)_(\d+)|middle_block_(\d+))_(.+)$")
+_SGM_INNER = ("resnets", "attentions", "upsamplers")
+_SGM_MIDDLE = ("resnets_0", "attentions_0", "resnets_1")
+_SGM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}  # fmt: skip
+_SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding_linear_1",
+            "time_embed_2": "time_embedding_linear_2", "label_emb_0_0": "add_embedding_linear_1",
+            "label_emb_0_2": "add_embedding_linear_2"}  # fmt: skip
 
 # Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
 RangeReader = Callable[[int, int], bytes]
@@ -219,7 +230,10 @@ def _resolve(target: LoraTarget, modules: dict[str, dict[str, list[int]]]) -> li
         component, names = "transformer", _bfl_modules(target)
     elif target.layout == "kohya":
         underscored = {name.replace(".", "_"): name for name in modules.get(component, {})}
-        found = underscored.get(target.module.removeprefix("text_model_"))
+        module = target.module.removeprefix("text_model_")
+        if component == "unet":
+            module = _sgm_to_diffusers(module, modules.get("unet", {}))
+        found = underscored.get(module)
         names = (found,) if found else ()
     else:
         names = (target.module.removeprefix("text_model."),)
@@ -229,6 +243,31 @@ def _resolve(target: LoraTarget, modules: dict[str, dict[str, list[int]]]) -> li
     if not names or None in shapes:
         raise AdapterFileError(f"{target.name}: no such module in the base model (a LoRA for another model?)")
     return shapes
+
+
+def _sgm_to_diffusers(module: str, unet: dict[str, list[int]]) -> str:
+    """A kohya UNet name in SGM blocks (`input_blocks_4_1_...`) as diffusers renames it (`down_blocks_1_attentions_0_
+    ...`: `layers_per_block` from the base UNet's own resnets); any other name unchanged."""
+    for sgm, name in _SGM_TOP.items():
+        if module == sgm or module.startswith(f"{sgm}_"):
+            return name + module[len(sgm) :]
+    match = _SGM_KEY.match(module)
+    if match is None:
+        return module
+    kind, index, inner, middle, rest = match.groups()
+    per_block = 1 + len({name.split(".")[3] for name in unet if name.startswith("down_blocks.0.resnets.")})
+    for sgm, name in _SGM_RESNET.items():
+        rest = name + rest[len(sgm) :] if rest == sgm or rest.startswith(f"{sgm}_") else rest
+    if middle is not None:
+        return f"mid_block_{_SGM_MIDDLE[int(middle)]}_{rest}" if int(middle) < len(_SGM_MIDDLE) else module
+    index, inner = int(index), int(inner)
+    if kind == "input_blocks":
+        block, layer = divmod(index - 1, per_block)
+        if rest == "op":
+            return f"down_blocks_{block}_downsamplers_0_conv"
+        return f"down_blocks_{block}_{_SGM_INNER[inner]}_{layer}_{rest}" if inner < 2 else module
+    block, layer = divmod(index, per_block)
+    return f"up_blocks_{block}_{_SGM_INNER[inner]}_{layer if inner < 2 else 0}_{rest}" if inner < 3 else module
 
 
 def _bfl_modules(target: LoraTarget) -> tuple[str, ...]:

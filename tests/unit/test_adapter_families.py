@@ -65,9 +65,30 @@ def base_weights(directory: Path, component: str) -> dict[str, list[int]]:
     return {name.removesuffix(".weight"): entry["shape"] for name, entry in header.items() if name.endswith(".weight")}
 
 
-def kohya_file(directory: Path, family: str, seed: int, conv: bool = False) -> bytes:
+def sgm_name(module: str, layers_per_block: int) -> str:
+    """A diffusers UNet module as kohya names it in SDXL's original (SGM) UNet: `input_blocks_4_1_...`."""
+    per_block, resnet = layers_per_block + 1, {"conv1": "in_layers_2", "conv2": "out_layers_3",
+                                               "time_emb_proj": "emb_layers_1", "conv_shortcut": "skip_connection"}  # fmt: skip
+    parts = module.split(".")
+    if parts[0] == "mid_block":
+        index = {("resnets", "0"): 0, ("attentions", "0"): 1, ("resnets", "1"): 2}[(parts[1], parts[2])]
+        head, rest = f"middle_block_{index}", parts[3:]
+    elif parts[2] == "downsamplers":
+        return f"input_blocks_{(int(parts[1]) + 1) * per_block}_0_op"
+    else:
+        block, inner, layer = int(parts[1]), parts[2], int(parts[3])
+        index = block * per_block + layer + (1 if parts[0] == "down_blocks" else 0)
+        kind = "input_blocks" if parts[0] == "down_blocks" else "output_blocks"
+        head, rest = f"{kind}_{index}_{('resnets', 'attentions').index(inner)}", parts[4:]
+    if rest and rest[0] in resnet:
+        rest = [resnet[rest[0]], *rest[1:]]
+    return "_".join([head, *rest])
+
+
+def kohya_file(directory: Path, family: str, seed: int, conv: bool = False, sgm: bool = False) -> bytes:
     """A kohya-layout file (`lora_unet_*`, `lora_te*_*`, with alpha) for the tiny pipeline; `conv`: LoCon, its
-    ResNet convolutions too. FLUX's denoiser part uses the BFL names (fused q/k/v), as kohya writes them."""
+    ResNet convolutions (and downsamplers) too; `sgm`: SDXL's UNet names in the original UNet's blocks, as kohya
+    writes them. FLUX's denoiser part uses the BFL names (fused q/k/v), as kohya writes them."""
     import torch
     from safetensors.torch import save
 
@@ -92,13 +113,20 @@ def kohya_file(directory: Path, family: str, seed: int, conv: bool = False) -> b
         pair("lora_unet_single_blocks_0_linear2", [rank, inner + mlp], [inner, rank], 2.0)
         encoders = {"lora_te1": "text_encoder"}
     else:
-        for module, shape in sorted(base_weights(directory, "unet").items()):
-            if module.endswith((".to_q", ".to_k", ".to_v", ".to_out.0")) and len(shape) == 2:
-                pair("lora_unet_" + module.replace(".", "_"), [rank, shape[1]], [shape[0], rank], 2.0)
-            elif conv and ".resnets." in module and module.endswith((".conv1", ".conv2")):
+        unet = base_weights(directory, "unet")
+        layers_per_block = len({m.split(".")[3] for m in unet if m.startswith("down_blocks.0.resnets.")})
+
+        def name(module: str) -> str:
+            return "lora_unet_" + (sgm_name(module, layers_per_block) if sgm else module.replace(".", "_"))
+
+        for module, shape in sorted(unet.items()):
+            if module.endswith((".to_q", ".to_k", ".to_v", ".to_out.0", ".proj_in")) and len(shape) == 2:
+                pair(name(module), [rank, shape[1]], [shape[0], rank], 2.0)
+            elif conv and (
+                (".resnets." in module and module.endswith((".conv1", ".conv2"))) or ".downsamplers." in module
+            ):
                 out_channels, in_channels, *kernel = shape
-                pair("lora_unet_" + module.replace(".", "_"), [rank, in_channels, *kernel],
-                     [out_channels, rank, 1, 1], 8.0)  # fmt: skip
+                pair(name(module), [rank, in_channels, *kernel], [out_channels, rank, 1, 1], 8.0)
         encoders = {"lora_te": "text_encoder"} if family == "sd15" else {"lora_te1": "text_encoder",
                                                                           "lora_te2": "text_encoder_2"}  # fmt: skip
     for prefix, component in encoders.items():
@@ -185,9 +213,13 @@ def test_one_and_two_adapters_and_scale_zero_equal_diffusers_own_lora_loading_in
         assert np.array_equal(np.asarray(again), np.asarray(base))
 
 
-@pytest.mark.parametrize(("family", "conv"), [("sd15", False), ("sd15", True), ("sdxl", False), ("flux-dev", False)])
-def test_kohya_and_locon_files_load_and_equal_diffusers(pipelines, family, conv):
-    files = {"kohya": kohya_file(pipelines[family][0], family, seed=3, conv=conv)}
+@pytest.mark.parametrize(
+    ("family", "conv", "sgm"),
+    [("sd15", False, False), ("sd15", True, False), ("sdxl", False, False), ("sdxl", True, True),
+     ("flux-dev", False, False)],
+)  # fmt: skip
+def test_kohya_and_locon_files_load_and_equal_diffusers(pipelines, family, conv, sgm):
+    files = {"kohya": kohya_file(pipelines[family][0], family, seed=3, conv=conv, sgm=sgm)}
     base, _, runner = served(pipelines, family, "request")
     adapters = loaded(family, pipelines, files, {"kohya": 0.7})
     images, pending, _ = served(pipelines, family, "request", runner, adapters)
