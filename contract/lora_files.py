@@ -74,6 +74,8 @@ _SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": 
 
 # Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
 RangeReader = Callable[[int, int], bytes]
+# A base weights file by its path relative to the weights root: (its RangeReader, its size), or None when absent.
+FileOpener = Callable[[str], "tuple[RangeReader, int] | None"]
 
 
 def _all_ones(mask: int) -> bytes:
@@ -145,6 +147,35 @@ def read_header(read: RangeReader, size: int) -> dict:
         elif not 0 <= start <= end <= data_bytes or end - start != count * DTYPE_BYTES[entry["dtype"]]:
             raise AdapterFileError(f"truncated or inconsistent safetensors file at {name!r}")
     return header
+
+
+def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str, dict]:
+    """The base model's safetensors header per LoRA component: its one weights file, or the shards its
+    `.index.json` names (FLUX.1's transformer ships in shards), merged. A component with neither is left out."""
+    headers = {}
+    for component in components:
+        path = BASE_FILES[component]
+        single = open_file(path)
+        if single is not None:
+            headers[component] = read_header(*single)
+            continue
+        index = open_file(f"{path}.index.json")
+        if index is None:
+            continue
+        read, size = index
+        try:
+            shards = sorted(set(json.loads(read(0, size - 1))["weight_map"].values()))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise AdapterFileError(f"{path}.index.json of the base model is not a weight index") from exc
+        merged: dict = {}
+        folder = path.rsplit("/", 1)[0]
+        for shard in shards:
+            opened = open_file(f"{folder}/{shard}") if "/" not in shard else None
+            if opened is None:
+                raise AdapterFileError(f"{folder}/{shard}, named by the base model's weight index, is missing")
+            merged.update(read_header(*opened))
+        headers[component] = merged
+    return headers
 
 
 def lora_targets(header: dict) -> list[LoraTarget]:

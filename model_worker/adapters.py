@@ -26,8 +26,8 @@ from contract import naming
 from contract.catalog import ModelSpec
 from contract.generation import AdapterRef
 from contract.lora_files import (
-    BASE_FILES,
     AdapterFileError,
+    base_headers,
     bytes_reader,
     check_finite,
     check_targets,
@@ -187,21 +187,24 @@ class AdapterLoader:
 
     def _base_headers(self, spec: ModelSpec) -> dict:
         if spec.queue not in self._base:
-            root = self._weights_dirs[spec.queue]
-            headers = {}
-            for component in spec.family.lora_components if spec.family else ():
-                file = root / BASE_FILES[component]
-                if file.exists():
-                    headers[component] = _file_header(file)
-            self._base[spec.queue] = headers
+            components = spec.family.lora_components if spec.family else ()
+            self._base[spec.queue] = base_headers(components, _file_opener(self._weights_dirs[spec.queue]))
         return self._base[spec.queue]
 
 
-def _file_header(file: Path) -> dict:
-    with file.open("rb") as handle:
+def _file_opener(root: Path):
+    """Reads the local base weights' headers (a few kB of each file, never the weights)."""
+
+    def open_file(path: str):
+        file = root / path
+        if not file.is_file():
+            return None
 
         def read(start: int, end: int) -> bytes:
-            handle.seek(start)
-            return handle.read(end - start + 1)
+            with file.open("rb") as handle:
+                handle.seek(start)
+                return handle.read(end - start + 1)
 
-        return read_header(read, file.stat().st_size)
+        return read, file.stat().st_size
+
+    return open_file

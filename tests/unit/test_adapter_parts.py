@@ -362,3 +362,40 @@ def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_
     with pytest.raises(ValueError, match=r"nan-style@1: unet\..*lora_B\.weight holds NaN or infinite values"):
         adapters.weights()
     assert loader.loads == 0  # nothing cached: the next request for it is refused again, not served black
+
+
+def test_a_sharded_base_component_is_read_from_every_shard_its_index_names(tmp_path):
+    """FLUX.1's transformer ships in shards: the worker (local files) and the registry (the bucket) merge them."""
+    from contract.adapter_registry import AdapterRegistry
+    from contract.lora_files import base_headers
+    from emulators.stack import local_catalog
+    from model_worker.adapters import _file_opener
+
+    shards = {
+        "diffusion_pytorch_model-00001-of-00002.safetensors": {"transformer_blocks.0.attn.to_q.weight": [32, 32]},
+        "diffusion_pytorch_model-00002-of-00002.safetensors": {"single_transformer_blocks.0.proj_mlp.weight": [128, 32]},
+    }  # fmt: skip
+    files = {f"transformer/{shard}": safetensors({name: ("F32", shape) for name, shape in weights.items()})
+             for shard, weights in shards.items()}  # fmt: skip
+    index = {"metadata": {}, "weight_map": {name: shard for shard, weights in shards.items() for name in weights}}
+    files["transformer/diffusion_pytorch_model.safetensors.index.json"] = json.dumps(index).encode()
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    lora = safetensors({
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": ("F32", [4, 32]),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": ("F32", [32, 4]),
+        "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": ("F32", [4, 32]),
+        "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight": ("F32", [128, 4]),
+    })  # fmt: skip
+    local = base_headers(("transformer", "text_encoder"), _file_opener(tmp_path))
+    assert set(local) == {"transformer"} and len(local["transformer"]) == 2
+    assert check_targets(targets_of(lora), local, max_rank=8) == 4
+
+    flux = local_catalog().get("flux-schnell")
+    spec = flux.model_copy(update={"weights_path": "flux/1", "adapters": local_catalog().get("sd15-txt2img").adapters})
+    bucket = FakeBucket({f"flux/1/{path}": data for path, data in files.items()})
+    assert AdapterRegistry(bucket)._base_headers(spec) == local
+    del bucket.objects["flux/1/transformer/diffusion_pytorch_model-00002-of-00002.safetensors"]
+    with pytest.raises(AdapterFileError, match="00002-of-00002.safetensors, named by the base model's weight index, "):
+        AdapterRegistry(bucket)._base_headers(spec)
