@@ -14,8 +14,10 @@ next call runs the base model or its own set.
 
 A compiled model (`MAAS_TORCH_COMPILE=1`) keeps its graph: `enable_lora_hotswap(target_rank=max_rank)` runs
 before compiling, and an adapter is swapped into one of a fixed set of slots (one per place in a request's
-set) with `hotswap=True`, so loading another adapter changes weights, not modules. diffusers cannot hotswap
-text-encoder layers, so a compiled model serves adapters that change the denoiser only.
+set) with `hotswap=True`, so loading another adapter changes weights, not modules; every slot stays active
+and a call's scales are written into PEFT's scaling tensors in place (a slot the set leaves out, or a base
+call's, at 0), so nothing the graph was traced with changes. diffusers cannot hotswap text-encoder layers,
+so a compiled model serves adapters that change the denoiser only.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ class LoraSets:
         self._components = components
         self._device_cache = max(1, device_cache)
         self._hotswap = hotswap_rank is not None
+        self._target_rank = hotswap_rank
         # Adapter (name, version) -> its name in the pipeline; a compiled model's slots are fixed names instead.
         self._resident: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._slots: dict[str, tuple[str, str]] = {}
+        self._units: dict[str, list] = {}  # a compiled model's slot -> [(LoRA layer, its scaling at scale 1)]
         self._names = itertools.count()
         self._active: tuple | None = ()
         if self._hotswap:
@@ -67,14 +71,16 @@ class LoraSets:
     def activate(self, adapters: list[tuple[LoraWeights, float]]) -> None:
         """Makes `adapters` (weights, scale) the set the next calls run with; [] is the base model.
 
-        All or nothing: when it raises (ValueError naming the adapter: its request fails alone), the LoRA layers
-        are disabled and no partly loaded adapter is left, so the next call runs the base model."""
+        All or nothing: when it raises (ValueError naming the adapter: its request fails alone), the model is left
+        running its base weights and no partly loaded adapter is left, so the next call runs the base model."""
         key = tuple((weights.key, scale) for weights, scale in adapters)
         if key == self._active:
             return
         self._active = None  # unknown until this completes
         try:
-            if adapters:
+            if self._hotswap:
+                self._set_slots(adapters)
+            elif adapters:
                 names = self._on_device([weights for weights, _ in adapters])
                 self._enable(True)
                 try:
@@ -82,23 +88,60 @@ class LoraSets:
                 except Exception as exc:
                     sets = ", ".join(f"{weights.name}@{weights.version}" for weights, _ in adapters)
                     raise ValueError(f"adapters {sets} could not be activated: {exc}") from exc
+            else:
+                self._enable(False)
         except BaseException:
-            self._enable(False)
+            self._to_base()
             raise
-        if not adapters:
-            self._enable(False)
         self._active = key
 
-    def _enable(self, enabled: bool) -> None:
-        """Turns every LoRA layer of the components on or off (off: each runs its base layer alone). diffusers'
-        `disable_lora` refuses a component that holds no adapter; this does not."""
+    def _to_base(self) -> None:
+        if self._hotswap:
+            self._scale_slots({})
+        else:
+            self._enable(False)
+
+    def _set_slots(self, adapters: list[tuple[LoraWeights, float]]) -> None:
+        """A compiled model's set: each adapter swapped into its slot, then every slot's scaling written in place
+        (0 for the slots the set leaves out: a base call is every slot at 0). Which adapters run, and the values the
+        graph was traced with, never change: no `set_adapters`, no layers switched off (either would recompile)."""
+        for index, (weights, _) in enumerate(adapters):
+            self._swap_in(f"slot_{index}", weights)
+        self._scale_slots({f"slot_{index}": scale for index, (_, scale) in enumerate(adapters)})
+
+    def _scale_slots(self, scales: dict[str, float]) -> None:
+        import torch
+
+        for slot, layers in self._units.items():
+            for module, unit in layers:
+                value, current = unit * scales.get(slot, 0.0), module.scaling[slot]
+                if isinstance(current, torch.Tensor):
+                    current.fill_(value)
+                else:
+                    module.scaling[slot] = value
+
+    def _record_slot(self, slot: str) -> None:
+        """After a load into `slot`: each layer's scaling at scale 1 (alpha / rank, as PEFT set it), and every slot
+        active in every layer."""
+        layers = list(self._lora_layers())
+        self._units[slot] = [(module, float(module.scaling[slot])) for module in layers if slot in module.scaling]
+        for module in layers:
+            module.set_adapter(sorted(self._slots))
+
+    def _lora_layers(self):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         for component in self._components:
             model = getattr(self._pipeline, component, None)
             for module in model.modules() if model is not None else ():
                 if isinstance(module, BaseTunerLayer):
-                    module.enable_adapters(enabled)
+                    yield module
+
+    def _enable(self, enabled: bool) -> None:
+        """Turns every LoRA layer of the components on or off (off: each runs its base layer alone). diffusers'
+        `disable_lora` refuses a component that holds no adapter; this does not."""
+        for module in self._lora_layers():
+            module.enable_adapters(enabled)
 
     def _on_device(self, adapters: list[LoraWeights]) -> list[str]:
         if self._hotswap:
@@ -130,16 +173,23 @@ class LoraSets:
                              "serves adapters that change the denoiser only (diffusers cannot hotswap text encoders)")  # fmt: skip
         if slot in self._slots:
             held = self._slots.pop(slot)
+            self._scale_slots({slot: 1.0})  # the scaling PEFT compares with and overwrites: alpha / rank, as loaded
             try:
                 self._pipeline.load_lora_weights(dict(weights.tensors), adapter_name=slot, hotswap=True)
                 self._slots[slot] = weights.key
+                self._record_slot(slot)
                 return slot
             except Exception as exc:  # noqa: BLE001 - the slot is rebuilt below, whatever it holds now
                 log.warning("adapter %s@%s could not be swapped in for %s@%s (%s): loading it anew",
                             weights.name, weights.version, *held, exc)  # fmt: skip
+                self._units.pop(slot, None)
                 self._delete(slot)
+        # diffusers pads a fresh adapter to the target rank and makes its scalings tensors on the first load after
+        # `enable_lora_hotswap` only: asked again for every slot, so each can take any adapter up to max_rank.
+        self._pipeline.enable_lora_hotswap(target_rank=self._target_rank, check_compiled="warn")
         self._load(weights, slot)
         self._slots[slot] = weights.key
+        self._record_slot(slot)
         return slot
 
     def _load(self, weights: LoraWeights, name: str) -> None:

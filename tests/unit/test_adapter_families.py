@@ -280,34 +280,55 @@ def served_items(adapters) -> list:
 
 
 def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipelines):
-    """The hotswap wiring on an eager model (torch.compile on CPU is minutes, not seconds): the second adapter is
-    swapped into the first one's slot (no new LoRA modules), and the image is diffusers' own for it."""
+    """The hotswap wiring on an eager model (torch.compile on CPU is minutes, not seconds): an adapter is swapped
+    into its slot's existing modules, every slot stays active with its scale written into PEFT's scaling tensors
+    (so nothing a compiled graph was traced with changes), and each image is diffusers' own for the set."""
     import diffusers
+    import torch
     from safetensors.torch import load, save
 
     from model_worker.lora import LoraSets
 
     directory, _ = pipelines["sd15"]
     unet_only = {name: save({k: v for k, v in load(peft_file(directory, seed, rank)).items() if k.startswith("unet.")})
-                 for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8))}  # fmt: skip
+                 for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8), ("dots", 3, 4))}  # fmt: skip
     pipeline = diffusers.StableDiffusionPipeline.from_pretrained(directory)
     pipeline.set_progress_bar_config(disable=True)
     sets = LoraSets(pipeline, ("unet", "text_encoder"), device_cache=4, hotswap_rank=POLICY.max_rank)
-    modules = None
-    for name in ("ink", "neon", "ink"):
-        [(weights, _)] = loaded("sd15", pipelines, unet_only, {name: 0.8}).loaded
-        sets.activate([(weights, 0.8)])
-        assert pipeline.get_list_adapters() == {"unet": ["slot_0"]}
-        lora_modules = [id(m) for m in pipeline.unet.modules() if "slot_0" in getattr(m, "lora_A", {})]
-        assert modules is None or lora_modules == modules, "the swap made new modules (a recompile)"
-        modules = lora_modules
-        pending = request(f"hot-{name}", FAMILIES["sd15"], steps=2, guidance=7.5, seed=5)
+
+    def image(name: str):
+        pending = request("hot", FAMILIES["sd15"], steps=2, guidance=7.5, seed=5)  # one prompt for every image
         pending.request.parameters.width = pending.request.parameters.height = SIZE
-        got = pipeline(**reference_kwargs(pending)).images
-        assert_close(got, reference_with(pipelines, "sd15", pending, unet_only, {name: 0.8}))
+        return pending, pipeline(**reference_kwargs(pending)).images
+
+    def weights(name: str):
+        return loaded("sd15", pipelines, unet_only, {name: 1.0}).loaded[0][0]
+
+    _, base = image("base")
+    modules = None
+    for names, scales in ((["ink"], [0.8]), (["neon"], [0.8]), (["ink", "dots"], [0.8, -0.6]), (["neon"], [0.0]),
+                          (["dots", "ink"], [0.5, 0.5]), ([], [])):  # fmt: skip
+        sets.activate([(weights(name), scale) for name, scale in zip(names, scales, strict=True)])
+        layers = [m for m in pipeline.unet.modules() if "slot_0" in getattr(m, "lora_A", {})]
+        slots = {(id(m), slot): id(m.lora_A[slot]) for m in layers for slot in m.lora_A}
+        assert modules is None or all(slots[key] == value for key, value in modules.items() if key in slots), (
+            "a swap made new LoRA modules (a compiled model would recompile)"
+        )
+        modules = slots
+        assert all(isinstance(m.scaling[s], torch.Tensor) for m in layers for s in m.scaling), "a scaling is a float"
+        assert all(m.active_adapters == [s for s in ("slot_0", "slot_1") if s in sets._slots] for m in layers)
+        pending, got = image("+".join(names))
+        if any(scales):
+            files = {name: unet_only[name] for name in names}
+            assert_close(got, reference_with(pipelines, "sd15", pending, files, dict(zip(names, scales, strict=True))))
+        else:
+            assert_close(got, base)
+    assert pipeline.get_list_adapters() == {"unet": ["slot_0", "slot_1"]}
     [(with_text, _)] = loaded("sd15", pipelines, {"inked-text": peft_file(directory, 1, 4)}, {"inked-text": 0.8}).loaded
     with pytest.raises(ValueError, match="changes a text encoder: a compiled model serves adapters that change the "):
         sets.activate([(with_text, 0.8)])
+    _, after = image("after")
+    assert_close(after, base)
 
 
 def reference_kwargs(pending) -> dict:
