@@ -3,7 +3,8 @@
 Every call runs one adapter set (requests with different sets never share a model call: the batch key), so
 switching is between calls. An adapter is put on the device once, by diffusers' `load_lora_weights` under a
 name of its own (diffusers converts the file's layout: PEFT, kohya, LoCon, FLUX's), and stays there in an LRU
-of `device_cache` per model; eviction is `delete_adapters`. A call's set is `set_adapters(names, scales)`;
+of `device_cache` per model; eviction deletes its layers (what `delete_adapters` does, component by component,
+tolerating one the adapter never reached). A call's set is `set_adapters(names, scales)`;
 a base-model call runs with the LoRA layers disabled, which is exactly the plain model (the base layer alone),
 and an adapter is never merged into (and rounded into) the base weights.
 
@@ -46,6 +47,8 @@ logging.getLogger("transformers.integrations.peft").addFilter(_OtherAdaptersRepo
 
 
 class LoraSets:
+    """One pipeline's adapters on the device and the set its next calls run with."""
+
     def __init__(self, pipeline, components: tuple[str, ...], device_cache: int, hotswap_rank: int | None = None):
         """`components`: the pipeline's LoRA components (the family's); `hotswap_rank`: a compiled model's
         largest adapter rank (set before the model is compiled), None when it runs eagerly."""
@@ -62,11 +65,6 @@ class LoraSets:
         self._active: tuple | None = ()
         if self._hotswap:
             pipeline.enable_lora_hotswap(target_rank=hotswap_rank)
-
-    @property
-    def resident(self) -> list[tuple[str, str]]:
-        """The adapters on the device, least recently used first."""
-        return list(self._slots.values()) if self._hotswap else list(self._resident)
 
     def activate(self, adapters: list[tuple[LoraWeights, float]]) -> None:
         """Makes `adapters` (weights, scale) the set the next calls run with; [] is the base model.
