@@ -4,7 +4,7 @@ A family is the set of diffusers pipelines that share a denoiser and its conditi
 with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-packed latents, guidance embedded
 in the model for [dev] and absent for [schnell]) and SD 3.5 (a flow-matching MMDiT with classifier-free
 guidance, its T5 encoder optional). The API enforces each family's rules from this table (sizes,
-which guidance a request may ask for, negative prompts, adapters); the worker picks its denoiser by the same
+which guidance a request may ask for, negative prompts, the components adapters change); the worker picks its denoiser by the same
 pipeline class (`model_worker/families`).
 """
 
@@ -80,7 +80,8 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 28, "guidance_scale": 7.0, "width": 1024, "height": 1024},
             guidance="cfg",
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
         ),
     )

@@ -1,9 +1,9 @@
 """LoRA adapters for every family against diffusers' own LoRA loading: a request's image with adapters, made by
 the worker's device loop, equals the pipeline's after `load_lora_weights` and `set_adapters`.
 
-For SD 1.5, SDXL and FLUX.1 (tiny random-weight pipelines, as the local stack serves them), in both schedulings:
-one adapter at a scale, two composed, scale 0 (the base image); files in the kohya layout (with alpha), with
-LoCon conv layers, and FLUX.1's BFL names; an activation that fails part-way (diffusers' load, or its
+For SD 1.5, SDXL, FLUX.1 and SD 3.5 (tiny random-weight pipelines, as the local stack serves them), in both
+schedulings: one adapter at a scale, two composed, scale 0 (the base image); files in the kohya layout (with
+alpha, SDXL's in the original UNet's block names too), with LoCon conv layers, and FLUX.1's BFL names; an activation that fails part-way (diffusers' load, or its
 `set_adapters`) leaves the base model behind; and a compiled model's hotswap slots, wired on an eager model.
 Adapters reach the runner through the worker's own loader (digest, header check against the base weights).
 """
@@ -20,12 +20,12 @@ from contract import naming
 from contract.generation import AdapterRef
 from contract.lora_files import BASE_FILES, bytes_reader, read_header
 from tests.unit.test_adapter_parts import FakeBucket, with_adapters
-from tests.unit.test_model_families import DEV, SD15, SDXL, assert_close, reference_images
+from tests.unit.test_model_families import DEV, SD15, SD35, SDXL, assert_close, reference_images
 from tests.unit.test_step_scheduler import Worker, request
 
 POLICY = SD15.adapters
 FAMILIES = {name: spec.model_copy(update={"adapters": POLICY}) for name, spec in
-            {"sd15": SD15, "sdxl": SDXL, "flux-dev": DEV}.items()}  # fmt: skip
+            {"sd15": SD15, "sdxl": SDXL, "flux-dev": DEV, "sd35": SD35}.items()}  # fmt: skip
 SIZE = 64
 # An adapter visibly changes the image: at least this much somewhere (out of 255).
 VISIBLE = 10

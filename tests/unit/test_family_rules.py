@@ -58,7 +58,6 @@ def test_each_family_gets_its_own_defaults_for_what_the_entry_leaves_out():
         ({"task": "image-to-image"}, "serves text-to-image"),
         ({"guidance": "cfg"}, "does not fit"),
         ({"defaults": {"width": 1000}}, "multiple of 16"),
-        ({"pipeline": "StableDiffusion3Pipeline", "adapters": {}}, "adapters are not served for sd3"),
     ],
 )
 def test_a_catalog_entry_that_contradicts_its_family_is_refused(changes, message):
@@ -66,8 +65,8 @@ def test_a_catalog_entry_that_contradicts_its_family_is_refused(changes, message
         ModelSpec.model_validate(entry(**changes))
 
 
-def test_sdxl_and_flux_entries_take_adapters():
-    for pipeline in ("FluxPipeline", "StableDiffusionXLPipeline"):
+def test_every_family_takes_adapters():
+    for pipeline in ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline"):
         assert ModelSpec.model_validate(entry(pipeline=pipeline, adapters={})).adapters is not None
 
 
