@@ -1,7 +1,7 @@
 """LoRA adapters on the worker's runner, per model family: the per-call cost of an adapter set against none, a
 call that switches the set, and the cold load from the model bucket.
 
-For each family's tiny pipeline (the stack's tiny model directories: SD 1.5, SDXL, FLUX.1 [schnell]) two
+For each family's tiny pipeline (the stack's tiny model directories: SD 1.5, SDXL, FLUX.1 [schnell], SD 3.5) two
 adapters built as `make up` builds its tiny ones (the attention projections of the denoiser and the text
 encoders, diffusers' PEFT layout), uploaded to the model bucket (the stack's GCS emulator) and registered
 as the admin call does (header checks against the base weights in the bucket), in this one process with the
@@ -28,7 +28,7 @@ from contract.messages import GenerationParameters
 from emulators.stack import local_catalog
 
 # One model per family the worker serves adapters for, as the local stack serves them.
-MODELS = {"sd15": "sd15-txt2img", "sdxl": "sdxl-txt2img", "flux": "flux-schnell"}
+MODELS = {"sd15": "sd15-txt2img", "sdxl": "sdxl-txt2img", "flux": "flux-schnell", "sd3": "sd35-txt2img"}
 ADAPTERS = {"bench-ink": (1, 4), "bench-neon": (2, 8)}  # name -> (seed, rank), as `make up`'s tiny ones
 SIZE = 64
 
