@@ -11,7 +11,14 @@ from google.api_core import exceptions
 from api_server.errors import ApiError
 from contract.adapter_registry import AdapterNotFoundError, AdapterRecord, AdapterRegistry
 from contract.catalog import ModelSpec
-from contract.generation import ADAPTER_NAME_PATTERN, AdapterIn, AdapterRef
+from contract.generation import (
+    ADAPTER_NAME_LENGTH,
+    ADAPTER_NAME_PATTERN,
+    ADAPTER_VERSION_LENGTH,
+    ADAPTER_VERSION_PATTERN,
+    AdapterIn,
+    AdapterRef,
+)
 from contract.lora_files import AdapterFileError
 
 log = logging.getLogger(__name__)
@@ -59,10 +66,16 @@ class AdapterService:
         return record
 
     def register(self, spec: ModelSpec, name: str, version: object) -> AdapterRecord:
-        if re.match(ADAPTER_NAME_PATTERN, name) is None:
-            raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN}", "name")
-        if not isinstance(version, str) or re.match(r"^[A-Za-z0-9._-]{1,64}$", version) is None:
-            raise ApiError(422, "version: a string of letters, digits, '.', '_' or '-'", "version")
+        if re.match(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
+            raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN} (no '..'), at most "
+                           f"{ADAPTER_NAME_LENGTH} characters", "name")  # fmt: skip
+        if (
+            not isinstance(version, str)
+            or re.match(ADAPTER_VERSION_PATTERN, version) is None
+            or len(version) > ADAPTER_VERSION_LENGTH
+        ):
+            raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "
+                           f"{ADAPTER_VERSION_LENGTH} characters (no '..')", "version")  # fmt: skip
         try:
             return self._registry.register(spec, name, version)
         except AdapterNotFoundError as exc:

@@ -253,17 +253,25 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def adapter_lines(a: dict) -> list[str]:
-    """LoRA adapters (bench/adapters.py): per denoising call against the base model, and load times."""
-    lines = ["", f"## LoRA adapters per call (hooks, not fused; {a['size']}x{a['size']}, {a['threads']} torch thread, "
-             f"{a['accelerator']}), median ms per denoising call", ""]  # fmt: skip
+    """LoRA adapters per family (bench/adapters.py): per denoising call against the base model, and load times."""
+    accelerator = a["families"][0]["accelerator"] if a["families"] else "?"
+    lines = ["", f"## LoRA adapters per call (diffusers' LoRA layers, not fused; {a['size']}x{a['size']}, "
+             f"{a['threads']} torch thread, {accelerator}; load average {' '.join(a['loadavg_before'])}), "
+             "median ms per denoising call", ""]  # fmt: skip
     lines += [
-        "| batch | base | 1 adapter | 2 adapters | 1 adapter, set switched before each call |",
+        "| family | batch | base | 1 adapter | 2 adapters | 1 adapter, set switched before each call |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family in a["families"]:
+        for r in family["rows"]:
+            cells = [r["one_adapter_ms"], r["two_adapters_ms"], r["one_adapter_switching_ms"]]
+            lines.append(f"| {family['family']} | {r['batch']} | {_fmt(r['base_ms'], 2)} | "
+                         + " | ".join(f"{_fmt(c, 2)} ({c / r['base_ms']:.2f}x)" for c in cells) + " |")  # fmt: skip
+    lines += [
+        "",
+        "| family | adapter | cold load from the bucket, ms | onto the device, ms | kB |",
         "|---|---|---|---|---|",
     ]
-    for r in a["rows"]:
-        cells = [r["one_adapter_ms"], r["two_adapters_ms"], r["one_adapter_switching_ms"]]
-        lines.append(f"| {r['batch']} | {_fmt(r['base_ms'], 2)} | "
-                     + " | ".join(f"{_fmt(c, 2)} ({c / r['base_ms']:.2f}x)" for c in cells) + " |")  # fmt: skip
-    lines += ["", "| adapter | load | ms | kB |", "|---|---|---|---|"]
-    lines += [f"| {x['adapter']} | {x['state']} | {_fmt(x['ms'], 2)} | {x['bytes'] / 1e3:.0f} |" for x in a["loads"]]
+    lines += [f"| {f['family']} | {x['adapter']} | {_fmt(x['bucket_ms'], 2)} | {_fmt(x['device_ms'], 2)} | "
+              f"{x['bytes'] / 1e3:.0f} |" for f in a["families"] for x in f["loads"]]  # fmt: skip
     return lines

@@ -189,7 +189,7 @@ class Suite:
     def adapters(self) -> dict | None:
         """LoRA adapters on the runner: per-call cost against none, and the load time (bench/adapters.py)."""
         return self._module("LoRA adapters", "bench.adapters", "adapters.json", 300,
-                            ["--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
+                            ["--model-root", str(tiny_model_dir(self.config, "sd15-txt2img").parent),
                              "--calls", "15" if self.quick else "40"],
                             {"MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
 

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict
 from contract import naming
 from contract.catalog import ModelSpec
 from contract.lora_files import (
-    BASE_FILES,
     AdapterFileError,
+    base_headers,
     bytes_reader,
     check_file_names,
     check_finite,
@@ -146,16 +146,15 @@ class AdapterRegistry:
             cached = self._base.get(spec.weights_path)
         if cached is not None:
             return cached
-        headers = {}
-        for component, path in BASE_FILES.items():
-            blob = self._bucket.get_blob(f"{spec.weights_path.rstrip('/')}/{path}")
+        root = spec.weights_path.rstrip("/")
+
+        def open_file(path: str):
+            blob = self._bucket.get_blob(f"{root}/{path}")
             if blob is None:
-                continue
+                return None
+            return (lambda start, end: blob.download_as_bytes(start=start, end=end)), blob.size
 
-            def read(start: int, end: int, blob=blob) -> bytes:
-                return blob.download_as_bytes(start=start, end=end)
-
-            headers[component] = read_header(read, blob.size)
+        headers = base_headers(spec.family.lora_components if spec.family else (), open_file)
         if not headers:
             raise AdapterFileError(f"the base weights of {spec.name} are not in the bucket: nothing to check against")
         with self._lock:

@@ -4,7 +4,7 @@ A family is the set of diffusers pipelines that share a denoiser and its conditi
 with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-packed latents, guidance embedded
 in the model for [dev] and absent for [schnell]) and SD 3.5 (a flow-matching MMDiT with classifier-free
 guidance, its T5 encoder optional). The API enforces each family's rules from this table (sizes,
-which guidance a request may ask for, negative prompts, adapters); the worker picks its denoiser by the same
+which guidance a request may ask for, negative prompts, the components adapters change); the worker picks its denoiser by the same
 pipeline class (`model_worker/families`).
 """
 
@@ -31,8 +31,11 @@ class Family:
     guidance: Guidance
     # The dtype the worker loads on a GPU (the CPU always runs float32).
     gpu_dtype: Literal["float16", "bfloat16"]
-    # Whether the worker's adapter code serves this family (a later change moves every family to diffusers' LoRA).
+    # Whether the worker serves LoRA adapters for this family (diffusers' own LoRA loading).
     adapters: bool
+    # The pipeline components an adapter file may change (diffusers' LoRA-loadable ones the family serves); the
+    # registration check reads these components' base weights.
+    lora_components: tuple[str, ...] = ()
     # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
     optional_components: tuple[str, ...] = ()
 
@@ -48,6 +51,7 @@ FAMILIES: dict[str, Family] = {
             guidance="cfg",
             gpu_dtype="float16",
             adapters=True,
+            lora_components=("unet", "text_encoder"),
         ),
         Family(
             "sdxl",
@@ -56,7 +60,8 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 30, "guidance_scale": 5.0, "width": 1024, "height": 1024},
             guidance="cfg",
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
-            adapters=False,
+            adapters=True,
+            lora_components=("unet", "text_encoder", "text_encoder_2"),
         ),
         Family(
             "flux",
@@ -65,7 +70,8 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024},
             guidance="embedded",
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
         ),
         Family(
             "sd3",
@@ -74,7 +80,8 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 28, "guidance_scale": 7.0, "width": 1024, "height": 1024},
             guidance="cfg",
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
         ),
     )

@@ -10,15 +10,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 MAX_SEED = 2**31 - 1
-# A LoRA adapter's name: the last segment of its bucket path (`adapters/{model}/{name}/{version}/`).
-ADAPTER_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# A LoRA adapter's name: the last segment of its bucket path (`adapters/{model}/{name}/{version}/`), so never two
+# dots in a row (`..` would name another path); at most ADAPTER_NAME_LENGTH characters.
+ADAPTER_NAME_PATTERN = r"^[a-z0-9](?:\.?[a-z0-9_-])*$"
+ADAPTER_NAME_LENGTH = 63
+# An adapter version: a path segment too, the same rule with capitals.
+ADAPTER_VERSION_PATTERN = r"^[A-Za-z0-9_-](?:\.?[A-Za-z0-9_-])*$"
+ADAPTER_VERSION_LENGTH = 64
 
 
 class AdapterIn(BaseModel):
     """One LoRA adapter as a client names it: a registered name and a scale (the catalog bounds both)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    name: str = Field(pattern=ADAPTER_NAME_PATTERN)
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN, max_length=ADAPTER_NAME_LENGTH)
     scale: float = 1.0
 
 

@@ -1,12 +1,24 @@
 """LoRA adapter files checked without torch, by the API at registration and by the worker before it loads one.
 
-An adapter is one safetensors file in diffusers' PEFT layout (`save_lora_weights`): for each target Linear
-module, `{component}.{module}.lora_A.weight` (rank x in) and `.lora_B.weight` (out x rank), with
-`component` `unet` or `text_encoder`, and an optional scalar `.alpha` (absent: alpha = rank). Every target
-must exist, with the same shape, in the base model's own safetensors headers, so a LoRA built for another
-architecture is refused before anything loads it. Only headers are parsed: a pickle never is. The one look at
-the data is for NaN and infinity (their exponent bits, compared a byte column at a time), which would turn
-every image the adapter touches black.
+An adapter is one safetensors file in one of the layouts diffusers' `load_lora_weights` converts:
+
+- diffusers/PEFT (`save_lora_weights`): `{component}.{module}.lora_A.weight` (rank x in) and `.lora_B.weight`
+  (out x rank), `component` one of the family's LoRA components (`unet`, `text_encoder`, `text_encoder_2`,
+  `transformer`). diffusers refuses a stray `.alpha` in this layout, so this check does too.
+- kohya (`lora_unet_*`, `lora_te_*`/`lora_te1_*`, `lora_te2_*`): `.lora_down.weight`, `.lora_up.weight` and an
+  optional scalar `.alpha`; the module is the diffusers module path with dots written as underscores, which is
+  how diffusers' conversion reads it back; SDXL files name the UNet in the original (SGM) blocks
+  (`input_blocks_4_1_...`, `middle_block_1_...`, `output_blocks_...`), renamed to diffusers' blocks as diffusers
+  does (`layers_per_block` read from the base UNet's header). LoCon files add conv layers: down
+  (rank x in x kh x kw), up (out x rank x 1 x 1).
+- FLUX.1 in kohya's BFL naming (`lora_unet_double_blocks_{i}_img_attn_qkv`, `lora_unet_single_blocks_{i}_linear1`,
+  ...): diffusers splits a fused projection into its modules (q, k, v, and FLUX's MLP input), so the file's
+  output rows must be those modules' rows side by side.
+
+Every target must exist, with the same shape, in the base model's own safetensors headers (per component), so a
+LoRA for another model or family is refused before anything loads it. Only headers are parsed: a pickle never
+is. The one look at the data is for NaN and infinity (their exponent bits, compared a byte column at a time),
+which would turn every image the adapter touches black.
 """
 
 from __future__ import annotations
@@ -19,13 +31,51 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 16 * 1024 * 1024
-COMPONENTS = ("unet", "text_encoder")
-# The base model's weight file per component, relative to its weights path (diffusers' layout).
-BASE_FILES = {"unet": "unet/diffusion_pytorch_model.safetensors", "text_encoder": "text_encoder/model.safetensors"}
-_KEY = re.compile(r"^(unet|text_encoder)\.(.+)\.(lora_A\.weight|lora_B\.weight|alpha)$")
+# The base model's weight file per LoRA component, relative to its weights path (diffusers' layout); a model has
+# the ones of its family (SD 1.5: unet and text_encoder; SDXL: both text encoders; FLUX.1: the transformer).
+BASE_FILES = {
+    "unet": "unet/diffusion_pytorch_model.safetensors",
+    "transformer": "transformer/diffusion_pytorch_model.safetensors",
+    "text_encoder": "text_encoder/model.safetensors",
+    "text_encoder_2": "text_encoder_2/model.safetensors",
+}
+_PEFT_KEY = re.compile(r"^(unet|transformer|text_encoder|text_encoder_2)\.(.+)\.(lora_A\.weight|lora_B\.weight|alpha)$")
+_KOHYA_KEY = re.compile(r"^lora_(unet|te|te1|te2)_(.+)\.(lora_down\.weight|lora_up\.weight|alpha)$")
+_KOHYA_COMPONENTS = {"unet": "unet", "te": "text_encoder", "te1": "text_encoder", "te2": "text_encoder_2"}
+_PARTS = {"lora_A.weight": "down", "lora_down.weight": "down", "lora_B.weight": "up", "lora_up.weight": "up"}
+# FLUX.1 in BFL naming (kohya's FLUX files): block part -> the diffusers modules whose rows it holds, in order.
+_BFL_DOUBLE = {
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+_BFL_SINGLE = {
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+_BFL_KEY = re.compile(r"^(double|single)_blocks_(\d+)_(.+)$")
+# SDXL in kohya's SGM names (kohya trains SDXL on the original UNet): block -> diffusers block, as diffusers maps them.
+_SGM_KEY = re.compile(r"^(?:(input_blocks|output_blocks)_(\d+)_(\d+)|middle_block_(\d+))_(.+)$")
+_SGM_INNER = ("resnets", "attentions", "upsamplers")
+_SGM_MIDDLE = ("resnets_0", "attentions_0", "resnets_1")
+_SGM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}  # fmt: skip
+_SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding_linear_1",
+            "time_embed_2": "time_embedding_linear_2", "label_emb_0_0": "add_embedding_linear_1",
+            "label_emb_0_2": "add_embedding_linear_2"}  # fmt: skip
 
 # Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
 RangeReader = Callable[[int, int], bytes]
+# A base weights file by its path relative to the weights root: (its RangeReader, its size), or None when absent.
+FileOpener = Callable[[str], "tuple[RangeReader, int] | None"]
 
 
 def _all_ones(mask: int) -> bytes:
@@ -52,11 +102,21 @@ class AdapterFileError(ValueError):
 
 @dataclass(frozen=True)
 class LoraTarget:
+    """One low-rank pair of a file: `module` as the file writes it (a dotted path, or kohya's underscored name)."""
+
     component: str
     module: str
+    layout: str  # "peft" or "kohya"
     rank: int
-    in_features: int
-    out_features: int
+    down: tuple[int, ...]  # lora_A / lora_down: rank x in (x kh x kw for a conv layer)
+    up: tuple[int, ...]  # lora_B / lora_up: out x rank (x 1 x 1)
+
+    @property
+    def name(self) -> str:
+        if self.layout == "peft":
+            return f"{self.component}.{self.module}"
+        prefix = {"unet": "unet", "text_encoder": "te", "text_encoder_2": "te2"}[self.component]
+        return f"lora_{prefix}_{self.module}"
 
 
 def read_header(read: RangeReader, size: int) -> dict:
@@ -89,30 +149,71 @@ def read_header(read: RangeReader, size: int) -> dict:
     return header
 
 
+def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str, dict]:
+    """The base model's safetensors header per LoRA component: its one weights file, or the shards its
+    `.index.json` names (FLUX.1's transformer ships in shards), merged. A component with neither is left out."""
+    headers = {}
+    for component in components:
+        path = BASE_FILES[component]
+        single = open_file(path)
+        if single is not None:
+            headers[component] = read_header(*single)
+            continue
+        index = open_file(f"{path}.index.json")
+        if index is None:
+            continue
+        read, size = index
+        try:
+            shards = sorted(set(json.loads(read(0, size - 1))["weight_map"].values()))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise AdapterFileError(f"{path}.index.json of the base model is not a weight index") from exc
+        merged: dict = {}
+        folder = path.rsplit("/", 1)[0]
+        for shard in shards:
+            opened = open_file(f"{folder}/{shard}") if "/" not in shard else None
+            if opened is None:
+                raise AdapterFileError(f"{folder}/{shard}, named by the base model's weight index, is missing")
+            merged.update(read_header(*opened))
+        headers[component] = merged
+    return headers
+
+
 def lora_targets(header: dict) -> list[LoraTarget]:
-    """The Linear modules a LoRA file changes, one per A/B pair; refuses anything else in the file."""
-    pairs: dict[tuple[str, str], dict[str, dict]] = {}
+    """The modules a LoRA file changes, one per down/up pair; refuses anything diffusers would not load."""
+    pairs: dict[tuple[str, str, str], dict[str, dict]] = {}
     for name, entry in header.items():
-        match = _KEY.match(name)
-        if match is None:
-            raise AdapterFileError(f"not a diffusers/PEFT LoRA tensor: {name!r} (expected unet./text_encoder. "
-                                   "{module}.lora_A.weight, .lora_B.weight or .alpha)")  # fmt: skip
-        component, module, part = match.groups()
+        if match := _PEFT_KEY.match(name):
+            layout, (component, module, part) = "peft", match.groups()
+            if part == "alpha":
+                raise AdapterFileError(f"{name}: a diffusers/PEFT-layout file carries no .alpha (diffusers refuses "
+                                       "it; kohya-layout files may)")  # fmt: skip
+        elif match := _KOHYA_KEY.match(name):
+            layout, (prefix, module, part) = "kohya", match.groups()
+            component = _KOHYA_COMPONENTS[prefix]
+        else:
+            raise AdapterFileError(
+                f"not a LoRA tensor diffusers loads: {name!r} (expected {{component}}.{{module}}.lora_A.weight and "
+                ".lora_B.weight, or kohya's lora_unet_*/lora_te*_* .lora_down.weight, .lora_up.weight and .alpha)"
+            )
         if part != "alpha" and entry["dtype"] not in DTYPE_BYTES:
             raise AdapterFileError(f"{name}: dtype {entry['dtype']} (F16, BF16 or F32 only)")
-        pairs.setdefault((component, module), {})[part] = entry
+        pairs.setdefault((layout, component, module), {})[_PARTS.get(part, "alpha")] = entry
+    if len({layout for layout, _, _ in pairs}) > 1:
+        raise AdapterFileError("the file mixes the diffusers/PEFT and kohya layouts")
     targets = []
-    for (component, module), parts in sorted(pairs.items()):
-        a, b = parts.get("lora_A.weight"), parts.get("lora_B.weight")
-        if a is None or b is None:
-            raise AdapterFileError(f"{component}.{module}: lora_A and lora_B must both be present")
-        if len(a["shape"]) != 2 or len(b["shape"]) != 2 or a["shape"][0] != b["shape"][1]:
-            raise AdapterFileError(f"{component}.{module}: lora_A (rank x in) and lora_B (out x rank) do not match "
-                                   "(only Linear targets are supported)")  # fmt: skip
+    for (layout, component, module), parts in sorted(pairs.items()):
+        down, up = parts.get("down"), parts.get("up")
+        label = f"{component}.{module}" if layout == "peft" else f"{module} ({component})"
+        if down is None or up is None:
+            raise AdapterFileError(f"{label}: both halves (lora_A/lora_down and lora_B/lora_up) must be present")
+        d, u = down["shape"], up["shape"]
+        if len(d) not in (2, 4) or len(u) != len(d) or d[0] != u[1] or any(k != 1 for k in u[2:]):
+            raise AdapterFileError(f"{label}: down {d} and up {u} do not make a LoRA pair (Linear: rank x in and "
+                                   "out x rank; conv: rank x in x kh x kw and out x rank x 1 x 1)")  # fmt: skip
         alpha = parts.get("alpha")
         if alpha is not None and alpha["shape"] not in ([], [1]):
-            raise AdapterFileError(f"{component}.{module}.alpha must be a scalar")
-        targets.append(LoraTarget(component, module, a["shape"][0], a["shape"][1], b["shape"][0]))
+            raise AdapterFileError(f"{label}.alpha must be a scalar")
+        targets.append(LoraTarget(component, module, layout, d[0], tuple(d), tuple(u)))
     if not targets:
         raise AdapterFileError("the file holds no LoRA tensors")
     return targets
@@ -121,22 +222,94 @@ def lora_targets(header: dict) -> list[LoraTarget]:
 def check_targets(targets: list[LoraTarget], base: dict[str, dict], max_rank: int) -> int:
     """Every target exists in the base model with its shape and within the rank limit; returns the largest rank.
 
-    `base`: per component, the base model's safetensors header.
-    """
+    `base`: per component the base model has, its safetensors header. A kohya name is resolved as diffusers'
+    conversion reads it: the base module whose dotted path, written with underscores, is the name (a text
+    encoder's `text_model.` prefix either way); FLUX.1's BFL names through the fused-projection table."""
+    modules = {component: _module_shapes(header) for component, header in base.items()}
     for target in targets:
         if target.rank > max_rank:
-            raise AdapterFileError(f"{target.component}.{target.module}: rank {target.rank} exceeds {max_rank}")
-        weight = base.get(target.component, {}).get(f"{target.module}.weight")
-        if weight is None:
+            raise AdapterFileError(f"{target.name}: rank {target.rank} exceeds {max_rank}")
+        shapes = _resolve(target, modules)
+        out_rows = sum(shape[0] for shape in shapes)
+        expected = [target.up[0], *target.down[1:]]
+        fused = len(shapes) > 1
+        if (fused and any(list(shape[1:]) != expected[1:] for shape in shapes)) or (
+            not fused and list(shapes[0]) != expected
+        ) or out_rows != target.up[0]:  # fmt: skip
+            base_shape = " + ".join("x".join(map(str, shape)) for shape in shapes)
             raise AdapterFileError(
-                f"{target.component}.{target.module}: no such module in the base model (a LoRA for another model?)"
-            )
-        if weight["shape"] != [target.out_features, target.in_features]:
-            raise AdapterFileError(
-                f"{target.component}.{target.module}: shape {target.out_features}x{target.in_features} does not "
-                f"match the base model's {'x'.join(map(str, weight['shape']))} (a LoRA for another model?)"
+                f"{target.name}: shape {'x'.join(map(str, expected))} does not match the base model's {base_shape} "
+                "(a LoRA for another model?)"
             )
     return max(target.rank for target in targets)
+
+
+def _module_shapes(header: dict) -> dict[str, list[int]]:
+    """A base component's weights by module path (a text encoder's `text_model.` prefix dropped)."""
+    return {
+        name.removesuffix(".weight").removeprefix("text_model."): entry["shape"]
+        for name, entry in header.items()
+        if name.endswith(".weight")
+    }
+
+
+def _resolve(target: LoraTarget, modules: dict[str, dict[str, list[int]]]) -> list[list[int]]:
+    """The base shapes of the modules `target` changes (several for a fused FLUX projection)."""
+    component = target.component
+    names: tuple[str, ...]
+    if target.layout == "kohya" and component == "unet" and "unet" not in modules and "transformer" in modules:
+        component, names = "transformer", _bfl_modules(target)
+    elif target.layout == "kohya":
+        underscored = {name.replace(".", "_"): name for name in modules.get(component, {})}
+        module = target.module.removeprefix("text_model_")
+        if component == "unet":
+            module = _sgm_to_diffusers(module, modules.get("unet", {}))
+        found = underscored.get(module)
+        names = (found,) if found else ()
+    else:
+        names = (target.module.removeprefix("text_model."),)
+    if component not in modules:
+        raise AdapterFileError(f"{target.name}: the base model has no {component} (a LoRA for another family?)")
+    shapes = [modules[component].get(name) for name in names]
+    if not names or None in shapes:
+        raise AdapterFileError(f"{target.name}: no such module in the base model (a LoRA for another model?)")
+    return shapes
+
+
+def _sgm_to_diffusers(module: str, unet: dict[str, list[int]]) -> str:
+    """A kohya UNet name in SGM blocks (`input_blocks_4_1_...`) as diffusers renames it (`down_blocks_1_attentions_0_
+    ...`: `layers_per_block` from the base UNet's own resnets); any other name unchanged."""
+    for sgm, name in _SGM_TOP.items():
+        if module == sgm or module.startswith(f"{sgm}_"):
+            return name + module[len(sgm) :]
+    match = _SGM_KEY.match(module)
+    if match is None:
+        return module
+    kind, index, inner, middle, rest = match.groups()
+    per_block = 1 + len({name.split(".")[3] for name in unet if name.startswith("down_blocks.0.resnets.")})
+    for sgm, name in _SGM_RESNET.items():
+        rest = name + rest[len(sgm) :] if rest == sgm or rest.startswith(f"{sgm}_") else rest
+    if middle is not None:
+        return f"mid_block_{_SGM_MIDDLE[int(middle)]}_{rest}" if int(middle) < len(_SGM_MIDDLE) else module
+    index, inner = int(index), int(inner)
+    if kind == "input_blocks":
+        block, layer = divmod(index - 1, per_block)
+        if rest == "op":
+            return f"down_blocks_{block}_downsamplers_0_conv"
+        return f"down_blocks_{block}_{_SGM_INNER[inner]}_{layer}_{rest}" if inner < 2 else module
+    block, layer = divmod(index, per_block)
+    return f"up_blocks_{block}_{_SGM_INNER[inner]}_{layer if inner < 2 else 0}_{rest}" if inner < 3 else module
+
+
+def _bfl_modules(target: LoraTarget) -> tuple[str, ...]:
+    match = _BFL_KEY.match(target.module)
+    if match is None:
+        return ()
+    kind, index, part = match.groups()
+    table, block = (
+        (_BFL_DOUBLE, "transformer_blocks") if kind == "double" else (_BFL_SINGLE, "single_transformer_blocks")
+    )
+    return tuple(f"{block}.{index}.{module}" for module in table.get(part, ()))
 
 
 def check_finite(header: dict, data: bytes) -> None:

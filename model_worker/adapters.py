@@ -5,7 +5,8 @@ else back) until the set is ready, so the device loop never waits for a download
 others and the request joins once its adapters are in memory. A set holds its own references to the
 loaded weights, so an adapter dropped from the cache while a request waits for the device is not loaded
 twice for it. Each file is checked again here (its digest against the registration, its header and targets
-against the local base weights, and its values for NaN and infinity) before torch loads a tensor; a set that
+against the local base weights, and its values for NaN and infinity) before torch loads a tensor (the tensors
+are kept as the file has them: diffusers converts the layout when the device loads them); a set that
 fails is ready too, and its request fails alone (bad_input, naming the adapter) when the runner refuses it.
 """
 
@@ -25,8 +26,8 @@ from contract import naming
 from contract.catalog import ModelSpec
 from contract.generation import AdapterRef
 from contract.lora_files import (
-    BASE_FILES,
     AdapterFileError,
+    base_headers,
     bytes_reader,
     check_finite,
     check_targets,
@@ -39,12 +40,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class LoraWeights:
-    """One adapter version in host memory: per target (component, module), lora_A, lora_B and alpha / rank."""
+    """One adapter version in host memory: the file's tensors as it holds them (any layout diffusers converts),
+    handed to diffusers' `load_lora_weights` when the adapter is first put on the device."""
 
     name: str
     version: str
-    targets: dict[tuple[str, str], tuple]
+    tensors: dict
     nbytes: int
+    rank: int
 
     @property
     def key(self) -> tuple[str, str]:
@@ -174,43 +177,34 @@ class AdapterLoader:
             raise AdapterFileError(f"{ref.name}@{ref.version}: the file changed since it was registered")
         try:
             header = read_header(bytes_reader(data), len(data))
-            targets = lora_targets(header)
-            check_targets(targets, self._base_headers(spec), policy.max_rank)
+            rank = check_targets(lora_targets(header), self._base_headers(spec), policy.max_rank)
             check_finite(header, data)  # also for a version registered before registration checked it
         except AdapterFileError as exc:
             raise AdapterFileError(f"{ref.name}@{ref.version}: {exc}") from exc
         from safetensors.torch import load as load_safetensors
 
-        tensors = load_safetensors(data)
-        weights = {}
-        for target in targets:
-            prefix = f"{target.component}.{target.module}"
-            alpha = tensors.get(f"{prefix}.alpha")
-            factor = (float(alpha.reshape(-1)[0]) if alpha is not None else target.rank) / target.rank
-            weights[(target.component, target.module)] = (
-                tensors[f"{prefix}.lora_A.weight"],
-                tensors[f"{prefix}.lora_B.weight"],
-                factor,
-            )
-        return LoraWeights(ref.name, ref.version, weights, len(data))
+        return LoraWeights(ref.name, ref.version, load_safetensors(data), len(data), rank)
 
     def _base_headers(self, spec: ModelSpec) -> dict:
         if spec.queue not in self._base:
-            root = self._weights_dirs[spec.queue]
-            headers = {}
-            for component, path in BASE_FILES.items():
-                file = root / path
-                if file.exists():
-                    headers[component] = _file_header(file)
-            self._base[spec.queue] = headers
+            components = spec.family.lora_components if spec.family else ()
+            self._base[spec.queue] = base_headers(components, _file_opener(self._weights_dirs[spec.queue]))
         return self._base[spec.queue]
 
 
-def _file_header(file: Path) -> dict:
-    with file.open("rb") as handle:
+def _file_opener(root: Path):
+    """Reads the local base weights' headers (a few kB of each file, never the weights)."""
+
+    def open_file(path: str):
+        file = root / path
+        if not file.is_file():
+            return None
 
         def read(start: int, end: int) -> bytes:
-            handle.seek(start)
-            return handle.read(end - start + 1)
+            with file.open("rb") as handle:
+                handle.seek(start)
+                return handle.read(end - start + 1)
 
-        return read_header(read, file.stat().st_size)
+        return read, file.stat().st_size
+
+    return open_file

@@ -8,7 +8,8 @@ up to float rounding.
 
 On CUDA it runs in the family's dtype (fp16 for the UNet families, bf16 for FLUX) with PyTorch's SDPA
 attention. With `MAAS_TORCH_COMPILE=1` the denoising model is compiled and batches are padded to fixed
-bucket sizes so shapes stay static (`compiled.py`).
+bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`), swapped
+in place on a compiled model.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
 from model_worker.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
 from model_worker.families import denoiser_class
-from model_worker.lora import LoraHooks
+from model_worker.lora import LoraSets
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,16 @@ class DiffusionRunner:
         self._compile_cache = compile_cache
         if compile_unet and not self._compiled:
             log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
+        # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap, set up before compiling.
+        components = self._denoiser.lora_components()
+        self._lora = None
+        if components and spec.adapters is not None:
+            hotswap_rank = spec.adapters.max_rank if self._compiled else None
+            self._lora = LoraSets(self._pipeline, components, spec.adapters.device_cache, hotswap_rank)
         if self._compiled:
             if self._compile_cache is not None:
                 self._compile_cache.load()
             self._denoiser.compile()
-        components = self._denoiser.lora_components()
-        cache = spec.adapters.device_cache if spec.adapters else 1
-        self._lora = LoraHooks(components, self._device, dtype, cache) if components else None
         log.info(
             "loaded %s (%s) from %s on %s in %.2fs",
             spec.pipeline,
@@ -94,8 +98,6 @@ class DiffusionRunner:
         """Applies the call's adapter set (one per call: the batch key) before the text encoder or model runs."""
         adapters = items[0].adapters if items else None
         weights = adapters.weights() if adapters is not None else []
-        if weights and self._compiled:
-            raise ValueError("adapters are not served with MAAS_TORCH_COMPILE (their hooks would recompile the UNet)")
         if self._lora is None:
             if weights:
                 raise ValueError(f"{self.spec.name}: adapters are not served for {self.spec.family.name} models")

@@ -68,7 +68,7 @@ class PendingRequest:
         params = self.request.parameters
         if self.spec.scheduling == "step":
             # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
-            # Adapter sets never share a denoising call: the hooks apply one set per call (model_worker/lora.py).
+            # Adapter sets never share a denoising call: diffusers activates one set per call (model_worker/lora.py).
             return (self.spec.queue, params.width, params.height, params.adapters)
         return (self.spec.queue, *batch_key(params))
 

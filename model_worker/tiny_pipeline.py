@@ -327,6 +327,8 @@ def build_adapter(pipeline_dir: Path, out_file: Path, seed: int, rank: int, stre
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for component, path in BASE_FILES.items():
+        if not (pipeline_dir / path).exists():
+            continue  # a component of another family
         data = (pipeline_dir / path).read_bytes()
         for name, entry in sorted(read_header(bytes_reader(data), len(data)).items()):
             module = name.removesuffix(".weight")

@@ -67,14 +67,16 @@ class Denoiser:
         if name not in STEPPABLE_SCHEDULERS:
             raise ValueError(steppable_error(self.spec.name, name))
 
-    def lora_components(self) -> dict | None:
-        """The modules the worker's adapter hooks patch, by the names adapter files use; None: no adapters."""
-        return None
+    def lora_components(self) -> tuple[str, ...]:
+        """The pipeline components diffusers' LoRA loading changes for this family; empty: no adapters."""
+        family = self.spec.family
+        return family.lora_components if family.adapters else ()
 
     def compile(self) -> None:
         """Compiles the denoising model for static shapes (batches padded to `batch_buckets`)."""
         torch = self._torch
-        if hasattr(self.pipeline, "fuse_qkv_projections"):
+        # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters.
+        if hasattr(self.pipeline, "fuse_qkv_projections") and not (self.lora_components() and self.spec.adapters):
             self.pipeline.fuse_qkv_projections()
         setattr(self.pipeline, self.model_attribute,
                 torch.compile(self.model, mode="max-autotune-no-cudagraphs", dynamic=False))  # fmt: skip

@@ -28,9 +28,6 @@ class UNetDenoiser(Denoiser):
                 f"{self.spec.name}: scheduling: step does not support guidance-embedding UNets; use request"
             )
 
-    def lora_components(self) -> dict | None:
-        return {"unet": self.pipeline.unet, "text_encoder": self.pipeline.text_encoder}
-
     def compile(self) -> None:
         self.pipeline.unet.to(memory_format=self._torch.channels_last)
         super().compile()
@@ -161,9 +158,6 @@ class SDXLDenoiser(UNetDenoiser):
     with the aesthetic score when the weights ask for it)."""
 
     extra_load_kwargs: dict[str, Any] = {}
-
-    def lora_components(self) -> dict | None:
-        return None  # adapters for SDXL come with diffusers' own LoRA loading
 
     def encode(self, items: list[GenerationItem], guided: bool, params: GenerationParameters) -> list[dict]:
         torch, pipe = self._torch, self.pipeline

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 import time
 
@@ -34,7 +35,7 @@ def safetensors(tensors: dict[str, tuple[str, list[int]]]) -> bytes:
     """A safetensors file of zeros: {name: (dtype, shape)}."""
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
-        size = {"F32": 4, "F16": 2}[dtype] * (shape[0] * shape[1] if len(shape) == 2 else 1)
+        size = {"F32": 4, "F16": 2}[dtype] * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
@@ -51,7 +52,7 @@ BASE = {"unet": {f"{MODULE}.weight": {"dtype": "F32", "shape": [16, 32], "data_o
 
 def test_a_lora_file_is_checked_from_its_header_against_the_base_shapes():
     targets = targets_of(LORA)
-    assert [(t.module, t.rank, t.in_features, t.out_features) for t in targets] == [(MODULE, 4, 32, 16)]
+    assert [(t.module, t.rank, t.down, t.up) for t in targets] == [(MODULE, 4, (4, 32), (16, 4))]
     assert check_targets(targets, BASE, max_rank=8) == 4
     with pytest.raises(AdapterFileError, match="rank 4 exceeds 2"):
         check_targets(targets, BASE, max_rank=2)
@@ -67,14 +68,117 @@ def test_malformed_lora_files_are_refused_by_name():
         targets_of(LORA[:-10])
     with pytest.raises(AdapterFileError, match="not a safetensors file"):
         targets_of(b"\x80\x04\x95" + bytes(40))  # a pickle's first bytes
-    with pytest.raises(AdapterFileError, match="must both be present"):
+    with pytest.raises(AdapterFileError, match="both halves"):
         targets_of(safetensors({f"unet.{MODULE}.lora_A.weight": ("F32", [4, 32])}))
-    with pytest.raises(AdapterFileError, match="not a diffusers/PEFT LoRA tensor"):
+    with pytest.raises(AdapterFileError, match="not a LoRA tensor diffusers loads"):
         targets_of(safetensors({"model.layer.weight": ("F32", [4, 4])}))
+    with pytest.raises(AdapterFileError, match="carries no .alpha"):  # diffusers refuses it in this layout
+        targets_of(safetensors({**dict.fromkeys([f"unet.{MODULE}.alpha"], ("F32", [])),
+                                f"unet.{MODULE}.lora_A.weight": ("F32", [4, 32])}))  # fmt: skip
+    with pytest.raises(AdapterFileError, match="mixes"):
+        targets_of(safetensors({f"unet.{MODULE}.lora_A.weight": ("F32", [4, 32]),
+                                f"unet.{MODULE}.lora_B.weight": ("F32", [16, 4]),
+                                "lora_unet_x.lora_down.weight": ("F32", [4, 32]),
+                                "lora_unet_x.lora_up.weight": ("F32", [16, 4])}))  # fmt: skip
     with pytest.raises(AdapterFileError, match="pickle"):
         check_file_names(["pytorch_lora_weights.safetensors", "adapter_model.bin"])
     with pytest.raises(AdapterFileError, match="only pytorch_lora_weights.safetensors"):
         check_file_names(["lora.safetensors"])
+
+
+def base_entry(*shape: int) -> dict:
+    return {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 0]}
+
+
+SD_BASE = {
+    "unet": {
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight": base_entry(32, 32),
+        "down_blocks.0.resnets.0.conv1.weight": base_entry(32, 32, 3, 3),
+    },
+    "text_encoder": {"text_model.encoder.layers.0.self_attn.q_proj.weight": base_entry(32, 32)},
+}
+FLUX_BASE = {
+    "transformer": {
+        **{f"transformer_blocks.0.attn.to_{p}.weight": base_entry(32, 32) for p in "qkv"},
+        **{f"single_transformer_blocks.0.attn.to_{p}.weight": base_entry(32, 32) for p in "qkv"},
+        "single_transformer_blocks.0.proj_mlp.weight": base_entry(128, 32),
+    },
+    "text_encoder": {"encoder.layers.0.self_attn.q_proj.weight": base_entry(32, 32)},
+}
+
+
+def kohya(pairs: dict[str, tuple[list[int], list[int]]], alpha: bool = True) -> bytes:
+    tensors = {}
+    for name, (down, up) in pairs.items():
+        tensors[f"{name}.lora_down.weight"] = ("F32", down)
+        tensors[f"{name}.lora_up.weight"] = ("F32", up)
+        if alpha:
+            tensors[f"{name}.alpha"] = ("F32", [])
+    return safetensors(tensors)
+
+
+def test_kohya_and_locon_names_resolve_to_the_base_modules_diffusers_converts_them_to():
+    data = kohya({
+        "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q": ([4, 32], [32, 4]),
+        "lora_unet_down_blocks_0_resnets_0_conv1": ([4, 32, 3, 3], [32, 4, 1, 1]),  # LoCon: a conv layer
+        "lora_te_text_model_encoder_layers_0_self_attn_q_proj": ([8, 32], [32, 8]),
+    })  # fmt: skip
+    targets = targets_of(data)
+    assert {(t.component, t.layout, t.rank) for t in targets} == {("unet", "kohya", 4), ("text_encoder", "kohya", 8)}
+    assert check_targets(targets, SD_BASE, max_rank=8) == 8
+    # A text encoder's `text_model.` prefix is optional on either side (transformers 5 flattens CLIPTextModel).
+    flat = {**SD_BASE, "text_encoder": {"encoder.layers.0.self_attn.q_proj.weight": base_entry(32, 32)}}
+    assert check_targets(targets, flat, max_rank=8) == 8
+    wrong_kernel = kohya({"lora_unet_down_blocks_0_resnets_0_conv1": ([4, 32, 1, 1], [32, 4, 1, 1])})
+    with pytest.raises(AdapterFileError, match=r"lora_unet_down_blocks_0_resnets_0_conv1: shape 32x32x1x1 does not "
+                                               r"match the base model's 32x32x3x3"):  # fmt: skip
+        check_targets(targets_of(wrong_kernel), SD_BASE, max_rank=8)
+    with pytest.raises(AdapterFileError, match="do not make a LoRA pair"):
+        targets_of(kohya({"lora_unet_x": ([4, 32, 3, 3], [32, 4, 3, 3])}))
+    with pytest.raises(AdapterFileError, match="lora_unet_down_blocks_9_attn: no such module"):
+        check_targets(targets_of(kohya({"lora_unet_down_blocks_9_attn": ([4, 32], [32, 4])})), SD_BASE, 8)
+
+
+def test_flux_bfl_names_resolve_to_the_split_projections_and_a_file_for_another_family_is_refused():
+    data = kohya({
+        "lora_unet_double_blocks_0_img_attn_qkv": ([4, 32], [96, 4]),  # to_q, to_k, to_v side by side
+        "lora_unet_single_blocks_0_linear1": ([4, 32], [224, 4]),  # q, k, v and the MLP input
+        "lora_te1_text_model_encoder_layers_0_self_attn_q_proj": ([4, 32], [32, 4]),
+    })  # fmt: skip
+    assert check_targets(targets_of(data), FLUX_BASE, max_rank=4) == 4
+    short = kohya({"lora_unet_double_blocks_0_img_attn_qkv": ([4, 32], [64, 4])})
+    with pytest.raises(AdapterFileError, match=r"does not match the base model's 32x32 \+ 32x32 \+ 32x32"):
+        check_targets(targets_of(short), FLUX_BASE, max_rank=4)
+    with pytest.raises(AdapterFileError, match="no such module"):
+        check_targets(targets_of(kohya({"lora_unet_double_blocks_0_nothing": ([4, 32], [32, 4])})), FLUX_BASE, 4)
+    # An SD 1.5 file on FLUX, and a FLUX file on SD 1.5: each names a component the other family lacks.
+    with pytest.raises(AdapterFileError, match="the base model has no unet"):
+        check_targets(targets_of(LORA), FLUX_BASE, max_rank=8)
+    flux_peft = safetensors({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": ("F32", [4, 32]),
+                             "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": ("F32", [32, 4])})  # fmt: skip
+    assert check_targets(targets_of(flux_peft), FLUX_BASE, max_rank=4) == 4
+    with pytest.raises(AdapterFileError, match="the base model has no transformer .a LoRA for another family"):
+        check_targets(targets_of(flux_peft), SD_BASE, max_rank=4)
+
+
+def test_headers_that_claim_too_much_are_refused_before_anything_is_read():
+    import struct
+
+    huge = json.dumps({"w": {"dtype": "F32", "shape": [65536, 32768], "data_offsets": [0, 8 * 2**30]}}).encode()
+    claims_8gb = struct.pack("<Q", len(huge)) + huge + bytes(64)
+    with pytest.raises(AdapterFileError, match="truncated or inconsistent safetensors file at 'w'"):
+        read_header(bytes_reader(claims_8gb), len(claims_8gb))
+    padding = b" " * (100 * 2**20)
+    big_header = struct.pack("<Q", len(padding) + 2) + b"{}" + padding
+    reads: list[tuple[int, int]] = []
+
+    def read(start: int, end: int) -> bytes:
+        reads.append((start, end))
+        return big_header[start : end + 1]
+
+    with pytest.raises(AdapterFileError, match="bad header length"):
+        read_header(read, len(big_header))
+    assert reads == [(0, 7)]  # the 100 MB header itself was never read
 
 
 def test_the_request_names_adapters_with_strict_scales():
@@ -260,76 +364,38 @@ def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_
     assert loader.loads == 0  # nothing cached: the next request for it is refused again, not served black
 
 
-# --- activation on the real tiny pipeline ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny SD 1.5 pipeline `make up` builds, its runner, and its adapter `tiny-ink` as loaded weights."""
-    import hashlib
-
-    import torch
-
-    from contract import naming
+def test_a_sharded_base_component_is_read_from_every_shard_its_index_names(tmp_path):
+    """FLUX.1's transformer ships in shards: the worker (local files) and the registry (the bucket) merge them."""
+    from contract.adapter_registry import AdapterRegistry
+    from contract.lora_files import base_headers
     from emulators.stack import local_catalog
-    from model_worker.adapters import AdapterLoader
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.tiny_pipeline import build_adapter, build_pipeline
+    from model_worker.adapters import _file_opener
 
-    torch.set_num_threads(1)
-    spec = local_catalog().get("sd15-txt2img").model_copy(update={"scheduling": "request"})
-    root = tmp_path_factory.mktemp("tiny")
-    weights = build_pipeline(root / spec.name, spec.pipeline)
-    data = build_adapter(weights, root / "ink.safetensors", seed=1, rank=4).read_bytes()
-    bucket = FakeBucket({naming.adapter_prefix(spec.name, "tiny-ink", "1") + naming.ADAPTER_FILE: data})
-    loader = AdapterLoader(bucket, {spec.queue: weights}, lambda: None)
-    loader.start()
-    ref = AdapterRef(name="tiny-ink", version="1", scale=0.8, sha256=hashlib.sha256(data).hexdigest())
-    ink = loader.request(spec, (ref,))
-    assert ink.done.wait(60)
-    loader.stop()
-    return DiffusionRunner(spec, weights, torch_threads=1), ink
+    shards = {
+        "diffusion_pytorch_model-00001-of-00002.safetensors": {"transformer_blocks.0.attn.to_q.weight": [32, 32]},
+        "diffusion_pytorch_model-00002-of-00002.safetensors": {"single_transformer_blocks.0.proj_mlp.weight": [128, 32]},
+    }  # fmt: skip
+    files = {f"transformer/{shard}": safetensors({name: ("F32", shape) for name, shape in weights.items()})
+             for shard, weights in shards.items()}  # fmt: skip
+    index = {"metadata": {}, "weight_map": {name: shard for shard, weights in shards.items() for name in weights}}
+    files["transformer/diffusion_pytorch_model.safetensors.index.json"] = json.dumps(index).encode()
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    lora = safetensors({
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": ("F32", [4, 32]),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": ("F32", [32, 4]),
+        "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": ("F32", [4, 32]),
+        "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight": ("F32", [128, 4]),
+    })  # fmt: skip
+    local = base_headers(("transformer", "text_encoder"), _file_opener(tmp_path))
+    assert set(local) == {"transformer"} and len(local["transformer"]) == 2
+    assert check_targets(targets_of(lora), local, max_rank=8) == 4
 
-
-def image(runner, adapters=None):
-    from contract.messages import GenerationParameters
-    from model_worker.runners import GenerationItem
-
-    params = GenerationParameters(seed=5, num_inference_steps=2, guidance_scale=7.5, width=64, height=64)
-    return runner.generate([GenerationItem("a lighthouse", 5, adapters=adapters)], params, lambda step, total: None)[0]
-
-
-def hooks_attached(runner) -> int:
-    pipeline = runner._pipeline
-    return sum(len(m._forward_hooks) for part in (pipeline.unet, pipeline.text_encoder) for m in part.modules())
-
-
-@pytest.mark.parametrize(
-    ("name", "target", "why"),
-    [
-        ("missing-module", ("unet", "down_blocks.0.attentions.0.no_such_module"), "which does not exist"),
-        ("embedding", ("text_encoder", "embeddings.token_embedding"), r"\(Embedding\): not a Linear module"),
-    ],
-)
-def test_an_activation_that_fails_part_way_leaves_the_base_model_behind(tiny, name, target, why):
-    import numpy as np
-    import torch
-
-    from model_worker.adapters import LoraWeights
-
-    runner, ink = tiny
-    base, inked = image(runner), image(runner, ink)
-    assert np.abs(inked - base).max() > 0.02, "the adapter did not change the image"
-    # The request's second adapter has one target that cannot be hooked, after targets that can: the old code
-    # had attached the first adapter's hooks (and the second's others) when it failed.
-    [(ink_weights, _)] = ink.loaded
-    targets = {**ink_weights.targets, target: (torch.zeros(4, 32), torch.zeros(32, 4), 1.0)}
-    broken = LoraWeights(name, "1", targets, 0)
-    both = AdapterSet((*ink.refs, REF.model_copy(update={"name": name})), loaded=[*ink.loaded, (broken, 1.0)])
-    both.done.set()
-    with pytest.raises(ValueError, match=rf"adapter {name}@1 targets {target[0]}\.{target[1]},? {why}"):
-        image(runner, both)
-    assert np.array_equal(image(runner), base), "the base request after the failure ran with part of an adapter"
-    assert hooks_attached(runner) == 0
-    assert np.array_equal(image(runner, ink), inked)
-    assert np.array_equal(image(runner), base)
+    flux = local_catalog().get("flux-schnell")
+    spec = flux.model_copy(update={"weights_path": "flux/1", "adapters": local_catalog().get("sd15-txt2img").adapters})
+    bucket = FakeBucket({f"flux/1/{path}": data for path, data in files.items()})
+    assert AdapterRegistry(bucket)._base_headers(spec) == local
+    del bucket.objects["flux/1/transformer/diffusion_pytorch_model-00002-of-00002.safetensors"]
+    with pytest.raises(AdapterFileError, match="00002-of-00002.safetensors, named by the base model's weight index, "):
+        AdapterRegistry(bucket)._base_headers(spec)

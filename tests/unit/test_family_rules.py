@@ -58,12 +58,16 @@ def test_each_family_gets_its_own_defaults_for_what_the_entry_leaves_out():
         ({"task": "image-to-image"}, "serves text-to-image"),
         ({"guidance": "cfg"}, "does not fit"),
         ({"defaults": {"width": 1000}}, "multiple of 16"),
-        ({"adapters": {}}, "adapters are not served for flux"),
     ],
 )
 def test_a_catalog_entry_that_contradicts_its_family_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         ModelSpec.model_validate(entry(**changes))
+
+
+def test_every_family_takes_adapters():
+    for pipeline in ("FluxPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline"):
+        assert ModelSpec.model_validate(entry(pipeline=pipeline, adapters={})).adapters is not None
 
 
 def test_a_flux_size_not_a_multiple_of_16_is_a_422_naming_the_field():

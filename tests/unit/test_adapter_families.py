@@ -1,0 +1,341 @@
+"""LoRA adapters for every family against diffusers' own LoRA loading: a request's image with adapters, made by
+the worker's device loop, equals the pipeline's after `load_lora_weights` and `set_adapters`.
+
+For SD 1.5, SDXL, FLUX.1 and SD 3.5 (tiny random-weight pipelines, as the local stack serves them), in both
+schedulings: one adapter at a scale, two composed, scale 0 (the base image); files in the kohya layout (with
+alpha, SDXL's in the original UNet's block names too), with LoCon conv layers, and FLUX.1's BFL names; an activation that fails part-way (diffusers' load, or its
+`set_adapters`) leaves the base model behind; and a compiled model's hotswap slots, wired on an eager model.
+Adapters reach the runner through the worker's own loader (digest, header check against the base weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from contract import naming
+from contract.generation import AdapterRef
+from contract.lora_files import BASE_FILES, bytes_reader, read_header
+from tests.unit.test_adapter_parts import FakeBucket, with_adapters
+from tests.unit.test_model_families import DEV, SD15, SD35, SDXL, assert_close, reference_images
+from tests.unit.test_step_scheduler import Worker, request
+
+POLICY = SD15.adapters
+FAMILIES = {name: spec.model_copy(update={"adapters": POLICY}) for name, spec in
+            {"sd15": SD15, "sdxl": SDXL, "flux-dev": DEV, "sd35": SD35}.items()}  # fmt: skip
+SIZE = 64
+# An adapter visibly changes the image: at least this much somewhere (out of 255).
+VISIBLE = 10
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory) -> dict:
+    """Per family: its tiny pipeline's directory and the diffusers pipeline loaded from it (the reference)."""
+    import diffusers
+    import torch
+
+    from model_worker.tiny_pipeline import build_pipeline
+
+    torch.set_num_threads(1)
+    root: Path = tmp_path_factory.mktemp("adapter-families")
+    built = {}
+    for name, spec in FAMILIES.items():
+        directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode)
+        reference = getattr(diffusers, spec.pipeline).from_pretrained(directory)
+        reference.set_progress_bar_config(disable=True)
+        built[name] = (directory, reference)
+    return built
+
+
+def peft_file(directory: Path, seed: int, rank: int) -> bytes:
+    """The `make up` adapter builder's file (diffusers' PEFT layout): attention projections of every component."""
+    from model_worker.tiny_pipeline import build_adapter
+
+    out = directory.parent / f"{directory.name}-peft-{seed}-{rank}.safetensors"
+    return build_adapter(directory, out, seed, rank).read_bytes()
+
+
+def base_weights(directory: Path, component: str) -> dict[str, list[int]]:
+    file = directory / BASE_FILES[component]
+    data = file.read_bytes()
+    header = read_header(bytes_reader(data), len(data))
+    return {name.removesuffix(".weight"): entry["shape"] for name, entry in header.items() if name.endswith(".weight")}
+
+
+def sgm_name(module: str, layers_per_block: int) -> str:
+    """A diffusers UNet module as kohya names it in SDXL's original (SGM) UNet: `input_blocks_4_1_...`."""
+    per_block, resnet = layers_per_block + 1, {"conv1": "in_layers_2", "conv2": "out_layers_3",
+                                               "time_emb_proj": "emb_layers_1", "conv_shortcut": "skip_connection"}  # fmt: skip
+    parts = module.split(".")
+    if parts[0] == "mid_block":
+        index = {("resnets", "0"): 0, ("attentions", "0"): 1, ("resnets", "1"): 2}[(parts[1], parts[2])]
+        head, rest = f"middle_block_{index}", parts[3:]
+    elif parts[2] == "downsamplers":
+        return f"input_blocks_{(int(parts[1]) + 1) * per_block}_0_op"
+    else:
+        block, inner, layer = int(parts[1]), parts[2], int(parts[3])
+        index = block * per_block + layer + (1 if parts[0] == "down_blocks" else 0)
+        kind = "input_blocks" if parts[0] == "down_blocks" else "output_blocks"
+        head, rest = f"{kind}_{index}_{('resnets', 'attentions').index(inner)}", parts[4:]
+    if rest and rest[0] in resnet:
+        rest = [resnet[rest[0]], *rest[1:]]
+    return "_".join([head, *rest])
+
+
+def kohya_file(directory: Path, family: str, seed: int, conv: bool = False, sgm: bool = False) -> bytes:
+    """A kohya-layout file (`lora_unet_*`, `lora_te*_*`, with alpha) for the tiny pipeline; `conv`: LoCon, its
+    ResNet convolutions (and downsamplers) too; `sgm`: SDXL's UNet names in the original UNet's blocks, as kohya
+    writes them. FLUX's denoiser part uses the BFL names (fused q/k/v), as kohya writes them."""
+    import torch
+    from safetensors.torch import save
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict = {}
+
+    def pair(name: str, down_shape: list[int], up_shape: list[int], alpha: float) -> None:
+        fan_in = int(np.prod(down_shape[1:]))
+        tensors[f"{name}.lora_down.weight"] = torch.randn(*down_shape, generator=generator) / fan_in**0.5
+        tensors[f"{name}.lora_up.weight"] = torch.randn(*up_shape, generator=generator) / up_shape[1] ** 0.5
+        tensors[f"{name}.alpha"] = torch.tensor(alpha)
+
+    rank = 4
+    if family.startswith("flux"):
+        weights = base_weights(directory, "transformer")
+        inner = weights["transformer_blocks.0.attn.to_q"][1]
+        mlp = weights["single_transformer_blocks.0.proj_mlp"][0]
+        pair("lora_unet_double_blocks_0_img_attn_qkv", [rank, inner], [3 * inner, rank], 2.0)
+        pair("lora_unet_double_blocks_0_txt_attn_qkv", [rank, inner], [3 * inner, rank], 2.0)
+        pair("lora_unet_double_blocks_0_img_attn_proj", [rank, inner], [inner, rank], 2.0)
+        # (single blocks' `linear1`, q/k/v and the MLP input fused, diffusers splits at FLUX.1's real widths only)
+        pair("lora_unet_single_blocks_0_linear2", [rank, inner + mlp], [inner, rank], 2.0)
+        encoders = {"lora_te1": "text_encoder"}
+    else:
+        unet = base_weights(directory, "unet")
+        layers_per_block = len({m.split(".")[3] for m in unet if m.startswith("down_blocks.0.resnets.")})
+
+        def name(module: str) -> str:
+            return "lora_unet_" + (sgm_name(module, layers_per_block) if sgm else module.replace(".", "_"))
+
+        for module, shape in sorted(unet.items()):
+            if module.endswith((".to_q", ".to_k", ".to_v", ".to_out.0", ".proj_in")) and len(shape) == 2:
+                pair(name(module), [rank, shape[1]], [shape[0], rank], 2.0)
+            elif conv and (
+                (".resnets." in module and module.endswith((".conv1", ".conv2"))) or ".downsamplers." in module
+            ):
+                out_channels, in_channels, *kernel = shape
+                pair(name(module), [rank, in_channels, *kernel], [out_channels, rank, 1, 1], 8.0)
+        encoders = {"lora_te": "text_encoder"} if family == "sd15" else {"lora_te1": "text_encoder",
+                                                                          "lora_te2": "text_encoder_2"}  # fmt: skip
+    for prefix, component in encoders.items():
+        for module, shape in sorted(base_weights(directory, component).items()):
+            if module.endswith(("_proj", ".fc1", ".fc2")) and ".layers." in module:
+                name = f"{prefix}_text_model_" + module.removeprefix("text_model.").replace(".", "_")
+                pair(name, [rank, shape[1]], [shape[0], rank], 3.0)
+    return save(tensors)
+
+
+def loaded(family: str, pipelines, files: dict[str, bytes], scales: dict[str, float]):
+    """The request's AdapterSet as the worker's loader makes it: digest, header check against the base weights."""
+    from model_worker.adapters import AdapterLoader
+
+    spec = FAMILIES[family]
+    objects = {naming.adapter_prefix(spec.name, name, "1") + naming.ADAPTER_FILE: data for name, data in files.items()}
+    loader = AdapterLoader(FakeBucket(objects), {spec.queue: pipelines[family][0]}, lambda: None)
+    loader.start()
+    try:
+        refs = tuple(AdapterRef(name=name, version="1", scale=scale, sha256=hashlib.sha256(files[name]).hexdigest())
+                     for name, scale in scales.items())  # fmt: skip
+        adapters = loader.request(spec, refs)
+        assert adapters.done.wait(60)
+    finally:
+        loader.stop()
+    adapters.weights()  # raises when a file was refused
+    return adapters
+
+
+def reference_with(pipelines, family: str, pending, files: dict[str, bytes], scales: dict[str, float]) -> list:
+    """diffusers' own images: `load_lora_weights` of each file, `set_adapters(names, scales)`, then unloaded."""
+    from safetensors.torch import load
+
+    reference = pipelines[family][1]
+    for name in scales:
+        reference.load_lora_weights(load(files[name]), adapter_name=name)
+    try:
+        reference.set_adapters(list(scales), list(scales.values()))
+        return reference_images({family: pipelines[family]}, family, pending)
+    finally:
+        reference.delete_adapters(list(scales))
+
+
+def served(pipelines, family: str, scheduling: str, runner=None, adapters=None, seed: int = 7):
+    """A request of two images through the worker's device loop, and the runner (reused across calls)."""
+    from model_worker.pipeline import DiffusionRunner
+
+    spec = FAMILIES[family].model_copy(update={"scheduling": scheduling})
+    runner = runner or DiffusionRunner(spec, pipelines[family][0], torch_threads=1)
+    pending = request(f"{family}-{scheduling}-{seed}", spec, steps=3, guidance=3.5, seed=seed, images=2)
+    pending.request.parameters.width = pending.request.parameters.height = SIZE
+    if adapters is not None:
+        pending = with_adapters(pending, adapters)
+    with Worker({spec.queue: runner}) as worker:
+        worker.pool.add(pending)
+        worker.outcomes.wait(1)
+    assert set(worker.outcomes.images) == {pending.request_id}, worker.outcomes.answered
+    return worker.outcomes.images[pending.request_id], pending, runner
+
+
+def differs(a: list, b: list) -> float:
+    return max(
+        np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max() * 255 for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_and_two_adapters_and_scale_zero_equal_diffusers_own_lora_loading_in_both_schedulings(pipelines, family):
+    directory = pipelines[family][0]
+    files = {"ink": peft_file(directory, 1, 4), "neon": peft_file(directory, 2, 8)}
+    cases = [{"ink": 0.8}, {"ink": 0.8, "neon": -0.5}, {"ink": 0.0}]
+    for scheduling in ("step", "request"):
+        base, pending, runner = served(pipelines, family, scheduling)
+        assert_close(base, reference_images({family: pipelines[family]}, family, pending))
+        for scales in cases:
+            adapters = loaded(family, pipelines, files, scales)
+            images, pending, _ = served(pipelines, family, scheduling, runner, adapters)
+            assert_close(images, reference_with(pipelines, family, pending, files, scales))
+            if any(scales.values()):
+                assert differs(images, base) > VISIBLE, f"{scales} did not change the image"
+            else:
+                assert_close(images, base)
+        again, _, _ = served(pipelines, family, scheduling, runner)  # after adapters: the base model again
+        assert np.array_equal(np.asarray(again), np.asarray(base))
+
+
+@pytest.mark.parametrize(
+    ("family", "conv", "sgm"),
+    [("sd15", False, False), ("sd15", True, False), ("sdxl", False, False), ("sdxl", True, True),
+     ("flux-dev", False, False)],
+)  # fmt: skip
+def test_kohya_and_locon_files_load_and_equal_diffusers(pipelines, family, conv, sgm):
+    files = {"kohya": kohya_file(pipelines[family][0], family, seed=3, conv=conv, sgm=sgm)}
+    base, _, runner = served(pipelines, family, "request")
+    adapters = loaded(family, pipelines, files, {"kohya": 0.7})
+    images, pending, _ = served(pipelines, family, "request", runner, adapters)
+    assert differs(images, base) > VISIBLE
+    assert_close(images, reference_with(pipelines, family, pending, files, {"kohya": 0.7}))
+    # Every layer the file names is on the pipeline (a silently skipped one would pass the comparison above).
+    layers = sum(
+        1
+        for component in FAMILIES[family].family.lora_components
+        for module in getattr(runner._pipeline, component).modules()
+        if "adapter_0" in getattr(module, "lora_A", {})
+    )
+    pairs = sum(1 for key in adapters.loaded[0][0].tensors if key.endswith(".lora_down.weight"))
+    fused = {"sd15": 0, "sdxl": 0, "flux-dev": 2 + 2}[family]  # BFL qkv: 3 modules each
+    assert layers == pairs + fused
+
+
+def test_a_load_that_fails_part_way_or_a_failed_set_adapters_leaves_the_base_model(pipelines, monkeypatch):
+    directory = pipelines["sd15"][0]
+    files = {"ink": peft_file(directory, 1, 4), "neon": peft_file(directory, 2, 8)}
+    base, _, runner = served(pipelines, "sd15", "request")
+    inked, _, _ = served(pipelines, "sd15", "request", runner, loaded("sd15", pipelines, files, {"ink": 0.8}))
+    pipeline = runner._pipeline
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the device ran out of memory")
+
+    # diffusers loads neon's UNet layers, then fails in the text encoder's: neon must not stay half loaded.
+    monkeypatch.setattr(pipeline, "load_lora_into_text_encoder", failing)
+    both = loaded("sd15", pipelines, files, {"ink": 0.8, "neon": 0.5})
+    with pytest.raises(ValueError, match="adapter neon@1 could not be loaded: the device ran out of memory"):
+        runner.generate(served_items(both), params(), lambda step, total: None)
+    assert pipeline.get_list_adapters() == {"unet": ["adapter_0"], "text_encoder": ["adapter_0"]}
+    again, _, _ = served(pipelines, "sd15", "request", runner)
+    assert np.array_equal(np.asarray(again), np.asarray(base)), "the next base request ran with part of an adapter"
+    monkeypatch.undo()
+
+    monkeypatch.setattr(pipeline, "set_adapters", failing)
+    with pytest.raises(ValueError, match="adapters ink@1 could not be activated"):
+        runner.generate(served_items(loaded("sd15", pipelines, files, {"ink": 0.8})), params(), lambda s, t: None)
+    again, _, _ = served(pipelines, "sd15", "request", runner)
+    assert np.array_equal(np.asarray(again), np.asarray(base))
+    monkeypatch.undo()
+    ink_again, _, _ = served(pipelines, "sd15", "request", runner, loaded("sd15", pipelines, files, {"ink": 0.8}))
+    assert np.array_equal(np.asarray(ink_again), np.asarray(inked))
+
+
+def params():
+    from contract.messages import GenerationParameters
+
+    return GenerationParameters(seed=5, num_inference_steps=2, guidance_scale=7.5, width=SIZE, height=SIZE)
+
+
+def served_items(adapters) -> list:
+    from model_worker.runners import GenerationItem
+
+    return [GenerationItem("a lighthouse", 5, adapters=adapters)]
+
+
+def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipelines):
+    """The hotswap wiring on an eager model (torch.compile on CPU is minutes, not seconds): an adapter is swapped
+    into its slot's existing modules, every slot stays active with its scale written into PEFT's scaling tensors
+    (so nothing a compiled graph was traced with changes), and each image is diffusers' own for the set."""
+    import diffusers
+    import torch
+    from safetensors.torch import load, save
+
+    from model_worker.lora import LoraSets
+
+    directory, _ = pipelines["sd15"]
+    unet_only = {name: save({k: v for k, v in load(peft_file(directory, seed, rank)).items() if k.startswith("unet.")})
+                 for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8), ("dots", 3, 4))}  # fmt: skip
+    pipeline = diffusers.StableDiffusionPipeline.from_pretrained(directory)
+    pipeline.set_progress_bar_config(disable=True)
+    sets = LoraSets(pipeline, ("unet", "text_encoder"), device_cache=4, hotswap_rank=POLICY.max_rank)
+
+    def image(name: str):
+        pending = request("hot", FAMILIES["sd15"], steps=2, guidance=7.5, seed=5)  # one prompt for every image
+        pending.request.parameters.width = pending.request.parameters.height = SIZE
+        return pending, pipeline(**reference_kwargs(pending)).images
+
+    def weights(name: str):
+        return loaded("sd15", pipelines, unet_only, {name: 1.0}).loaded[0][0]
+
+    _, base = image("base")
+    modules = None
+    for names, scales in ((["ink"], [0.8]), (["neon"], [0.8]), (["ink", "dots"], [0.8, -0.6]), (["neon"], [0.0]),
+                          (["dots", "ink"], [0.5, 0.5]), ([], [])):  # fmt: skip
+        sets.activate([(weights(name), scale) for name, scale in zip(names, scales, strict=True)])
+        layers = [m for m in pipeline.unet.modules() if "slot_0" in getattr(m, "lora_A", {})]
+        slots = {(id(m), slot): id(m.lora_A[slot]) for m in layers for slot in m.lora_A}
+        assert modules is None or all(slots[key] == value for key, value in modules.items() if key in slots), (
+            "a swap made new LoRA modules (a compiled model would recompile)"
+        )
+        modules = slots
+        assert all(isinstance(m.scaling[s], torch.Tensor) for m in layers for s in m.scaling), "a scaling is a float"
+        assert all(m.active_adapters == [s for s in ("slot_0", "slot_1") if s in sets._slots] for m in layers)
+        pending, got = image("+".join(names))
+        if any(scales):
+            files = {name: unet_only[name] for name in names}
+            assert_close(got, reference_with(pipelines, "sd15", pending, files, dict(zip(names, scales, strict=True))))
+        else:
+            assert_close(got, base)
+    assert pipeline.get_list_adapters() == {"unet": ["slot_0", "slot_1"]}
+    [(with_text, _)] = loaded("sd15", pipelines, {"inked-text": peft_file(directory, 1, 4)}, {"inked-text": 0.8}).loaded
+    with pytest.raises(ValueError, match="changes a text encoder: a compiled model serves adapters that change the "):
+        sets.activate([(with_text, 0.8)])
+    _, after = image("after")
+    assert_close(after, base)
+
+
+def reference_kwargs(pending) -> dict:
+    import torch
+
+    params = pending.request.parameters
+    [item] = pending.items
+    return {"prompt": item.prompt, "num_inference_steps": params.num_inference_steps,
+            "guidance_scale": params.guidance_scale, "width": params.width, "height": params.height,
+            "generator": torch.Generator().manual_seed(item.seed), "output_type": "np"}  # fmt: skip
