@@ -37,6 +37,13 @@ UNLOGGED_PATHS = ("/healthz", "/readyz")
 DEFERRED = (JobMade.SUBMITTED, JobMade.CONVERTED)
 
 
+def now_to_the_millisecond() -> datetime:
+    """A row's `created_at`, truncated as the request's `published_at_ms` and the worker's times are: at full
+    precision, a request published within the same millisecond would be logged as published before it arrived."""
+    now = datetime.now(UTC)
+    return now.replace(microsecond=now.microsecond - now.microsecond % 1000)
+
+
 @dataclass
 class InferenceCall:
     """One inference request as the route sees it, filled in as it goes: who, which model, what, the answer."""
@@ -73,7 +80,7 @@ class RequestRecords:
     def open(self, request_id: str, model: str, mode: Mode) -> InferenceCall:
         row = InferenceLogRow(
             request_id=request_id,
-            created_at=datetime.now(UTC),
+            created_at=now_to_the_millisecond(),
             model=model[:128],
             status="error",
             http_status=500,

@@ -347,3 +347,15 @@ def check_file_names(names: list[str]) -> None:
 
 def bytes_reader(data: bytes) -> RangeReader:
     return lambda start, end: data[start : end + 1]
+
+
+def read_file_header(path) -> dict:
+    """`read_header` of a local file, reading only the header (AdapterFileError: not safetensors, or truncated)."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+
+        def read(start: int, end: int) -> bytes:
+            handle.seek(start)
+            return handle.read(end - start + 1)
+
+        return read_header(read, size)

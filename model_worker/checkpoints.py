@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.families import family_of
-from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_header
+from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_file_header
 
 UNET_PREFIX = "model.diffusion_model."
 # diffusers 0.42.1 `convert_flux_transformer_checkpoint_to_diffusers`: `inner_dim = 3072`.
@@ -96,17 +96,10 @@ def read_checkpoint_header(path: Path) -> dict:
                                      "imported (loading a pickle runs code from the file)")  # fmt: skip
     if path.suffix != ".safetensors":
         raise CheckpointRefusedError(f"{path.name}: not a .safetensors file")
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-
-        def read(start: int, end: int) -> bytes:
-            handle.seek(start)
-            return handle.read(end - start + 1)
-
-        try:
-            return read_header(read, size)
-        except AdapterFileError as exc:
-            raise CheckpointRefusedError(f"{path.name}: {exc}") from exc
+    try:
+        return read_file_header(path)
+    except AdapterFileError as exc:
+        raise CheckpointRefusedError(f"{path.name}: {exc}") from exc
 
 
 def detect_family(names: list[str] | set[str], file: str) -> str:
@@ -135,8 +128,7 @@ def base_pipeline(base: Path) -> str:
 def _base_header(base: Path, component: str) -> dict:
     header = {}
     for file in sorted((base / component).glob("*.safetensors")):
-        data = file.read_bytes()
-        header.update(read_header(lambda start, end, data=data: data[start : end + 1], len(data)))
+        header.update(read_file_header(file))  # the header alone: a base's weights run to gigabytes
     return header
 
 

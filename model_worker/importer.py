@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.families import PIPELINES, family_of
-from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_header
+from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_file_header
 
 # Weight files a diffusers folder may hold; anything else with these suffixes is refused.
 WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES, ".onnx", ".msgpack")
@@ -75,17 +75,10 @@ def check_folder(source: Path, family: str | None = None) -> CheckedModel:
 
 def check_safetensors(path: Path, root: Path) -> None:
     """The header parses and every tensor's bytes lie inside the file (a pickle or a truncated file fails)."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-
-        def read(start: int, end: int) -> bytes:
-            handle.seek(start)
-            return handle.read(end - start + 1)
-
-        try:
-            read_header(read, size)
-        except AdapterFileError as exc:
-            raise ImportRefusedError(f"{path.relative_to(root)}: {exc}") from exc
+    try:
+        read_file_header(path)
+    except AdapterFileError as exc:
+        raise ImportRefusedError(f"{path.relative_to(root)}: {exc}") from exc
 
 
 def catalog_entry(model: str, version: str, checked: CheckedModel, origin: str = "") -> str:
