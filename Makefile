@@ -91,9 +91,10 @@ bench: install
 
 # Check a diffusers folder and upload it to the model bucket with its manifest; prints the catalog version to add:
 # make import-model SOURCE=path/to/folder-or-file.safetensors MODEL=name VERSION=2 [FAMILY=sdxl] [BASE=dir-or-gs://...]
+# [STACK=.stack] (into the local stack's GCS emulator; without it, the bucket the environment's settings name)
 import-model: $(VENV)/.installed
 	@test -n "$(SOURCE)" -a -n "$(MODEL)" -a -n "$(VERSION)" || { echo "usage: make import-model SOURCE=dir MODEL=name VERSION=v [FAMILY=f] [BASE=b]" >&2; exit 2; }
-	$(PY) -m model_worker.weights import "$(SOURCE)" --model "$(MODEL)" --version "$(VERSION)" $(if $(FAMILY),--family $(FAMILY),) $(if $(BASE),--base "$(BASE)",)
+	$(PY) -m model_worker.weights import "$(SOURCE)" --model "$(MODEL)" --version "$(VERSION)" $(if $(FAMILY),--family $(FAMILY),) $(if $(BASE),--base "$(BASE)",) $(if $(STACK),--stack "$(STACK)",)
 
 # How many GPUs a day needs, by simulation (bench/capacity): the seed's day on L4s, both schedulings, two autoscaler
 # settings and the seed's 150 GPUs; a few minutes. ARGS passes options: make capacity ARGS="--trace day.csv"

@@ -7,7 +7,6 @@ python -m analytics billing_by_api_key_daily --since 2026-11-01 --model sd15-txt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 from google.cloud import bigquery
 
 from contract import google_clients
-from contract.settings import Settings
+from contract.settings import Settings, local_stack_environment
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "infra" / "sql"
 # The column each view is bounded by in time; a view without one aggregates its whole history.
@@ -98,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", type=Path, help="a local stack directory: query its BigQuery emulator")
     args = parser.parse_args(argv)
     if args.stack is not None:
-        stack_file = args.stack / "stack.json"
-        if not stack_file.exists():
-            parser.error(f"{stack_file} not found: is the local stack up (`make up`)?")
-        os.environ.update({k: v for k, v in json.loads(stack_file.read_text()).items() if k.isupper()})
+        try:
+            os.environ.update(local_stack_environment(args.stack))
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     unknown = sorted(set(args.views) - set(view_names()))
     if unknown:
         parser.error(f"unknown views {unknown}; choose from {view_names()}")

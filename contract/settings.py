@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from contract import naming
@@ -18,6 +20,15 @@ LOCAL_DEFAULT_ADMIN_KEY = "local-admin-key"
 # Per-key limits in production when MAAS_RATE_LIMIT_PER_MINUTE / MAAS_CONCURRENCY_LIMIT are unset.
 PRODUCTION_RATE_LIMIT = 600
 PRODUCTION_CONCURRENCY_LIMIT = 32
+
+
+def local_stack_environment(stack_dir: Path) -> dict[str, str]:
+    """The variables that point the Google clients and the settings at a running local stack (what `make up`
+    recorded in `{stack_dir}/stack.json`), for the operator commands run beside it (import, analytics)."""
+    stack_file = stack_dir / "stack.json"
+    if not stack_file.exists():
+        raise FileNotFoundError(f"{stack_file} not found: is the local stack up (`make up`)?")
+    return {key: value for key, value in json.loads(stack_file.read_text()).items() if key.isupper()}
 
 
 def _csv(value: str | None) -> list[str]:

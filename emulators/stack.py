@@ -479,6 +479,9 @@ def publish_tiny_model(config: StackConfig) -> None:
     )
     if result.returncode != 0:
         raise StartupError(f"tiny model build/upload failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    for line in (result.stdout + result.stderr).splitlines():
+        if line.startswith("kept gs://"):  # an imported model's weights, which the tiny pipeline must not replace
+            log.info("%s", line)
 
 
 def running(registry: ProcessRegistry) -> list[str]:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from contract import google_clients
-    from contract.settings import Settings
+    from contract.settings import Settings, local_stack_environment
     from model_worker.importer import ImportRefusedError, import_model
 
     parser = argparse.ArgumentParser(prog="python -m model_worker.weights", description=__doc__.splitlines()[0])
@@ -150,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     importing.add_argument("--base", help="for a single file: the diffusers folder, or gs://bucket/prefix of a served "
                            "model, of the same family, giving configs, tokenizers and the components the file lacks")  # fmt: skip
     importing.add_argument("--bucket", help="the model bucket (default: the settings' MAAS_MODEL_BUCKET)")
+    importing.add_argument("--stack", type=Path, help="a local stack directory (.stack): import into its GCS emulator")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a conversion reads the base's files only, never the Hub
+    if args.stack is not None:
+        try:
+            os.environ.update(local_stack_environment(args.stack))
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     settings = Settings.from_env()
     try:
         client = google_clients.storage_client(settings)

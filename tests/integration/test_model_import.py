@@ -33,10 +33,11 @@ def copy_of(folder, tmp_path):
 def test_an_imported_folder_is_uploaded_with_its_manifest_and_loads_as_the_worker_loads_it(
     stack, settings, tiny_sdxl, tmp_path
 ):
-    env = {**stack.client_env(), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    # Nothing in the environment names the stack: `--stack` reads it from the directory `make up` recorded it in.
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "model_worker.weights", "import", str(tiny_sdxl), "--model", "imported-sdxl",
-         "--version", "7", "--family", "sdxl"],
+         "--version", "7", "--family", "sdxl", "--stack", str(stack.stack_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from flask import Flask, request
 
@@ -51,3 +53,14 @@ def test_bad_credentials_are_401(header):
     with pytest.raises(ApiError) as caught:
         authenticate(auth, header)
     assert caught.value.status == 401
+
+
+def test_an_operator_command_finds_the_local_stack_from_its_record(tmp_path):
+    from contract.settings import local_stack_environment
+
+    with pytest.raises(FileNotFoundError, match="is the local stack up"):
+        local_stack_environment(tmp_path)
+    record = {"api_url": "http://127.0.0.1:8080", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443",
+              "config": {"api_keys": "secret"}}  # fmt: skip
+    (tmp_path / "stack.json").write_text(json.dumps(record))
+    assert local_stack_environment(tmp_path) == {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443"}
