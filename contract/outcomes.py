@@ -44,6 +44,7 @@ class Outcome(StrEnum):
     EXPIRED = "expired"
     CANCELLED = "cancelled"
     DEAD_LETTERED = "dead_lettered"
+    INPUT_REFUSED = "input_refused"  # the worker refused what it was given (an adapter it cannot load, an image)
     WORKER_ERROR = "worker_error"
     INTERNAL = "internal"
 
@@ -60,7 +61,9 @@ class Outcome(StrEnum):
     def for_reply(cls, status: str, error_kind: str | None = None) -> Outcome:
         """A worker reply's outcome (`InferenceReply.status` and `.error_kind`)."""
         if status == "error":
-            return cls.DEAD_LETTERED if error_kind == "dead_lettered" else cls.WORKER_ERROR
+            return {"dead_lettered": cls.DEAD_LETTERED, "bad_input": cls.INPUT_REFUSED}.get(
+                error_kind, cls.WORKER_ERROR
+            )
         return _BY_REPLY_STATUS[status]
 
     @classmethod
@@ -91,6 +94,8 @@ OUTCOMES: dict[Outcome, OutcomeSpec] = {
     Outcome.EXPIRED: OutcomeSpec(504, "expired", "expired", "expired"),
     Outcome.CANCELLED: OutcomeSpec(409, "cancelled", "cancelled", "cancelled"),
     Outcome.DEAD_LETTERED: OutcomeSpec(500, "error", "dead_lettered", "failed"),
+    # A 422, as the API's own refusals: the request's input is at fault, not the service; logged as before.
+    Outcome.INPUT_REFUSED: OutcomeSpec(422, "error", "bad_input", "failed"),
     Outcome.WORKER_ERROR: OutcomeSpec(500, "error", "inference_failed", "failed"),
     Outcome.INTERNAL: OutcomeSpec(500, "error", "internal", None),
 }

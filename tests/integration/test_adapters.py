@@ -223,6 +223,7 @@ def test_an_adapter_with_non_finite_weights_is_refused_at_registration_and_at_th
     for seed in (30, 31):  # the second is refused again (nothing was cached), not served
         failed = predict(stack, auth_headers, seed, [{"name": "nan-style", "scale": 1.0}])
         message = failed.json()["error"]["message"]
+        assert failed.status_code == 422, failed.text  # the request's adapter is at fault, not the service
         assert f"nan-style@1: {poisoned} holds NaN or infinite values" in message, failed.text
         assert error_row(bigquery, settings, failed)["error_kind"] == "bad_input"
     pixels(predict(stack, auth_headers, 32, **{"Cache-Control": "no-cache"}))  # and the worker serves on
@@ -258,6 +259,7 @@ def test_an_adapter_set_that_cannot_be_applied_fails_alone_and_the_next_base_req
     base, inked = fresh(stack, auth_headers, seed), fresh(stack, auth_headers, seed, ink)
     failed = predict(stack, auth_headers, seed, [*ink, {"name": "half-style"}], **{"Cache-Control": "no-cache"})
     message = failed.json()["error"]["message"]
+    assert failed.status_code == 422, failed.text
     assert "adapter half-style@1 could not be loaded: Could not automatically infer state dict type" in message, (
         failed.text
     )

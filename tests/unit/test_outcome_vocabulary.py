@@ -40,6 +40,10 @@ def test_worker_replies_and_refusals_map_to_one_outcome_each():
     assert Outcome.for_reply("cancelled", "cancelled") is Outcome.CANCELLED
     assert Outcome.for_reply("error", "dead_lettered") is Outcome.DEAD_LETTERED
     assert Outcome.for_reply("error", "inference_failed") is Outcome.WORKER_ERROR
+    # The request's own input, refused by the worker: a 422 and a failed job, logged `error` / `bad_input` as before.
+    refused = Outcome.for_reply("error", "bad_input")
+    assert (refused.spec.http_status, refused.spec.log_status, refused.spec.error_kind) == (422, "error", "bad_input")
+    assert refused.spec.job_state == "failed"
     assert Outcome.for_http_status(429) is Outcome.RATE_LIMITED
     assert Outcome.for_http_status(504) is Outcome.TIMEOUT
     assert Outcome.for_http_status(418) is Outcome.REJECTED
