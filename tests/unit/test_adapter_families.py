@@ -19,6 +19,7 @@ import pytest
 from contract import naming
 from contract.generation import AdapterRef
 from contract.lora_files import BASE_FILES, bytes_reader, read_header
+from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_adapter_parts import FakeBucket, with_adapters
 from tests.unit.test_model_families import DEV, SD15, SD35, SDXL, assert_close, reference_images
 from tests.unit.test_step_scheduler import Worker, request
@@ -34,20 +35,7 @@ VISIBLE = 10
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory) -> dict:
     """Per family: its tiny pipeline's directory and the diffusers pipeline loaded from it (the reference)."""
-    import diffusers
-    import torch
-
-    from model_worker.tiny_pipeline import build_pipeline
-
-    torch.set_num_threads(1)
-    root: Path = tmp_path_factory.mktemp("adapter-families")
-    built = {}
-    for name, spec in FAMILIES.items():
-        directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode)
-        reference = getattr(diffusers, spec.pipeline).from_pretrained(directory)
-        reference.set_progress_bar_config(disable=True)
-        built[name] = (directory, reference)
-    return built
+    return tiny_pipelines(tmp_path_factory.mktemp("adapter-families"), FAMILIES)
 
 
 def peft_file(directory: Path, seed: int, rank: int) -> bytes:

@@ -8,13 +8,12 @@ returns for the same prompt, seed and parameters, within the README's tolerance.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from contract.catalog import load_catalog
 from emulators.stack import LOCAL_CATALOG_OVERLAY
+from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_step_scheduler import Hooked, Worker, request
 
 CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
@@ -41,21 +40,7 @@ SIZE = 64  # a multiple of 16, so every family takes it
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory) -> dict:
     """Per family: the directory of its tiny pipeline and the diffusers pipeline loaded from it (the reference)."""
-    import diffusers
-    import torch
-
-    from model_worker.tiny_pipeline import build_pipeline
-
-    torch.set_num_threads(1)
-    root: Path = tmp_path_factory.mktemp("families")
-    built = {}
-    for name, spec in FAMILIES.items():
-        directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode)
-        left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
-        reference = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
-        reference.set_progress_bar_config(disable=True)
-        built[name] = (directory, reference)
-    return built
+    return tiny_pipelines(tmp_path_factory.mktemp("families"), FAMILIES)
 
 
 def runner_for(pipelines, name: str, scheduling: str):
