@@ -66,12 +66,12 @@ class AdapterService:
         return record
 
     def register(self, spec: ModelSpec, name: str, version: object) -> AdapterRecord:
-        if re.match(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
+        if re.fullmatch(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
             raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN} (no '..'), at most "
                            f"{ADAPTER_NAME_LENGTH} characters", "name")  # fmt: skip
         if (
             not isinstance(version, str)
-            or re.match(ADAPTER_VERSION_PATTERN, version) is None
+            or re.fullmatch(ADAPTER_VERSION_PATTERN, version) is None
             or len(version) > ADAPTER_VERSION_LENGTH
         ):
             raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "

@@ -331,6 +331,8 @@ VERSIONED_ONLY = ("traffic", "shadow", "sticky", "rollback", "stable")
 
 def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
     """A catalog entry as its units (one per version) and, for a versioned entry, its rollout fields."""
+    if problem := naming.model_name_problem(name):
+        raise ValueError(problem)
     entry = {**entry, "name": name}
     if "versions" not in entry:
         stray = [key for key in VERSIONED_ONLY if key in entry]
@@ -343,8 +345,8 @@ def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
     units = [{**entry, **(override or {}), "name": name, "version": str(v), "versioned": True}
              for v, override in versions.items()]  # fmt: skip
     for unit in units:
-        if not naming.VERSION_NAME.fullmatch(unit["version"]):
-            raise ValueError(f"{name}: version {unit['version']!r} must be lowercase letters, digits and '-'")
+        if problem := naming.version_name_problem(unit["version"]):
+            raise ValueError(f"{name}: {problem}")
     if not versions:
         raise ValueError(f"{name}: `versions` lists no version")
     # No split given: the first version takes everything (the others are reachable pinned, or by a PUT).

@@ -16,9 +16,10 @@ An adapter is one safetensors file in one of the layouts diffusers' `load_lora_w
   output rows must be those modules' rows side by side.
 
 Every target must exist, with the same shape, in the base model's own safetensors headers (per component), so a
-LoRA for another model or family is refused before anything loads it. Only headers are parsed: a pickle never
-is. The one look at the data is for NaN and infinity (their exponent bits, compared a byte column at a time),
-which would turn every image the adapter touches black.
+LoRA for another model or family is refused before anything loads it. Only headers are parsed, and checked as the
+safetensors format requires (`contract/safetensors_checks.py`): a pickle never is. The one look at the data is for
+NaN and infinity (their exponent bits, compared a byte column at a time), which would turn every image the adapter
+touches black.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-MAX_HEADER_BYTES = 16 * 1024 * 1024
+from contract import safetensors_checks
+from contract.safetensors_checks import RangeReader, SafetensorsError, is_pickle
+from contract.safetensors_checks import bytes_reader as bytes_reader  # what the adapter callers read with
+
+# The dtypes of a LoRA pair's weights diffusers applies; an alpha is a real number torch loads (and, for a float,
+# one `check_finite` reads).
+LORA_DTYPES = ("F16", "BF16", "F32")
+ALPHA_DTYPES = (*LORA_DTYPES, "F64", "I8", "U8", "I16", "I32", "I64")
 # The base model's weight file per LoRA component, relative to its weights path (diffusers' layout); a model has
 # the ones of its family (SD 1.5: unet and text_encoder; SDXL: both text encoders; FLUX.1: the transformer).
 BASE_FILES = {
@@ -72,8 +78,6 @@ _SGM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": 
             "time_embed_2": "time_embedding_linear_2", "label_emb_0_0": "add_embedding_linear_1",
             "label_emb_0_2": "add_embedding_linear_2"}  # fmt: skip
 
-# Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
-RangeReader = Callable[[int, int], bytes]
 # A base weights file by its path relative to the weights root: (its RangeReader, its size), or None when absent.
 FileOpener = Callable[[str], "tuple[RangeReader, int] | None"]
 
@@ -119,34 +123,13 @@ class LoraTarget:
         return f"lora_{prefix}_{self.module}"
 
 
-def read_header(read: RangeReader, size: int) -> dict:
-    """The safetensors header ({name: {dtype, shape, data_offsets}}), its offsets checked against the file size."""
-    if size < 8:
-        raise AdapterFileError("not a safetensors file: too short")
-    length = int.from_bytes(read(0, 7), "little")
-    if length < 2 or length > MAX_HEADER_BYTES or 8 + length > size:
-        raise AdapterFileError("not a safetensors file: bad header length")
+def read_header(read: RangeReader, size: int, file: str = "") -> dict:
+    """The file's tensors, checked as the safetensors format requires (`contract/safetensors_checks.py`); a
+    malformed file is an AdapterFileError (`file`, when given, names it in the message)."""
     try:
-        header = json.loads(read(8, 7 + length))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise AdapterFileError("not a safetensors file: the header is not JSON") from exc
-    if not isinstance(header, dict):
-        raise AdapterFileError("not a safetensors file: the header is not an object")
-    header.pop("__metadata__", None)
-    data_bytes = size - 8 - length
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise AdapterFileError(f"not a safetensors file: bad entry {name!r}")
-        start, end = entry["data_offsets"]
-        count = 1
-        for dim in entry["shape"]:
-            count *= dim
-        if entry["dtype"] not in DTYPE_BYTES:
-            if entry["dtype"] not in ("F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2"):
-                raise AdapterFileError(f"not a safetensors file: unknown dtype of {name!r}")
-        elif not 0 <= start <= end <= data_bytes or end - start != count * DTYPE_BYTES[entry["dtype"]]:
-            raise AdapterFileError(f"truncated or inconsistent safetensors file at {name!r}")
-    return header
+        return safetensors_checks.read_header(read, size)
+    except SafetensorsError as exc:
+        raise AdapterFileError(f"{file}: {exc}" if file else str(exc)) from exc
 
 
 def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str, dict]:
@@ -157,7 +140,7 @@ def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str
         path = BASE_FILES[component]
         single = open_file(path)
         if single is not None:
-            headers[component] = read_header(*single)
+            headers[component] = read_header(*single, file=f"the base model's {path}")
             continue
         index = open_file(f"{path}.index.json")
         if index is None:
@@ -165,7 +148,9 @@ def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str
         read, size = index
         try:
             shards = sorted(set(json.loads(read(0, size - 1))["weight_map"].values()))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            if not all(isinstance(shard, str) for shard in shards):
+                raise TypeError("a shard that is not a file name")
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise AdapterFileError(f"{path}.index.json of the base model is not a weight index") from exc
         merged: dict = {}
         folder = path.rsplit("/", 1)[0]
@@ -173,7 +158,7 @@ def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str
             opened = open_file(f"{folder}/{shard}") if "/" not in shard else None
             if opened is None:
                 raise AdapterFileError(f"{folder}/{shard}, named by the base model's weight index, is missing")
-            merged.update(read_header(*opened))
+            merged.update(read_header(*opened, file=f"the base model's {folder}/{shard}"))
         headers[component] = merged
     return headers
 
@@ -182,12 +167,12 @@ def lora_targets(header: dict) -> list[LoraTarget]:
     """The modules a LoRA file changes, one per down/up pair; refuses anything diffusers would not load."""
     pairs: dict[tuple[str, str, str], dict[str, dict]] = {}
     for name, entry in header.items():
-        if match := _PEFT_KEY.match(name):
+        if match := _PEFT_KEY.fullmatch(name):
             layout, (component, module, part) = "peft", match.groups()
             if part == "alpha":
                 raise AdapterFileError(f"{name}: a diffusers/PEFT-layout file carries no .alpha (diffusers refuses "
                                        "it; kohya-layout files may)")  # fmt: skip
-        elif match := _KOHYA_KEY.match(name):
+        elif match := _KOHYA_KEY.fullmatch(name):
             layout, (prefix, module, part) = "kohya", match.groups()
             component = _KOHYA_COMPONENTS[prefix]
         else:
@@ -195,8 +180,10 @@ def lora_targets(header: dict) -> list[LoraTarget]:
                 f"not a LoRA tensor diffusers loads: {name!r} (expected {{component}}.{{module}}.lora_A.weight and "
                 ".lora_B.weight, or kohya's lora_unet_*/lora_te*_* .lora_down.weight, .lora_up.weight and .alpha)"
             )
-        if part != "alpha" and entry["dtype"] not in DTYPE_BYTES:
-            raise AdapterFileError(f"{name}: dtype {entry['dtype']} (F16, BF16 or F32 only)")
+        if part != "alpha" and entry["dtype"] not in LORA_DTYPES:
+            raise AdapterFileError(f"{name}: dtype {entry['dtype']} ({', '.join(LORA_DTYPES)} only)")
+        if part == "alpha" and entry["dtype"] not in ALPHA_DTYPES:
+            raise AdapterFileError(f"{name}: dtype {entry['dtype']} ({', '.join(ALPHA_DTYPES)} only for an alpha)")
         pairs.setdefault((layout, component, module), {})[_PARTS.get(part, "alpha")] = entry
     if len({layout for layout, _, _ in pairs}) > 1:
         raise AdapterFileError("the file mixes the diffusers/PEFT and kohya layouts")
@@ -282,7 +269,7 @@ def _sgm_to_diffusers(module: str, unet: dict[str, list[int]]) -> str:
     for sgm, name in _SGM_TOP.items():
         if module == sgm or module.startswith(f"{sgm}_"):
             return name + module[len(sgm) :]
-    match = _SGM_KEY.match(module)
+    match = _SGM_KEY.fullmatch(module)
     if match is None:
         return module
     kind, index, inner, middle, rest = match.groups()
@@ -302,7 +289,7 @@ def _sgm_to_diffusers(module: str, unet: dict[str, list[int]]) -> str:
 
 
 def _bfl_modules(target: LoraTarget) -> tuple[str, ...]:
-    match = _BFL_KEY.match(target.module)
+    match = _BFL_KEY.fullmatch(target.module)
     if match is None:
         return ()
     kind, index, part = match.groups()
@@ -335,7 +322,7 @@ def check_file_names(names: list[str]) -> None:
     """An adapter version holds exactly one file, `pytorch_lora_weights.safetensors`: no pickle, nothing else."""
     from contract.naming import ADAPTER_FILE
 
-    pickled = [name for name in names if name.lower().endswith(PICKLE_SUFFIXES)]
+    pickled = [name for name in names if is_pickle(name)]
     if pickled:
         raise AdapterFileError(f"pickle-format files are refused (safetensors only): {', '.join(pickled)}")
     others = [name for name in names if name != ADAPTER_FILE]
@@ -343,19 +330,3 @@ def check_file_names(names: list[str]) -> None:
         raise AdapterFileError(f"only {ADAPTER_FILE} is accepted; found {', '.join(others)}")
     if not names:
         raise AdapterFileError(f"no {ADAPTER_FILE} found")
-
-
-def bytes_reader(data: bytes) -> RangeReader:
-    return lambda start, end: data[start : end + 1]
-
-
-def read_file_header(path) -> dict:
-    """`read_header` of a local file, reading only the header (AdapterFileError: not safetensors, or truncated)."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-
-        def read(start: int, end: int) -> bytes:
-            handle.seek(start)
-            return handle.read(end - start + 1)
-
-        return read_header(read, size)

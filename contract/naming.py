@@ -18,6 +18,27 @@ REPLY_SUBSCRIPTION_LABEL = {"maas-purpose": "reply-wait"}
 # A catalog version's name: it becomes part of topic and Kubernetes names (DNS-label characters).
 VERSION_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?")
 VERSION_SEPARATOR = "--"
+# A model's name: part of topic, subscription and bucket names, and of its workers' Deployment
+# (`model-worker-{name}`, a DNS label of at most 63 characters: infra/k8s/render.py).
+MODEL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+MODEL_NAME_LENGTH = 63 - len("model-worker-")
+
+
+def model_name_problem(name: object) -> str | None:
+    """What is wrong with a model's name for the catalog, or None (`fullmatch`: no trailing newline slips by)."""
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name) or len(name) > MODEL_NAME_LENGTH:
+        return (f"model name {name!r} must be lowercase letters, digits and '-' (not first or last), at most "
+                f"{MODEL_NAME_LENGTH} characters")  # fmt: skip
+    return None
+
+
+def version_name_problem(version: object) -> str | None:
+    """What is wrong with a catalog version's name, or None."""
+    if not isinstance(version, str) or not VERSION_NAME.fullmatch(version):
+        return (f"version {version!r} must be lowercase letters, digits and '-' (not first or last), at most 16 "
+                "characters")  # fmt: skip
+    return None
+
 
 Priority = Literal["high", "normal"]
 # Workers take from these in this order; `high` has its own topic because subscription filters are not

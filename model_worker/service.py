@@ -149,7 +149,7 @@ class WorkerService:
         (its requests stay queued for a healthy one, or expire): `/readyz` names the file and why, the log says
         it once (then every minute), and the weights are downloaded and checked again every
         `MAAS_WEIGHTS_RETRY_SECONDS`, so fixing the file in the bucket recovers the worker without a restart."""
-        from model_worker.weights import WeightsIntegrityError
+        from model_worker.weights.store import WeightsIntegrityError
 
         source = f"weights of {spec.name} v{spec.version}"
         while True:
@@ -165,7 +165,7 @@ class WorkerService:
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
         from model_worker.compiled import CompileCache, compile_cache_key
         from model_worker.pipeline import DiffusionRunner
-        from model_worker.weights import download_weights
+        from model_worker.weights.store import download_weights
 
         settings = self.settings
         weights_dir = download_weights(

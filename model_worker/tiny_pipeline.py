@@ -373,10 +373,10 @@ TINY_ORIGIN = "local stack: tiny pipeline"
 
 
 def upload_directory(local_dir: Path, bucket_name: str, prefix: str) -> int:
-    """Uploads the pipeline with its manifest (`model_worker/weights.py`), as an imported model is uploaded."""
+    """Uploads the pipeline with its manifest (`model_worker/weights/store.py`), as an imported model is uploaded."""
     from contract import google_clients
     from contract.settings import Settings
-    from model_worker.weights import upload_with_manifest
+    from model_worker.weights.store import upload_with_manifest
 
     client = google_clients.storage_client(Settings.from_env())
     return len(upload_with_manifest(client, local_dir, bucket_name, prefix, origin=TINY_ORIGIN)["files"])
@@ -393,7 +393,7 @@ def imported_weights(local_dir: Path, bucket_name: str, prefix: str) -> str | No
 
     from contract import google_clients
     from contract.settings import Settings
-    from model_worker.weights import MANIFEST, build_manifest
+    from model_worker.weights.store import MANIFEST, build_manifest
 
     blob = (
         google_clients.storage_client(Settings.from_env()).bucket(bucket_name).blob(f"{prefix.rstrip('/')}/{MANIFEST}")

@@ -47,8 +47,8 @@ def served(stack, settings, tmp_path_factory):
     from contract import google_clients
     from contract.settings import Settings
     from emulators.bootstrap import bootstrap_pubsub
-    from model_worker.importer import import_model
     from model_worker.tiny_pipeline import build_pipeline
+    from model_worker.weights.importer import import_model
 
     work = tmp_path_factory.mktemp("byom")
     storage = google_clients.storage_client(settings)

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from emulators.stack import ROOT
-from model_worker.importer import ImportRefusedError, check_folder
-from model_worker.weights import MANIFEST, download_weights
+from model_worker.weights.importer import ImportRefusedError, check_folder
+from model_worker.weights.store import MANIFEST, download_weights
 
 pytestmark = pytest.mark.stack
 UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
@@ -87,8 +87,8 @@ def test_the_local_stack_never_uploads_its_tiny_pipeline_over_an_imported_model(
     """`make up` uploads the tiny pipeline to every catalog version's weights path: over its own earlier upload
     (which repairs a changed file), never over a model imported there."""
     from contract import google_clients
-    from model_worker.importer import import_model
     from model_worker.tiny_pipeline import imported_weights, upload_directory
+    from model_worker.weights.importer import import_model
 
     client = google_clients.storage_client(settings)
     bucket = settings.model_bucket

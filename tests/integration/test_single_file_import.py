@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from emulators.stack import ROOT
-from model_worker.importer import ImportRefusedError, import_model
-from model_worker.weights import MANIFEST, download_weights
+from model_worker.weights.importer import ImportRefusedError, import_model
+from model_worker.weights.store import MANIFEST, download_weights
 from tests.single_file_checkpoints import write_flux_checkpoint, write_sd_checkpoint
 
 pytestmark = pytest.mark.stack

@@ -15,7 +15,7 @@ import requests
 
 from emulators.processes import ProcessRegistry
 from emulators.stack import ROOT, worker_env
-from model_worker.weights import MANIFEST, WeightsIntegrityError, download_weights
+from model_worker.weights.store import MANIFEST, WeightsIntegrityError, download_weights
 
 pytestmark = pytest.mark.stack
 WEIGHTS = "flux-versions/2"

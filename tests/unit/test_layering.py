@@ -22,7 +22,10 @@ BREAKS = {
     "contract-not-services": ("contract/outcomes.py", "import api_server.serving"),
     "services-not-emulators": ("model_worker/pool.py", "import emulators.stack"),
     "routes-not-clients": ("api_server/routes/predict.py", "import redis"),
+    "weights-one-way": ("model_worker/weights/store.py", "import model_worker.weights.importer"),
 }
+# The layers of the weights room, each a stand-in module in the throwaway project (a layers contract needs them).
+WEIGHTS_LAYERS = [f"model_worker/weights/{name}.py" for name in ("__main__", "cli", "importer", "checkpoints", "store")]
 
 
 def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
@@ -53,7 +56,8 @@ def layered_project() -> Iterator[Path]:
 
 def _lay_out(tmp_path: Path) -> Path:
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
-    for module in {path for path, _ in BREAKS.values()} | {"emulators/stack.py", "contract/google_clients.py"}:
+    stand_ins = {path for path, _ in BREAKS.values()} | {"emulators/stack.py", "contract/google_clients.py"}
+    for module in stand_ins | set(WEIGHTS_LAYERS):
         for parent in reversed(Path(module).parents):
             if parent != Path("."):
                 (tmp_path / parent).mkdir(exist_ok=True)
@@ -76,4 +80,4 @@ def test_a_broken_contract_fails_the_check(layered_project: Path, contract_id: s
     [contract] = [contract for contract in CONTRACTS if contract["id"] == contract_id]
     assert result.returncode == 1
     assert f"{contract['name']} BROKEN" in result.stdout
-    assert "Contracts: 4 kept, 1 broken." in result.stdout
+    assert f"Contracts: {len(CONTRACTS) - 1} kept, 1 broken." in result.stdout

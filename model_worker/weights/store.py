@@ -1,9 +1,13 @@
-"""Downloads a model's weights prefix from the model bucket into a local cache directory, checked against its manifest.
+"""A model's weights in the model bucket: uploaded with their manifest, downloaded into a local cache checked
+against it.
 
 A weights prefix may carry `maas-manifest.json`: every file's size and SHA-256, written when the model was
 uploaded. The worker checks each downloaded file against it before anything is loaded, so a missing, changed
-or truncated file is never served: `WeightsIntegrityError` names the file and why (the worker's `/readyz` says
-it, and it tries again). A prefix without a manifest still loads, with a warning, so existing buckets work.
+or truncated file is never served, and every safetensors file against what the format requires
+(`contract/safetensors_checks.py`: a file with overlapping or stray tensor bytes would make diffusers fail at
+load): `WeightsIntegrityError` names the file and why (the worker's `/readyz` says it, and it tries again). A
+prefix without a manifest still loads, with a warning, so existing buckets work. Every file lands inside the
+cache directory: a blob or manifest name that would lead out of it (`..`, an empty segment) is refused.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from google.cloud import storage
+
+from contract.safetensors_checks import SafetensorsError, is_pickle, read_file_header
 
 log = logging.getLogger(__name__)
 COMPLETE_MARKER = ".download-complete"
@@ -47,11 +53,39 @@ def build_manifest(directory: Path) -> dict:
     return {"format": MANIFEST_FORMAT, "files": files}
 
 
+def local_path(directory: Path, name: str, location: str) -> Path:
+    """`directory / name` for a file name from the bucket (a blob's or the manifest's), refused unless it stays
+    inside `directory`: relative, no `.` or `..` segment, no empty one, no backslash or NUL."""
+    parts = name.split("/")
+    if (
+        not name
+        or PurePosixPath(name).is_absolute()
+        or any(part in ("", ".", "..") for part in parts)
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise WeightsIntegrityError(location, repr(name), "a file name that leads out of the weights directory")
+    path = directory / name
+    if not path.resolve().is_relative_to(directory.resolve()):  # a symbolic link in the cache on the way
+        raise WeightsIntegrityError(location, repr(name), "a file name that leads out of the weights directory")
+    return path
+
+
+def check_headers(directory: Path, location: str) -> None:
+    """Every safetensors file under `directory` is one the format allows (what diffusers would fail to load, or
+    load wrong, is refused here with the file and why)."""
+    for path in sorted(directory.rglob("*.safetensors")):
+        try:
+            read_file_header(path)
+        except SafetensorsError as exc:
+            raise WeightsIntegrityError(location, path.relative_to(directory).as_posix(), str(exc)) from exc
+
+
 def verify(directory: Path, manifest: dict, location: str) -> None:
     """Raises `WeightsIntegrityError` for the first file missing, of another size, of another digest, or unlisted."""
     listed = manifest.get("files") or {}
     for name, expected in sorted(listed.items()):
-        path = directory / name
+        path = local_path(directory, name, location)
         if not path.is_file():
             raise WeightsIntegrityError(location, name, "missing (listed in the manifest)")
         size = path.stat().st_size
@@ -70,18 +104,34 @@ def verify(directory: Path, manifest: dict, location: str) -> None:
             raise WeightsIntegrityError(location, name, "not in the manifest")
 
 
+def _manifest(raw: bytes, location: str) -> dict:
+    """A manifest as `build_manifest` writes it: {"files": {name: {"size": int, "sha256": str}}, ...}."""
+    try:
+        manifest = json.loads(raw)
+        files = manifest.get("files") or {}
+        sound = all(
+            isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)
+            for entry in files.values()
+        )
+    except (ValueError, AttributeError, RecursionError):
+        sound = False
+    if not sound:
+        raise WeightsIntegrityError(location, MANIFEST, "not a manifest (each file's size and sha256)")
+    return manifest
+
+
 def download_weights(client: storage.Client, bucket: str, prefix: str, cache_dir: Path) -> Path:
     """Returns the local directory, every file checked against the prefix's manifest when it has one.
 
     A previous download is reused only when it completed and was checked against the same manifest."""
-    target = cache_dir / prefix
     location = f"gs://{bucket}/{prefix.rstrip('/')}"
+    target = local_path(cache_dir, prefix.rstrip("/"), location)
     prefix = prefix.rstrip("/") + "/"
     blobs = [blob for blob in client.list_blobs(bucket, prefix=prefix) if not blob.name.endswith("/")]
     if not blobs:
         raise FileNotFoundError(f"no weights under gs://{bucket}/{prefix}")
     manifest_blob = next((blob for blob in blobs if blob.name == prefix + MANIFEST), None)
-    manifest = json.loads(manifest_blob.download_as_bytes()) if manifest_blob is not None else None
+    manifest = _manifest(manifest_blob.download_as_bytes(), location) if manifest_blob is not None else None
     stamp = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() if manifest else "unverified"
     marker = target / COMPLETE_MARKER
     if marker.exists() and marker.read_text() == stamp:
@@ -90,20 +140,24 @@ def download_weights(client: storage.Client, bucket: str, prefix: str, cache_dir
     if manifest is None:
         log.warning("%s has no %s: loading its files unverified (upload with `python -m model_worker.weights "
                     "import` to record their digests)", location, MANIFEST)  # fmt: skip
-    pickled = [blob.name for blob in blobs if blob.name.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    pickled = [blob.name[len(prefix) :] for blob in blobs if is_pickle(blob.name)]
     if pickled:
-        raise ValueError(f"refusing pickle-format weights (use safetensors): {pickled}")
+        raise WeightsIntegrityError(
+            location, ", ".join(pickled), "pickle-format weights are refused (safetensors only)"
+        )
+    locals_ = {blob.name: local_path(target, blob.name[len(prefix) :], location) for blob in blobs}
     marker.unlink(missing_ok=True)
     total = 0
     for blob in blobs:
         if blob is manifest_blob:
             continue
-        local = target / blob.name[len(prefix) :]
+        local = locals_[blob.name]
         local.parent.mkdir(parents=True, exist_ok=True)
         blob.download_to_filename(str(local))
         total += local.stat().st_size
     if manifest is not None:
         verify(target, manifest, location)
+    check_headers(target, location)
     marker.write_text(stamp)
     log.info("downloaded %d files (%.1f MB) from %s%s", len(blobs), total / 1e6, location,
              ", each matching its manifest" if manifest else "")  # fmt: skip
@@ -126,50 +180,3 @@ def upload_with_manifest(
         json.dumps(manifest, indent=1, sort_keys=True), content_type="application/json"
     )
     return manifest
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m model_worker.weights import SOURCE --model NAME --version V`: see `model_worker/importer.py`."""
-    import argparse
-    import os
-    import sys
-
-    from contract import google_clients
-    from contract.settings import Settings, local_stack_environment
-    from model_worker.importer import ImportRefusedError, import_model
-
-    parser = argparse.ArgumentParser(prog="python -m model_worker.weights", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    importing = commands.add_parser("import", help="check a model (converted first if a single file) and upload it "
-                                    "with its manifest")  # fmt: skip
-    importing.add_argument("source", type=Path, help="a diffusers folder, or a single-file .safetensors checkpoint "
-                           "(SD 1.5, SDXL, FLUX.1) with --base")  # fmt: skip
-    importing.add_argument("--model", required=True)
-    importing.add_argument("--version", required=True)
-    importing.add_argument("--family", help="refuse the source unless it is of this family (sd15, sdxl, flux, sd3)")
-    importing.add_argument("--base", help="for a single file: the diffusers folder, or gs://bucket/prefix of a served "
-                           "model, of the same family, giving configs, tokenizers and the components the file lacks")  # fmt: skip
-    importing.add_argument("--bucket", help="the model bucket (default: the settings' MAAS_MODEL_BUCKET)")
-    importing.add_argument("--stack", type=Path, help="a local stack directory (.stack): import into its GCS emulator")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a conversion reads the base's files only, never the Hub
-    if args.stack is not None:
-        try:
-            os.environ.update(local_stack_environment(args.stack))
-        except FileNotFoundError as exc:
-            parser.error(str(exc))
-    settings = Settings.from_env()
-    try:
-        client = google_clients.storage_client(settings)
-        entry = import_model(client, args.bucket or settings.model_bucket, args.source, args.model, args.version,
-                             args.family, args.base)  # fmt: skip
-    except ImportRefusedError as exc:
-        print(f"refused: {exc}", file=sys.stderr)
-        return 2
-    print(f"uploaded to gs://{args.bucket or settings.model_bucket}/{args.model}/{args.version}/ with {MANIFEST}")
-    print(entry)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

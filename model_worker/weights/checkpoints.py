@@ -2,8 +2,8 @@
 
 Fine-tunes are mostly shared as one `.safetensors` file in the original layout (CompVis/Stability's
 `model.diffusion_model.*` UNet with its VAE and text encoders; Black Forest Labs' FLUX transformer alone). Its
-family is read from its tensor names; nothing in it is executed or unpickled (only safetensors, header checked
-first). A single file carries weights but no configuration: the *base*, a diffusers folder of the same family
+family is read from its tensor names; nothing in it is executed or unpickled (only safetensors, its header checked
+first as the format requires: `contract/safetensors_checks.py`). A single file carries weights but no configuration: the *base*, a diffusers folder of the same family
 (local, or the weights path of a model already served), gives every component's configuration, the
 tokenizers and scheduler, and every component the file lacks (a FLUX fine-tune ships only its transformer).
 A fine-tune has its base's shapes: the file's key tensors are checked against the base's own safetensors
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.families import family_of
-from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_file_header
+from contract.safetensors_checks import SafetensorsError, is_pickle, read_file_header
 
 UNET_PREFIX = "model.diffusion_model."
 # diffusers 0.42.1 `convert_flux_transformer_checkpoint_to_diffusers`: `inner_dim = 3072`.
@@ -91,14 +91,14 @@ _SIGNATURES["sdxl"] = ("unet", [*_SIGNATURES["sd15"][1], ("label_emb.0.0.weight"
 
 def read_checkpoint_header(path: Path) -> dict:
     """The file's safetensors header; a pickle (whatever its name), a foreign format or a truncated file is refused."""
-    if path.suffix in PICKLE_SUFFIXES:
+    if is_pickle(path.name):
         raise CheckpointRefusedError(f"{path.name}: a pickle checkpoint ({path.suffix}); only safetensors is "
                                      "imported (loading a pickle runs code from the file)")  # fmt: skip
     if path.suffix != ".safetensors":
         raise CheckpointRefusedError(f"{path.name}: not a .safetensors file")
     try:
         return read_file_header(path)
-    except AdapterFileError as exc:
+    except SafetensorsError as exc:
         raise CheckpointRefusedError(f"{path.name}: {exc}") from exc
 
 
@@ -122,13 +122,22 @@ def base_pipeline(base: Path) -> str:
     index = base / "model_index.json"
     if not index.is_file():
         raise CheckpointRefusedError(f"base {base}: no model_index.json (the base must be a diffusers folder)")
-    return json.loads(index.read_text())["_class_name"]
+    try:
+        pipeline = json.loads(index.read_text())["_class_name"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointRefusedError(f"base {index}: unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pipeline, str):
+        raise CheckpointRefusedError(f"base {index}: _class_name is {pipeline!r}, not a pipeline class name")
+    return pipeline
 
 
 def _base_header(base: Path, component: str) -> dict:
     header = {}
     for file in sorted((base / component).glob("*.safetensors")):
-        header.update(read_file_header(file))  # the header alone: a base's weights run to gigabytes
+        try:
+            header.update(read_file_header(file))  # the header alone: a base's weights run to gigabytes
+        except SafetensorsError as exc:
+            raise CheckpointRefusedError(f"base {base}: {file.relative_to(base)}: {exc}") from exc
     return header
 
 
@@ -143,19 +152,32 @@ def check_shapes(header: dict, family: str, base: Path, file: str) -> None:
         entry = header.get(prefix + ours)
         if entry is None:
             raise CheckpointRefusedError(f"{file}: no {prefix + ours} (a {family} checkpoint has one)")
+        if theirs not in base_header:
+            raise CheckpointRefusedError(f"{file}: the base {base} has no {component}/{theirs} to check it against")
         if entry["shape"] != base_header[theirs]["shape"]:
             raise CheckpointRefusedError(f"{file}: {prefix + ours} is {entry['shape']}, the base's {component}/"
                                          f"{theirs} is {base_header[theirs]['shape']}: not a fine-tune of this base")  # fmt: skip
     if family == "flux":
-        config = json.loads((base / "transformer" / "config.json").read_text())
+        config = _base_config(base, "transformer")
         counts = {kind: len({n.split(".")[1] for n in header if n.startswith(prefix + kind + ".")})
                   for kind in ("double_blocks", "single_blocks")}  # fmt: skip
-        expected = {"double_blocks": config["num_layers"], "single_blocks": config["num_single_layers"]}
+        expected = {"double_blocks": config.get("num_layers"), "single_blocks": config.get("num_single_layers")}
         guided = any(n.startswith(prefix + "guidance_in.") for n in header)
         if counts != expected or guided != bool(config.get("guidance_embeds")):
             raise CheckpointRefusedError(f"{file}: {counts['double_blocks']} double and {counts['single_blocks']} single "
                                          f"blocks, guidance input {guided}; the base has {expected['double_blocks']}, "
                                          f"{expected['single_blocks']}, {bool(config.get('guidance_embeds'))}")  # fmt: skip
+
+
+def _base_config(base: Path, component: str) -> dict:
+    path = base / component / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointRefusedError(f"base {base}: {component}/config.json unreadable ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointRefusedError(f"base {base}: {component}/config.json is not an object")
+    return config
 
 
 def convert_flux_transformer(checkpoint: dict) -> dict:
@@ -229,7 +251,12 @@ def convert_checkpoint(path: Path, base: Path, out: Path, family: str | None = N
         raise CheckpointRefusedError(f"{path.name}: a {found} checkpoint, but the base {base} is {pipeline} "
                                      f"({base_family.name if base_family else 'not served'})")  # fmt: skip
     check_shapes(header, found, base, path.name)
-    tensors = load_file(path)  # safetensors: tensors only, nothing executed
+    try:
+        tensors = load_file(path)  # safetensors: tensors only, nothing executed; the header is checked above
+    except Exception as exc:  # e.g. a dtype safetensors knows and this torch does not (F4, F8_E8M0)
+        raise CheckpointRefusedError(
+            f"{path.name}: safetensors cannot load it here ({type(exc).__name__}: {exc})"
+        ) from exc
     shutil.copytree(base, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("maas-manifest.json", ".download-*"))
     from_base = []
     for component in COMPONENTS[found]:

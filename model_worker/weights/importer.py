@@ -1,14 +1,15 @@
-"""Imports a model into the model bucket: checks it, uploads it with its manifest, prints its catalog version.
+"""Imports a model into the model bucket: checks it, uploads it with its manifest, gives its catalog version.
 
     python -m model_worker.weights import SOURCE --model NAME --version V [--family F] [--base BASE]
 
-SOURCE is a diffusers folder (`model_index.json` and its components) or a single-file `.safetensors` checkpoint
-(SD 1.5, SDXL or FLUX.1), converted first against BASE (`model_worker/checkpoints.py`): a diffusers folder of
-the same family, local or `gs://bucket/prefix` (an already-served model, downloaded checked against its
-manifest), which gives the configuration, tokenizers and the components the file lacks. Nothing is executed or
-unpickled:
-every weight file must be safetensors with a sound header (a pickle renamed `.safetensors`, or a truncated
-file, is refused), and the pipeline class it names must be one the catalog serves. The files go to
+(the command line: `model_worker/weights/cli.py`). SOURCE is a diffusers folder (`model_index.json` and its
+components) or a single-file `.safetensors` checkpoint (SD 1.5, SDXL or FLUX.1), converted first against BASE
+(`model_worker/weights/checkpoints.py`): a diffusers folder of the same family, local or `gs://bucket/prefix` (an
+already-served model, downloaded checked against its manifest), which gives the configuration, tokenizers and the
+components the file lacks. Nothing is executed or unpickled: every weight file must be safetensors with a header
+the format allows (`contract/safetensors_checks.py`: a pickle renamed `.safetensors`, a truncated file, tensors
+that overlap or leave bytes unaccounted for are refused), and the pipeline class it names must be one the catalog
+serves. MODEL and VERSION must be names the catalog takes (`contract/naming.py`). The files go to
 `gs://{bucket}/{model}/{version}/` followed by `maas-manifest.json` (each file's size and SHA-256), which the
 worker checks every download against.
 """
@@ -20,11 +21,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract import naming
 from contract.families import PIPELINES, family_of
-from contract.lora_files import PICKLE_SUFFIXES, AdapterFileError, read_file_header
+from contract.safetensors_checks import SafetensorsError, is_pickle, read_file_header
+from model_worker.weights.checkpoints import CheckpointRefusedError, convert_checkpoint
+from model_worker.weights.store import WeightsIntegrityError, download_weights, upload_with_manifest
 
-# Weight files a diffusers folder may hold; anything else with these suffixes is refused.
-WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES, ".onnx", ".msgpack")
+# Weights in formats the worker never loads: refused in a diffusers folder (pickles too: `is_pickle`).
+FOREIGN_SUFFIXES = (".onnx", ".msgpack")
 
 
 class ImportRefusedError(ValueError):
@@ -51,8 +55,10 @@ def check_folder(source: Path, family: str | None = None) -> CheckedModel:
         raise ImportRefusedError(f"{source}: no model_index.json (not a diffusers folder)")
     try:
         pipeline = json.loads(index.read_text())["_class_name"]
-    except (ValueError, KeyError) as exc:
-        raise ImportRefusedError(f"{index}: unreadable ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ImportRefusedError(f"{index}: unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pipeline, str):
+        raise ImportRefusedError(f"{index}: _class_name is {pipeline!r}, not a pipeline class name")
     found = family_of(pipeline)
     if found is None:
         raise ImportRefusedError(f"{index}: pipeline {pipeline!r} is not served; one of {', '.join(sorted(PIPELINES))}")
@@ -61,7 +67,7 @@ def check_folder(source: Path, family: str | None = None) -> CheckedModel:
     weight_bytes, files = 0, 0
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
         files += 1
-        if path.suffix in PICKLE_SUFFIXES or path.suffix in (".onnx", ".msgpack"):
+        if is_pickle(path.name) or path.suffix.lower() in FOREIGN_SUFFIXES:
             raise ImportRefusedError(
                 f"{path.relative_to(source)}: not safetensors (pickled or foreign weights are refused)"
             )
@@ -74,10 +80,10 @@ def check_folder(source: Path, family: str | None = None) -> CheckedModel:
 
 
 def check_safetensors(path: Path, root: Path) -> None:
-    """The header parses and every tensor's bytes lie inside the file (a pickle or a truncated file fails)."""
+    """The header is one the safetensors format allows (a pickle, a truncated file, overlapping tensors fail)."""
     try:
         read_file_header(path)
-    except AdapterFileError as exc:
+    except SafetensorsError as exc:
         raise ImportRefusedError(f"{path.relative_to(root)}: {exc}") from exc
 
 
@@ -93,12 +99,18 @@ def catalog_entry(model: str, version: str, checked: CheckedModel, origin: str =
     )
 
 
+def check_names(model: str, version: str) -> None:
+    """`model` and `version` are names the catalog takes (ImportRefusedError says which is not, and why)."""
+    for problem in (naming.model_name_problem(model), naming.version_name_problem(version)):
+        if problem is not None:
+            raise ImportRefusedError(problem)
+
+
 def import_model(
     client, bucket: str, source: Path, model: str, version: str, family: str | None = None, base: str | None = None
 ) -> str:
     """Checks (a single file: converts against `base` first) and uploads; returns the catalog entry to add."""
-    from model_worker.weights import upload_with_manifest
-
+    check_names(model, version)
     if not source.is_file() or base is None:
         checked = check_folder(source, family)
         upload_with_manifest(client, source, bucket, f"{model}/{version}")
@@ -113,9 +125,6 @@ def import_model(
 def convert_single_file(client, source: Path, base: str, work: Path, family: str | None) -> tuple[Path, str]:
     """The diffusers folder converted from `source` against `base` (a folder, or gs://bucket/prefix downloaded
     and checked against its manifest), and a note of what came from where for the catalog comment."""
-    from model_worker.checkpoints import CheckpointRefusedError, convert_checkpoint
-    from model_worker.weights import WeightsIntegrityError, download_weights
-
     if base.startswith("gs://"):
         bucket_name, _, prefix = base.removeprefix("gs://").partition("/")
         try:
