@@ -70,7 +70,8 @@ class AdapterPolicy(BaseModel):
     max_rank: int = Field(default=128, ge=1)
     # The adapter file's size cap, checked at registration and again before the worker downloads it.
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    # Adapters the worker keeps in host memory and on the device (least recently used is dropped).
+    # Adapters the worker keeps in host memory and on the device (least recently used is dropped); the host's are
+    # bounded in bytes too, for the whole worker (MAAS_ADAPTER_HOST_CACHE_BYTES, contract/settings.py).
     host_cache: int = Field(default=16, ge=1)
     device_cache: int = Field(default=4, ge=1)
     # Catalog-listed adapters, name -> version (others are registered with the admin call).

@@ -26,6 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
 from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
+from contract.settings import ADAPTER_HOST_CACHE_BYTES  # noqa: E402
 
 BASE_DIR = Path(__file__).resolve().with_name("base")
 
@@ -50,6 +51,11 @@ WORKER_EXIT_MARGIN_SECONDS = 30
 MODEL_CACHE_SIZE = "20Gi"
 WORKER_EPHEMERAL_STORAGE = "24Gi"
 DEFAULT_MAX_SHARED_CLIENTS_PER_GPU = 2
+# Host memory a serving worker holds besides its LoRA adapters: Python, torch and CUDA's host side, the pipeline's
+# bookkeeping once its weights are on the GPU, a batch's payloads and images. An estimate with room to spare (a
+# tiny-model worker is about 1 GiB); the adapters' share is counted from the catalog and the cache budget.
+WORKER_PROCESS_MEMORY_MIB = 6 * 1024
+MIB = 1024 * 1024
 GPU_SHARING_STRATEGY_LABEL = "cloud.google.com/gke-gpu-sharing-strategy"
 MAX_SHARED_CLIENTS_LABEL = "cloud.google.com/gke-max-shared-clients-per-gpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
@@ -89,6 +95,8 @@ class RenderSettings:
     max_shared_clients_per_gpu: int = DEFAULT_MAX_SHARED_CLIENTS_PER_GPU
     # Buffer replicas per pool; a pool left out gets one if the catalog uses it, none otherwise.
     buffer_replicas: dict[str, int] = field(default_factory=dict)
+    # Every worker's host cache of LoRA adapters, in bytes (its MAAS_ADAPTER_HOST_CACHE_BYTES), counted in its memory.
+    adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
 
     @property
     def image(self) -> str:
@@ -245,6 +253,11 @@ class WorkerDeployment:
         return max(1, min(spec.request_timeout_seconds for spec in self.models) // 3)
 
     @property
+    def largest_adapter_bytes(self) -> int:
+        """The largest adapter file any of its models accepts (0: none takes adapters)."""
+        return max((spec.adapters.max_bytes for spec in self.models if spec.adapters), default=0)
+
+    @property
     def subscriptions(self) -> list[str]:
         """Every worker subscription the Deployment pulls: each model's, at each priority."""
         return [worker_subscription(model, priority) for model in self.model_names for priority in PRIORITIES]
@@ -300,6 +313,19 @@ def oldest_request_age_query(deployment: WorkerDeployment, project_id: str) -> s
     return f"max({OLDEST_UNACKED_AGE_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
 
 
+def adapter_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
+    """Host memory a worker's LoRA adapters may take: the cache's budget, and beside it one load holding about twice
+    its file (the download, then the file and its parsed tensors: model_worker/adapters.py)."""
+    if not deployment.largest_adapter_bytes:
+        return 0
+    return math.ceil((settings.adapter_host_cache_bytes + 2 * deployment.largest_adapter_bytes) / MIB)
+
+
+def worker_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
+    """Host memory one worker of the deployment needs: the process, and its adapters."""
+    return WORKER_PROCESS_MEMORY_MIB + adapter_memory_mib(deployment, settings)
+
+
 def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
     """The Deployment, PodDisruptionBudget, ScaledObject and PodMonitoring of one worker deployment."""
     pool = GPU_POOLS[deployment.hardware]
@@ -311,6 +337,20 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
         node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
         node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
         affinity = {}
+    memory_mib = pool.node_memory_mib // clients_per_node
+    largest = deployment.largest_adapter_bytes
+    if largest > settings.adapter_host_cache_bytes:
+        raise ValueError(
+            f"worker deployment {deployment.name!r}: adapter files of up to {largest} bytes (the catalog's "
+            f"max_bytes) do not fit a host cache of {settings.adapter_host_cache_bytes} bytes"
+        )
+    if worker_memory_mib(deployment, settings) > memory_mib:
+        raise ValueError(
+            f"worker deployment {deployment.name!r} needs {worker_memory_mib(deployment, settings)} MiB of host "
+            f"memory ({WORKER_PROCESS_MEMORY_MIB} MiB for the worker, {adapter_memory_mib(deployment, settings)} MiB "
+            f"for a {settings.adapter_host_cache_bytes}-byte adapter cache and a load of its largest file) but its "
+            f"pod on {pool.name} gets {memory_mib} MiB: lower the adapter cache or the catalog's max_bytes"
+        )
     # The startup probe keeps counting from the container's start, so a rounded-up threshold still
     # covers the whole budget.
     startup_failure_threshold = math.ceil(WORKER_STARTUP_BUDGET_SECONDS / WORKER_STARTUP_PERIOD_SECONDS)
@@ -332,9 +372,10 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "health_port_text": str(WORKER_HEALTH_PORT),
             "resources": resources(
                 pool.node_cpu_millis // clients_per_node,
-                pool.node_memory_mib // clients_per_node,
+                memory_mib,
                 ephemeral_storage=WORKER_EPHEMERAL_STORAGE,
             ),
+            "adapter_host_cache_bytes": str(settings.adapter_host_cache_bytes),
             "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
             "startup_failure_threshold": startup_failure_threshold,
             "model_cache_size": MODEL_CACHE_SIZE,
@@ -401,6 +442,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="POOL=COUNT",
         help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)",
     )
+    parser.add_argument(
+        "--adapter-host-cache-bytes",
+        type=int,
+        default=ADAPTER_HOST_CACHE_BYTES,
+        help="each worker's host cache of LoRA adapters, counted in its pod's memory (MAAS_ADAPTER_HOST_CACHE_BYTES)",
+    )
     parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml; never the local overlay)")
     return parser.parse_args(argv)
 
@@ -416,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis_url=args.redis_url,
         max_shared_clients_per_gpu=args.max_shared_clients_per_gpu,
         buffer_replicas=dict(args.buffer_replicas),
+        adapter_host_cache_bytes=args.adapter_host_cache_bytes,
     )
     files = render_all(settings, load_catalog(args.catalog))
     if args.out is None:

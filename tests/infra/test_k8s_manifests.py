@@ -528,6 +528,40 @@ def test_a_worker_fits_where_a_buffer_pod_of_its_pool_was(manifests: list[Manife
     assert mebibytes(worker["memory"]) <= mebibytes(held["memory"])
 
 
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_a_workers_memory_counts_its_adapter_cache_and_a_load_beside_it(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    """The worker's host cache of adapters is bounded in bytes (the settings' default, set on the Deployment), and
+    its pod's memory holds the worker, that budget and one load of the largest file its models accept (a load holds
+    about twice its file)."""
+    from contract.settings import ADAPTER_HOST_CACHE_BYTES, Settings
+
+    container = worker_container(manifests, deployment)
+    value = worker_env(manifests, deployment)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"]
+    budget = Settings.from_env({"MAAS_ADAPTER_HOST_CACHE_BYTES": value}).adapter_host_cache_bytes
+    assert budget == ADAPTER_HOST_CACHE_BYTES
+    largest = max((spec.adapters.max_bytes for spec in members(deployment) if spec.adapters), default=0)
+    assert largest <= budget, "an adapter file the cache cannot hold would be loaded again for every request"
+    adapters = budget + 2 * largest if largest else 0
+    memory = mebibytes(container["resources"]["requests"]["memory"]) * 2**20
+    assert render.WORKER_PROCESS_MEMORY_MIB * 2**20 + adapters <= memory
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+
+
+def test_the_adapter_cache_budget_is_rendered_and_one_the_pods_cannot_hold_is_refused() -> None:
+    five_gib = 5 * 1024**3
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=five_gib))
+    rendered = [manifest for group in files.values() for manifest in group]
+    assert {worker_env(rendered, d)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"] for d in DEPLOYMENTS} == {str(five_gib)}
+    # SD 1.5's time-shared L4 pod gets 12 GiB: the worker and 20 GiB of adapters do not fit.
+    with pytest.raises(ValueError, match=r"'sd15-txt2img' needs \d+ MiB of host memory .* gets 12288 MiB"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=20 * 1024**3))
+    # A cache smaller than SDXL's largest adapter file (1 GiB) could never keep one.
+    with pytest.raises(ValueError, match="'sdxl-txt2img': adapter files of up to 1073741824 bytes"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=512 * 1024**2))
+
+
 def test_buffers_are_warm_only_for_pools_the_catalog_uses(manifests: list[Manifest]) -> None:
     used = {spec.hardware for spec in CATALOG.models.values()}
     for buffer in capacity_buffers(manifests):
@@ -557,10 +591,13 @@ def test_render_cli_writes_one_file_per_deployment_and_removes_stale_ones(tmp_pa
 
 
 def test_render_cli_prints_every_manifest_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1"]) == 0
+    budget = str(3 * 1024**3)
+    assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1",
+                        "--adapter-host-cache-bytes", budget]) == 0  # fmt: skip
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
     assert len(of_kind(printed, "ScaledObject")) == len(DEPLOYMENTS)
     assert {worker_container(printed, name)["image"] for name in DEPLOYMENTS} == {"example.com/worker:1"}
+    assert {worker_env(printed, name)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"] for name in DEPLOYMENTS} == {budget}
 
 
 def test_rendering_is_deterministic() -> None:
