@@ -298,7 +298,9 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                     parameter["description"] = "a version of the model (`GET /v1/models/{model}` lists them)"
                 if not parameter.get("description"):
                     parameter.pop("description", None)
-            takes_input = "requestBody" in operation or any(p["in"] == "header" for p in operation["parameters"])
+            takes_input = "requestBody" in operation or any(
+                p["in"] in ("header", "query") for p in operation["parameters"]
+            )
             if not takes_input:  # spectree documents a validation error on every operation
                 operation["responses"].pop("422", None)
             for status, response in operation["responses"].items():

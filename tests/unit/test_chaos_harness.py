@@ -3,15 +3,13 @@ fuzzer runs and what its report keeps."""
 
 from __future__ import annotations
 
-from flask import Flask
 from schemathesis.core.transforms import resolve_pointer
 from schemathesis.filters import parse_expression
 
-from api_server.app import BLUEPRINTS, ModelNameConverter
-from api_server.openapi import openapi_document
 from chaos import fuzz
 from chaos.traffic import GRACE_SECONDS, Outcome
 from chaos.verdict import ScenarioResult, table
+from tests.unit.test_openapi_document import documented_operations
 
 
 def outcome(status: int | None, waited: float | None, deadline: float = 30.0, job_status: str | None = None):
@@ -127,17 +125,6 @@ def test_the_fuzz_report_names_each_error_and_failure_with_its_operation_and_rep
     assert "discord" not in report and "Fuzzing (in" not in report and "267.89s" not in report
     # Output without its sections (schemathesis could not start) is kept as its end, not dropped.
     assert "could not load the schema" in fuzz.findings("Error\ncould not load the schema", "")
-
-
-def documented_operations() -> dict[str, dict]:
-    """The API's operations by label, from the OpenAPI document as `/openapi.json` makes it."""
-    app = Flask(__name__)
-    app.url_map.converters["model"] = ModelNameConverter
-    for blueprint in BLUEPRINTS:
-        app.register_blueprint(blueprint)
-    with app.app_context():
-        document = openapi_document(["noop"])
-    return {f"{method.upper()} {path}": op for path, ops in document["paths"].items() for method, op in ops.items()}
 
 
 def test_the_admin_run_selects_exactly_the_admin_operations_with_the_admin_key():
