@@ -50,7 +50,7 @@ class FuzzResult:
 
 def runs(api_key: str, admin_key: str) -> list[FuzzRun]:
     return [
-        FuzzRun("every operation, API key", api_key),
+        FuzzRun("every operation, API key (the admin ones answer it 403)", api_key),
         FuzzRun("admin operations, admin key", admin_key, ADMIN_OPERATIONS),
     ]
 
