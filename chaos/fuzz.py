@@ -21,6 +21,7 @@ ADMIN_OPERATIONS = "/security/0/admin_key == []"
 # schemathesis's output sections kept in the report; the rest (progress, capabilities, help links) is not.
 KEPT_SECTIONS = ("ERRORS", "FAILURES", "SUMMARY")
 MAX_REPORT_LINES = 300
+RUN_TIMEOUT_SECONDS = 1800
 _SECTION = re.compile(r"^=+ (.+?) =+$")
 _NOISE = ("Need more help?", "discord.gg")
 
@@ -66,8 +67,8 @@ def argv(binary: str, api_url: str, run: FuzzRun, examples: int, request_timeout
 
 
 def findings(stdout: str, stderr: str = "") -> str:
-    """What a run found, from its output: the errors, failures and summary sections whole; the output's end
-    when it has none of them (schemathesis could not start)."""
+    """What a run found, from its output: the errors, failures and summary sections whole, and its closing
+    verdict; the output's end when it has none of them (schemathesis could not start)."""
     kept: list[str] = []
     keeping = False
     for line in stdout.splitlines():
@@ -77,6 +78,8 @@ def findings(stdout: str, stderr: str = "") -> str:
             kept.append(line.rstrip())
     if not kept:
         kept = [*stdout.strip().splitlines()[-12:], *stderr.strip().splitlines()[-12:]]
+    elif _SECTION.match(verdict := stdout.strip().splitlines()[-1].strip()):
+        kept.append(verdict)  # e.g. "1 error in 267.89s": what the run found, and how long it took
     if len(kept) > MAX_REPORT_LINES:
         left_out = len(kept) - MAX_REPORT_LINES
         kept = [*kept[:MAX_REPORT_LINES], f"... {left_out} more lines (run schemathesis with its seed to see them)"]
@@ -90,8 +93,13 @@ def fuzz(api_url: str, fuzz_runs: list[FuzzRun], examples: int, request_timeout:
         return []
     results = []
     for run in fuzz_runs:
-        completed = subprocess.run(
-            argv(str(binary), api_url, run, examples, request_timeout), capture_output=True, text=True, timeout=1800
-        )
+        command = argv(str(binary), api_url, run, examples, request_timeout)
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired as exc:
+            output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            stopped = f"stopped after {RUN_TIMEOUT_SECONDS} s"
+            results.append(FuzzResult(run, -1, f"{stopped}\n{findings(output)}"))
+            continue
         results.append(FuzzResult(run, completed.returncode, findings(completed.stdout, completed.stderr)))
     return results
