@@ -174,6 +174,7 @@ class ModelSpec(BaseModel):
                 raise ValueError(steppable_error(self.name, self.scheduler))
         if self.runner == "diffusers" and not (self.pipeline and self.weights_path):
             raise ValueError(f"{self.name}: the diffusers runner needs `pipeline` and `weights_path`")
+        self._check_synthetic_fields()
         if self.pipeline is not None:
             self._check_family()
         if self.max_instances_per_request > self.max_batch_size:
@@ -188,6 +189,21 @@ class ModelSpec(BaseModel):
                 f"request_timeout_seconds {self.request_timeout_seconds}, or a crashed worker's requests time out"
             )
         return self
+
+    def _check_synthetic_fields(self) -> None:
+        """The synthetic runners' test switches are refused where they would do nothing, so a catalog never
+        says a model fails or sleeps when it does not."""
+        where = f"{self.name}: version {self.version!r}" if self.versioned else self.name
+        if self.fails and self.runner == "diffusers":
+            raise ValueError(
+                f"{where}: `fails` makes a synthetic runner (noop, sleep) fail every call; the {self.runner} runner "
+                "ignores it: remove it"
+            )
+        if self.call_seconds is not None and self.runner != "sleep":
+            raise ValueError(
+                f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
+                "remove it"
+            )
 
     def _check_family(self) -> None:
         family = self.family

@@ -56,6 +56,20 @@ def test_catalog_refuses_step_scheduling_for_a_scheduler_that_cannot_step_per_it
         catalog_with(tmp_path, scheduler="FancyScheduler")
 
 
+def test_catalog_refuses_synthetic_runner_switches_where_they_would_do_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `fails` .* the diffusers runner ignores it: remove it"):
+        catalog_with(tmp_path, fails=True)
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `call_seconds` .* the diffusers runner ignores it"):
+        catalog_with(tmp_path, call_seconds=2.0)
+    with pytest.raises(ValueError, match=r"sd15-txt2img: version '2': `fails` .* diffusers runner ignores it"):
+        catalog_with(tmp_path, versions={"1": {}, "2": {"fails": True}}, traffic={"1": 90, "2": 10})
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `call_seconds` .* the noop runner ignores it"):
+        catalog_with(tmp_path, runner="noop", call_seconds=2.0)
+    # Where they act: a failing synthetic version, a sleep runner's time per call.
+    sleeping = catalog_with(tmp_path, runner="sleep", call_seconds=2.0, fails=True).get("sd15-txt2img")
+    assert (sleeping.call_seconds, sleeping.fails) == (2.0, True)
+
+
 def test_log_row_columns_are_the_schema_columns():
     assert {f.name for f in dataclasses.fields(InferenceLogRow)} == {f["name"] for f in log_schema_fields()}
 
