@@ -1,7 +1,8 @@
-"""The model catalog: loads `models.yaml`, the single list of served models."""
+"""The model catalog: loads `models.yaml`, the single list of served models (and the local stack's overlays)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -372,6 +373,39 @@ def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
     return units, rollout
 
 
+# What an overlay file may hold: `models` adds (or replaces) entries; `overrides` changes fields of entries a file
+# before it lists (the local stack's small defaults for its tiny models); `templates` holds YAML anchors only.
+OVERLAY_KEYS = ("models", "overrides", "templates")
+
+
+def overlay_paths(overlay: Path | str | Sequence[Path | str] | None) -> list[Path]:
+    """Overlay files: a path, a list of paths, or one string of paths separated by commas (MAAS_CATALOG_OVERLAY)."""
+    if not overlay:
+        return []
+    items = overlay.split(",") if isinstance(overlay, str) else [overlay] if isinstance(overlay, Path) else overlay
+    return [Path(str(item).strip()) for item in items if str(item).strip()]
+
+
+def _apply_overlay(entries: dict, path: Path) -> None:
+    raw = yaml.safe_load(path.read_text()) or {}
+    if unknown := sorted(set(raw) - set(OVERLAY_KEYS)):
+        raise ValueError(f"{path}: unknown keys {unknown}; an overlay holds {', '.join(OVERLAY_KEYS)}")
+    entries.update(raw.get("models") or {})
+    for name, changes in (raw.get("overrides") or {}).items():
+        if name not in entries:
+            raise ValueError(f"{path}: overrides {name!r}, which no catalog file before it lists")
+        entries[name] = _merged(entries[name], changes)
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes`: mappings merged key by key, anything else replaced."""
+    merged = dict(base)
+    for key, value in changes.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both else value
+    return merged
+
+
 class ModelCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int
@@ -381,12 +415,14 @@ class ModelCatalog(BaseModel):
     rollouts: dict[str, Rollout] = Field(default_factory=dict)
 
     @classmethod
-    def from_yaml(cls, path: Path | str = DEFAULT_CATALOG_PATH, overlay: Path | str | None = None) -> ModelCatalog:
-        """The catalog, plus the models of an overlay file (the local stack's synthetic models) when given."""
+    def from_yaml(
+        cls, path: Path | str = DEFAULT_CATALOG_PATH, overlay: Path | str | Sequence[Path | str] | None = None
+    ) -> ModelCatalog:
+        """The catalog, plus overlay files (the local stack's) applied in order, when given (`overlay_paths`)."""
         raw = yaml.safe_load(Path(path).read_text())
         entries = dict(raw.get("models") or {})
-        if overlay:
-            entries.update((yaml.safe_load(Path(overlay).read_text()) or {}).get("models") or {})
+        for overlay_path in overlay_paths(overlay):
+            _apply_overlay(entries, overlay_path)
         models, rollouts = {}, {}
         for name, entry in entries.items():
             # A copy per entry: YAML aliases can make two models share one mapping.

@@ -79,7 +79,7 @@ class Settings:
     env: Literal["local", "production"] = "local"
     project_id: str = "maas-local"
     catalog_path: str | None = None
-    # Extra catalog entries (the local stack's synthetic `noop` and `sleep` models); unset in production.
+    # Overlay files over the catalog, comma-separated (the local stack's, contract/catalog.py); unset in production.
     catalog_overlay: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     model_bucket: str = ""

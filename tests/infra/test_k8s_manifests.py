@@ -31,6 +31,7 @@ MODELS = CATALOG.names()
 # Worker deployments: a catalog worker_group, or a model of its own.
 DEPLOYMENTS = list(CATALOG.deployments())
 LOCAL_OVERLAY = DEFAULT_CATALOG_PATH.with_name("models.local.yaml")
+TEST_OVERLAY = REPO_ROOT / "tests" / "models.fixtures.yaml"
 
 Manifest = dict[str, Any]
 
@@ -99,8 +100,9 @@ def members(deployment: str) -> list[ModelSpec]:
 
 
 def with_local_overlay() -> ModelCatalog:
-    """The catalog plus the local synthetic models (`noop` and `sleep`, one worker group): a real group."""
-    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=LOCAL_OVERLAY)
+    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`: one worker
+    group, a real one)."""
+    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=[LOCAL_OVERLAY, TEST_OVERLAY])
 
 
 def catalog_with(**changes: dict[str, Any]) -> ModelCatalog:

@@ -24,7 +24,7 @@ from tests.conftest import SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS, TEST_ADMIN_K
 
 pytestmark = pytest.mark.stack
 MODEL = "sd15-txt2img"
-SPEC = local_catalog().get(MODEL)
+SPEC = local_catalog(test_fixtures=True).get(MODEL)
 # Pixel values may move by a few levels inside another batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
 
@@ -296,7 +296,7 @@ def test_an_oversized_adapter_is_refused(stack, bucket):
 
 
 def held_requests(stack) -> float:
-    index = list(local_catalog().deployments()).index(MODEL)
+    index = list(local_catalog(test_fixtures=True).deployments()).index(MODEL)
     body = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/metrics", timeout=5).text
     line = next(line for line in body.splitlines() if line.startswith("maas_worker_held_requests "))
     return float(line.split()[1])

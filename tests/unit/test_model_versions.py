@@ -23,14 +23,14 @@ from api_server.schemas import PredictBody
 from api_server.serving import ServingStage
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow
 from contract.generation import GenerationParameters
 from contract.messages import InferenceReply, InferenceRequest
 from contract.outcomes import Outcome
 from contract.results import ResultStore
+from emulators.stack import local_catalog
 
-OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
-CATALOG = load_catalog(None, OVERLAY)
+CATALOG = local_catalog(test_fixtures=True)  # the rollout fixtures (tests/models.fixtures.yaml)
 
 
 def catalog_with(**entries: dict) -> ModelCatalog:
