@@ -111,6 +111,11 @@ class ModelSpec(BaseModel):
     # pipeline once (GPU time-sharing between models); unset means a deployment of its own.
     worker_group: str | None = None
     max_batch_size: int = Field(ge=1)
+    # Images per second at a full batch (`max_batch_size`) over images per second alone, for this model on its
+    # `hardware` (bench/gpu_pipeline.py's `direct` rates): 1 when batching buys nothing (a compute-bound call),
+    # up to `max_batch_size` when a full batch costs no more than one image. The autoscaler's backlog target
+    # follows it (infra/k8s/render.py, `backlog_target`); checked in `_batching_gain_fits`.
+    batching_gain: float = Field(default=1.0, ge=1.0)
     # `step` (continuous batching) or `request`; see Scheduling. Checked in `_consistent` for a clear message.
     scheduling: str = "step"
     # The diffusers scheduler class the pipeline runs with (its saved config, this class); unset: the one
@@ -205,6 +210,15 @@ class ModelSpec(BaseModel):
                 f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
                 "remove it"
             )
+
+    @model_validator(mode="after")
+    def _batching_gain_fits(self) -> ModelSpec:
+        if self.batching_gain > self.max_batch_size:
+            raise ValueError(
+                f"{self.name}: batching_gain {self.batching_gain:g} exceeds max_batch_size {self.max_batch_size} "
+                "(a full batch is at most that many times one image's throughput)"
+            )
+        return self
 
     def _check_family(self) -> None:
         family = self.family

@@ -383,10 +383,23 @@ def test_scaled_object_queries_every_subscription_of_the_deployment_in_managed_p
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
-def test_backlog_target_is_one_batch_per_worker(manifests: list[Manifest], deployment: str) -> None:
+def test_backlog_target_follows_the_catalog_batching_gain(manifests: list[Manifest], deployment: str) -> None:
     trigger = scaled_object_triggers(manifests, deployment)["backlog-per-worker"]
     assert trigger["metricType"] == "AverageValue"
-    assert int(trigger["metadata"]["threshold"]) == min(model.max_batch_size for model in members(deployment))
+    target = min(render.BACKLOG_TARGET_UTILIZATION * model.batching_gain for model in members(deployment))
+    assert float(trigger["metadata"]["threshold"]) == pytest.approx(target, abs=0.005)
+
+
+@pytest.mark.parametrize(("gain", "threshold"), [(1, "0.6"), (1.5, "0.9"), (3.08, "1.85"), (4, "2.4")])
+def test_a_larger_batching_gain_renders_a_proportionally_larger_backlog_target(gain: float, threshold: str) -> None:
+    # No gain from batching (a compute-bound call): a worker is full with one request running, so the target is
+    # under one; a full batch costing little more than one image lets a worker take several.
+    model = MODELS[0]
+    group = render.render_all(
+        render.RenderSettings(project_id=PROJECT_ID), catalog_with(**{model: {"batching_gain": gain}})
+    )
+    triggers = scaled_object_triggers(group[f"20-model-worker-{model}.yaml"], model)
+    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == threshold
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
@@ -429,8 +442,20 @@ def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> Non
     a, b = MODELS[:2]
     catalog = catalog_with(
         **{
-            a: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 8},
-            b: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 4},
+            a: {
+                "worker_group": "pair",
+                "hardware": "l4",
+                "gpu_sharing": False,
+                "max_batch_size": 8,
+                "batching_gain": 4,
+            },
+            b: {
+                "worker_group": "pair",
+                "hardware": "l4",
+                "gpu_sharing": False,
+                "max_batch_size": 4,
+                "batching_gain": 2,
+            },
         }
     )
     specs = catalog.deployments()["pair"]
@@ -440,7 +465,7 @@ def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> Non
     scaled = find(group, "ScaledObject", "model-worker-pair")["spec"]
     assert scaled["maxReplicaCount"] == max(spec.replicas.max for spec in specs)
     triggers = scaled_object_triggers(group, "pair")
-    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == "4"
+    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == "1.2"  # b's: 0.6 x its gain of 2
     shortest = min(spec.request_timeout_seconds for spec in specs)
     assert triggers["oldest-request-age"]["metadata"]["threshold"] == str(shortest // 3)
 
