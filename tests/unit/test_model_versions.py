@@ -18,9 +18,10 @@ from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
 from api_server.job_log import JobLogFinisher
 from api_server.jobs import EndedJob, FallbackRequest, JobStore, fallback_request_id, job_key
+from api_server.records import InferenceCall, RequestRecords
 from api_server.rollouts import Window, breach, window_of
 from api_server.schemas import PredictBody
-from api_server.serving import ServingStage
+from api_server.serving import Mode, ServingStage
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow
@@ -196,13 +197,14 @@ class Observed:
         self.calls.append((model, version, request_id, ok))
 
 
-def ended_job(job_id: str, status: str | None, observe: bool) -> EndedJob:
+def ended_job(job_id: str, status: str | None, observe: bool, error_kind: str | None = None) -> EndedJob:
     created = datetime.now(UTC) - timedelta(seconds=3)
     row = InferenceLogRow(job_id, created, "rollback-jobs", "accepted", 202, model_version="2", endpoint="job")
     reply = None
     if status is not None:
         reply = InferenceReply(request_id=job_id, model="rollback-jobs", model_version="2", status=status,
-                               error=None if status == "ok" else "failed", answered_ms=int(time.time() * 1000))  # fmt: skip
+                               error=None if status == "ok" else "failed", error_kind=error_kind,
+                               answered_ms=int(time.time() * 1000))  # fmt: skip
     return EndedJob(job_id, row.to_json(), reply, observe)
 
 
@@ -210,11 +212,13 @@ def test_a_submitted_job_feeds_the_rollback_guard_once_when_it_ends():
     jobs = EndedJobs([
         ended_job("ok", "ok", True), ended_job("failed", "error", True), ended_job("expired", None, True),
         ended_job("cancelled", "cancelled", True), ended_job("converted", "error", False),
+        ended_job("refused", "error", True, error_kind="bad_input"),
     ])  # fmt: skip
     rows, observed = Rows(), Observed()
     finisher = JobLogFinisher(jobs, rows, observations=observed)
-    assert finisher.finish_ended() == 5 and finisher.finish_ended() == 0  # claimed once, by one process
-    # A cancelled job says nothing about its version; a converted one was observed when its sync wait ran out.
+    assert finisher.finish_ended() == 6 and finisher.finish_ended() == 0  # claimed once, by one process
+    # A cancelled job, or one whose input was refused, says nothing about its version; a converted one was
+    # observed when its sync wait ran out.
     assert observed.calls == [("rollback-jobs", "2", "ok", True), ("rollback-jobs", "2", "failed", False),
                               ("rollback-jobs", "2", "expired", False)]  # fmt: skip
     assert all(row.total_ms >= 2500 for row in rows.rows if row.request_id != "cancelled")
@@ -341,6 +345,19 @@ def test_a_canary_refusing_the_callers_input_is_answered_as_is_not_asked_of_the_
     answer = serving_with(inference)._run_sync(canary_request())
     assert answer.outcome is Outcome.INPUT_REFUSED and answer.record.status == 422 and answer.fallback is None
     assert inference.runs == [("r", "2", None)]
+
+
+def test_the_rollback_guard_counts_a_canarys_own_error_but_not_its_refusal_of_the_callers_input():
+    observed = Observed()
+    records = RequestRecords(None, None, None, "i", "per-request", observations=observed)  # type: ignore[arg-type]
+    for kind in ("bad_input", None):
+        answer = serving_with(ScriptedInference(reply("error", "2", kind), reply("ok", "1")))._run_sync(
+            canary_request(pinned=True)
+        )
+        call = InferenceCall(InferenceLogRow(f"r-{kind}", datetime.now(UTC), "fallback", "error", 500), Mode.SYNC)
+        call.spec, call.answer = CATALOG.version("fallback", "2"), answer
+        records._observe(call, answer.outcome, 10.0)
+    assert observed.calls == [("fallback", "2", "r-None", False)]
 
 
 class OneJobRedis:
