@@ -24,6 +24,21 @@ class ModelNameConverter(BaseConverter):
     regex = "[^/:]+"
 
 
+# Every route of the API, in the order they are registered (their views also make the OpenAPI document).
+BLUEPRINTS = (
+    health.bp,
+    models.bp,
+    adapters.bp,
+    predict.bp,
+    jobs.bp,
+    events.bp,
+    usage.bp,
+    playground.bp,
+    metrics_routes.bp,
+    docs.bp,
+)
+
+
 def create_app(settings: Settings | None = None, state: AppState | None = None) -> Flask:
     """The app with its state built and started; `app_state(app).close()` stops it (gunicorn's worker_exit)."""
     settings = settings or Settings.from_env()
@@ -36,18 +51,7 @@ def create_app(settings: Settings | None = None, state: AppState | None = None) 
     install(app, state)
     register_error_handlers(app)
     app.wsgi_app = ChunkedBodyReader(app.wsgi_app, settings.max_request_bytes)
-    for blueprint in (
-        health.bp,
-        models.bp,
-        adapters.bp,
-        predict.bp,
-        jobs.bp,
-        events.bp,
-        usage.bp,
-        playground.bp,
-        metrics_routes.bp,
-        docs.bp,
-    ):
+    for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)
 
     @app.before_request

@@ -37,6 +37,9 @@ from contract.outcomes import Outcome
 from contract.results import ResultStore
 
 log = logging.getLogger(__name__)
+# Ends that say nothing about the version that ran: the caller cancelled, or the caller's own input was refused
+# (any version would refuse it), so neither counts for or against a canary in the rollback guard.
+NOT_THE_VERSIONS_DOING = frozenset({Outcome.CANCELLED, Outcome.INPUT_REFUSED})
 # The `http_status` of an orphan's row: its API process died before answering anything.
 NO_ANSWER_HTTP_STATUS = 0
 
@@ -169,8 +172,8 @@ class JobLogFinisher:
 
     def _observe(self, row: InferenceLogRow, outcome: Outcome) -> None:
         """A submitted job's end feeds the rollback guard like a sync answer: its outcome and its latency from
-        arrival to result (a cancelled job says nothing about its version)."""
-        if self._observations is None or row.model_version is None or outcome is Outcome.CANCELLED:
+        arrival to result (a cancelled job, or one whose input the version refused, says nothing about its version)."""
+        if self._observations is None or row.model_version is None or outcome in NOT_THE_VERSIONS_DOING:
             return
         ok = outcome is Outcome.OK
         self._observations.observe(row.model, row.model_version, row.request_id, row.total_ms or 0.0, ok)

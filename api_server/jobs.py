@@ -32,6 +32,16 @@ def reply_outcome(reply: InferenceReply) -> Outcome:
     return Outcome.for_reply(reply.status, reply.error_kind)
 
 
+# The failures that are the version's own, for which a canary's request is asked of the stable version. The
+# worker's refusal of the request's own input (`input_refused`) is not one: the stable version would refuse it too.
+VERSION_FAILURES = frozenset({Outcome.WORKER_ERROR, Outcome.DEAD_LETTERED})
+
+
+def version_failed(reply: InferenceReply | None) -> bool:
+    """The reply is the version's own failure (not the caller's input's): a canary's request falls back on it."""
+    return reply is not None and reply_outcome(reply) in VERSION_FAILURES
+
+
 def fallback_request_id(request_id: str) -> str:
     """The stable version's attempt at a request a canary failed runs under an id of its own: the first
     attempt's answer is already stored under the request's id, and a worker answers a request id once."""
@@ -206,7 +216,7 @@ class JobStore:
         attempt = fallback_request_id(job_id) if "fallback_from" in record else job_id
         state.reply = self._results.get(attempt)
         pending = "fallback_request" in record and time.time() * 1000 < state.deadline_ms
-        if state.reply is not None and pending and state.reply.status == "error":
+        if pending and version_failed(state.reply):
             state.reply = None
         if "cancelled_ms" in record:
             # Cancelled before it finished (a finished job cannot be cancelled): any result is discarded.
@@ -330,13 +340,13 @@ class JobStore:
 
 
 def _may_fall_back(record: dict, reply: InferenceReply | None, now_ms: float, deadline_ms: float) -> bool:
-    """A job routed to a canary that failed it with a model error, with time left: its stable version is asked."""
+    """A job routed to a canary that failed it (its own failure, not the input's), with time left: its stable
+    version is asked."""
     return (
         record["fallback_request"] is not None
         and record["fallback_from"] is None
         and record["cancelled_ms"] is None
-        and reply is not None
-        and reply.status == "error"
+        and version_failed(reply)
         and now_ms < deadline_ms
     )
 

@@ -216,10 +216,23 @@ API_SPEC = SpecTree(
     validation_error_model=ErrorResponse,
     naming_strategy=lambda model: model.__name__,
     nested_naming_strategy=lambda parent, child: child,
-    security_schemes=[SecurityScheme(name="api_key", data=SecuritySchemeData(type="http", scheme="bearer"))],
+    security_schemes=[
+        SecurityScheme(name="api_key", data=SecuritySchemeData(type="http", scheme="bearer")),
+        SecurityScheme(
+            name="admin_key",
+            data=SecuritySchemeData(
+                type="http",
+                scheme="bearer",
+                description="an admin API key (`MAAS_ADMIN_KEY_SHA256`); any other is a 403",
+            ),
+        ),
+    ],
     security={"api_key": []},
 )
 PUBLIC: dict = {}  # no authentication
+# The admin operations (traffic splits, adapter registration): the document says which key they take, and a
+# client or fuzzer selects them by it (`make chaos` runs them with an admin key).
+ADMIN_ONLY = {"admin_key": []}
 
 
 def errors(*statuses: int) -> dict[str, Any]:
@@ -285,7 +298,9 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                     parameter["description"] = "a version of the model (`GET /v1/models/{model}` lists them)"
                 if not parameter.get("description"):
                     parameter.pop("description", None)
-            takes_input = "requestBody" in operation or any(p["in"] == "header" for p in operation["parameters"])
+            takes_input = "requestBody" in operation or any(
+                p["in"] in ("header", "query") for p in operation["parameters"]
+            )
             if not takes_input:  # spectree documents a validation error on every operation
                 operation["responses"].pop("422", None)
             for status, response in operation["responses"].items():

@@ -157,6 +157,8 @@ class RequestRecords:
             spec, total_ms = fallback.answered_by, max(0.0, total_ms - fallback.failed_ms)
         elif answer.reply is None and outcome is not Outcome.ACCEPTED:
             return  # a cache hit, a replay, a refusal: nothing the version did
+        elif outcome is Outcome.INPUT_REFUSED:
+            return  # the caller's own input, which any version would refuse
         if answer.job_made in (JobMade.SUBMITTED, JobMade.CACHED):
             return  # a submitted job is observed when it ends (job_log.py); a cached one ran nothing
         ok = outcome is Outcome.OK

@@ -35,7 +35,15 @@ from api_server.flights import (
     StillRunningError,
 )
 from api_server.inference import InferenceService, PreparedRequest
-from api_server.jobs import FallbackRequest, JobCursor, JobState, JobStore, fallback_request_id, job_view
+from api_server.jobs import (
+    FallbackRequest,
+    JobCursor,
+    JobState,
+    JobStore,
+    fallback_request_id,
+    job_view,
+    version_failed,
+)
 from api_server.limits import Lease, RequestLimiter
 from api_server.redis_state import RedisState
 from api_server.rollouts import Rollouts
@@ -423,9 +431,10 @@ class ServingStage:
         return self._fall_back(prepared, stable, answer, time.perf_counter() - started)
 
     def _fallback_version(self, prepared: PreparedRequest, answer: Answer) -> ModelSpec | None:
-        """The stable version, when the split sent this request to another version that failed it with a model
-        error (a reply with status `error`); None otherwise."""
-        if answer.reply is None or answer.reply.status != "error":
+        """The stable version, when the split sent this request to another version that failed it with a failure
+        of its own (not a refusal of the request's input, which the stable version would refuse too); None
+        otherwise."""
+        if not version_failed(answer.reply):
             return None
         return self._stable_behind(prepared)
 

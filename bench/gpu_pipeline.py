@@ -126,9 +126,10 @@ class LocalBlob:
 
 
 def sd15_spec():
-    from emulators.stack import local_catalog
+    """The production catalog's entry (its defaults size the compiled warm-up), not the local stack's small ones."""
+    from contract.catalog import load_catalog
 
-    return local_catalog().get("sd15-txt2img")
+    return load_catalog().get("sd15-txt2img")
 
 
 def generation_parameters(spec, steps: int, size: int):

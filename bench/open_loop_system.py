@@ -24,7 +24,7 @@ import httpx
 from bench.open_loop import SCHEDULINGS, STEP_MIX, Arrival, median_ms
 from bench.scenarios import fresh_seed
 from emulators.processes import ProcessRegistry, http_ok
-from emulators.stack import ROOT, StackConfig, components, local_catalog, start_component, worker_env
+from emulators.stack import ROOT, StackConfig, components, start_component, worker_env
 from maas_client import Client
 
 BENCH_WORKER = "bench-open-loop-worker"
@@ -38,8 +38,8 @@ class SystemBackend:
         self._api_url, self._path = api_url, f"/v1/models/{model}:predict"
         self._key = key
         self._registry = ProcessRegistry(config.stack_dir)
-        deployment = local_catalog().get(model).deployment
-        index = list(local_catalog().deployments()).index(deployment)
+        deployment = config.catalog().get(model).deployment
+        index = list(config.catalog().deployments()).index(deployment)
         self._stack_worker = f"worker-{deployment}"
         self._env = worker_env(config, deployment, index)
         self._ready = f"http://127.0.0.1:{config.worker_health_port(index)}/readyz"

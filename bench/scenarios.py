@@ -15,7 +15,7 @@ import httpx
 
 from bench.loadgen import Sample
 from emulators.processes import ProcessRegistry, http_ok
-from emulators.stack import ROOT, StackConfig, local_catalog
+from emulators.stack import ROOT, StackConfig
 from maas_client import Client, MaasError
 
 # The tiny diffusion model at the size and step count the issue names: small enough for 2 CPU cores.
@@ -152,8 +152,8 @@ class BenchApi:
 
 
 def worker_health_port(config: StackConfig, model: str) -> int:
-    deployments = list(local_catalog().deployments())
-    return config.worker_health_port(deployments.index(local_catalog().get(model).deployment))
+    catalog = config.catalog()
+    return config.worker_health_port(list(catalog.deployments()).index(catalog.get(model).deployment))
 
 
 def worker_batches(config: StackConfig, model: str) -> tuple[float, float]:

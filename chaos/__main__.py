@@ -1,6 +1,6 @@
 """`make chaos`: brings up a stack with two workers per model, runs the fault scenarios and the bad inputs,
-prints the tables, and exits non-zero if any request went unanswered, any log row was lost or doubled, or
-any reply subscription leaked.
+prints the tables, and exits non-zero if any request went unanswered, any log row was lost or doubled, any
+reply subscription leaked, or the fuzzer (`chaos/fuzz.py`) found a failure or an error.
 
     .venv/bin/python -m chaos                 # every scenario (under 20 minutes)
     .venv/bin/python -m chaos --quick         # worker kill, Redis outage, API SIGTERM (about 3 minutes)
@@ -13,22 +13,25 @@ import argparse
 import datetime
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from chaos import fuzz
 from chaos.bad_inputs import bad_input_table, run_bad_inputs
 from chaos.scenarios import QUICK, SCENARIOS, ChaosContext
+from chaos.traffic import GRACE_SECONDS
 from chaos.verdict import table
 from contract.settings import api_key_digest
-from emulators.stack import ROOT, StackConfig, down, up
+from emulators.stack import ROOT, StackConfig, configuring_variables, down, up
 
 log = logging.getLogger("chaos")
 RESULTS = ROOT / "chaos" / "results"
 # Below 32768: the ephemeral port range starts there, and a client's port could take one of the stack's.
 PORT_OFFSET = 23000
 CHAOS_KEY = "chaos-key"
+# The admin key the fuzzer runs the admin operations with (traffic splits, adapter registration).
+CHAOS_ADMIN_KEY = "chaos-admin-key"
 # A second key with tight limits, for the burst scenario: 60 requests a minute, 4 at a time.
 LIMITED_KEY = "chaos-limited-key"
 LIMITED_KEY_LIMITS = (60, 4)
@@ -44,6 +47,7 @@ def chaos_config() -> StackConfig:
         worker_replicas=2,
         api_keys=f"{CHAOS_KEY},{LIMITED_KEY}",
         api_keys_from_env=True,
+        environment={**configuring_variables(os.environ), "MAAS_ADMIN_KEYS": CHAOS_ADMIN_KEY},
     )
 
 
@@ -58,24 +62,6 @@ def context(config: StackConfig) -> ChaosContext:
     )  # fmt: skip
 
 
-def schemathesis_run(api_url: str, examples: int) -> str:
-    """The property-based run against /openapi.json (`examples` per operation), when schemathesis is installed."""
-    binary = Path(sys.executable).with_name("schemathesis")
-    if not binary.exists():
-        return "schemathesis is not installed: skipped"
-    argv = [
-        str(binary), "run", f"{api_url}/openapi.json", f"--max-examples={examples}",
-        "--checks=not_a_server_error,response_schema_conformance", f"--header=Authorization: Bearer {CHAOS_KEY}",
-    ]  # fmt: skip
-    completed = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    lines = completed.stdout.strip().splitlines()
-    # A failure is kept whole (what failed, the response, how to reproduce), not only the summary's count.
-    start = next((i for i, line in enumerate(lines) if "FAILURES" in line), None)
-    end = next((i for i, line in enumerate(lines) if "WARNINGS" in line or "SUMMARY" in line), len(lines))
-    failures = lines[start:end][:60] if start is not None and start < end else []
-    return "\n".join([f"schemathesis exit {completed.returncode}", *failures, *lines[-12:]])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 3-minute subset")
@@ -88,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config = chaos_config()
     began = time.monotonic()
     config = up(config)
-    results, bad = [], []
+    results, bad, fuzzed = [], [], []
     try:
         ctx = context(config)
         for name in names:
@@ -100,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_bad_inputs:
             log.info("bad inputs ...")
             bad = run_bad_inputs(config.api_url, ctx.headers)
-            # Per operation: ~10 operations, so the full run generates well over 1,000 cases.
-            fuzz = schemathesis_run(config.api_url, 15 if args.quick else 120)
+            # Per operation: ~20 operations, so the full run generates well over 1,000 cases. No answer may take
+            # longer than the slowest model's sync wait (then it is a job) plus the harness's grace.
+            request_timeout = max(ctx.timeouts.values()) + GRACE_SECONDS
+            fuzz_runs = fuzz.runs(CHAOS_KEY, CHAOS_ADMIN_KEY)
+            fuzzed = fuzz.fuzz(config.api_url, fuzz_runs, 15 if args.quick else 120, request_timeout)
     finally:
         if not args.keep:
             down(config)
@@ -112,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     report += [table(results)]
     report += [f"- {result.name}: {note}" for result in results for note in result.notes]
     if bad:
-        report += ["", bad_input_table(bad), "", "```", fuzz, "```"]
+        report += ["", bad_input_table(bad)]
+    for result in fuzzed:
+        report += ["", "```", result.report(), "```"]
+    if bad and not fuzzed:
+        report += ["", "schemathesis is not installed: the fuzz was skipped"]
     text = "\n".join(report)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -120,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "partial.md" if args.only else "quick.md" if args.quick else "latest.md"
     (RESULTS / name).write_text(text + "\n")
     failed = [r.name for r in results if not r.passed] + [b.name for b in bad if not b.passed]
+    failed += [f"schemathesis ({result.run.label})" for result in fuzzed if not result.passed]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -42,7 +42,6 @@ class ChaosContext:
     def for_stack(cls, config: StackConfig, settings, headers: dict[str, str], **kwargs) -> ChaosContext:
         """The context for a running stack: its BigQuery and Pub/Sub clients and the catalog's timeouts."""
         from contract import google_clients
-        from emulators.stack import local_catalog
 
         return cls(
             config=config,
@@ -50,7 +49,7 @@ class ChaosContext:
             bigquery=google_clients.bigquery_client(settings),
             subscriber=google_clients.subscriber_client(),
             headers=headers,
-            timeouts={name: float(spec.request_timeout_seconds) for name, spec in local_catalog().models.items()},
+            timeouts={name: float(spec.request_timeout_seconds) for name, spec in config.catalog().models.items()},
             **kwargs,
         )
 

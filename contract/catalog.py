@@ -1,7 +1,8 @@
-"""The model catalog: loads `models.yaml`, the single list of served models."""
+"""The model catalog: loads `models.yaml`, the single list of served models (and the local stack's overlays)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -70,7 +71,8 @@ class AdapterPolicy(BaseModel):
     max_rank: int = Field(default=128, ge=1)
     # The adapter file's size cap, checked at registration and again before the worker downloads it.
     max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    # Adapters the worker keeps in host memory and on the device (least recently used is dropped).
+    # Adapters the worker keeps in host memory and on the device (least recently used is dropped); the host's are
+    # bounded in bytes too, for the whole worker (MAAS_ADAPTER_HOST_CACHE_BYTES, contract/settings.py).
     host_cache: int = Field(default=16, ge=1)
     device_cache: int = Field(default=4, ge=1)
     # Catalog-listed adapters, name -> version (others are registered with the admin call).
@@ -109,6 +111,11 @@ class ModelSpec(BaseModel):
     # pipeline once (GPU time-sharing between models); unset means a deployment of its own.
     worker_group: str | None = None
     max_batch_size: int = Field(ge=1)
+    # Images per second at a full batch (`max_batch_size`) over images per second alone, for this model on its
+    # `hardware` (bench/gpu_pipeline.py's `direct` rates): 1 when batching buys nothing (a compute-bound call),
+    # up to `max_batch_size` when a full batch costs no more than one image. The autoscaler's backlog target
+    # follows it (infra/k8s/render.py, `backlog_target`); checked in `_batching_gain_fits`.
+    batching_gain: float = Field(default=1.0, ge=1.0)
     # `step` (continuous batching) or `request`; see Scheduling. Checked in `_consistent` for a clear message.
     scheduling: str = "step"
     # The diffusers scheduler class the pipeline runs with (its saved config, this class); unset: the one
@@ -173,6 +180,7 @@ class ModelSpec(BaseModel):
                 raise ValueError(steppable_error(self.name, self.scheduler))
         if self.runner == "diffusers" and not (self.pipeline and self.weights_path):
             raise ValueError(f"{self.name}: the diffusers runner needs `pipeline` and `weights_path`")
+        self._check_synthetic_fields()
         if self.pipeline is not None:
             self._check_family()
         if self.max_instances_per_request > self.max_batch_size:
@@ -185,6 +193,30 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"{self.name}: ack_deadline_seconds {self.ack_deadline_seconds} must be at most a third of "
                 f"request_timeout_seconds {self.request_timeout_seconds}, or a crashed worker's requests time out"
+            )
+        return self
+
+    def _check_synthetic_fields(self) -> None:
+        """The synthetic runners' test switches are refused where they would do nothing, so a catalog never
+        says a model fails or sleeps when it does not."""
+        where = f"{self.name}: version {self.version!r}" if self.versioned else self.name
+        if self.fails and self.runner == "diffusers":
+            raise ValueError(
+                f"{where}: `fails` makes a synthetic runner (noop, sleep) fail every call; the {self.runner} runner "
+                "ignores it: remove it"
+            )
+        if self.call_seconds is not None and self.runner != "sleep":
+            raise ValueError(
+                f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
+                "remove it"
+            )
+
+    @model_validator(mode="after")
+    def _batching_gain_fits(self) -> ModelSpec:
+        if self.batching_gain > self.max_batch_size:
+            raise ValueError(
+                f"{self.name}: batching_gain {self.batching_gain:g} exceeds max_batch_size {self.max_batch_size} "
+                "(a full batch is at most that many times one image's throughput)"
             )
         return self
 
@@ -357,6 +389,39 @@ def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
     return units, rollout
 
 
+# What an overlay file may hold: `models` adds (or replaces) entries; `overrides` changes fields of entries a file
+# before it lists (the local stack's small defaults for its tiny models); `templates` holds YAML anchors only.
+OVERLAY_KEYS = ("models", "overrides", "templates")
+
+
+def overlay_paths(overlay: Path | str | Sequence[Path | str] | None) -> list[Path]:
+    """Overlay files: a path, a list of paths, or one string of paths separated by commas (MAAS_CATALOG_OVERLAY)."""
+    if not overlay:
+        return []
+    items = overlay.split(",") if isinstance(overlay, str) else [overlay] if isinstance(overlay, Path) else overlay
+    return [Path(str(item).strip()) for item in items if str(item).strip()]
+
+
+def _apply_overlay(entries: dict, path: Path) -> None:
+    raw = yaml.safe_load(path.read_text()) or {}
+    if unknown := sorted(set(raw) - set(OVERLAY_KEYS)):
+        raise ValueError(f"{path}: unknown keys {unknown}; an overlay holds {', '.join(OVERLAY_KEYS)}")
+    entries.update(raw.get("models") or {})
+    for name, changes in (raw.get("overrides") or {}).items():
+        if name not in entries:
+            raise ValueError(f"{path}: overrides {name!r}, which no catalog file before it lists")
+        entries[name] = _merged(entries[name], changes)
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes`: mappings merged key by key, anything else replaced."""
+    merged = dict(base)
+    for key, value in changes.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both else value
+    return merged
+
+
 class ModelCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int
@@ -366,12 +431,14 @@ class ModelCatalog(BaseModel):
     rollouts: dict[str, Rollout] = Field(default_factory=dict)
 
     @classmethod
-    def from_yaml(cls, path: Path | str = DEFAULT_CATALOG_PATH, overlay: Path | str | None = None) -> ModelCatalog:
-        """The catalog, plus the models of an overlay file (the local stack's synthetic models) when given."""
+    def from_yaml(
+        cls, path: Path | str = DEFAULT_CATALOG_PATH, overlay: Path | str | Sequence[Path | str] | None = None
+    ) -> ModelCatalog:
+        """The catalog, plus overlay files (the local stack's) applied in order, when given (`overlay_paths`)."""
         raw = yaml.safe_load(Path(path).read_text())
         entries = dict(raw.get("models") or {})
-        if overlay:
-            entries.update((yaml.safe_load(Path(overlay).read_text()) or {}).get("models") or {})
+        for overlay_path in overlay_paths(overlay):
+            _apply_overlay(entries, overlay_path)
         models, rollouts = {}, {}
         for name, entry in entries.items():
             # A copy per entry: YAML aliases can make two models share one mapping.

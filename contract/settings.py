@@ -20,6 +20,10 @@ LOCAL_DEFAULT_ADMIN_KEY = "local-admin-key"
 # Per-key limits in production when MAAS_RATE_LIMIT_PER_MINUTE / MAAS_CONCURRENCY_LIMIT are unset.
 PRODUCTION_RATE_LIMIT = 600
 PRODUCTION_CONCURRENCY_LIMIT = 32
+# The worker's host-memory budget for LoRA adapters (MAAS_ADAPTER_HOST_CACHE_BYTES): four of SDXL's or FLUX's largest
+# files (1 GiB), sixteen of SD 1.5's (256 MiB); with a load in flight it fits a time-shared L4 pod's 12 GiB beside
+# the worker itself.
+ADAPTER_HOST_CACHE_BYTES = 4 * 1024**3
 
 
 def local_stack_environment(stack_dir: Path) -> dict[str, str]:
@@ -75,7 +79,7 @@ class Settings:
     env: Literal["local", "production"] = "local"
     project_id: str = "maas-local"
     catalog_path: str | None = None
-    # Extra catalog entries (the local stack's synthetic `noop` and `sleep` models); unset in production.
+    # Overlay files over the catalog, comma-separated (the local stack's, contract/catalog.py); unset in production.
     catalog_overlay: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     model_bucket: str = ""
@@ -149,8 +153,12 @@ class Settings:
     finisher_threads: int = 4
     # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
     holder_lease_seconds: float = 3.0
-    # Test hook: adapter name -> seconds added to its load from the bucket (a slow first load, on purpose).
-    # MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; never set in production.
+    # LoRA adapters a worker keeps in host memory, all its models together, in bytes of their files (each model's
+    # catalog `host_cache` caps how many). A load briefly holds about twice its file beside them; the Kubernetes
+    # renderer counts both in the pod's memory and sets this for each worker (infra/k8s/render.py).
+    adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
+    # Local-stack fault hook: adapter name -> seconds added to its first read from the bucket (a slow load, on
+    # purpose; model_worker/fault_hooks.py). MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; refused in production.
     adapter_load_delay: dict[str, float] = field(default_factory=dict)
     # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
     # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
@@ -175,6 +183,11 @@ class Settings:
             raise ValueError(f"MAAS_REPLY_MODE must be 'per-request' or 'per-instance', not {reply_mode!r}")
         if stage == "production" and _flag(env.get("MAAS_WEBHOOK_ALLOW_LOOPBACK")):
             raise ValueError("MAAS_WEBHOOK_ALLOW_LOOPBACK is for tests; production never calls loopback webhooks")
+        if stage == "production" and _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")):
+            raise ValueError("MAAS_ADAPTER_LOAD_DELAY is a local-stack fault hook; production never slows its loads")
+        host_cache_bytes = int(env.get("MAAS_ADAPTER_HOST_CACHE_BYTES") or ADAPTER_HOST_CACHE_BYTES)
+        if host_cache_bytes < 1:
+            raise ValueError(f"MAAS_ADAPTER_HOST_CACHE_BYTES must be positive, not {host_cache_bytes}")
         instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
         return cls(
             env=stage,  # type: ignore[arg-type]
@@ -240,6 +253,7 @@ class Settings:
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,
+            adapter_host_cache_bytes=host_cache_bytes,
             adapter_load_delay={
                 name.strip(): float(seconds)
                 for name, _, seconds in (item.partition("=") for item in _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")))

@@ -46,8 +46,12 @@ log = logging.getLogger("emulators.stack")
 ROOT = Path(__file__).resolve().parent.parent
 EMULATORS = ("pubsub", "gcs", "bigquery", "redis")
 SUPERVISOR = "supervisor"
-# The synthetic `noop` and `sleep` models, served locally beside the catalog's diffusion models.
+# What `make up` serves beside the catalog's models: the synthetic `noop` and `sleep`, `flux-versions`, and small
+# defaults for the tiny diffusion models.
 LOCAL_CATALOG_OVERLAY = ROOT / "contract" / "models.local.yaml"
+# The test suite's models (rollout, fallback and re-dispatch fixtures), applied after it by a stack started with
+# `test_fixtures` (tests/conftest.py; MAAS_STACK_TEST_FIXTURES=1): never on a user's stack otherwise.
+TEST_CATALOG_OVERLAY = ROOT / "tests" / "models.fixtures.yaml"
 LOCAL_HOST = "127.0.0.1"
 # Variables that configure the stack's processes (the project's settings, the Google clients, the emulators).
 # Their values at `up` are recorded with the stack, and every later start (`restart`, the supervisor) uses the
@@ -60,8 +64,14 @@ def configuring_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name.startswith(CONFIGURING_PREFIXES)}
 
 
-def local_catalog():
-    return load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+def catalog_overlay(test_fixtures: bool = False) -> str:
+    """The local stack's overlay files, as MAAS_CATALOG_OVERLAY names them (comma-separated, applied in order)."""
+    return ",".join(str(path) for path in (LOCAL_CATALOG_OVERLAY, *([TEST_CATALOG_OVERLAY] if test_fixtures else [])))
+
+
+def local_catalog(test_fixtures: bool = False):
+    """What a local stack serves: `make up`'s models, and with `test_fixtures` the test suite's too."""
+    return load_catalog(None, catalog_overlay(test_fixtures))
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,8 @@ class StackConfig:
     api_keys: str = LOCAL_DEFAULT_API_KEY
     api_keys_from_env: bool = False
     tiny_model_dir: Path = ROOT / ".stack" / "tiny-model"
+    # Serve the test suite's fixture models too (TEST_CATALOG_OVERLAY): the tests' stack, not a user's.
+    test_fixtures: bool = False
     # The configuring variables (`CONFIGURING_PREFIXES`) of the environment the stack was started from.
     environment: dict[str, str] = field(default_factory=lambda: configuring_variables(os.environ), repr=False)
 
@@ -92,6 +104,7 @@ class StackConfig:
             reply_mode=env.get("MAAS_REPLY_MODE", "per-request"),
             api_keys=keys or LOCAL_DEFAULT_API_KEY,
             api_keys_from_env=bool(keys),
+            test_fixtures=env.get("MAAS_STACK_TEST_FIXTURES", "") in ("1", "true", "yes"),
             environment=configuring_variables(env),
         )
 
@@ -117,6 +130,14 @@ class StackConfig:
         known = {f.name: f for f in fields(cls)}
         values = {k: Path(v) if k in ("stack_dir", "tiny_model_dir") else v for k, v in settings.items() if k in known}
         return cls(**values)
+
+    @property
+    def catalog_overlay(self) -> str:
+        return catalog_overlay(self.test_fixtures)
+
+    def catalog(self):
+        """The catalog this stack serves (models.yaml and its overlays)."""
+        return local_catalog(self.test_fixtures)
 
     def port(self, default: int) -> int:
         return default + self.port_offset
@@ -175,7 +196,7 @@ class StackConfig:
 
     def service_env(self) -> dict[str, str]:
         env = {**self.process_env(), **self.client_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        env["MAAS_CATALOG_OVERLAY"] = str(LOCAL_CATALOG_OVERLAY)
+        env["MAAS_CATALOG_OVERLAY"] = self.catalog_overlay
         env.update({"MAAS_API_KEYS": self.api_keys, "MAAS_REPLY_MODE": self.reply_mode})
         return env
 
@@ -346,7 +367,7 @@ def api_component(config: StackConfig) -> Component:
 
 def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
     """The environment of the worker serving one deployment (a group of catalog models)."""
-    models = [spec.queue for spec in local_catalog().deployments()[deployment]]
+    models = [spec.queue for spec in config.catalog().deployments()[deployment]]
     return {
         **config.service_env(),
         "MAAS_MODELS": ",".join(models),
@@ -362,7 +383,7 @@ def worker_components(config: StackConfig) -> list[Component]:
     """`worker_replicas` workers per deployment (`worker-{deployment}`, then `-2`, `-3`...); probe ports in
     catalog order, the first replicas' first."""
     workers = []
-    deployments = list(local_catalog().deployments())
+    deployments = list(config.catalog().deployments())
     for replica, (position, deployment) in itertools.product(
         range(max(1, config.worker_replicas)), enumerate(deployments)
     ):
@@ -463,7 +484,7 @@ def bootstrap_resources(config: StackConfig) -> list[str]:
     from emulators.bootstrap import bootstrap
 
     os.environ.update(config.client_env())
-    settings = Settings.from_env({**os.environ, "MAAS_CATALOG_OVERLAY": str(LOCAL_CATALOG_OVERLAY)})
+    settings = Settings.from_env({**os.environ, "MAAS_CATALOG_OVERLAY": config.catalog_overlay})
     return bootstrap(settings, settings.catalog())
 
 
@@ -654,24 +675,28 @@ def supervise(config: StackConfig) -> None:
 
 def banner(config: StackConfig, foreground: bool) -> str:
     # The first text-to-image diffusion model of the catalog (sd15-txt2img); `noop` and `sleep` are served too.
-    model = next(s.name for s in load_catalog().units() if s.family is not None and s.task == "text-to-image")
+    catalog = config.catalog()
+    model = next(s.name for s in catalog.units() if s.family is not None and s.task == "text-to-image")
     key_note = (
         "" if config.api_keys_from_env else f"  (MAAS_API_KEYS is unset: using the local key {LOCAL_DEFAULT_API_KEY!r})"
     )
     key = config.api_keys.split(",")[0]
     stop = "Ctrl-C stops everything." if foreground else "`make down` stops everything; `make status` shows it."
     return f"""
-The stack is up: API at {config.api_url}, models {", ".join(local_catalog().names())}
+The stack is up: API at {config.api_url}, models {", ".join(catalog.names())}
 API key: {key}{key_note}
 Logs: {config.stack_dir / "logs"}
 
 Try it (the image is saved to lighthouse.png):
   curl -s -X POST {config.api_url}/v1/models/{model}:predict \\
     -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
-    -d '{{"instances": [{{"prompt": "a lighthouse at dawn"}}], "parameters": {{"seed": 7, "num_inference_steps": 4, "width": 256, "height": 256}}}}' \\
+    -d '{{"instances": [{{"prompt": "a lighthouse at dawn"}}], "parameters": {{"seed": 7}}}}' \\
     | python3 emulators/save_images.py lighthouse
 Or in a browser: {config.api_url}/playground  (the API reference: {config.api_url}/docs)
-Or the command line: MAAS_URL={config.api_url} MAAS_API_KEY={key} .venv/bin/maas models
+Or the command line: export MAAS_URL={config.api_url} MAAS_API_KEY={key}
+  .venv/bin/maas models
+  .venv/bin/maas predict sdxl-txt2img "a lighthouse at dawn"
+The models are tiny random-weight pipelines on CPU: their local defaults are 256x256 and a few steps.
 
 {stop}
 """

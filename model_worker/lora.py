@@ -57,9 +57,9 @@ class LoraSets:
         self._device_cache = max(1, device_cache)
         self._hotswap = hotswap_rank is not None
         self._target_rank = hotswap_rank
-        # Adapter (name, version) -> its name in the pipeline; a compiled model's slots are fixed names instead.
-        self._resident: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._slots: dict[str, tuple[str, str]] = {}
+        # Adapter (name, version, digest) -> its name in the pipeline; a compiled model's slots are fixed names instead.
+        self._resident: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._slots: dict[str, tuple[str, str, str]] = {}
         self._units: dict[str, list] = {}  # a compiled model's slot -> [(LoRA layer, its scaling at scale 1)]
         self._names = itertools.count()
         self._active: tuple | None = ()
@@ -158,7 +158,7 @@ class LoraSets:
             if self._resident[oldest] in names:
                 break  # a set larger than the cache stays whole until the next call
             self._delete(self._resident.pop(oldest))
-            log.info("adapter %s@%s dropped from the device (least recently used)", *oldest)
+            log.info("adapter %s@%s dropped from the device (least recently used)", *oldest[:2])
         return names
 
     def _swap_in(self, slot: str, weights: LoraWeights) -> str:
@@ -179,7 +179,7 @@ class LoraSets:
                 return slot
             except Exception as exc:  # noqa: BLE001 - the slot is rebuilt below, whatever it holds now
                 log.warning("adapter %s@%s could not be swapped in for %s@%s (%s): loading it anew",
-                            weights.name, weights.version, *held, exc)  # fmt: skip
+                            weights.name, weights.version, *held[:2], exc)  # fmt: skip
                 self._units.pop(slot, None)
                 self._delete(slot)
         # diffusers pads a fresh adapter to the target rank and makes its scalings tensors on the first load after

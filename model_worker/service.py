@@ -108,12 +108,17 @@ class WorkerService:
             settings.holder_lease_seconds, self.metrics,
         )  # fmt: skip
         # Adapters load from the model bucket off the device thread; a request joins once its set is ready.
+        adapter_bucket = self._storage.bucket(settings.model_bucket)
+        if settings.adapter_load_delay:  # the local stack's fault hook (refused in production)
+            from model_worker.fault_hooks import SlowAdapterReads
+
+            adapter_bucket = SlowAdapterReads(adapter_bucket, settings.adapter_load_delay)
         self.adapters = AdapterLoader(
-            self._storage.bucket(settings.model_bucket),
+            adapter_bucket,
             {name: runner.weights_dir for name, runner in self.runners.items() if hasattr(runner, "weights_dir")},
             self.pool.wake,
             lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
-            settings.adapter_load_delay,
+            settings.adapter_host_cache_bytes,
         )
         triage = Triage(
             self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()},

@@ -17,20 +17,26 @@ TEST_ADMIN_KEY = "test-admin-key"
 SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 8
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> StackConfig:
-    """The whole stack (emulators, API, workers) started through the code `make up` uses, on offset ports."""
-    config = StackConfig(
-        stack_dir=tmp_path_factory.mktemp("stack"),
+def stack_config(stack_dir) -> StackConfig:
+    """The test suite's stack: `make up`'s, on this session's ports, with the tests' keys, hooks and fixture models."""
+    return StackConfig(
+        stack_dir=stack_dir,
         port_offset=int(os.environ.get("MAAS_TEST_PORT_OFFSET", "10000")),
         api_keys=",".join(TEST_API_KEYS),
         api_keys_from_env=True,
+        test_fixtures=True,  # the integration and e2e tests' models (tests/models.fixtures.yaml) beside make up's
         environment={
             **configuring_variables(os.environ),
             "MAAS_ADMIN_KEYS": TEST_ADMIN_KEY,
             "MAAS_ADAPTER_LOAD_DELAY": f"{SLOW_ADAPTER}={SLOW_ADAPTER_LOAD_SECONDS}",
         },
     )
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> StackConfig:
+    """The whole stack (emulators, API, workers) started through the code `make up` uses, on offset ports."""
+    config = stack_config(tmp_path_factory.mktemp("stack"))
     up(config)
     saved = dict(os.environ)
     os.environ.update(config.client_env())

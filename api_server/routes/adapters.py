@@ -6,7 +6,7 @@ from flask import Blueprint, jsonify, request
 from spectree import Response
 
 from api_server.errors import ApiError
-from api_server.openapi import AdapterInfo, AdapterList, AdapterRegistration, documented, errors
+from api_server.openapi import ADMIN_ONLY, AdapterInfo, AdapterList, AdapterRegistration, documented, errors
 from api_server.routes.access import authenticated, require_admin
 from api_server.state import app_state
 
@@ -24,7 +24,12 @@ def list_adapters(model: str):
 
 
 @bp.put("/v1/models/<model:model>/adapters/<name>")
-@documented(Response(HTTP_200=AdapterInfo, **errors(401, 403, 404, 422)), json=AdapterRegistration, tags=["models"])
+@documented(
+    Response(HTTP_200=AdapterInfo, **errors(401, 403, 404, 422)),
+    json=AdapterRegistration,
+    tags=["models"],
+    security=ADMIN_ONLY,
+)
 def register_adapter(model: str, name: str):
     """Registers (checks, then makes current) an adapter version already uploaded under
     `adapters/{model}/{name}/{version}/` in the model bucket; admin keys only"""

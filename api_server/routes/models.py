@@ -6,7 +6,7 @@ from flask import Blueprint, jsonify, request
 from spectree import Response
 
 from api_server.errors import ApiError
-from api_server.openapi import ModelDetail, ModelList, TrafficBody, TrafficView, documented, errors
+from api_server.openapi import ADMIN_ONLY, ModelDetail, ModelList, TrafficBody, TrafficView, documented, errors
 from api_server.routes.access import authenticated, require_admin
 from api_server.state import app_state
 
@@ -57,7 +57,10 @@ def get_model(model: str):
 
 @bp.put("/v1/models/<model:model>/traffic")
 @documented(
-    Response(HTTP_200=TrafficView, **errors(400, 401, 403, 404, 409, 422, 503)), json=TrafficBody, tags=["models"]
+    Response(HTTP_200=TrafficView, **errors(400, 401, 403, 404, 409, 422, 503)),
+    json=TrafficBody,
+    tags=["models"],
+    security=ADMIN_ONLY,
 )
 def put_traffic(model: str):
     """Set a model's traffic split (admin key)
@@ -72,7 +75,7 @@ def put_traffic(model: str):
 
 
 @bp.delete("/v1/models/<model:model>/traffic")
-@documented(Response(HTTP_200=TrafficView, **errors(401, 403, 404, 409, 503)), tags=["models"])
+@documented(Response(HTTP_200=TrafficView, **errors(401, 403, 404, 409, 503)), tags=["models"], security=ADMIN_ONLY)
 def delete_traffic(model: str):
     """Return a model to the catalog's traffic split (admin key)"""
     admin = require_admin(f"DELETE /v1/models/{model}/traffic")

@@ -2,6 +2,7 @@
 
 .venv/bin/python -m bench.capacity                                   # the seed's day on L4s, both schedulings
 .venv/bin/python -m bench.capacity --trace day.csv --profile l4-sd15 # a recorded day (traffic.TRACE_SQL)
+.venv/bin/python -m bench.capacity --profile h100-sd15 --batching-gain profile  # as deployed on an H100
 .venv/bin/python -m bench.capacity measure --model-dir DIR           # the CPU tiny pipeline's cost points
 .venv/bin/python -m bench.capacity validate --model-dir DIR          # against bench/open_loop.py, measured
 """
@@ -16,17 +17,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.capacity.profiles import CostProfile, load_profiles
+from bench.capacity.profiles import load_profiles
 from bench.capacity.report import hourly_table, plot, summarize, summary_table
-from bench.capacity.scenario import SEED_MODEL, catalog_deployments, default_strengths, with_backlog_target
+from bench.capacity.scenario import (
+    SEED_MIX,
+    SEED_REQUESTS,
+    catalog_deployments,
+    default_strengths,
+    lone_seconds,
+    profile_gain,
+    with_backlog_target,
+)
 from bench.capacity.simulator import ModelDeployment, PodTiming, Simulation
 from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, trace_arrivals
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-# The seed's day: 1.4 million SD 1.5 image-to-image requests, 512x512, 25 steps, strength 0.75, one image each.
-SEED_REQUESTS = 1_400_000
-SEED_MIX = [RequestClass(SEED_MODEL, 25, 512, 512, 0.75)]
 SEED_GPUS = 150
 
 
@@ -42,16 +48,6 @@ def parse_mix(values: list[str] | None) -> list[RequestClass]:
     return mix
 
 
-def lone_seconds(profile: CostProfile, cls: RequestClass, deployment: ModelDeployment, overhead: float) -> float:
-    """A request alone on an idle worker: its pipeline call at its own batch (at a time-shared pod's speed), the
-    reply, the way back."""
-    image_input = deployment.image_input
-    call = profile.pipeline_call(
-        cls.images, profile.calls(cls.steps, cls.strength if image_input else None), image_input
-    )
-    return call / deployment.gpu_share + profile.reply_s * cls.images + overhead
-
-
 def day_runs(args: argparse.Namespace) -> None:
     profile = load_profiles()[args.profile]
     if args.trace:
@@ -63,6 +59,13 @@ def day_runs(args: argparse.Namespace) -> None:
     models = {c.model for c in arrivals.mix}
     timing = PodTiming(args.node_provision, args.pod_start)
     deployed = catalog_deployments(models, buffer_nodes=args.buffer_nodes, metric_delay_seconds=args.metric_delay)
+    if args.batching_gain is not None:
+        gains = {dep.model: profile_gain(profile, arrivals.mix, dep) if args.batching_gain == "profile"
+                 else float(args.batching_gain) for dep in deployed}  # fmt: skip
+        deployed = catalog_deployments(models, buffer_nodes=args.buffer_nodes, metric_delay_seconds=args.metric_delay,
+                                       batching_gains=gains)  # fmt: skip
+        print("batching_gain " + ", ".join(f"{m} {g:.2f}" for m, g in gains.items())
+              + "; deployed targets " + ", ".join(f"{d.scaler.backlog_per_replica:g}" for d in deployed), flush=True)  # fmt: skip
     slo = {}
     for dep in deployed:
         first = max((c for c in arrivals.mix if c.model == dep.model), key=lambda c: c.share)
@@ -71,6 +74,10 @@ def day_runs(args: argparse.Namespace) -> None:
     for target in args.backlog_targets:
         if target == "deployed":
             settings.append(("deployed", deployed, True))
+        elif target == "batch":  # the rule before `batching_gain`: one full batch per replica, whatever the device
+            one_batch = [replace(d, scaler=replace(d.scaler, name="one batch/replica", backlog_per_replica=d.max_batch_size))
+                         for d in deployed]  # fmt: skip
+            settings.append(("one batch/replica", one_batch, True))
         else:
             settings.append((f"backlog {target}/replica", with_backlog_target(deployed, float(target), f"backlog {target}/replica"), True))  # fmt: skip
     if args.fixed_replicas:
@@ -151,8 +158,12 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="a recorded day instead of the curve (CSV or JSON lines)")
     parser.add_argument("--profile", default="l4-sd15", help="cost profile in bench/capacity/profiles.json")
     parser.add_argument("--schedulings", nargs="+", default=["request", "step"])
-    parser.add_argument("--backlog-targets", nargs="+", default=["deployed", "0.5"],
-                        help="KEDA backlog targets per replica to compare ('deployed': the rendered one)")  # fmt: skip
+    parser.add_argument("--backlog-targets", nargs="+", default=["deployed", "batch"],
+                        help="KEDA backlog targets per replica to compare ('deployed': the rendered one; 'batch': "
+                        "one full batch, the rule before batching_gain)")  # fmt: skip
+    parser.add_argument("--batching-gain",
+                        help="the catalog's batching_gain replaced by this ('profile': the profile's own, at the model's "
+                        "max_batch_size): what the renderer would deploy on that device")  # fmt: skip
     parser.add_argument("--fixed-replicas", type=int, default=SEED_GPUS, help="also a run with this many GPUs held")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--peak-hour", type=float, default=15.0)

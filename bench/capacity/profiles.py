@@ -77,6 +77,11 @@ class CostProfile:
         encode = self.image_encode_s * images if image_input else 0.0
         return interpolate(self.call_fixed_s, images) + calls * interpolate(self.call_step_s, images) + encode
 
+    def batching_gain(self, batch: int, calls: int, image_input: bool = False) -> float:
+        """Images per second in a request-level batch of `batch` over images per second alone: what the catalog's
+        `batching_gain` says of a model on its hardware, at its `max_batch_size`."""
+        return batch * self.pipeline_call(1, calls, image_input) / self.pipeline_call(batch, calls, image_input)
+
     def start(self, images: int, image_input: bool = False) -> float:
         return interpolate(self.start_s, images) + (self.image_encode_s * images if image_input else 0.0)
 

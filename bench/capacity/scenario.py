@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from bench.capacity.profiles import CostProfile
 from bench.capacity.simulator import ModelDeployment, ScalerSettings
-from contract.catalog import ModelCatalog, load_catalog
+from bench.capacity.traffic import RequestClass
+from contract.catalog import ModelCatalog, ModelSpec, load_catalog
 from infra.k8s.render import (
     DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
     RenderSettings,
+    WorkerDeployment,
     model_worker_manifests,
     worker_deployments,
 )
 
 SEED_MODEL = "sd15-img2img"
+# The seed's day: 1.4 million SD 1.5 image-to-image requests, 512x512, 25 steps, strength 0.75, one image each.
+SEED_REQUESTS = 1_400_000
+SEED_MIX = [RequestClass(SEED_MODEL, 25, 512, 512, 0.75)]
 
 
 def deployed_scaler(manifests: list[dict], buffer_nodes: int) -> ScalerSettings:
@@ -50,9 +56,11 @@ def catalog_deployments(
     buffer_nodes: int = 1,
     metric_delay_seconds: float = 120.0,
     max_replicas: int | None = None,
+    batching_gains: dict[str, float] | None = None,
 ) -> list[ModelDeployment]:
     """One simulated deployment per catalog model named in `models` (each model is a deployment of its own in
-    `models.yaml`); `max_replicas` overrides the catalog's (e.g. to hold the seed's 150 GPUs)."""
+    `models.yaml`); `max_replicas` overrides the catalog's (e.g. to hold the seed's 150 GPUs), `batching_gains`
+    a model's `batching_gain` (another device's: the manifests are rendered from the catalog entry with it)."""
     catalog = catalog or load_catalog()
     found = []
     for deployment in worker_deployments(catalog):
@@ -60,6 +68,9 @@ def catalog_deployments(
             continue
         if len(deployment.models) != 1:
             raise ValueError(f"{deployment.name}: a worker group of several models is not simulated")
+        if batching_gains and deployment.models[0].name in batching_gains:
+            spec = with_batching_gain(deployment.models[0], batching_gains[deployment.models[0].name])
+            deployment = WorkerDeployment(deployment.name, (spec,))
         spec = deployment.models[0]
         scaler = replace(
             deployed_scaler(model_worker_manifests(deployment, RenderSettings()), buffer_nodes),
@@ -86,6 +97,11 @@ def catalog_deployments(
     return found
 
 
+def with_batching_gain(spec: ModelSpec, gain: float) -> ModelSpec:
+    """The catalog entry with another `batching_gain`, validated as the catalog validates it at load."""
+    return ModelSpec.model_validate({**spec.model_dump(), "batching_gain": gain})
+
+
 def with_backlog_target(deployments: list[ModelDeployment], target: float, name: str) -> list[ModelDeployment]:
     """The same deployments with another KEDA backlog target per replica."""
     return [replace(d, scaler=replace(d.scaler, name=name, backlog_per_replica=target)) for d in deployments]
@@ -94,3 +110,20 @@ def with_backlog_target(deployments: list[ModelDeployment], target: float, name:
 def default_strengths(catalog: ModelCatalog | None = None) -> dict[str, float | None]:
     catalog = catalog or load_catalog()
     return {spec.name: spec.defaults.model_dump().get("strength") for spec in catalog.units()}
+
+
+def lone_seconds(profile: CostProfile, cls: RequestClass, deployment: ModelDeployment, overhead: float) -> float:
+    """A request alone on an idle worker: its pipeline call at its own batch (at a time-shared pod's speed), the
+    reply, the way back."""
+    image_input = deployment.image_input
+    call = profile.pipeline_call(
+        cls.images, profile.calls(cls.steps, cls.strength if image_input else None), image_input
+    )
+    return call / deployment.gpu_share + profile.reply_s * cls.images + overhead
+
+
+def profile_gain(profile: CostProfile, mix: list[RequestClass], deployment: ModelDeployment) -> float:
+    """The profile's `batching_gain` for a model: its most frequent request class at its `max_batch_size`."""
+    first = max((c for c in mix if c.model == deployment.model), key=lambda c: c.share)
+    calls = profile.calls(first.steps, first.strength if deployment.image_input else None)
+    return profile.batching_gain(deployment.max_batch_size, calls, deployment.image_input)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.capacity.profiles import CostProfile
-from bench.capacity.traffic import DAY_SECONDS, Arrivals
+from bench.capacity.traffic import Arrivals
 
 ON_TIME, LATE, EXPIRED = 0, 1, 2
 UNRESOLVED = -1
@@ -214,7 +214,7 @@ class Simulation:
         heap, index = self._heap, 0
         handlers = {_READY: self._on_ready, _SEGMENT: self._on_segment, _TICK: self._on_tick,
                     _BUFFER: self._on_buffer}  # fmt: skip
-        last = max(float(times[-1]) if n else 0.0, self.arrivals.start + DAY_SECONDS)
+        last = max(float(times[-1]) if n else 0.0, self.arrivals.start + self.arrivals.span)
         while index < n or heap:
             if index < n and (not heap or times[index] <= heap[0][0]):
                 self._on_arrival(index, float(times[index]))

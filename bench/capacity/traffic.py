@@ -66,6 +66,7 @@ class Arrivals:
     classes: np.ndarray  # int32 index into `mix`
     mix: list[RequestClass]
     start: float = 0.0  # arrivals before this are warm-up: simulated, not reported
+    span: float = DAY_SECONDS  # seconds reported from `start` (a day, or a window of one)
 
     def __len__(self) -> int:
         return len(self.times)
@@ -95,6 +96,13 @@ def day_arrivals(shape: DayShape, mix: list[RequestClass], seed: int, warmup_s: 
     shares = np.array([c.share for c in mix], dtype=float)
     classes = draw.choice(len(mix), size=len(times), p=shares / shares.sum()).astype(np.int32)
     return Arrivals(times, classes, mix, start=0.0)
+
+
+def window(arrivals: Arrivals, begin: float, end: float, warmup_s: float = 3600.0) -> Arrivals:
+    """The arrivals of a day from `begin` to `end` (seconds), the `warmup_s` before `begin` simulated first and
+    not reported: a few hours of the same day at its own rates, for a run shorter than the whole day's."""
+    keep = (arrivals.times >= begin - warmup_s) & (arrivals.times < end)
+    return Arrivals(arrivals.times[keep], arrivals.classes[keep], arrivals.mix, start=begin, span=end - begin)
 
 
 def poisson_arrivals(rate: float, count: int, mix: list[RequestClass], seed: int) -> Arrivals:

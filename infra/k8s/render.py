@@ -26,6 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
 from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
+from contract.settings import ADAPTER_HOST_CACHE_BYTES  # noqa: E402
 
 BASE_DIR = Path(__file__).resolve().with_name("base")
 
@@ -50,6 +51,18 @@ WORKER_EXIT_MARGIN_SECONDS = 30
 MODEL_CACHE_SIZE = "20Gi"
 WORKER_EPHEMERAL_STORAGE = "24Gi"
 DEFAULT_MAX_SHARED_CLIENTS_PER_GPU = 2
+# Host memory a serving worker holds besides its LoRA adapters: Python, torch and CUDA's host side, the pipeline's
+# bookkeeping once its weights are on the GPU, a batch's payloads and images. An estimate with room to spare (a
+# tiny-model worker is about 1 GiB); the adapters' share is counted from the catalog and the cache budget.
+WORKER_PROCESS_MEMORY_MIB = 6 * 1024
+MIB = 1024 * 1024
+# The share of a worker's batched capacity its backlog target stands for: at the target a worker holds this
+# share of the requests it would need in flight to serve at its full-batch rate (`batching_gain`, one request's
+# rate being one). The rest is headroom for a rise the autoscaler sees two minutes late and answers with pods
+# minutes later. Chosen by simulation (bench/capacity, README "Capacity"): on the seed's day on the L4 profile
+# 0.6 answered every request within the SLO and 0.7 only 97%; on the H100 profile 0.6 keeps the GPU-hours of the
+# old one-batch target and answers 99.98% in time where that one answered 95%.
+BACKLOG_TARGET_UTILIZATION = 0.6
 GPU_SHARING_STRATEGY_LABEL = "cloud.google.com/gke-gpu-sharing-strategy"
 MAX_SHARED_CLIENTS_LABEL = "cloud.google.com/gke-max-shared-clients-per-gpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
@@ -89,6 +102,8 @@ class RenderSettings:
     max_shared_clients_per_gpu: int = DEFAULT_MAX_SHARED_CLIENTS_PER_GPU
     # Buffer replicas per pool; a pool left out gets one if the catalog uses it, none otherwise.
     buffer_replicas: dict[str, int] = field(default_factory=dict)
+    # Every worker's host cache of LoRA adapters, in bytes (its MAAS_ADAPTER_HOST_CACHE_BYTES), counted in its memory.
+    adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
 
     @property
     def image(self) -> str:
@@ -186,7 +201,7 @@ class WorkerDeployment:
     """The models one worker Deployment serves, and the settings it takes from them.
 
     Every value that sizes or times the Deployment comes from its most demanding member: the
-    largest replica bounds and drain, and the smallest batch and request timeout as autoscaling
+    largest replica bounds and drain, and the smallest backlog target and request timeout as autoscaling
     targets (so a group scales up no later than any of its models would alone).
     """
 
@@ -235,14 +250,19 @@ class WorkerDeployment:
         return max(spec.drain_seconds for spec in self.models)
 
     @property
-    def backlog_per_worker(self) -> int:
-        """Waiting requests per worker that call for another one: one full batch of the smallest."""
-        return min(spec.max_batch_size for spec in self.models)
+    def backlog_per_worker(self) -> float:
+        """Unacked requests per worker that call for another one: the smallest of its models' targets."""
+        return min(backlog_target(spec) for spec in self.models)
 
     @property
     def oldest_request_age_seconds(self) -> int:
         """A request that has waited a third of the shortest timeout means the workers are falling behind."""
         return max(1, min(spec.request_timeout_seconds for spec in self.models) // 3)
+
+    @property
+    def largest_adapter_bytes(self) -> int:
+        """The largest adapter file any of its models accepts (0: none takes adapters)."""
+        return max((spec.adapters.max_bytes for spec in self.models if spec.adapters), default=0)
 
     @property
     def subscriptions(self) -> list[str]:
@@ -253,6 +273,14 @@ class WorkerDeployment:
     def version(self) -> str | None:
         versions = {spec.version for spec in self.models}
         return versions.pop() if len(versions) == 1 else None
+
+
+def backlog_target(spec: ModelSpec) -> float:
+    """A model's KEDA backlog target, unacked requests per worker (queued, held or running: a worker acks after
+    its reply): `BACKLOG_TARGET_UTILIZATION` of its `batching_gain`. Where batching buys nothing (gain 1) a
+    worker is full with one request running, so the target is under one; where a full batch costs little more
+    than one image, the worker can take about `batching_gain` requests in the time of one."""
+    return round(BACKLOG_TARGET_UTILIZATION * spec.batching_gain, 2)
 
 
 def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
@@ -300,6 +328,19 @@ def oldest_request_age_query(deployment: WorkerDeployment, project_id: str) -> s
     return f"max({OLDEST_UNACKED_AGE_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
 
 
+def adapter_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
+    """Host memory a worker's LoRA adapters may take: the cache's budget, and beside it one load holding about twice
+    its file (the download, then the file and its parsed tensors: model_worker/adapters.py)."""
+    if not deployment.largest_adapter_bytes:
+        return 0
+    return math.ceil((settings.adapter_host_cache_bytes + 2 * deployment.largest_adapter_bytes) / MIB)
+
+
+def worker_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
+    """Host memory one worker of the deployment needs: the process, and its adapters."""
+    return WORKER_PROCESS_MEMORY_MIB + adapter_memory_mib(deployment, settings)
+
+
 def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
     """The Deployment, PodDisruptionBudget, ScaledObject and PodMonitoring of one worker deployment."""
     pool = GPU_POOLS[deployment.hardware]
@@ -311,6 +352,20 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
         node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
         node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
         affinity = {}
+    memory_mib = pool.node_memory_mib // clients_per_node
+    largest = deployment.largest_adapter_bytes
+    if largest > settings.adapter_host_cache_bytes:
+        raise ValueError(
+            f"worker deployment {deployment.name!r}: adapter files of up to {largest} bytes (the catalog's "
+            f"max_bytes) do not fit a host cache of {settings.adapter_host_cache_bytes} bytes"
+        )
+    if worker_memory_mib(deployment, settings) > memory_mib:
+        raise ValueError(
+            f"worker deployment {deployment.name!r} needs {worker_memory_mib(deployment, settings)} MiB of host "
+            f"memory ({WORKER_PROCESS_MEMORY_MIB} MiB for the worker, {adapter_memory_mib(deployment, settings)} MiB "
+            f"for a {settings.adapter_host_cache_bytes}-byte adapter cache and a load of its largest file) but its "
+            f"pod on {pool.name} gets {memory_mib} MiB: lower the adapter cache or the catalog's max_bytes"
+        )
     # The startup probe keeps counting from the container's start, so a rounded-up threshold still
     # covers the whole budget.
     startup_failure_threshold = math.ceil(WORKER_STARTUP_BUDGET_SECONDS / WORKER_STARTUP_PERIOD_SECONDS)
@@ -332,9 +387,10 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "health_port_text": str(WORKER_HEALTH_PORT),
             "resources": resources(
                 pool.node_cpu_millis // clients_per_node,
-                pool.node_memory_mib // clients_per_node,
+                memory_mib,
                 ephemeral_storage=WORKER_EPHEMERAL_STORAGE,
             ),
+            "adapter_host_cache_bytes": str(settings.adapter_host_cache_bytes),
             "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
             "startup_failure_threshold": startup_failure_threshold,
             "model_cache_size": MODEL_CACHE_SIZE,
@@ -345,7 +401,7 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "backlog_query": backlog_query(deployment, settings.project_id),
             "oldest_request_age_query": oldest_request_age_query(deployment, settings.project_id),
             # KEDA requires trigger metadata values to be strings.
-            "backlog_per_worker": str(deployment.backlog_per_worker),
+            "backlog_per_worker": format(deployment.backlog_per_worker, "g"),
             "oldest_request_age_seconds": str(deployment.oldest_request_age_seconds),
             "metrics_scrape_interval": METRICS_SCRAPE_INTERVAL,
         },
@@ -401,6 +457,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="POOL=COUNT",
         help="capacity buffer pods per GPU pool (default: 1 per pool the catalog uses)",
     )
+    parser.add_argument(
+        "--adapter-host-cache-bytes",
+        type=int,
+        default=ADAPTER_HOST_CACHE_BYTES,
+        help="each worker's host cache of LoRA adapters, counted in its pod's memory (MAAS_ADAPTER_HOST_CACHE_BYTES)",
+    )
     parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml; never the local overlay)")
     return parser.parse_args(argv)
 
@@ -416,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis_url=args.redis_url,
         max_shared_clients_per_gpu=args.max_shared_clients_per_gpu,
         buffer_replicas=dict(args.buffer_replicas),
+        adapter_host_cache_bytes=args.adapter_host_cache_bytes,
     )
     files = render_all(settings, load_catalog(args.catalog))
     if args.out is None:

@@ -78,7 +78,20 @@ def test_cli_models_piped_shows_every_name_whole(stack, client):
     assert {row[0] for row in rows} == {model.name for model in client.models()}, done.stdout
     versions = {row[0]: row[1] for row in rows}
     assert versions["canary"] == "1*,2" and versions["noop"] == "1"
+    families = {row[0]: row[2] for row in rows}
+    assert families["sdxl-txt2img"] == "sdxl" and families["flux-schnell"] == "flux" and families["noop"] == "-"
     assert "…" not in done.stdout
+
+
+def test_cli_predict_as_a_user_first_types_it_answers_in_seconds(stack, tmp_path):
+    """`maas predict sdxl-txt2img "a lighthouse at dawn"`, no options: the local stack's small defaults for its tiny
+    pipelines (256x256, 8 steps) answer in seconds; the catalog's 1024x1024 at 30 steps ran past 5 minutes on CPU."""
+    began = time.monotonic()
+    done = run_cli(stack, "predict", "sdxl-txt2img", "a lighthouse at dawn", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    [path] = tmp_path.glob("*.png")
+    assert Image.open(path).size == (256, 256)
 
 
 def test_an_sdk_call_across_an_api_restart_longer_than_10s_succeeds_once_with_one_row(stack, bigquery, settings):

@@ -31,6 +31,7 @@ MODELS = CATALOG.names()
 # Worker deployments: a catalog worker_group, or a model of its own.
 DEPLOYMENTS = list(CATALOG.deployments())
 LOCAL_OVERLAY = DEFAULT_CATALOG_PATH.with_name("models.local.yaml")
+TEST_OVERLAY = REPO_ROOT / "tests" / "models.fixtures.yaml"
 
 Manifest = dict[str, Any]
 
@@ -99,8 +100,9 @@ def members(deployment: str) -> list[ModelSpec]:
 
 
 def with_local_overlay() -> ModelCatalog:
-    """The catalog plus the local synthetic models (`noop` and `sleep`, one worker group): a real group."""
-    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=LOCAL_OVERLAY)
+    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`: one worker
+    group, a real one)."""
+    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=[LOCAL_OVERLAY, TEST_OVERLAY])
 
 
 def catalog_with(**changes: dict[str, Any]) -> ModelCatalog:
@@ -381,10 +383,23 @@ def test_scaled_object_queries_every_subscription_of_the_deployment_in_managed_p
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
-def test_backlog_target_is_one_batch_per_worker(manifests: list[Manifest], deployment: str) -> None:
+def test_backlog_target_follows_the_catalog_batching_gain(manifests: list[Manifest], deployment: str) -> None:
     trigger = scaled_object_triggers(manifests, deployment)["backlog-per-worker"]
     assert trigger["metricType"] == "AverageValue"
-    assert int(trigger["metadata"]["threshold"]) == min(model.max_batch_size for model in members(deployment))
+    target = min(render.BACKLOG_TARGET_UTILIZATION * model.batching_gain for model in members(deployment))
+    assert float(trigger["metadata"]["threshold"]) == pytest.approx(target, abs=0.005)
+
+
+@pytest.mark.parametrize(("gain", "threshold"), [(1, "0.6"), (1.5, "0.9"), (3.08, "1.85"), (4, "2.4")])
+def test_a_larger_batching_gain_renders_a_proportionally_larger_backlog_target(gain: float, threshold: str) -> None:
+    # No gain from batching (a compute-bound call): a worker is full with one request running, so the target is
+    # under one; a full batch costing little more than one image lets a worker take several.
+    model = MODELS[0]
+    group = render.render_all(
+        render.RenderSettings(project_id=PROJECT_ID), catalog_with(**{model: {"batching_gain": gain}})
+    )
+    triggers = scaled_object_triggers(group[f"20-model-worker-{model}.yaml"], model)
+    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == threshold
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
@@ -427,8 +442,20 @@ def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> Non
     a, b = MODELS[:2]
     catalog = catalog_with(
         **{
-            a: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 8},
-            b: {"worker_group": "pair", "hardware": "l4", "gpu_sharing": False, "max_batch_size": 4},
+            a: {
+                "worker_group": "pair",
+                "hardware": "l4",
+                "gpu_sharing": False,
+                "max_batch_size": 8,
+                "batching_gain": 4,
+            },
+            b: {
+                "worker_group": "pair",
+                "hardware": "l4",
+                "gpu_sharing": False,
+                "max_batch_size": 4,
+                "batching_gain": 2,
+            },
         }
     )
     specs = catalog.deployments()["pair"]
@@ -438,7 +465,7 @@ def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> Non
     scaled = find(group, "ScaledObject", "model-worker-pair")["spec"]
     assert scaled["maxReplicaCount"] == max(spec.replicas.max for spec in specs)
     triggers = scaled_object_triggers(group, "pair")
-    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == "4"
+    assert triggers["backlog-per-worker"]["metadata"]["threshold"] == "1.2"  # b's: 0.6 x its gain of 2
     shortest = min(spec.request_timeout_seconds for spec in specs)
     assert triggers["oldest-request-age"]["metadata"]["threshold"] == str(shortest // 3)
 
@@ -528,6 +555,40 @@ def test_a_worker_fits_where_a_buffer_pod_of_its_pool_was(manifests: list[Manife
     assert mebibytes(worker["memory"]) <= mebibytes(held["memory"])
 
 
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_a_workers_memory_counts_its_adapter_cache_and_a_load_beside_it(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    """The worker's host cache of adapters is bounded in bytes (the settings' default, set on the Deployment), and
+    its pod's memory holds the worker, that budget and one load of the largest file its models accept (a load holds
+    about twice its file)."""
+    from contract.settings import ADAPTER_HOST_CACHE_BYTES, Settings
+
+    container = worker_container(manifests, deployment)
+    value = worker_env(manifests, deployment)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"]
+    budget = Settings.from_env({"MAAS_ADAPTER_HOST_CACHE_BYTES": value}).adapter_host_cache_bytes
+    assert budget == ADAPTER_HOST_CACHE_BYTES
+    largest = max((spec.adapters.max_bytes for spec in members(deployment) if spec.adapters), default=0)
+    assert largest <= budget, "an adapter file the cache cannot hold would be loaded again for every request"
+    adapters = budget + 2 * largest if largest else 0
+    memory = mebibytes(container["resources"]["requests"]["memory"]) * 2**20
+    assert render.WORKER_PROCESS_MEMORY_MIB * 2**20 + adapters <= memory
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+
+
+def test_the_adapter_cache_budget_is_rendered_and_one_the_pods_cannot_hold_is_refused() -> None:
+    five_gib = 5 * 1024**3
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=five_gib))
+    rendered = [manifest for group in files.values() for manifest in group]
+    assert {worker_env(rendered, d)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"] for d in DEPLOYMENTS} == {str(five_gib)}
+    # SD 1.5's time-shared L4 pod gets 12 GiB: the worker and 20 GiB of adapters do not fit.
+    with pytest.raises(ValueError, match=r"'sd15-txt2img' needs \d+ MiB of host memory .* gets 12288 MiB"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=20 * 1024**3))
+    # A cache smaller than SDXL's largest adapter file (1 GiB) could never keep one.
+    with pytest.raises(ValueError, match="'sdxl-txt2img': adapter files of up to 1073741824 bytes"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID, adapter_host_cache_bytes=512 * 1024**2))
+
+
 def test_buffers_are_warm_only_for_pools_the_catalog_uses(manifests: list[Manifest]) -> None:
     used = {spec.hardware for spec in CATALOG.models.values()}
     for buffer in capacity_buffers(manifests):
@@ -557,10 +618,13 @@ def test_render_cli_writes_one_file_per_deployment_and_removes_stale_ones(tmp_pa
 
 
 def test_render_cli_prints_every_manifest_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1"]) == 0
+    budget = str(3 * 1024**3)
+    assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1",
+                        "--adapter-host-cache-bytes", budget]) == 0  # fmt: skip
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
     assert len(of_kind(printed, "ScaledObject")) == len(DEPLOYMENTS)
     assert {worker_container(printed, name)["image"] for name in DEPLOYMENTS} == {"example.com/worker:1"}
+    assert {worker_env(printed, name)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"] for name in DEPLOYMENTS} == {budget}
 
 
 def test_rendering_is_deterministic() -> None:

@@ -24,7 +24,7 @@ from tests.conftest import SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS, TEST_ADMIN_K
 
 pytestmark = pytest.mark.stack
 MODEL = "sd15-txt2img"
-SPEC = local_catalog().get(MODEL)
+SPEC = local_catalog(test_fixtures=True).get(MODEL)
 # Pixel values may move by a few levels inside another batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
 
@@ -184,6 +184,26 @@ def test_registration_checks_the_files_and_needs_an_admin_key(stack, auth_header
         assert response.json()["error"]["field"] == field and "'..'" in response.json()["error"]["message"]
 
 
+def test_a_version_registered_again_with_another_file_is_served_from_the_new_file(stack, auth_headers, admin, bucket):
+    """Registering a version again with another file (uploaded over it) makes that file current: the worker, which
+    held the old file's tensors on the host and on the device, serves the new one (its caches go by the digest)."""
+    old, new = lora_bytes(stack, seed=14), lora_bytes(stack, seed=15)
+    upload_adapter(bucket, "restyle", {naming.ADAPTER_FILE: old})
+    upload_adapter(bucket, "restyle-new", {naming.ADAPTER_FILE: new})  # the new file under a name of its own
+    for name in ("restyle", "restyle-new"):
+        assert register(stack, admin, name).status_code == 200
+    seed = 16
+    before = fresh(stack, auth_headers, seed, [{"name": "restyle", "scale": 1.0}])
+    expected = fresh(stack, auth_headers, seed, [{"name": "restyle-new", "scale": 1.0}])
+    assert np.abs(before - expected).max() > 10, "the two files make the same image: the test proves nothing"
+    upload_adapter(bucket, "restyle", {naming.ADAPTER_FILE: new})
+    again = register(stack, admin, "restyle")
+    assert again.status_code == 200, again.text
+    assert again.json()["sha256"] == hashlib.sha256(new).hexdigest()
+    after = fresh(stack, auth_headers, seed, [{"name": "restyle", "scale": 1.0}])
+    assert np.abs(after - expected).max() <= PIXEL_TOLERANCE, "the old file's tensors were served"
+
+
 def claimed_header(header: dict) -> bytes:
     """A safetensors file whose header claims tensors far larger than the file."""
     import json
@@ -276,7 +296,7 @@ def test_an_oversized_adapter_is_refused(stack, bucket):
 
 
 def held_requests(stack) -> float:
-    index = list(local_catalog().deployments()).index(MODEL)
+    index = list(local_catalog(test_fixtures=True).deployments()).index(MODEL)
     body = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/metrics", timeout=5).text
     line = next(line for line in body.splitlines() if line.startswith("maas_worker_held_requests "))
     return float(line.split()[1])

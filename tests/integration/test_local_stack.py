@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from emulators.processes import ProcessRegistry, http_probe
-from emulators.stack import ROOT, SUPERVISOR, StackConfig, local_catalog
+from emulators.stack import ROOT, SUPERVISOR, StackConfig
 from tests.conftest import query_rows
 
 pytestmark = pytest.mark.stack
@@ -41,7 +41,7 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str):
 
 
 def worker_readyz(stack: StackConfig, deployment: str) -> tuple[int, str]:
-    index = list(local_catalog().deployments()).index(deployment)
+    index = list(stack.catalog().deployments()).index(deployment)
     return http_probe(f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz", timeout=2)
 
 
@@ -51,7 +51,7 @@ def api_readyz(stack: StackConfig) -> tuple[int, str]:
 
 def everything_ready(stack: StackConfig) -> bool:
     return api_readyz(stack)[0] == 200 and all(
-        worker_readyz(stack, deployment)[0] == 200 for deployment in local_catalog().deployments()
+        worker_readyz(stack, deployment)[0] == 200 for deployment in stack.catalog().deployments()
     )
 
 

@@ -98,9 +98,7 @@ def test_synthetic_runners_answer_through_the_api(stack, auth_headers, model):
 
 
 def test_worker_metrics_count_requests_and_batches(stack):
-    from emulators.stack import local_catalog
-
-    index = list(local_catalog().deployments()).index("synthetic")
+    index = list(stack.catalog().deployments()).index("synthetic")
     body = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/metrics", timeout=5).text
     assert 'maas_worker_requests_total{model="sleep",status="ok"}' in body
     assert 'maas_worker_batch_images_count{model="sleep"}' in body

@@ -129,8 +129,6 @@ def test_sigterm_drains_the_worker_and_loses_nothing(stack, worker_client, extra
 
 
 def test_worker_readiness_reports_a_missing_subscription(stack):
-    from emulators.stack import local_catalog
-
-    index = list(local_catalog().deployments()).index("synthetic")
+    index = list(stack.catalog().deployments()).index("synthetic")
     response = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz", timeout=5)
     assert response.status_code == 200 and response.text == "ready"

@@ -192,10 +192,32 @@ def test_the_request_names_adapters_with_strict_scales():
     )
 
 
-def test_the_load_delay_hook_is_read_per_adapter_name():
+def test_the_load_delay_hook_is_read_per_adapter_name_and_refused_in_production():
     settings = Settings.from_env({"MAAS_ADAPTER_LOAD_DELAY": "slow-probe=6, other=0.5"})
     assert settings.adapter_load_delay == {"slow-probe": 6.0, "other": 0.5}
     assert Settings.from_env({}).adapter_load_delay == {}
+    with pytest.raises(ValueError, match="MAAS_ADAPTER_LOAD_DELAY is a local-stack fault hook"):
+        Settings.from_env({"MAAS_ENV": "production", "MAAS_ADAPTER_LOAD_DELAY": "slow-probe=6"})
+
+
+def test_the_local_stacks_slow_adapter_reads_delay_only_the_first_read_of_the_named_adapters_file(monkeypatch):
+    """The fault hook wraps the bucket (model_worker/fault_hooks.py): the worker's loader has no test hook of its
+    own."""
+    import inspect
+
+    from contract import naming
+    from model_worker import fault_hooks as faults
+    from model_worker.adapters import AdapterLoader
+
+    assert "delay" not in inspect.signature(AdapterLoader).parameters
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    slow_file = naming.adapter_prefix("m", "slow-probe", "2") + naming.ADAPTER_FILE
+    bucket = faults.SlowAdapterReads(FakeBucket({slow_file: b"x", "m/unet/slow-probe": b"y"}), {"slow-probe": 6.0})
+    assert bucket.get_blob("m/unet/slow-probe") is not None and slept == []  # not an adapter's file: no delay
+    assert bucket.get_blob(slow_file).download_as_bytes() == b"x" and slept == [6.0]
+    assert bucket.get_blob(slow_file) is not None and slept == [6.0]  # the first read only
+    assert bucket.name == "models"  # everything else is the bucket's own
 
 
 def with_adapters(request, adapters: AdapterSet):

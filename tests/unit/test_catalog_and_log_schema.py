@@ -56,6 +56,34 @@ def test_catalog_refuses_step_scheduling_for_a_scheduler_that_cannot_step_per_it
         catalog_with(tmp_path, scheduler="FancyScheduler")
 
 
+def test_catalog_refuses_synthetic_runner_switches_where_they_would_do_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `fails` .* the diffusers runner ignores it: remove it"):
+        catalog_with(tmp_path, fails=True)
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `call_seconds` .* the diffusers runner ignores it"):
+        catalog_with(tmp_path, call_seconds=2.0)
+    with pytest.raises(ValueError, match=r"sd15-txt2img: version '2': `fails` .* diffusers runner ignores it"):
+        catalog_with(tmp_path, versions={"1": {}, "2": {"fails": True}}, traffic={"1": 90, "2": 10})
+    with pytest.raises(ValueError, match=r"sd15-txt2img: `call_seconds` .* the noop runner ignores it"):
+        catalog_with(tmp_path, runner="noop", call_seconds=2.0)
+    # Where they act: a failing synthetic version, a sleep runner's time per call.
+    sleeping = catalog_with(tmp_path, runner="sleep", call_seconds=2.0, fails=True).get("sd15-txt2img")
+    assert (sleeping.call_seconds, sleeping.fails) == (2.0, True)
+
+
+def test_catalog_batching_gain_is_between_one_and_the_batch_size(tmp_path):
+    # sd15-txt2img batches 8 images: a full batch runs at 1 to 8 times one image's rate.
+    assert catalog_with(tmp_path, batching_gain=8).get("sd15-txt2img").batching_gain == 8
+    assert catalog_with(tmp_path, batching_gain=2.5).get("sd15-txt2img").batching_gain == 2.5
+    for bad in (0.5, 0, -1, float("nan")):
+        with pytest.raises(ValueError, match="batching_gain"):
+            catalog_with(tmp_path, batching_gain=bad)
+    for bad in (8.5, float("inf")):
+        with pytest.raises(ValueError, match=r"sd15-txt2img: batching_gain \S+ exceeds max_batch_size 8"):
+            catalog_with(tmp_path, batching_gain=bad)
+    with pytest.raises(ValueError, match="batching_gain"):
+        catalog_with(tmp_path, batching_gain="fast")
+
+
 def test_log_row_columns_are_the_schema_columns():
     assert {f.name for f in dataclasses.fields(InferenceLogRow)} == {f["name"] for f in log_schema_fields()}
 

@@ -1,9 +1,15 @@
-"""The chaos harness's bookkeeping: what counts as answered, on time, documented, lost or doubled."""
+"""The chaos harness's bookkeeping: what counts as answered, on time, documented, lost or doubled; what the
+fuzzer runs and what its report keeps."""
 
 from __future__ import annotations
 
+from schemathesis.core.transforms import resolve_pointer
+from schemathesis.filters import parse_expression
+
+from chaos import fuzz
 from chaos.traffic import GRACE_SECONDS, Outcome
 from chaos.verdict import ScenarioResult, table
+from tests.unit.test_openapi_document import documented_operations
 
 
 def outcome(status: int | None, waited: float | None, deadline: float = 30.0, job_status: str | None = None):
@@ -60,3 +66,77 @@ def test_a_killed_workers_held_requests_are_timed_from_the_kill_to_their_answer(
     assert sorted(result.recovery_seconds) == [2.0, 6.0] and result.stranded_seconds == [10.0]
     assert result.recovery() == "2: 6.0 / 6.0 (no other worker up: 1: 10.0 / 10.0)"
     assert ScenarioResult("none").recovery() == "-"
+
+
+# schemathesis's output for a run with one dropped connection, one read timeout and one failed check (trimmed).
+SCHEMATHESIS_OUTPUT = """Schemathesis v4.32.5
+━━━━━━━━━━━━━━━━━━━━
+
+ 🚫  Fuzzing (in 31.04s)
+
+     🚫 2 errors
+
+==================================== ERRORS ====================================
+______________________ POST /v1/models/{model}:predict _______________________
+Network Error
+
+Connection failed
+
+    Connection aborted. Remote end closed connection without response
+
+Reproduce with:
+
+    curl -X POST -H 'Authorization: [Filtered]' -d '{"instances": []}' http://127.0.0.1:23080/v1/models/noop:predict
+
+Need more help?
+    Join our Discord server: https://discord.gg/R9ASRAmHnA
+_________________________ GET /v1/jobs/{job_id} __________________________
+Network Error
+
+Read timed out after 10 seconds
+
+=================================== FAILURES ===================================
+____________________________ GET /v1/models/{model} ____________________________
+1. Test Case ID: 4pyzfP
+
+- ST101 Server error
+
+=================================== SUMMARY ====================================
+
+Errors:
+  🚫 Network Error: 2
+
+Test cases:
+  3128 generated, 3127 passed, 1 errored
+
+Seed: 93984805632460316767180212774639970590
+
+============================== 2 errors in 267.89s =============================="""
+
+
+def test_the_fuzz_report_names_each_error_and_failure_with_its_operation_and_reproduction():
+    report = fuzz.findings(SCHEMATHESIS_OUTPUT)
+    for named in (
+        "POST /v1/models/{model}:predict", "Connection aborted. Remote end closed connection without response",
+        "curl -X POST", "GET /v1/jobs/{job_id}", "Read timed out after 10 seconds", "GET /v1/models/{model}",
+        "ST101 Server error", "Network Error: 2", "Seed: 93984805632460316767180212774639970590", "2 errors in 267.89s",
+    ):  # fmt: skip
+        assert named in report, named
+    assert "discord" not in report and "Fuzzing (in" not in report
+    # Output without its sections (schemathesis could not start) is kept as its end, not dropped.
+    assert "could not load the schema" in fuzz.findings("Error\ncould not load the schema", "")
+
+
+def test_the_admin_run_selects_exactly_the_admin_operations_with_the_admin_key():
+    pointer, _, value = parse_expression(fuzz.ADMIN_OPERATIONS)
+    operations = documented_operations()
+    selected = {label for label, operation in operations.items() if resolve_pointer(operation, pointer) == value}
+    assert selected == {
+        "PUT /v1/models/{model}/traffic", "DELETE /v1/models/{model}/traffic", "PUT /v1/models/{model}/adapters/{name}",
+    }  # fmt: skip
+    every, admin = fuzz.runs("user-key", "admin-key")
+    assert "--header=Authorization: Bearer user-key" in fuzz.argv("st", "http://api", every, 5, 190)
+    assert not any(arg.startswith("--include-by") for arg in fuzz.argv("st", "http://api", every, 5, 190))
+    command = fuzz.argv("st", "http://api", admin, 5, 190)
+    assert "--header=Authorization: Bearer admin-key" in command
+    assert f"--include-by={fuzz.ADMIN_OPERATIONS}" in command and "--request-timeout=190" in command

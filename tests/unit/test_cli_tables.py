@@ -15,7 +15,8 @@ NAMES = ("sd15-txt2img", "sd15-img2img", "a-model-with-a-rather-long-name-v2", "
 
 def model(name: str, versions: list[str], stable: str = "1") -> ModelInfo:
     return ModelInfo.model_validate({
-        "name": name, "version": stable, "versions": versions, "task": "text-to-image", "family": "sd15",
+        "name": name, "version": stable, "versions": versions, "task": "text-to-image",
+        "family": None if name == "noop" else "sdxl" if "long" in name else "sd15",
         "guidance": "cfg", "size_multiple": 8,
         "max_instances_per_request": 4, "request_timeout_seconds": 120,
         "defaults": {"num_inference_steps": 25, "guidance_scale": 7.5, "width": 512, "height": 512},
@@ -38,6 +39,8 @@ def test_piped_output_is_plain_rows_with_every_name_whole_whatever_the_width():
     assert lines[0].split()[:2] == ["model", "versions"]
     assert [line.split()[0] for line in lines[1:]] == list(NAMES)
     assert [line.split()[1] for line in lines[1:]] == ["1", "1", "1", "1*,2"]  # the stable version marked
+    assert lines[0].split()[2] == "family"
+    assert [line.split()[2] for line in lines[1:]] == ["sd15", "sd15", "sdxl", "-"]  # `-`: a synthetic model
     assert "…" not in text and "│" not in text
 
 
@@ -48,7 +51,7 @@ def test_a_terminal_of_any_width_shows_whole_names_dropping_other_columns_first(
     for name in NAMES:
         assert name in text, (width, text)
     if width >= 160:
-        assert "max images" in text  # room for every column
+        assert "max images" in text and "sdxl" in text  # room for every column
     if width >= len(NAMES[2]) + 4:  # the names fit in a table: it fits the terminal
         assert "│" in text and all(len(line) <= width for line in text.splitlines()), text
     else:  # they do not: plain rows, which the terminal wraps

@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract.catalog import load_catalog
-from emulators.stack import LOCAL_CATALOG_OVERLAY
+from emulators.stack import local_catalog
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_step_scheduler import Hooked, Worker, request
 
-CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+CATALOG = local_catalog(test_fixtures=True)
 SDXL = CATALOG.get("sdxl-txt2img")
 SCHNELL = CATALOG.get("flux-schnell")
 DEV = SCHNELL.model_copy(update={"name": "flux-dev", "guidance": "embedded"})

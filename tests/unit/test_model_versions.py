@@ -17,19 +17,21 @@ from api_server.errors import ApiError
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow
 from api_server.job_log import JobLogFinisher
-from api_server.jobs import EndedJob, FallbackRequest
+from api_server.jobs import EndedJob, FallbackRequest, JobStore, fallback_request_id, job_key
+from api_server.records import InferenceCall, RequestRecords
 from api_server.rollouts import Window, breach, window_of
 from api_server.schemas import PredictBody
-from api_server.serving import ServingStage
+from api_server.serving import Mode, ServingStage
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow, load_catalog
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow
 from contract.generation import GenerationParameters
 from contract.messages import InferenceReply, InferenceRequest
 from contract.outcomes import Outcome
+from contract.results import ResultStore
+from emulators.stack import local_catalog
 
-OVERLAY = str(Path(naming.__file__).with_name("models.local.yaml"))
-CATALOG = load_catalog(None, OVERLAY)
+CATALOG = local_catalog(test_fixtures=True)  # the rollout fixtures (tests/models.fixtures.yaml)
 
 
 def catalog_with(**entries: dict) -> ModelCatalog:
@@ -195,13 +197,14 @@ class Observed:
         self.calls.append((model, version, request_id, ok))
 
 
-def ended_job(job_id: str, status: str | None, observe: bool) -> EndedJob:
+def ended_job(job_id: str, status: str | None, observe: bool, error_kind: str | None = None) -> EndedJob:
     created = datetime.now(UTC) - timedelta(seconds=3)
     row = InferenceLogRow(job_id, created, "rollback-jobs", "accepted", 202, model_version="2", endpoint="job")
     reply = None
     if status is not None:
         reply = InferenceReply(request_id=job_id, model="rollback-jobs", model_version="2", status=status,
-                               error=None if status == "ok" else "failed", answered_ms=int(time.time() * 1000))  # fmt: skip
+                               error=None if status == "ok" else "failed", error_kind=error_kind,
+                               answered_ms=int(time.time() * 1000))  # fmt: skip
     return EndedJob(job_id, row.to_json(), reply, observe)
 
 
@@ -209,11 +212,13 @@ def test_a_submitted_job_feeds_the_rollback_guard_once_when_it_ends():
     jobs = EndedJobs([
         ended_job("ok", "ok", True), ended_job("failed", "error", True), ended_job("expired", None, True),
         ended_job("cancelled", "cancelled", True), ended_job("converted", "error", False),
+        ended_job("refused", "error", True, error_kind="bad_input"),
     ])  # fmt: skip
     rows, observed = Rows(), Observed()
     finisher = JobLogFinisher(jobs, rows, observations=observed)
-    assert finisher.finish_ended() == 5 and finisher.finish_ended() == 0  # claimed once, by one process
-    # A cancelled job says nothing about its version; a converted one was observed when its sync wait ran out.
+    assert finisher.finish_ended() == 6 and finisher.finish_ended() == 0  # claimed once, by one process
+    # A cancelled job, or one whose input was refused, says nothing about its version; a converted one was
+    # observed when its sync wait ran out.
     assert observed.calls == [("rollback-jobs", "2", "ok", True), ("rollback-jobs", "2", "failed", False),
                               ("rollback-jobs", "2", "expired", False)]  # fmt: skip
     assert all(row.total_ms >= 2500 for row in rows.rows if row.request_id != "cancelled")
@@ -306,9 +311,9 @@ def canary_request(received: float | None = None, pinned: bool = False) -> Prepa
                            received=time.perf_counter() if received is None else received)  # fmt: skip
 
 
-def reply(status: str, version: str) -> InferenceReply:
+def reply(status: str, version: str, error_kind: str | None = None) -> InferenceReply:
     return InferenceReply(request_id="r", model="fallback", model_version=version, status=status,
-                          error=None if status == "ok" else "configured to fail")  # fmt: skip
+                          error=None if status == "ok" else "configured to fail", error_kind=error_kind)  # fmt: skip
 
 
 def test_a_canary_error_is_asked_once_of_the_stable_version_within_the_callers_wait():
@@ -333,3 +338,79 @@ def test_no_fallback_when_no_time_is_left_or_the_version_was_pinned():
         inference = ScriptedInference(reply("error", "2"))
         answer = serving_with(inference)._run_sync(prepared)
         assert answer.record.status == 500 and answer.fallback is None and len(inference.runs) == 1
+
+
+def test_a_canary_refusing_the_callers_input_is_answered_as_is_not_asked_of_the_stable_version():
+    inference = ScriptedInference(reply("error", "2", "bad_input"), reply("ok", "1"))
+    answer = serving_with(inference)._run_sync(canary_request())
+    assert answer.outcome is Outcome.INPUT_REFUSED and answer.record.status == 422 and answer.fallback is None
+    assert inference.runs == [("r", "2", None)]
+
+
+def test_the_rollback_guard_counts_a_canarys_own_error_but_not_its_refusal_of_the_callers_input():
+    observed = Observed()
+    records = RequestRecords(None, None, None, "i", "per-request", observations=observed)  # type: ignore[arg-type]
+    for kind in ("bad_input", None):
+        answer = serving_with(ScriptedInference(reply("error", "2", kind), reply("ok", "1")))._run_sync(
+            canary_request(pinned=True)
+        )
+        call = InferenceCall(InferenceLogRow(f"r-{kind}", datetime.now(UTC), "fallback", "error", 500), Mode.SYNC)
+        call.spec, call.answer = CATALOG.version("fallback", "2"), answer
+        records._observe(call, answer.outcome, 10.0)
+    assert observed.calls == [("fallback", "2", "r-None", False)]
+
+
+class OneJobRedis:
+    """The Redis calls `JobStore` reads an unlogged job with: one job hash, stored replies, the unlogged set."""
+
+    def __init__(self, job_id: str, fields: dict[str, str], replies: list[InferenceReply]) -> None:
+        self.job_id, self.deadline_ms = job_id, int(fields["deadline_ms"])
+        self.hash = {key.encode(): value.encode() for key, value in fields.items()}
+        self.values = {naming.result_key(reply.request_id): reply.model_dump_json().encode() for reply in replies}
+
+    def zrange(self, key: str, start: int, end: int, withscores: bool = False) -> list:
+        return [(self.job_id.encode(), float(self.deadline_ms))]
+
+    def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        assert key == job_key(self.job_id)
+        return [self.hash.get(field.encode()) for field in fields]
+
+    def hgetall(self, key: str) -> dict[bytes, bytes]:
+        return dict(self.hash) if key == job_key(self.job_id) else {}
+
+    def get(self, key: str) -> bytes | None:
+        return self.values.get(key)
+
+
+def canary_job(error_kind: str) -> JobStore:
+    """A job the split sent to version 2 of `fallback`, which answered it with an error of `error_kind`."""
+    now_ms = int(time.time() * 1000)
+    request = {"request_id": fallback_request_id("j"), "model": "fallback", "model_version": "1",
+               "instances": [{"prompt": "p"}], "published_at_ms": 1,
+               "parameters": {"seed": 1, "num_inference_steps": 10, "guidance_scale": 7.5, "width": 64, "height": 64}}  # fmt: skip
+    fields = {"owner:k": "1", "model": "fallback", "model_version": "2", "created_ms": str(now_ms),
+              "deadline_ms": str(now_ms + 60_000), "fallback_request": json.dumps(request), "fallback_priority": "normal",
+              "log_row": json.dumps(ended_job("j", None, True).row), "observe": "1"}  # fmt: skip
+    failed = InferenceReply(request_id="j", model="fallback", model_version="2", status="error",
+                            error="configured to fail", error_kind=error_kind)  # fmt: skip
+    client = OneJobRedis("j", fields, [failed])
+    return JobStore(client, ResultStore(client, 600), 600)  # type: ignore[arg-type]
+
+
+def test_a_job_the_canary_failed_by_its_own_error_waits_for_the_stable_version():
+    jobs = canary_job("inference_failed")
+    (ended,) = jobs.ended_unlogged()
+    assert ended.fallback is not None and ended.reply is not None and ended.reply.status == "error"
+    assert jobs.get("j", "k").status == "queued"  # the canary's error is not the job's end
+
+
+def test_a_job_whose_input_the_canary_refused_ends_failed_and_is_not_sent_to_the_stable_version():
+    jobs = canary_job("bad_input")
+    (ended,) = jobs.ended_unlogged()
+    assert ended.fallback is None and ended.reply is not None and ended.reply.error_kind == "bad_input"
+    job = jobs.get("j", "k")
+    assert (job.status, job.model_version) == ("failed", "2")
+    rows, publisher = Rows(), Publisher()
+    finisher = JobLogFinisher(EndedJobs([ended]), rows, catalog=CATALOG, inference=publisher)
+    assert finisher.finish_ended() == 1 and publisher.published == []
+    assert (rows.rows[0].model_version, rows.rows[0].status, rows.rows[0].error_kind) == ("2", "error", "bad_input")

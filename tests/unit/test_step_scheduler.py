@@ -15,9 +15,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from contract.catalog import load_catalog
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
-from emulators.stack import LOCAL_CATALOG_OVERLAY
+from emulators.stack import local_catalog
 from model_worker.device import DeviceLoop
 from model_worker.health import WorkerHealth
 from model_worker.intake import ReplyFactory
@@ -25,7 +24,7 @@ from model_worker.metrics import WorkerMetrics
 from model_worker.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.runners import GenerationItem, SyntheticRunner
 
-CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+CATALOG = local_catalog(test_fixtures=True)
 TXT2IMG = CATALOG.get("sd15-txt2img").model_copy(update={"scheduling": "step"})
 IMG2IMG = CATALOG.get("sd15-img2img").model_copy(update={"scheduling": "step"})
 SLEEP_STEP = CATALOG.get("sleep").model_copy(update={"scheduling": "step", "name": "sleep"})

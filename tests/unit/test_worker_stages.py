@@ -12,7 +12,7 @@ import pytest
 from contract.catalog import ModelCatalog, load_catalog
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.payloads import PayloadError
-from emulators.stack import LOCAL_CATALOG_OVERLAY
+from emulators.stack import local_catalog
 from model_worker.device import DeviceLoop
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
@@ -21,7 +21,7 @@ from model_worker.metrics import WorkerMetrics
 from model_worker.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.runners import GenerationItem, SyntheticRunner
 
-CATALOG = load_catalog(None, str(LOCAL_CATALOG_OVERLAY))
+CATALOG = local_catalog(test_fixtures=True)
 SLEEP = CATALOG.get("sleep")
 NOOP = CATALOG.get("noop")
 

@@ -174,12 +174,14 @@ def models() -> None:
 
 
 def print_models(listed: list[ModelInfo], console: Console | None = None) -> None:
-    """One row per model; with several versions, the stable one is marked `*`. Names are never cut."""
-    headers = ("model", "versions", "task", "default size", "steps", "max size", "max images")
+    """One row per model with its family (`-` for a synthetic one); with several versions, the stable one is
+    marked `*`. Names are never cut."""
+    headers = ("model", "versions", "family", "task", "default size", "steps", "max size", "max images")
     rows = [
         (
             m.name,
             _versions(m),
+            m.family or "-",
             m.task,
             f"{m.defaults.width}x{m.defaults.height}",
             str(m.defaults.num_inference_steps),
