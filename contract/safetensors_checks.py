@@ -6,9 +6,11 @@ single-file checkpoint before it is converted. A file is
 
     8 bytes: N, the header's length (little-endian u64) | N bytes: the header, UTF-8 JSON | the data buffer
 
-and, as the safetensors library (0.8) requires it to load the file at all:
+and, as the format's specification (the safetensors README, "Format") and the safetensors library (0.8, which
+refuses to load anything else) require:
 
-- N is at most 100,000,000 and the header lies inside the file; it is UTF-8 JSON, one object;
+- N is at most 100,000,000 and the header lies inside the file; it is UTF-8 JSON, one object, beginning with `{`,
+  no key written twice in one object;
 - `__metadata__`, when present, is null or maps strings to strings;
 - every other key names a tensor: an object with `dtype` (one safetensors knows: `DTYPE_BITS`), `shape` (a list
   of non-negative integers) and `data_offsets` (`[begin, end]`, non-negative integers, begin <= end), where
@@ -17,8 +19,10 @@ and, as the safetensors library (0.8) requires it to load the file at all:
 - the tensors, in the order of their offsets, are contiguous and do not overlap, and cover the data buffer
   exactly: the first starts at 0 and the last ends where the file ends.
 
-Two things are refused here that the library lets pass: a key written twice in one JSON object (two readers
-could disagree on which one counts), and a lone UTF-16 surrogate escape (which serde_json refuses anyway).
+As the library's JSON parser (serde_json) does, a lone UTF-16 surrogate escape and nesting deeper than 127
+levels are refused anywhere in the header. Two rules of the specification the 0.8 library no longer enforces are
+kept: the header begins with `{` (no leading whitespace), and no key is written twice (two readers could disagree
+on which one counts); the tests compare every other verdict with the library's.
 
 `SafetensorsError` names the problem (the tensor, the offsets); each caller says what the file was (a 422 at
 registration, `refused: FILE: ...` at import, `/readyz` on the worker). Nothing else is ever raised for a
@@ -63,6 +67,8 @@ USIZE_MAX = 2**64 - 1
 # Weight files that are pickles (loading one runs code from the file): refused wherever weights are taken in.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 METADATA = "__metadata__"
+# serde_json's recursion limit, as the nesting of arrays and objects it takes (the header's own object counted).
+MAX_NESTING = 127
 TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 
 # Reads bytes [start, end] (inclusive, like GCS ranged downloads) of a file.
@@ -115,9 +121,7 @@ def parse_header(raw: bytes, data_bytes: int) -> tuple[dict[str, dict], dict[str
     header = _json_object(raw)
     metadata = header.pop(METADATA, None)
     if metadata is not None and (
-        not isinstance(metadata, dict)
-        or not all(isinstance(value, str) for value in metadata.values())
-        or not all(_encodable(text) for pair in metadata.items() for text in pair)
+        not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values())
     ):
         raise SafetensorsError(
             f"not a safetensors file: {METADATA} must map strings to strings, not {_brief(metadata)}"
@@ -146,6 +150,8 @@ def _json_object(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SafetensorsError(f"not a safetensors file: the header is not UTF-8 (byte {exc.start})") from exc
+    if not text.startswith("{"):
+        raise SafetensorsError(f"not a safetensors file: the header begins with {_brief(text[:8])}, not '{{'")
     try:
         header = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_integer, parse_constant=_no_constant)
     except SafetensorsError:
@@ -156,7 +162,24 @@ def _json_object(raw: bytes) -> dict:
         raise SafetensorsError(
             f"not a safetensors file: the header is JSON but not an object ({type(header).__name__})"
         )
+    _check_values(header)
     return header
+
+
+def _check_values(header: dict) -> None:
+    """What serde_json refuses and Python's parser takes: a lone surrogate in any string, deep nesting."""
+    pending: list[tuple[object, int]] = [(header, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str) and not _encodable(value):
+            raise SafetensorsError(f"not a safetensors file: the header holds {_brief(value)}, a lone UTF-16 "
+                                   "surrogate (not Unicode)")  # fmt: skip
+        if isinstance(value, dict | list) and depth > MAX_NESTING:
+            raise SafetensorsError(f"not a safetensors file: the header nests deeper than {MAX_NESTING} levels")
+        if isinstance(value, dict):
+            pending += [(key, depth) for key in value] + [(item, depth + 1) for item in value.values()]
+        elif isinstance(value, list):
+            pending += [(item, depth + 1) for item in value]
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -178,8 +201,6 @@ def _no_constant(text: str) -> None:
 
 def _tensor(name: str, entry: object) -> dict:
     label = f"not a safetensors file: tensor {_name(name)}"
-    if not _encodable(name):
-        raise SafetensorsError(f"{label}: its name is not valid Unicode (a lone surrogate)")
     if not isinstance(entry, dict):
         raise SafetensorsError(f"{label} is {_brief(entry)}, not an object with dtype, shape and data_offsets")
     missing = [field for field in TENSOR_FIELDS if field not in entry]
