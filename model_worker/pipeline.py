@@ -8,8 +8,8 @@ up to float rounding.
 
 On CUDA it runs in the family's dtype (fp16 for the UNet families, bf16 for FLUX) with PyTorch's SDPA
 attention. With `MAAS_TORCH_COMPILE=1` the denoising model is compiled and batches are padded to fixed
-bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`), swapped
-in place on a compiled model.
+bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`); a compiled
+model's adapter slots are made before it is compiled and traced by the warm-up, so no request compiles.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
 from model_worker.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
 from model_worker.families import denoiser_class
-from model_worker.lora import LoraSets
+from model_worker.lora import LoraSets, Slots
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ class DiffusionRunner:
         torch_threads: int = 0,
         compile_unet: bool = False,
         compile_cache: CompileCache | None = None,
+        compile_backend: str | None = None,
     ) -> None:
+        """`compile_backend`: None compiles with inductor (max-autotune) on CUDA only; a named torch.compile
+        backend (the tests' `eager`) compiles with it on any device."""
         import diffusers
         import torch
 
@@ -67,19 +70,21 @@ class DiffusionRunner:
         if spec.scheduling == "step":
             self._denoiser.check_steppable()
         # Compiled shapes must be static: batches are padded up to the next bucket.
-        self._compiled = compile_unet and self._device == "cuda"
+        self._compiled = compile_unet and (self._device == "cuda" or compile_backend is not None)
         self._compile_cache = compile_cache
         if compile_unet and not self._compiled:
             log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
-        # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap, set up before compiling.
+        # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap slots, made before compiling.
         components = self._denoiser.lora_components()
         self._lora = None
-        if components and spec.adapters is not None:
-            hotswap_rank = spec.adapters.max_rank if self._compiled else None
-            self._lora = LoraSets(self._pipeline, components, spec.adapters.device_cache, hotswap_rank)
+        policy = spec.adapters
+        if components and policy is not None:
+            slots = Slots(policy.max_adapters_per_request, policy.max_rank, self._denoiser.model_attribute)
+            self._lora = LoraSets(self._pipeline, components, policy.device_cache, slots if self._compiled else None)
         if self._compiled:
             if self._compile_cache is not None:
                 self._compile_cache.load()
+            self._denoiser.compile_backend = compile_backend
             self._denoiser.compile()
         log.info(
             "loaded %s (%s) from %s on %s in %.2fs",
@@ -105,17 +110,20 @@ class DiffusionRunner:
         self._lora.activate(weights)
 
     def warm_up(self) -> None:
-        """Runs every batch size it will serve on a GPU (one small call on CPU), so no request pays for it."""
+        """Runs every batch size it will serve on a GPU (one small call on CPU), so no request pays for it; a compiled
+        model every batch bucket at the default size, with its adapter slots (at scale 0): no request compiles."""
         from PIL import Image
 
         started = time.perf_counter()
         multiple = self.spec.family.size_multiple
-        if self._device == "cuda":
-            defaults = self.spec.defaults
-            sizes = batch_buckets(self.spec.max_batch_size) if self._compiled else [1, self.spec.max_batch_size]
-            width, height, steps = defaults.width, defaults.height, 2
+        defaults = self.spec.defaults
+        if self._compiled:
+            sizes, width, height = batch_buckets(self.spec.max_batch_size), defaults.width, defaults.height
+        elif self._device == "cuda":
+            sizes, width, height = [1, self.spec.max_batch_size], defaults.width, defaults.height
         else:
-            sizes, width, height, steps = [1], 4 * multiple, 4 * multiple, 2
+            sizes, width, height = [1], 4 * multiple, 4 * multiple
+        steps = 2
         image = Image.new("RGB", (width, height)) if self.needs_image else None
         params = GenerationParameters(
             seed=0, num_inference_steps=steps, guidance_scale=self.spec.defaults.guidance_scale, width=width,

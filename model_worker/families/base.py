@@ -28,6 +28,8 @@ class Denoiser:
     model_attribute = "unet"
     # Arguments of the pipeline's `from_pretrained` for the whole family (SD 1.5: no safety checker).
     extra_load_kwargs: dict[str, Any] = {}
+    # The torch.compile backend `compile` uses: None is inductor at max-autotune (the runner's, on CUDA).
+    compile_backend: str | None = None
 
     def __init__(self, spec: ModelSpec, pipeline, device: str) -> None:
         import torch
@@ -73,13 +75,15 @@ class Denoiser:
         return family.lora_components if family.adapters else ()
 
     def compile(self) -> None:
-        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`)."""
+        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`): with inductor at
+        max-autotune, or with `compile_backend` when one is named (the tests' `eager`)."""
         torch = self._torch
         # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters.
         if hasattr(self.pipeline, "fuse_qkv_projections") and not (self.lora_components() and self.spec.adapters):
             self.pipeline.fuse_qkv_projections()
-        setattr(self.pipeline, self.model_attribute,
-                torch.compile(self.model, mode="max-autotune-no-cudagraphs", dynamic=False))  # fmt: skip
+        backend = self.compile_backend
+        options = {"mode": "max-autotune-no-cudagraphs"} if backend is None else {"backend": backend}
+        setattr(self.pipeline, self.model_attribute, torch.compile(self.model, dynamic=False, **options))
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
 
     # --- scheduling: request -------------------------------------------------------------------------------
