@@ -62,11 +62,11 @@ class WorkerHealth:
         if path == "/readyz":
             with self._lock:
                 problems = "; ".join(f"{source}: {reason}" for source, reason in sorted(self._problems.items()))
+            if self.draining:
+                return 503, "draining"
             if problems:
                 return 503, f"not ready: {problems}"
-            if not self.started:
-                return 503, "loading"
-            return (503, "draining") if self.draining else (200, "ready")
+            return (200, "ready") if self.started else (503, "loading")
         if path == "/livez":
             stalled = self.started and time.monotonic() - self._heartbeat > self._stall_seconds
             return (503, "stalled") if stalled else (200, "alive")

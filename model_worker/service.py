@@ -70,8 +70,13 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:500] if text else type(exc).__name__
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """Whether memory ran out anywhere in the chain (diffusers wraps a load's failure in an OSError)."""
+    while exc is not None:
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def served_specs(settings: Settings) -> list[ModelSpec]:

@@ -145,6 +145,7 @@ def test_a_worker_whose_weights_do_not_load_stays_up_not_ready_saying_why_once_a
         log = registry.log_path(name).read_text()
         assert log.count(f"invalid offset for tensor `{tensor}`") == 1, log
         assert "Traceback" not in log
+        assert "weights already cached" not in log  # the same upload was neither fetched nor loaded again
         blob.upload_from_string(original)
         manifest_blob.upload_from_string(original_manifest)
         wait_for(lambda: readyz(f"{probes}/readyz")[0] == 200)

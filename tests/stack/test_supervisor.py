@@ -108,7 +108,7 @@ def test_the_exit_status_of_a_restarted_process_is_reported_as_it_was(registry, 
     """The registry's liveness check reaps its children; the supervisor still reports how they ended (it said
     "exited with status 0" for every crash of a process it had restarted)."""
     clock = Clock()
-    failing = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
+    failing = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
     start = lambda: registry.start("worker", failing, dict(os.environ))  # noqa: E731
     start()
     supervisor = Supervisor(registry, {"worker": start}, clock=clock)
