@@ -287,6 +287,35 @@ def test_a_worker_with_a_wrong_timestep_guidance_or_shift_fails_the_oracle(oracl
     assert difference > MUTATION_MARGIN, f"the oracle passed a worker with {mutation}: off by {difference:.1f}/255"
 
 
+def test_a_float16_sdxl_decodes_through_the_float32_upcast_as_the_pipeline_does(pipelines):
+    """SDXL in float16, as a GPU serves it (`gpu_dtype`), on CPU: its VAE's config says it overflows in half
+    precision (`force_upcast`), so both the worker and the pipeline decode in float32 and put the VAE back."""
+    import diffusers
+    import torch
+
+    directory = pipelines["sdxl"][0]
+    reference = diffusers.StableDiffusionXLPipeline.from_pretrained(directory, torch_dtype=torch.float16)
+    reference.set_progress_bar_config(disable=True)
+    spec, runner = runner_for(pipelines, "sdxl", "step")
+    vae = runner._pipeline.to(torch.float16).vae
+    assert vae.config.force_upcast
+    decoded = []
+    decode = vae.decode
+
+    def recording_decode(latents, *args, **kwargs):
+        decoded.append((latents.dtype, vae.dtype))
+        return decode(latents, *args, **kwargs)
+
+    vae.decode = recording_decode
+    first, joiner = running_set("sdxl", spec)
+    _, outcomes = serve_running_set(runner, first, joiner)
+    assert decoded and set(decoded) == {(torch.float32, torch.float32)}, decoded
+    assert vae.dtype == torch.float16, "the VAE must be half precision again after the decode"
+    for pending in (first, joiner):
+        assert_close(outcomes.images[pending.request_id], reference_images({"sdxl": (directory, reference)}, "sdxl",
+                                                                           pending))  # fmt: skip
+
+
 def test_flux_requests_of_different_sizes_never_share_a_call_and_keep_their_own_shift(pipelines):
     spec, runner = runner_for(pipelines, "flux-schnell", "step")
     hooked = Hooked(runner)
