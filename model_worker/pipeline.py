@@ -29,7 +29,7 @@ from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket", "requested_steps"]
+__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket"]
 
 
 class DiffusionRunner:
@@ -149,7 +149,7 @@ class DiffusionRunner:
             "num_inference_steps": params.num_inference_steps,
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
-            "callback_on_step_end": _step_callback(on_step, requested_steps(params, self.needs_image)),
+            "callback_on_step_end": _step_callback(on_step, self._denoiser.requested_steps(params)),
             # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
             "output_type": "np",
             **self._denoiser.call_kwargs(items, params),
@@ -171,15 +171,6 @@ class DiffusionRunner:
     def decode(self, running: list[RunningItem]) -> list:
         """One VAE call for the finished items; float arrays as `output_type="np"` gives them."""
         return self._denoiser.decode(running)
-
-
-def requested_steps(params: GenerationParameters, image_to_image: bool) -> int:
-    """The denoising steps the client asked for: `num_inference_steps`, or its `strength` share for img2img
-    (diffusers runs `int(steps x strength)` of them)."""
-    steps = params.num_inference_steps
-    if image_to_image and params.strength is not None:
-        return max(1, min(int(steps * params.strength), steps))
-    return steps
 
 
 def _step_callback(on_step: StepCallback, requested: int) -> Callable:

@@ -44,6 +44,9 @@ class RunningItem:
 
     item: GenerationItem
     total: int  # model calls this image needs (its scheduler's timesteps, after img2img's strength)
+    # The steps its progress counts to (`progress.total`): those the client asked for, img2img's strength share
+    # of them as its pipeline counts it; 0 for `num_inference_steps`.
+    requested: int = 0
     done: int = 0
     failure: Exception | None = None  # its own scheduler step failed: it fails alone
     state: dict = field(default_factory=dict)  # the runner's own per-image state (latents, scheduler, ...)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
@@ -81,6 +82,18 @@ class Denoiser:
         setattr(self.pipeline, self.model_attribute,
                 torch.compile(self.model, mode="max-autotune-no-cudagraphs", dynamic=False))  # fmt: skip
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
+
+    def requested_steps(self, params: GenerationParameters) -> int:
+        """The steps a request's progress counts to: `num_inference_steps`, or for image-to-image the share of them
+        its strength runs, as the img2img pipeline's own `get_timesteps` counts it (SD's and SDXL's
+        `int(steps x strength)`, FLUX's `steps - int(steps x (1 - strength))`: one more for 25 at 0.5)."""
+        steps = params.num_inference_steps
+        if not self.needs_image or params.strength is None:
+            return steps
+        # The class's own method over a stand-in pipeline whose scheduler has no schedule: it only counts.
+        counting = SimpleNamespace(scheduler=SimpleNamespace(timesteps=(), order=1))
+        _, run = type(self.pipeline).get_timesteps(counting, steps, params.strength, self.device)
+        return max(1, min(run, steps))
 
     # --- scheduling: request -------------------------------------------------------------------------------
 

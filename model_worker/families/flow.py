@@ -61,6 +61,7 @@ class FluxDenoiser(Denoiser):
             )  # fmt: skip
             channels = pipe.transformer.config.in_channels // 4
             steps = params.num_inference_steps
+            requested = self.requested_steps(params)
             config = pipe.scheduler.config
             running = []
             for index, item in enumerate(items):
@@ -99,7 +100,7 @@ class FluxDenoiser(Denoiser):
                     "mu": mu,
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
                 }
-                running.append(RunningItem(item, total=len(timesteps), state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return running
 
     def denoise(self, running: list[RunningItem]) -> None:
@@ -167,6 +168,7 @@ class SD3Denoiser(Denoiser):
         torch, pipe = self._torch, self.pipeline
         device = pipe._execution_device
         guided = params.guidance_scale > 1
+        requested = self.requested_steps(params)
         config = pipe.scheduler.config
         with torch.inference_mode():
             prompt_embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
@@ -206,7 +208,7 @@ class SD3Denoiser(Denoiser):
                     "size": (params.height, params.width),
                     "step_kwargs": {},
                 }
-                running.append(RunningItem(item, total=len(timesteps), state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return running
 
     def denoise(self, running: list[RunningItem]) -> None:

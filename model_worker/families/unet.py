@@ -72,6 +72,7 @@ class UNetDenoiser(Denoiser):
         torch, pipe = self._torch, self.pipeline
         device = pipe._execution_device
         guided = params.guidance_scale > 1
+        requested = self.requested_steps(params)
         running = []
         with torch.inference_mode():
             conditions = self.encode(items, guided, params)
@@ -101,7 +102,7 @@ class UNetDenoiser(Denoiser):
                     "guidance": params.guidance_scale if guided else None,
                     "step_kwargs": step_kwargs(scheduler, generator),
                 }
-                running.append(RunningItem(item, total=len(timesteps), state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return running
 
     def _image_latents(self, scheduler, item: GenerationItem, params: GenerationParameters, generator, device, dtype):

@@ -316,6 +316,22 @@ def test_a_float16_sdxl_decodes_through_the_float32_upcast_as_the_pipeline_does(
                                                                            pending))  # fmt: skip
 
 
+@pytest.mark.parametrize(("name", "runs"), [("sd15-img2img", 3), ("sdxl-img2img", 3), ("flux-img2img", 4)])
+def test_image_to_image_progress_counts_the_steps_its_pipeline_runs_in_both_schedulings(pipelines, name, runs):
+    """7 steps at strength 0.5: SD's and SDXL's img2img pipelines run int(3.5) = 3 of them, FLUX's 7 - int(3.5) = 4;
+    progress shows that many, whatever the scheduler adds (PNDM's extra call)."""
+    for scheduling in ("step", "request"):
+        spec, runner = runner_for(pipelines, name, scheduling)
+        pending = make_request(name, f"progress-{scheduling}", spec, steps=7, guidance=guidance_of(name, 3.5),
+                               strength=0.5)  # fmt: skip
+        pending.request.parameters.width = pending.request.parameters.height = SIZE
+        with Worker({spec.queue: runner}) as worker:
+            worker.pool.add(pending)
+            worker.outcomes.wait(1)
+        seen = worker.progress.seen[pending.request_id]
+        assert {total for _, total in seen} == {runs} and max(seen) == (runs, runs), (scheduling, sorted(seen))
+
+
 def test_flux_requests_of_different_sizes_never_share_a_call_and_keep_their_own_shift(pipelines):
     spec, runner = runner_for(pipelines, "flux-schnell", "step")
     hooked = Hooked(runner)
