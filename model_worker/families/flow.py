@@ -20,8 +20,11 @@ from contract.messages import GenerationParameters
 from model_worker.families.base import Denoiser, guided_predictions, pad_rows
 from model_worker.runners import GenerationItem, RunningItem
 
-# The T5 prompt length, in both schedulings (each pipeline's default; FLUX.1 [schnell] checkpoints also run 256).
-MAX_SEQUENCE_LENGTH = 512
+# The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
+# with 256, the length its reference code and model card use (512 would double the text tokens of every step);
+# SD 3.5's pipeline default of 256.
+FLUX_DEV_MAX_SEQUENCE_LENGTH = 512
+FLUX_SCHNELL_MAX_SEQUENCE_LENGTH = 256
 SD3_MAX_SEQUENCE_LENGTH = 256
 
 
@@ -31,6 +34,10 @@ class FluxDenoiser(Denoiser):
     @property
     def guidance_embedded(self) -> bool:
         return bool(self.pipeline.transformer.config.guidance_embeds)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return FLUX_DEV_MAX_SEQUENCE_LENGTH if self.guidance_embedded else FLUX_SCHNELL_MAX_SEQUENCE_LENGTH
 
     def check_loaded(self) -> None:
         """The catalog's guidance mode must be the model's: [dev] embeds guidance, [schnell] takes none."""
@@ -43,7 +50,7 @@ class FluxDenoiser(Denoiser):
             )
 
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
-        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": self.max_sequence_length}
         if self.needs_image:
             kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
         return kwargs
@@ -57,7 +64,7 @@ class FluxDenoiser(Denoiser):
         with torch.inference_mode():
             prompt_embeds, pooled, text_ids = pipe.encode_prompt(
                 prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                max_sequence_length=self.max_sequence_length,
             )  # fmt: skip
             channels = pipe.transformer.config.in_channels // 4
             steps = params.num_inference_steps

@@ -67,6 +67,8 @@ def reference_images(pipelines, name: str, pending) -> list:
         }  # fmt: skip
         if item.negative_prompt is not None:
             kwargs["negative_prompt"] = item.negative_prompt
+        if spec.family.name == "flux" and spec.guidance_mode == "none":
+            kwargs["max_sequence_length"] = 256  # [schnell]'s T5 length, as its reference code and model card run it
         if spec.task == "image-to-image":
             kwargs["image"], kwargs["strength"] = item.image, params.strength
             if spec.family.name != "flux":  # the UNet img2img pipelines take the image's size
@@ -357,6 +359,29 @@ def test_flux_requests_of_different_sizes_never_share_a_call_and_keep_their_own_
     assert worker.outcomes.fields["small"]["batch_id"] != worker.outcomes.fields["large"]["batch_id"]
     for pending in (small, large):
         assert_close(worker.outcomes.images[pending.request_id], reference_images(pipelines, "flux-schnell", pending))
+
+
+@pytest.mark.parametrize(("name", "tokens"), [("flux-schnell", 256), ("flux-dev", 512)])
+def test_flux_schnell_runs_256_t5_tokens_and_dev_512_as_their_references_do(pipelines, monkeypatch, name, tokens):
+    """[schnell] was distilled with a 256-token T5 prompt (its reference code and model card run 256), [dev] with
+    512: the transformer sees that many text tokens in both schedulings. The tiny T5 pads alike, so the images
+    alone would not tell."""
+    for scheduling in ("step", "request"):
+        spec, runner = runner_for(pipelines, name, scheduling)
+        model, seen = runner._denoiser.model, set()
+        forward = model.forward
+
+        def recording(*args, _forward=forward, _seen=seen, **kwargs):
+            _seen.add(kwargs["encoder_hidden_states"].shape[1])
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", recording)
+        pending = make_request(name, f"tokens-{scheduling}", spec, steps=1, guidance=guidance_of(name, 3.5))
+        pending.request.parameters.width = pending.request.parameters.height = SIZE
+        with Worker({spec.queue: runner}) as worker:
+            worker.pool.add(pending)
+            worker.outcomes.wait(1)
+        assert seen == {tokens}, (scheduling, seen)
 
 
 def test_a_flux_catalog_entry_whose_guidance_contradicts_the_weights_is_refused_at_load(pipelines):
