@@ -90,10 +90,6 @@ class DiffusionRunner:
             time.perf_counter() - started,
         )
 
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
-
     def _use_adapters(self, items: list[GenerationItem]) -> None:
         """Applies the call's adapter set (one per call: the batch key) before the text encoder or model runs."""
         adapters = items[0].adapters if items else None
@@ -116,7 +112,7 @@ class DiffusionRunner:
             width, height, steps = defaults.width, defaults.height, 2
         else:
             sizes, width, height, steps = [1], 4 * multiple, 4 * multiple, 2
-        image = Image.new("RGB", (width, height)) if self.needs_image else None
+        image = Image.new("RGB", (width, height)) if self.spec.needs_image else None
         params = GenerationParameters(
             seed=0, num_inference_steps=steps, guidance_scale=self.spec.defaults.guidance_scale, width=width,
             height=height, strength=1.0,

@@ -60,9 +60,6 @@ class Runner(Protocol):
     spec: ModelSpec
     accelerator: str
 
-    @property
-    def needs_image(self) -> bool: ...
-
     def warm_up(self) -> None: ...
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
@@ -107,10 +104,6 @@ class SyntheticRunner:
         self._ticks = ticks
         # A device runs one call at a time, whatever the number of threads calling it.
         self._device = threading.Lock()
-
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
 
     def warm_up(self) -> None:
         from PIL import Image  # noqa: F401 - import cost paid at start-up, not on the first request
