@@ -29,7 +29,7 @@ from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket", "requested_steps"]
+__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket"]
 
 
 class DiffusionRunner:
@@ -95,10 +95,6 @@ class DiffusionRunner:
             time.perf_counter() - started,
         )
 
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
-
     def _use_adapters(self, items: list[GenerationItem]) -> None:
         """Applies the call's adapter set (one per call: the batch key) before the text encoder or model runs."""
         adapters = items[0].adapters if items else None
@@ -124,7 +120,7 @@ class DiffusionRunner:
         else:
             sizes, width, height = [1], 4 * multiple, 4 * multiple
         steps = 2
-        image = Image.new("RGB", (width, height)) if self.needs_image else None
+        image = Image.new("RGB", (width, height)) if self.spec.needs_image else None
         params = GenerationParameters(
             seed=0, num_inference_steps=steps, guidance_scale=self.spec.defaults.guidance_scale, width=width,
             height=height, strength=1.0,
@@ -157,7 +153,7 @@ class DiffusionRunner:
             "num_inference_steps": params.num_inference_steps,
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
-            "callback_on_step_end": _step_callback(on_step, requested_steps(params, self.needs_image)),
+            "callback_on_step_end": _step_callback(on_step, self._denoiser.requested_steps(params)),
             # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
             "output_type": "np",
             **self._denoiser.call_kwargs(items, params),
@@ -179,15 +175,6 @@ class DiffusionRunner:
     def decode(self, running: list[RunningItem]) -> list:
         """One VAE call for the finished items; float arrays as `output_type="np"` gives them."""
         return self._denoiser.decode(running)
-
-
-def requested_steps(params: GenerationParameters, image_to_image: bool) -> int:
-    """The denoising steps the client asked for: `num_inference_steps`, or its `strength` share for img2img
-    (diffusers runs `int(steps x strength)` of them)."""
-    steps = params.num_inference_steps
-    if image_to_image and params.strength is not None:
-        return max(1, min(int(steps * params.strength), steps))
-    return steps
 
 
 def _step_callback(on_step: StepCallback, requested: int) -> Callable:

@@ -162,10 +162,7 @@ class WorkerService:
             lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
             settings.adapter_host_cache_bytes,
         )
-        triage = Triage(
-            self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()},
-            self.adapters,
-        )  # fmt: skip
+        triage = Triage(self.results, payloads, self.finisher, self.replies, self.adapters)
         self.pullers = [
             SubscriptionPuller(
                 self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
