@@ -21,7 +21,7 @@ from contract.catalog import ModelSpec
 from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
 from contract.payloads import PayloadCodec, PayloadError
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth

@@ -19,10 +19,10 @@ import redis
 
 from contract import google_clients, naming
 from contract.catalog import ModelSpec
-from contract.inflight import InflightStore
 from contract.payloads import PayloadCodec
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.inflight import InflightStore
+from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.device import DeviceLoop, ProgressReporter
 from model_worker.finisher import ReplyFinisher
