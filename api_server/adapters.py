@@ -9,7 +9,6 @@ import re
 from google.api_core import exceptions
 
 from api_server.errors import ApiError
-from contract.adapter_registry import AdapterNotFoundError, AdapterRecord, AdapterRegistry
 from contract.catalog import ModelSpec
 from contract.generation import (
     ADAPTER_NAME_LENGTH,
@@ -20,6 +19,7 @@ from contract.generation import (
     AdapterRef,
 )
 from contract.lora_files import AdapterFileError
+from contract.stores.adapter_registry import AdapterNotFoundError, AdapterRecord, AdapterRegistry
 
 log = logging.getLogger(__name__)
 FIELD = "parameters.adapters"

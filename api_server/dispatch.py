@@ -14,8 +14,8 @@ from api_server.errors import ApiError
 from api_server.reply_waiter import ReplyWaiter
 from contract import naming
 from contract.catalog import ModelSpec
-from contract.inflight import RequestKeeper
 from contract.messages import Attr, InferenceReply, InferenceRequest, request_attributes
+from contract.stores.inflight import RequestKeeper
 from contract.tracing import current_trace
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class DispatchTimings:
     wait_ms: float = 0.0
     cleanup_ms: float = 0.0
     # The request's partial log row is kept in Redis with its message: settled by this process when it answers,
-    # adopted by another if this one dies first (`contract/inflight.py`).
+    # adopted by another if this one dies first (`contract/stores/inflight.py`).
     row_kept: bool = False
 
 

@@ -9,7 +9,7 @@ A waiter that outlives its bound, or sees the lease vanish with no outcome (its 
 by itself. Without Redis every process still coalesces its own callers and nothing else changes.
 
 A lease names its holder's API process and ticket (the request computing it). A waiter that finds that process
-dead (its liveness key lapsed, `contract/inflight.py`) takes the lease over in one atomic step, so exactly one
+dead (its liveness key lapsed, `contract/stores/inflight.py`) takes the lease over in one atomic step, so exactly one
 waiter does, and adopts the dead holder's computation: `adopt(ticket)` answers from what the holder started
 (its request's stored answer) instead of computing again, or returns None to compute afresh.
 """

@@ -13,7 +13,7 @@ was killed mid-wait); its expiration policy would remove it a day later, the jan
   they are left to their expiration policy too. The threshold may not be shorter than the longest request
   timeout plus `MIN_MARGIN_SECONDS`, so a live wait is never deleted.
 
-A request whose API process is known dead (its liveness key lapsed: `contract/inflight.py`) needs no age: the
+A request whose API process is known dead (its liveness key lapsed: `contract/stores/inflight.py`) needs no age: the
 process that adopts its log row deletes its subscription at once (`delete_orphaned_subscription`).
 
 `python -m api_server.janitor [--older-than SECONDS] [--dry-run]` runs one sweep (a Cloud Run job on a Cloud

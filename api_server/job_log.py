@@ -10,7 +10,7 @@ failed it with a model error is not ended yet: the process that claims it asks t
 `{job}-fallback`, within the job's deadline), and the job, its view and its row follow that attempt.
 
 An orphan is a published request whose API process died before writing its row: the row kept with the request
-(`contract/inflight.py`) names its process, whose liveness key has lapsed. Once the request ends (the worker's
+(`contract/stores/inflight.py`) names its process, whose liveness key has lapsed. Once the request ends (the worker's
 stored reply, or its deadline), the same loop adopts the row (one ZREM, in exactly one process; the owner's own
 write claims it the same way) and writes it with the inference's outcome and `http_status` 0: nobody was answered.
 """
@@ -31,10 +31,10 @@ from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import EXPIRY_GRACE_MS, EndedJob, JobStore, reply_outcome
 from api_server.rollouts import RolloutObservations
 from contract.catalog import ModelCatalog
-from contract.inflight import InflightStore
 from contract.messages import InferenceReply, InferenceRequest
 from contract.outcomes import Outcome
-from contract.results import ResultStore
+from contract.stores.inflight import InflightStore
+from contract.stores.results import ResultStore
 
 log = logging.getLogger(__name__)
 # Ends that say nothing about the version that ran: the caller cancelled, or the caller's own input was refused

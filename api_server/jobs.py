@@ -18,7 +18,7 @@ from contract import naming
 from contract.catalog import ModelSpec
 from contract.messages import InferenceReply, Progress
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 
 # A queued job nobody picked up this long after its deadline is reported expired (no worker will run it).
 EXPIRY_GRACE_MS = 30_000

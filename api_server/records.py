@@ -28,8 +28,8 @@ from api_server.rollouts import RolloutObservations
 from api_server.serving import Answer, JobMade, Mode
 from contract.catalog import ModelSpec
 from contract.generation import LOGGED_PARAMETERS
-from contract.inflight import InflightStore
 from contract.outcomes import Outcome
+from contract.stores.inflight import InflightStore
 
 log = logging.getLogger("api_server")
 UNLOGGED_PATHS = ("/healthz", "/readyz")

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from contract import naming
 from contract.messages import Attr, InferenceReply
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 
 log = logging.getLogger(__name__)
 # Real Pub/Sub's minimum expiration: an abandoned subscription (crashed API process) deletes itself a day later.

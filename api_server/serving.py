@@ -50,11 +50,11 @@ from api_server.rollouts import Rollouts
 from api_server.shadow import ShadowTraffic
 from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, ModelSpec, Rollout
-from contract.inflight import InflightStore
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.inflight import InflightStore
+from contract.stores.results import ResultStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,12 +34,12 @@ from api_server.shadow import ShadowTraffic
 from api_server.traffic import TrafficSplits
 from api_server.webhooks import WebhookNotifier, WebhookTargetPolicy
 from contract import google_clients
-from contract.adapter_registry import AdapterRegistry
 from contract.catalog import ModelCatalog
-from contract.inflight import InflightStore, ProcessLiveness, RequestKeeper
 from contract.payloads import PayloadCodec
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.adapter_registry import AdapterRegistry
+from contract.stores.inflight import InflightStore, ProcessLiveness, RequestKeeper
+from contract.stores.results import ResultStore
 
 log = logging.getLogger(__name__)
 EXTENSION = "maas"

@@ -121,8 +121,8 @@ def main() -> None:
     import torch
 
     from contract import google_clients
-    from contract.adapter_registry import AdapterRegistry
     from contract.settings import Settings
+    from contract.stores.adapter_registry import AdapterRegistry
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-root", type=Path, required=True, help="the stack's tiny model directory")

@@ -10,9 +10,16 @@ weights scaled by 0.5 so fp16 activations stay finite, saved once as fp16 safete
   result store, publish: in memory, no emulators), fed a stream of single-image requests;
 - open-loop: `open_loop.py`'s Poisson sweep on this pipeline, request-level against step-level scheduling
   (half 12-step, half 25-step requests), in process around the worker's stages;
-- compiled: the same with `MAAS_TORCH_COMPILE`'s path (fused QKV, channels-last, torch.compile at the
-  batch buckets), its artifacts saved; then a fresh process with only those artifacts (an empty inductor
-  cache) is timed from its start to its first answered request.
+- compiled: the same with `MAAS_TORCH_COMPILE`'s path (channels-last, torch.compile at the batch buckets, the
+  catalog's adapter slots made before compiling: rank `max_rank` on every Linear and Conv2d layer), its
+  artifacts saved; then, on that compiled model, adapters through the worker's loader (a local bucket):
+  a base call, one adapter, a switch to another, two at once and the base model again, each call timed
+  (the first of a set includes its hotswap) with the graphs torch compiled after the warm-up counted (the
+  target: none);
+- compiled-plain: the model compiled without adapter slots (the catalog entry less its `adapters` block, so
+  the q/k/v projections fused), the direct rate only: against `compiled`'s, what the empty slots cost;
+- warm-start: a fresh process with only the saved artifacts (an empty inductor cache) is timed from its start
+  to its first answered request.
 
     .venv/bin/python -m bench.gpu_pipeline                         # every stage
     .venv/bin/python -m bench.gpu_pipeline --stages direct worker  # eager only (compiling takes minutes)
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("direct", "worker", "open-loop", "compiled", "warm-start")
+STAGES = ("direct", "worker", "open-loop", "compiled", "compiled-plain", "warm-start")
+# The compiled model's adapters: name -> (seed, rank), diffusers' PEFT layout on the UNet's attention projections.
+COMPILED_ADAPTERS = {"bench-ink": (1, 16), "bench-neon": (2, 64)}
 # The open-loop sweep's step mix on the GPU: the catalog's default 25 and a shorter request beside it.
 GPU_STEP_MIX = (12, 25)
 WEIGHT_SCALE = 0.5
@@ -113,10 +123,18 @@ class LocalBucket:
     def blob(self, name: str) -> LocalBlob:
         return LocalBlob(self.directory / name.replace("/", "__"))
 
+    def get_blob(self, name: str) -> LocalBlob | None:
+        blob = self.blob(name)
+        return blob if blob.path.exists() else None
+
 
 class LocalBlob:
     def __init__(self, path: Path) -> None:
         self.path = path
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
 
     def download_as_bytes(self) -> bytes:
         return self.path.read_bytes()
@@ -179,6 +197,77 @@ def compile_cache(workdir: Path, spec):
 
     name = naming.compile_cache_object(spec.weights_path, compile_cache_key(spec))
     return CompileCache(LocalBucket(workdir / "compile-cache"), name)
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has made in this process (a recompile is one more)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def serve(runner, spec, items: list, params) -> list:
+    """The items through the runner as the worker runs the model's scheduling (what its warm-up compiled)."""
+    if spec.scheduling != "step":
+        return runner.generate(items, params, lambda step, total: None)
+    running = runner.start_items(items, params)
+    while not all(r.finished for r in running):
+        runner.denoise_step(running)
+    return runner.decode(running)
+
+
+def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls: int = 3) -> dict:
+    """On a compiled, warmed-up runner: adapter sets through the worker's loader, a request of `max_batch_size` images
+    per set in the model's scheduling, timed (the first call of a set includes its hotswap; then the median of `calls`), with the graphs
+    compiled since the warm-up counted after each set."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save
+
+    from contract import naming
+    from contract.generation import AdapterRef
+    from model_worker.adapters import AdapterLoader
+    from model_worker.runners import GenerationItem
+    from model_worker.tiny_pipeline import build_adapter
+
+    bucket = LocalBucket(workdir / "adapter-bucket")
+    refs = {}
+    for name, (seed, rank) in COMPILED_ADAPTERS.items():
+        built = build_adapter(weights, workdir / "adapters" / f"{name}.safetensors", seed, rank)
+        # The UNet's part: a compiled model refuses text-encoder layers.
+        data = save({k: v for k, v in load_file(built).items() if k.startswith("unet.")})
+        bucket.blob(naming.adapter_prefix(spec.name, name, "1") + naming.ADAPTER_FILE).upload_from_string(data)
+        refs[name] = AdapterRef(name=name, version="1", scale=0.8, sha256=hashlib.sha256(data).hexdigest())
+    loader = AdapterLoader(bucket, {spec.queue: weights}, lambda: None)
+    loader.start()
+    sets = {"base": None}
+    try:
+        for label, chosen in (("bench-ink", ("bench-ink",)), ("bench-neon", ("bench-neon",)),
+                              ("both", ("bench-ink", "bench-neon"))):  # fmt: skip
+            adapters = loader.request(spec, tuple(refs[name] for name in chosen))
+            adapters.done.wait(120)
+            adapters.weights()  # raises when the loader refused a file
+            sets[label] = adapters
+    finally:
+        loader.stop()
+    before = graphs_compiled()
+    rows = []
+    for label in ("base", "bench-ink", "bench-neon", "both", "base"):
+        items = [GenerationItem(f"bench {i}", i, adapters=sets[label]) for i in range(spec.max_batch_size)]
+        times = []
+        for _ in range(1 + calls):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            serve(runner, spec, items, params)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        rows.append({"set": label, "first_call_s": times[0], "median_call_s": statistics.median(times[1:]),
+                     "graphs_compiled_since_warm_up": graphs_compiled() - before})  # fmt: skip
+        print(f"compiled, adapters {label}: first call {times[0]:.2f}s (with its swap), then "
+              f"{statistics.median(times[1:]):.2f}s; graphs compiled since the warm-up: {rows[-1]['graphs_compiled_since_warm_up']}",
+              flush=True)  # fmt: skip
+    return {"batch": spec.max_batch_size, "rows": rows, "recompiles": graphs_compiled() - before}
 
 
 def warm_start_child(weights: Path, workdir: Path, launched: float, steps: int, size: int) -> None:
@@ -286,6 +375,18 @@ def main() -> int:
         result["worker_compiled"] = worker_rate(runner, spec, params, args.seconds, compiled_direct)
         print(f"worker compiled, single-image requests: {result['worker_compiled']['images_per_s']:.2f} img/s",
               flush=True)  # fmt: skip
+        if spec.adapters is not None:
+            result["compiled_adapters"] = compiled_adapters(runner, spec, weights, args.workdir, params)
+        del runner
+        torch.cuda.empty_cache()
+
+    if "compiled-plain" in args.stages:
+        plain = spec.model_copy(update={"adapters": None})
+        runner = DiffusionRunner(plain, weights, compile_unet=True)
+        runner.warm_up()
+        rate = direct_rate(runner._pipeline, plain.max_batch_size, params, args.seconds)  # noqa: SLF001
+        result["direct_compiled_plain"] = {str(plain.max_batch_size): rate}
+        print(f"direct compiled without adapter slots, batch {plain.max_batch_size}: {rate:.2f} img/s", flush=True)
         del runner
         torch.cuda.empty_cache()
 
@@ -326,6 +427,16 @@ def print_summary(result: dict, batch: int) -> None:
             verdict = "PASS" if rate >= 0.9 * reference else "MISS"
             print(f"  {verdict} worker {name}, single-image requests: {rate:.2f} img/s vs 90% of direct "
                   f"batch {batch} {0.9 * reference:.2f}")  # fmt: skip
+    adapters = result.get("compiled_adapters")
+    if adapters is not None:
+        recompiles = adapters["recompiles"]
+        print(f"  {'PASS' if recompiles == 0 else 'MISS'} compiled model with adapters: {recompiles} graphs compiled "
+              "after its warm-up (target 0)")  # fmt: skip
+    with_slots = result.get("direct_compiled", {}).get(str(batch))
+    without = result.get("direct_compiled_plain", {}).get(str(batch))
+    if with_slots and without:
+        print(f"  (printed only) compiled batch {batch}: {with_slots:.2f} img/s with empty adapter slots, "
+              f"{without:.2f} without ({with_slots / without:.2f}x)")  # fmt: skip
     if "warm_start_first_request_s" in result:
         seconds = result["warm_start_first_request_s"]
         print(

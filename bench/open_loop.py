@@ -143,7 +143,7 @@ class InProcessWorker:
     def __init__(self, runner, spec, size: int = 64) -> None:
         from bench.worker_harness import MemoryRedis, MemoryStorage, NoLeases
         from contract.payloads import PayloadCodec
-        from contract.results import ResultStore
+        from contract.stores.results import ResultStore
         from model_worker.device import DeviceLoop, ProgressReporter
         from model_worker.finisher import ReplyFinisher
         from model_worker.health import WorkerHealth

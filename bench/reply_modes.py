@@ -23,7 +23,7 @@ import redis
 from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
 from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from emulators.bootstrap import ensure_subscription, ensure_topic
 from emulators.processes import ProcessRegistry
 from emulators.stack import StackConfig, bootstrap_resources, start_emulators

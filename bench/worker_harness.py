@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.payloads import PayloadCodec
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from model_worker.device import DeviceLoop, ProgressReporter
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth

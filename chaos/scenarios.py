@@ -68,7 +68,7 @@ class ChaosContext:
         import redis
 
         from contract import naming
-        from contract.inflight import InflightStore
+        from contract.stores.inflight import InflightStore
 
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         held = [r for r, holder in InflightStore(client).holders().items() if holder.endswith(f"-{pid}")]

@@ -143,6 +143,11 @@ class ModelSpec(BaseModel):
         return family_of(self.pipeline)
 
     @property
+    def needs_image(self) -> bool:
+        """Its requests carry an input image (image-to-image): decoded at intake, passed to the pipeline."""
+        return self.task == "image-to-image"
+
+    @property
     def guidance_mode(self) -> Guidance:
         family = self.family
         return self.guidance or (family.guidance if family else "cfg")

@@ -177,9 +177,26 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
+# How the children `_alive` reaped ended (pid -> exit code, negative for a signal): once reaped, their Popen can
+# no longer tell (`poll()` answers 0 for a child someone else waited for), so `exit_code` asks here first.
+_reaped: dict[int, int] = {}
+
+
+def exit_code(process: subprocess.Popen) -> int | None:
+    """The process's exit code (negative: the signal that killed it), None while it runs."""
+    if _alive(process.pid):
+        return None
+    if process.pid in _reaped:
+        process.returncode = _reaped.pop(process.pid)
+        return process.returncode
+    return process.poll()
+
+
 def _alive(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reap our own children so they do not linger as zombies
+        reaped, status = os.waitpid(pid, os.WNOHANG)  # reap our own children so they do not linger as zombies
+        if reaped:
+            _reaped[reaped] = os.waitstatus_to_exitcode(status)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -454,6 +454,8 @@ def _start_and_wait(config: StackConfig, registry: ProcessRegistry, names: list[
         registry.wait_until(name, part.started, timeout=part.start_timeout)
         port = f", port {part.port}" if part.port else ""
         log.info("%s up (pid %s%s) after %.1fs", name, registry.pid(name), port, time.monotonic() - started)
+        if name.startswith("worker-") and not (health := part.health())[0]:
+            log.warning("%s is up but not serving: %s", name, health[1])  # e.g. weights that do not load
 
 
 def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from emulators.processes import ProcessRegistry
+from emulators.processes import ProcessRegistry, exit_code
 
 log = logging.getLogger("emulators.supervisor")
 
@@ -130,7 +130,7 @@ class Supervisor:
 
     def _exit_note(self, name: str) -> str:
         process = self._children.pop(name, None)
-        code = process.poll() if process is not None else None
+        code = exit_code(process) if process is not None else None
         if code is None:
             return "exited"
         return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"

@@ -16,7 +16,7 @@ import uuid
 
 from contract.messages import Progress
 from contract.payloads import PayloadError
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
 from model_worker.intake import ReplyFactory

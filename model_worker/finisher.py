@@ -18,7 +18,7 @@ from google.cloud import pubsub_v1
 from contract import naming
 from contract.messages import Attr, InferenceReply, Prediction
 from contract.payloads import PayloadCodec
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from model_worker.leases import LeaseKeeper
 from model_worker.log_context import request_log_context
 from model_worker.metrics import WorkerMetrics

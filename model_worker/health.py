@@ -14,11 +14,18 @@ PROBLEM_LOG_INTERVAL_SECONDS = 60.0
 
 
 class WorkerHealth:
-    """Probe state: started once the pipelines are warm, ready while pulling works, live while the loops turn."""
+    """Probe state: started once the pipelines are warm, ready while pulling works, live while the loops turn.
+
+    A problem found while loading (weights that fail their manifest or do not load) also ends start-up: the
+    process is up and `/readyz` says why, so a Deployment shows a running pod that is not ready, with its
+    reason, rather than a pod the startup probe's deadline restarts again and again. The problem stays in
+    `/readyz` (503) until it clears; `/livez` checks the loops' heartbeat only once the pipelines serve.
+    """
 
     def __init__(self, stall_seconds: float) -> None:
         self.started = False
         self.draining = False
+        self._settled = False  # start-up ended on a problem: the process is up, not serving
         self._stall_seconds = stall_seconds
         self._heartbeat = time.monotonic()
         self._problems: dict[str, str] = {}
@@ -32,6 +39,7 @@ class WorkerHealth:
         """Not ready while `source` has a problem; logged once, then every PROBLEM_LOG_INTERVAL_SECONDS."""
         with self._lock:
             self._problems[source] = reason
+            self._settled = self._settled or not self.started
             last = self._logged.get(source)
             due = last is None or time.monotonic() - last >= PROBLEM_LOG_INTERVAL_SECONDS
             if due:
@@ -48,15 +56,17 @@ class WorkerHealth:
 
     def status(self, path: str) -> tuple[int, str]:
         if path == "/startupz":
-            return (200, "started") if self.started else (503, "loading")
+            if self.started:
+                return 200, "started"
+            return (200, "started, not serving: see /readyz") if self._settled else (503, "loading")
         if path == "/readyz":
             with self._lock:
                 problems = "; ".join(f"{source}: {reason}" for source, reason in sorted(self._problems.items()))
-            if not self.started:
-                return 503, f"loading: {problems}" if problems else "loading"
             if self.draining:
                 return 503, "draining"
-            return (503, f"not ready: {problems}") if problems else (200, "ready")
+            if problems:
+                return 503, f"not ready: {problems}"
+            return (200, "ready") if self.started else (503, "loading")
         if path == "/livez":
             stalled = self.started and time.monotonic() - self._heartbeat > self._stall_seconds
             return (503, "stalled") if stalled else (200, "alive")
@@ -72,7 +82,7 @@ def serve_health(
                 code, body, content_type = 200, metrics(), "text/plain; version=0.0.4; charset=utf-8"
             else:
                 code, text = health.status(self.path)
-                body, content_type = text.encode(), "text/plain"
+                body, content_type = text.encode(), "text/plain; charset=utf-8"  # reasons carry "—", file names
             self.send_response(code)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))

@@ -21,7 +21,7 @@ from contract.catalog import ModelSpec
 from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
 from contract.payloads import PayloadCodec, PayloadError
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.finisher import ReplyFinisher
 from model_worker.health import WorkerHealth
@@ -85,7 +85,6 @@ class Triage:
         payloads: PayloadCodec,
         finisher: ReplyFinisher,
         replies: ReplyFactory,
-        needs_image: dict[str, bool],
         adapters: AdapterLoader | None = None,
     ) -> None:
         self._adapters = adapters
@@ -93,7 +92,6 @@ class Triage:
         self._payloads = payloads
         self._finisher = finisher
         self._replies = replies
-        self._needs_image = needs_image
 
     def _stored(self, request_id: str) -> tuple[InferenceReply | None, bool]:
         try:
@@ -145,7 +143,7 @@ class Triage:
         items = []
         for index, instance in enumerate(request.instances):
             image = None
-            if self._needs_image[spec.queue]:
+            if spec.needs_image:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(

@@ -1,7 +1,7 @@
 """Keeps every message a worker holds leased, and acks or hands back messages in one place.
 
 Two leases per request. Pub/Sub's ack deadline: this thread extends it for everything held (waiting,
-running or being answered) well before it passes. And a holder lease in Redis (`contract.inflight`), a few
+running or being answered) well before it passes. And a holder lease in Redis (`contract.stores.inflight`), a few
 seconds long, on each request taken for the device, heartbeated by a thread of its own: when this process
 dies, the lease lapses within seconds and the watchdog (`watchdog.py`) publishes the request again, instead
 of waiting for the broker's redelivery. Acks are sent in batches by a thread of their own, one call per
@@ -18,8 +18,8 @@ import redis
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 
-from contract.inflight import InflightStore, RedisOutage
 from contract.messages import Attr
+from contract.stores.inflight import InflightStore, RedisOutage
 from model_worker.pool import HeldMessage
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ up to float rounding.
 
 On CUDA it runs in the family's dtype (fp16 for the UNet families, bf16 for FLUX) with PyTorch's SDPA
 attention. With `MAAS_TORCH_COMPILE=1` the denoising model is compiled and batches are padded to fixed
-bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`), swapped
-in place on a compiled model.
+bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`); a compiled
+model's adapter slots are made before it is compiled and traced by the warm-up, so no request compiles.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
 from model_worker.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
 from model_worker.families import denoiser_class
-from model_worker.lora import LoraSets
+from model_worker.lora import LoraSets, Slots
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket", "requested_steps"]
+__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket"]
 
 
 class DiffusionRunner:
@@ -40,7 +40,10 @@ class DiffusionRunner:
         torch_threads: int = 0,
         compile_unet: bool = False,
         compile_cache: CompileCache | None = None,
+        compile_backend: str | None = None,
     ) -> None:
+        """`compile_backend`: None compiles with inductor (max-autotune) on CUDA only; a named torch.compile
+        backend (the tests' `eager`) compiles with it on any device."""
         import diffusers
         import torch
 
@@ -67,19 +70,21 @@ class DiffusionRunner:
         if spec.scheduling == "step":
             self._denoiser.check_steppable()
         # Compiled shapes must be static: batches are padded up to the next bucket.
-        self._compiled = compile_unet and self._device == "cuda"
+        self._compiled = compile_unet and (self._device == "cuda" or compile_backend is not None)
         self._compile_cache = compile_cache
         if compile_unet and not self._compiled:
             log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
-        # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap, set up before compiling.
+        # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap slots, made before compiling.
         components = self._denoiser.lora_components()
         self._lora = None
-        if components and spec.adapters is not None:
-            hotswap_rank = spec.adapters.max_rank if self._compiled else None
-            self._lora = LoraSets(self._pipeline, components, spec.adapters.device_cache, hotswap_rank)
+        policy = spec.adapters
+        if components and policy is not None:
+            slots = Slots(policy.max_adapters_per_request, policy.max_rank, self._denoiser.model_attribute)
+            self._lora = LoraSets(self._pipeline, components, policy.device_cache, slots if self._compiled else None)
         if self._compiled:
             if self._compile_cache is not None:
                 self._compile_cache.load()
+            self._denoiser.compile_backend = compile_backend
             self._denoiser.compile()
         log.info(
             "loaded %s (%s) from %s on %s in %.2fs",
@@ -89,10 +94,6 @@ class DiffusionRunner:
             self.accelerator,
             time.perf_counter() - started,
         )
-
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
 
     def _use_adapters(self, items: list[GenerationItem]) -> None:
         """Applies the call's adapter set (one per call: the batch key) before the text encoder or model runs."""
@@ -105,18 +106,21 @@ class DiffusionRunner:
         self._lora.activate(weights)
 
     def warm_up(self) -> None:
-        """Runs every batch size it will serve on a GPU (one small call on CPU), so no request pays for it."""
+        """Runs every batch size it will serve on a GPU (one small call on CPU), so no request pays for it; a compiled
+        model every batch bucket at the default size, with its adapter slots (at scale 0): no request compiles."""
         from PIL import Image
 
         started = time.perf_counter()
         multiple = self.spec.family.size_multiple
-        if self._device == "cuda":
-            defaults = self.spec.defaults
-            sizes = batch_buckets(self.spec.max_batch_size) if self._compiled else [1, self.spec.max_batch_size]
-            width, height, steps = defaults.width, defaults.height, 2
+        defaults = self.spec.defaults
+        if self._compiled:
+            sizes, width, height = batch_buckets(self.spec.max_batch_size), defaults.width, defaults.height
+        elif self._device == "cuda":
+            sizes, width, height = [1, self.spec.max_batch_size], defaults.width, defaults.height
         else:
-            sizes, width, height, steps = [1], 4 * multiple, 4 * multiple, 2
-        image = Image.new("RGB", (width, height)) if self.needs_image else None
+            sizes, width, height = [1], 4 * multiple, 4 * multiple
+        steps = 2
+        image = Image.new("RGB", (width, height)) if self.spec.needs_image else None
         params = GenerationParameters(
             seed=0, num_inference_steps=steps, guidance_scale=self.spec.defaults.guidance_scale, width=width,
             height=height, strength=1.0,
@@ -149,7 +153,7 @@ class DiffusionRunner:
             "num_inference_steps": params.num_inference_steps,
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
-            "callback_on_step_end": _step_callback(on_step, requested_steps(params, self.needs_image)),
+            "callback_on_step_end": _step_callback(on_step, self._denoiser.requested_steps(params)),
             # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
             "output_type": "np",
             **self._denoiser.call_kwargs(items, params),
@@ -171,15 +175,6 @@ class DiffusionRunner:
     def decode(self, running: list[RunningItem]) -> list:
         """One VAE call for the finished items; float arrays as `output_type="np"` gives them."""
         return self._denoiser.decode(running)
-
-
-def requested_steps(params: GenerationParameters, image_to_image: bool) -> int:
-    """The denoising steps the client asked for: `num_inference_steps`, or its `strength` share for img2img
-    (diffusers runs `int(steps x strength)` of them)."""
-    steps = params.num_inference_steps
-    if image_to_image and params.strength is not None:
-        return max(1, min(int(steps * params.strength), steps))
-    return steps
 
 
 def _step_callback(on_step: StepCallback, requested: int) -> Callable:

@@ -44,6 +44,9 @@ class RunningItem:
 
     item: GenerationItem
     total: int  # model calls this image needs (its scheduler's timesteps, after img2img's strength)
+    # The steps its progress counts to (`progress.total`): those the client asked for, img2img's strength share
+    # of them as its pipeline counts it; 0 for `num_inference_steps`.
+    requested: int = 0
     done: int = 0
     failure: Exception | None = None  # its own scheduler step failed: it fails alone
     state: dict = field(default_factory=dict)  # the runner's own per-image state (latents, scheduler, ...)
@@ -56,9 +59,6 @@ class RunningItem:
 class Runner(Protocol):
     spec: ModelSpec
     accelerator: str
-
-    @property
-    def needs_image(self) -> bool: ...
 
     def warm_up(self) -> None: ...
 
@@ -104,10 +104,6 @@ class SyntheticRunner:
         self._ticks = ticks
         # A device runs one call at a time, whatever the number of threads calling it.
         self._device = threading.Lock()
-
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
 
     def warm_up(self) -> None:
         from PIL import Image  # noqa: F401 - import cost paid at start-up, not on the first request

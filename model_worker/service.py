@@ -7,6 +7,7 @@ request first whichever model it is for, so no model starves another.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -18,10 +19,10 @@ import redis
 
 from contract import google_clients, naming
 from contract.catalog import ModelSpec
-from contract.inflight import InflightStore
 from contract.payloads import PayloadCodec
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.inflight import InflightStore
+from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.device import DeviceLoop, ProgressReporter
 from model_worker.finisher import ReplyFinisher
@@ -36,6 +37,46 @@ from model_worker.watchdog import Watchdog
 log = logging.getLogger("model_worker")
 # Redis calls from the worker fail fast: a reply is never held up by the result store.
 REDIS_TIMEOUT_SECONDS = 2.0
+
+
+class WeightsLoadError(Exception):
+    """Weights that match their manifest but do not load; `upload` (its manifest's digest) says which upload, so
+    that the same files are not loaded again (None: a prefix without a manifest, only re-read on a restart)."""
+
+    def __init__(self, message: str, upload: str | None) -> None:
+        super().__init__(message)
+        self.upload = upload
+
+
+class UnchangedWeightsError(Exception):
+    """The weights are still the upload that did not load: nothing to try until another is uploaded."""
+
+
+def unloadable_file(weights_dir: Path) -> tuple[str, str] | None:
+    """The first safetensors file under `weights_dir` that safetensors refuses to open, and its reason."""
+    from safetensors import safe_open
+
+    for path in sorted(weights_dir.rglob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error (SafetensorError), or an OSError
+            return path.relative_to(weights_dir).as_posix(), _first_line(exc)
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:500] if text else type(exc).__name__
+
+
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """Whether memory ran out anywhere in the chain (diffusers wraps a load's failure in an OSError)."""
+    while exc is not None:
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def served_specs(settings: Settings) -> list[ModelSpec]:
@@ -63,6 +104,7 @@ class WorkerService:
             self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
         )
         self._storage = google_clients.storage_client(settings)
+        self._unloadable: dict[str, str | None] = {}  # weights path -> the upload that did not load
         self.runners: dict[str, Runner] = {spec.queue: self._load_verified(spec) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
@@ -120,10 +162,7 @@ class WorkerService:
             lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
             settings.adapter_host_cache_bytes,
         )
-        triage = Triage(
-            self.results, payloads, self.finisher, self.replies, {n: r.needs_image for n, r in self.runners.items()},
-            self.adapters,
-        )  # fmt: skip
+        triage = Triage(self.results, payloads, self.finisher, self.replies, self.adapters)
         self.pullers = [
             SubscriptionPuller(
                 self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
@@ -150,10 +189,13 @@ class WorkerService:
         self._stopped = threading.Event()
 
     def _load_verified(self, spec: ModelSpec) -> Runner:
-        """The spec's runner, once its weights match their manifest. Until then nothing is pulled for this worker
-        (its requests stay queued for a healthy one, or expire): `/readyz` names the file and why, the log says
-        it once (then every minute), and the weights are downloaded and checked again every
-        `MAAS_WEIGHTS_RETRY_SECONDS`, so fixing the file in the bucket recovers the worker without a restart."""
+        """The spec's runner, once its weights match their manifest and load. Until then nothing is pulled for
+        this worker (its requests stay queued for a healthy one, or expire) and the process stays up, not ready:
+        `/readyz` names the file and why, the log says it once (then every minute while the download is retried).
+        Weights that fail their manifest are downloaded and checked again every `MAAS_WEIGHTS_RETRY_SECONDS`;
+        weights that match it but do not load (a damaged safetensors file, a config that does not fit them) are
+        loaded again only once the bucket holds another upload (a new manifest), so fixing the files recovers
+        the worker without a restart, and unchanged files are not reloaded in a loop."""
         from model_worker.weights.store import WeightsIntegrityError
 
         source = f"weights of {spec.name} v{spec.version}"
@@ -162,25 +204,49 @@ class WorkerService:
                 runner = build_runner(spec, self._load_diffusers)
             except WeightsIntegrityError as exc:
                 self.health.report_problem(source, f"{exc} — not served")
-                time.sleep(self.settings.weights_retry_seconds)
-                continue
-            self.health.clear_problem(source)
-            return runner
+            except UnchangedWeightsError:
+                pass  # the upload that did not load: reported when it failed
+            except WeightsLoadError as exc:
+                self._unloadable[spec.weights_path] = exc.upload
+                self.health.report_problem(source, f"{exc} — not served until new weights are uploaded")
+            else:
+                self.health.clear_problem(source)
+                return runner
+            time.sleep(self.settings.weights_retry_seconds)
 
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
         from model_worker.compiled import CompileCache, compile_cache_key
         from model_worker.pipeline import DiffusionRunner
-        from model_worker.weights.store import download_weights
+        from model_worker.weights.store import MANIFEST, WeightsFormatError, download_weights
 
         settings = self.settings
-        weights_dir = download_weights(
-            self._storage, settings.model_bucket, spec.weights_path, Path(settings.weights_cache_dir)
-        )
+        # Which upload this is, read before its files: a manifest replaced meanwhile is tried again next time.
+        manifest = self._storage.bucket(settings.model_bucket).get_blob(f"{spec.weights_path.rstrip('/')}/{MANIFEST}")
+        upload = hashlib.sha256(manifest.download_as_bytes()).hexdigest() if manifest is not None else None
+        if self._unloadable.get(spec.weights_path, "") == upload:
+            raise UnchangedWeightsError(spec.weights_path)
+        location = f"gs://{settings.model_bucket}/{spec.weights_path}"
+        try:
+            weights_dir = download_weights(
+                self._storage, settings.model_bucket, spec.weights_path, Path(settings.weights_cache_dir)
+            )
+        except WeightsFormatError as exc:  # as its manifest says, but not a file safetensors loads: as a failed load
+            raise WeightsLoadError(f"{location}: {exc.file}: does not load ({exc.reason})", upload) from exc
         cache = None
         if settings.torch_compile:
             bucket = self._storage.bucket(settings.model_bucket)
             cache = CompileCache(bucket, naming.compile_cache_object(spec.weights_path, compile_cache_key(spec)))
-        return DiffusionRunner(spec, weights_dir, settings.torch_threads, settings.torch_compile, cache)
+        try:
+            return DiffusionRunner(spec, weights_dir, settings.torch_threads, settings.torch_compile, cache)
+        except Exception as exc:
+            if _out_of_memory(exc):
+                raise  # the device's, not the weights': a restart (or another node) may fit it
+            file, reason = unloadable_file(weights_dir) or ("", f"{type(exc).__name__}: {_first_line(exc)}")
+            if not file:
+                log.warning("%s does not load", location, exc_info=True)  # no file explains it: the traceback
+            raise WeightsLoadError(
+                f"{location}: {file + ': ' if file else ''}does not load ({reason})", upload
+            ) from exc
 
     def serve(self) -> None:
         """Runs the device loop on the calling thread until `stop()`; then drains and returns."""

@@ -43,13 +43,14 @@ class RunningRequest:
         return next((r.failure for r in self.items if r.failure is not None), None)
 
     def progress(self) -> tuple[int, int]:
-        """(step, total) in the request's own terms: step i of the N steps it asked for.
+        """(step, total) in the request's own terms: step i of the N steps it asked for (image-to-image: the share
+        of them its strength runs, as `scheduling: request` reports it).
 
-        A scheduler may run one more model call than asked (PNDM), img2img fewer: the calls done are scaled
-        to the requested count, so the total is always N and the step reaches N at the last call.
+        A scheduler may run one more model call than asked (PNDM): the calls done are scaled to the requested
+        count, so the total is always N and the step reaches N at the last call.
         """
-        requested = self.pending.request.parameters.num_inference_steps
         first = self.items[0]
+        requested = first.requested or self.pending.request.parameters.num_inference_steps
         if first.done == 0:
             return 0, requested
         return max(1, first.done * requested // max(first.total, 1)), requested

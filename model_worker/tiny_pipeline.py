@@ -351,8 +351,8 @@ def publish_adapters(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) 
     """Builds the tiny adapters for one model, uploads them under `adapters/{model}/{name}/1/` and registers
     them the way the admin call does (the same checks, the same registration record)."""
     from contract import google_clients, naming
-    from contract.adapter_registry import AdapterRegistry
     from contract.settings import Settings
+    from contract.stores.adapter_registry import AdapterRegistry
 
     bucket = google_clients.storage_client(Settings.from_env()).bucket(bucket_name)
     registry = AdapterRegistry(bucket)

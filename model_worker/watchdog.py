@@ -3,7 +3,7 @@
 It runs in every worker process, but only one at a time across the fleet sweeps: the one holding the
 watchdog lease in Redis (renewed every sweep, as long as a holder lease, so a dead leader is replaced as
 fast as a dead worker's requests lapse). A sweep looks at two things the API and the workers keep in Redis
-(`contract.inflight`):
+(`contract.stores.inflight`):
 
 - requests whose holder lease lapsed with no stored result: the holder died (or stalled). The kept message is
   published again, its re-dispatch counted (the worker adds it to the delivery attempt); after the model's
@@ -27,9 +27,9 @@ import redis
 from google.cloud import pubsub_v1
 
 from contract.catalog import ModelCatalog
-from contract.inflight import InflightState, InflightStore, KeptRequest, RedisOutage
 from contract.messages import Attr, InferenceReply
-from contract.results import ResultStore
+from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage
+from contract.stores.results import ResultStore
 from model_worker.finisher import ReplyFinisher
 from model_worker.metrics import WorkerMetrics
 

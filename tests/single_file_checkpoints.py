@@ -3,18 +3,33 @@ transformer), written from a tiny diffusers pipeline by inverting diffusers' key
 
 Fine-tunes are shared in these layouts; the importer converts them back with diffusers' `from_single_file`. The
 inverse here follows the layouts diffusers' converters read (`diffusers/loaders/single_file_utils.py`, the
-`scripts/convert_diffusers_to_original_*` scripts); `round_trip` runs diffusers' own converters on a written
-checkpoint so a test can check the inverse gives back every tensor, under its diffusers name, unchanged.
+`scripts/convert_diffusers_to_original_*` scripts). There is no separate round-trip helper: the import tests
+(`tests/integration/test_single_file_import.py`) convert a written checkpoint back through the importer, which
+runs diffusers' own converters, and check every tensor comes back under its diffusers name, unchanged.
+
+A checkpoint written from the very folder used as its base could not tell a conversion from a copy of the base
+(conversion starts from the base's folder). `fine_tune` makes the folder to write from: the base with every
+tensor of the components a file carries changed, so that a component, or a single tensor, that silently fell
+back to the base's is seen (`CARRIED`: what each family's file holds).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+# The components a single file carries, by family (a FLUX file is its transformer alone).
+CARRIED = {
+    "sd15": ("unet", "vae", "text_encoder"),
+    "sdxl": ("unet", "vae", "text_encoder", "text_encoder_2"),
+    "flux": ("transformer",),
+}
 
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
            "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}  # fmt: skip
@@ -197,3 +212,25 @@ def write_flux_checkpoint(pipeline: Path, out: Path, prefix: str = "") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out)
     return out
+
+
+def fine_tune(base: Path, out: Path, components: tuple[str, ...], seed: int = 1, scale: float = 0.02) -> Path:
+    """A copy of the diffusers folder `base` whose `components` have every tensor changed (small noise added, so
+    the model still works), as a fine-tune differs from its base; the rest (configs, tokenizers) is the base's."""
+    shutil.copytree(base, out)
+    generator = torch.Generator().manual_seed(seed)
+    for component in components:
+        for file in sorted((out / component).glob("*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                metadata = handle.metadata()
+            tuned = {
+                name: tensor + scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+                for name, tensor in load_file(file).items()
+            }
+            save_file(tuned, file, metadata=metadata)
+    return out
+
+
+def component_tensors(folder: Path, component: str) -> dict:
+    """Every tensor of one component of a diffusers folder, by its diffusers name."""
+    return _load(folder, component)

@@ -36,7 +36,7 @@ L4_MATMUL_TFLOPS = 121.0
 
 def model_calls(steps: int, strength: float | None, extra_calls: int = PNDM_EXTRA_CALLS) -> int:
     """Denoising calls a request needs: diffusers' img2img starts `steps - int(steps x strength)` into the
-    schedule (model_worker/pipeline.py's `_image_latents`), and PNDM's schedule is `steps + 1` long."""
+    schedule (SD 1.5's img2img `get_timesteps`, which the worker borrows), and PNDM's schedule is `steps + 1` long."""
     start = 0 if strength is None else max(steps - min(int(steps * strength), steps), 0)
     return steps + extra_calls - start
 

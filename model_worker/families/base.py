@@ -10,9 +10,9 @@ pool's batch key (model, size, adapter set), the same for every family.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
@@ -28,6 +28,8 @@ class Denoiser:
     model_attribute = "unet"
     # Arguments of the pipeline's `from_pretrained` for the whole family (SD 1.5: no safety checker).
     extra_load_kwargs: dict[str, Any] = {}
+    # The torch.compile backend `compile` uses: None is inductor at max-autotune (the runner's, on CUDA).
+    compile_backend: str | None = None
 
     def __init__(self, spec: ModelSpec, pipeline, device: str) -> None:
         import torch
@@ -38,10 +40,6 @@ class Denoiser:
         self._torch = torch
         # Set by `compile`: the model's rows are padded up to a compiled batch size.
         self._compiled_buckets: list[int] | None = None
-
-    @property
-    def needs_image(self) -> bool:
-        return self.spec.task == "image-to-image"
 
     @property
     def model(self):
@@ -73,14 +71,28 @@ class Denoiser:
         return family.lora_components if family.adapters else ()
 
     def compile(self) -> None:
-        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`)."""
+        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`): with inductor at
+        max-autotune, or with `compile_backend` when one is named (the tests' `eager`)."""
         torch = self._torch
         # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters.
         if hasattr(self.pipeline, "fuse_qkv_projections") and not (self.lora_components() and self.spec.adapters):
             self.pipeline.fuse_qkv_projections()
-        setattr(self.pipeline, self.model_attribute,
-                torch.compile(self.model, mode="max-autotune-no-cudagraphs", dynamic=False))  # fmt: skip
+        backend = self.compile_backend
+        options = {"mode": "max-autotune-no-cudagraphs"} if backend is None else {"backend": backend}
+        setattr(self.pipeline, self.model_attribute, torch.compile(self.model, dynamic=False, **options))
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
+
+    def requested_steps(self, params: GenerationParameters) -> int:
+        """The steps a request's progress counts to: `num_inference_steps`, or for image-to-image the share of them
+        its strength runs, as the img2img pipeline's own `get_timesteps` counts it (SD's and SDXL's
+        `int(steps x strength)`, FLUX's `steps - int(steps x (1 - strength))`: one more for 25 at 0.5)."""
+        steps = params.num_inference_steps
+        if not self.spec.needs_image or params.strength is None:
+            return steps
+        # The class's own method over a stand-in pipeline whose scheduler has no schedule: it only counts.
+        counting = SimpleNamespace(scheduler=SimpleNamespace(timesteps=(), order=1))
+        _, run = type(self.pipeline).get_timesteps(counting, steps, params.strength, self.device)
+        return max(1, min(run, steps))
 
     # --- scheduling: request -------------------------------------------------------------------------------
 
@@ -102,6 +114,16 @@ class Denoiser:
 
     def decode(self, running: list[RunningItem]) -> list:
         """Float arrays (height x width x 3, in [0, 1]) of finished items, in one decoder call."""
+        torch = self._torch
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
+            images = self.decode_latents(latents, running)
+            arrays = self.pipeline.image_processor.postprocess(images, output_type="np")
+        self.finished(running)
+        return list(arrays)
+
+    def decode_latents(self, latents, running: list[RunningItem]):
+        """The VAE's images of the model's latents, as the family's pipeline decodes them."""
         raise NotImplementedError
 
     # --- shared by the families ----------------------------------------------------------------------------
@@ -146,22 +168,58 @@ class Denoiser:
             r.state.clear()  # the latents and scheduler are done with: free them now, not when the reply is sent
 
 
-def randn(shape, generator, device, dtype):
-    """diffusers' noise for one image from its own generator (a one-element list, as the pipeline gets it)."""
-    from diffusers.utils.torch_utils import randn_tensor
+class GuidedDenoiser(Denoiser):
+    """The classifier-free-guidance families (SD 1.5, SDXL, SD 3.5): a guided image takes two rows of the shared
+    model call (negative, then positive), an unguided one (guidance scale 1 or less) one, so images with and
+    without guidance share a call; each row gets its image's timestep. Each image's `state` has its
+    `condition` (tensors in model rows, `guided_rows`) and its `guidance` (None: unguided)."""
 
-    return randn_tensor(shape, generator=[generator], device=device, dtype=dtype)
+    def denoise(self, running: list[RunningItem]) -> None:
+        torch = self._torch
+        inputs, timesteps = [], []
+        with torch.inference_mode():
+            for r in running:
+                t = r.state["timesteps"][r.done]
+                latents = r.state["latents"]
+                x = guided_rows(latents, latents if r.state["guidance"] is not None else None)
+                inputs.append(self.model_input(r.state["scheduler"], x, t))
+                timesteps.append(t.reshape(1).to(torch.float32).repeat(x.shape[0]))
+            sample, timestep = torch.cat(inputs), torch.cat(timesteps).to(inputs[0].device)
+            condition = {key: torch.cat([r.state["condition"][key] for r in running])
+                         for key in running[0].state["condition"]}  # fmt: skip
+            rows = sample.shape[0]
+            size = self.padded_rows(rows, rows_per_image=2)  # static shapes when compiled: padded, then dropped
+            if size != rows:
+                sample, timestep = pad_rows(sample, size), pad_rows(timestep, size)
+                condition = {key: pad_rows(value, size) for key, value in condition.items()}
+            predicted = self.call_model(sample, timestep, condition)[:rows]
+            self.step_items(running, guided_predictions(running, inputs, predicted))
+
+    def model_input(self, scheduler, sample, timestep):
+        """The model's input rows for an image's latents (the UNet schedulers scale them; flow matching does not)."""
+        return sample
+
+    def call_model(self, sample, timestep, condition: dict):
+        """The family's model on the shared rows: its noise (or velocity) prediction, one row per input row."""
+        raise NotImplementedError
 
 
-def step_kwargs(scheduler, generator) -> dict:
-    """What the pipeline passes to `scheduler.step` besides the tensors (eta 0 for DDIM, the generator)."""
-    accepted = inspect.signature(scheduler.step).parameters
-    kwargs: dict = {}
-    if "eta" in accepted:
-        kwargs["eta"] = 0.0
-    if "generator" in accepted:
-        kwargs["generator"] = [generator]
-    return kwargs
+def guided_rows(positive, negative=None):
+    """An image's rows of the model call: negative then positive when guided, the positive alone when not."""
+    import torch
+
+    return positive if negative is None else torch.cat([negative, positive])
+
+
+def conditions(positive: dict, negative: dict | None) -> list[dict]:
+    """Each image's conditioning in model rows, from the request's batched encoder outputs (one row per image;
+    `negative` None when unguided)."""
+    count = len(next(iter(positive.values())))
+    return [
+        {key: guided_rows(value[i : i + 1], None if negative is None else negative[key][i : i + 1])
+         for key, value in positive.items()}
+        for i in range(count)
+    ]  # fmt: skip
 
 
 def guided_predictions(running: list[RunningItem], inputs: list, predicted) -> list:

@@ -8,8 +8,9 @@ embedded guidance as per-sample [B] tensors; the text and image position ids hav
 same for every image of one size, so they are shared. Image-to-image starts each image at its own step of its
 own schedule (the pipeline's `get_timesteps` on the image's scheduler) from the noised input's latents.
 
-SD 3.5: unpacked latents, `timestep` as the scheduler gives it, classifier-free guidance as the UNet families
-do it (negative row, then positive row, per image), and the T5 encoder optional (`without: [text_encoder_3]`).
+SD 3.5: unpacked latents, `timestep` as the scheduler gives it, classifier-free guidance and the shared call as
+the UNet families have them (`base.GuidedDenoiser`), and the T5 encoder optional (`without: [text_encoder_3]`).
+Both decode their latents alike (`from_flow_latents`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from contract.messages import GenerationParameters
-from model_worker.families.base import Denoiser, guided_predictions, pad_rows
+from model_worker.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
 from model_worker.runners import GenerationItem, RunningItem
 
-# The T5 prompt length, in both schedulings (each pipeline's default; FLUX.1 [schnell] checkpoints also run 256).
-MAX_SEQUENCE_LENGTH = 512
+# The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
+# with 256, the length its reference code and model card use (512 would double the text tokens of every step);
+# SD 3.5's pipeline default of 256.
+FLUX_DEV_MAX_SEQUENCE_LENGTH = 512
+FLUX_SCHNELL_MAX_SEQUENCE_LENGTH = 256
 SD3_MAX_SEQUENCE_LENGTH = 256
 
 
@@ -31,6 +35,10 @@ class FluxDenoiser(Denoiser):
     @property
     def guidance_embedded(self) -> bool:
         return bool(self.pipeline.transformer.config.guidance_embeds)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return FLUX_DEV_MAX_SEQUENCE_LENGTH if self.guidance_embedded else FLUX_SCHNELL_MAX_SEQUENCE_LENGTH
 
     def check_loaded(self) -> None:
         """The catalog's guidance mode must be the model's: [dev] embeds guidance, [schnell] takes none."""
@@ -43,8 +51,8 @@ class FluxDenoiser(Denoiser):
             )
 
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
-        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": MAX_SEQUENCE_LENGTH}
-        if self.needs_image:
+        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": self.max_sequence_length}
+        if self.spec.needs_image:
             kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
         return kwargs
 
@@ -57,10 +65,11 @@ class FluxDenoiser(Denoiser):
         with torch.inference_mode():
             prompt_embeds, pooled, text_ids = pipe.encode_prompt(
                 prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                max_sequence_length=self.max_sequence_length,
             )  # fmt: skip
             channels = pipe.transformer.config.in_channels // 4
             steps = params.num_inference_steps
+            requested = self.requested_steps(params)
             config = pipe.scheduler.config
             running = []
             for index, item in enumerate(items):
@@ -73,7 +82,7 @@ class FluxDenoiser(Denoiser):
                 )  # fmt: skip
                 scheduler = self.new_scheduler()
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-                if self.needs_image:
+                if self.spec.needs_image:
                     with self.using(scheduler):
                         timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
                         image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
@@ -99,7 +108,7 @@ class FluxDenoiser(Denoiser):
                     "mu": mu,
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
                 }
-                running.append(RunningItem(item, total=len(timesteps), state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return running
 
     def denoise(self, running: list[RunningItem]) -> None:
@@ -132,20 +141,13 @@ class FluxDenoiser(Denoiser):
             )[0][:rows]  # fmt: skip
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
 
-    def decode(self, running: list[RunningItem]) -> list:
-        torch, pipe = self._torch, self.pipeline
+    def decode_latents(self, latents, running: list[RunningItem]):
+        pipe = self.pipeline
         height, width = running[0].state["size"]
-        with torch.inference_mode():
-            latents = torch.cat([r.state["latents"] for r in running])
-            latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-            latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-            images = pipe.vae.decode(latents, return_dict=False)[0]
-            arrays = pipe.image_processor.postprocess(images, output_type="np")
-        self.finished(running)
-        return list(arrays)
+        return from_flow_latents(pipe.vae, pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor))
 
 
-class SD3Denoiser(Denoiser):
+class SD3Denoiser(GuidedDenoiser):
     """SD 3.5: two CLIPs and T5 (or zeros in its place), classifier-free guidance with negative prompts."""
 
     model_attribute = "transformer"
@@ -167,6 +169,7 @@ class SD3Denoiser(Denoiser):
         torch, pipe = self._torch, self.pipeline
         device = pipe._execution_device
         guided = params.guidance_scale > 1
+        requested = self.requested_steps(params)
         config = pipe.scheduler.config
         with torch.inference_mode():
             prompt_embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
@@ -175,8 +178,10 @@ class SD3Denoiser(Denoiser):
                 negative_prompt=[item.negative_prompt or "" for item in items],
                 max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
             )  # fmt: skip
+            positive = {"context": prompt_embeds, "pooled": pooled}
+            negative = {"context": negative_embeds, "pooled": negative_pooled} if guided else None
             running = []
-            for index, item in enumerate(items):
+            for item, condition in zip(items, conditions(positive, negative), strict=True):
                 generator = torch.Generator(device="cpu").manual_seed(item.seed)
                 latents = pipe.prepare_latents(
                     1, pipe.transformer.config.in_channels, params.height, params.width, prompt_embeds.dtype, device,
@@ -192,51 +197,28 @@ class SD3Denoiser(Denoiser):
                     )  # fmt: skip
                 scheduler = self.new_scheduler()
                 timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, device, **kwargs)
-                context, pooled_item = prompt_embeds[index : index + 1], pooled[index : index + 1]
-                if guided:
-                    context = torch.cat([negative_embeds[index : index + 1], context])
-                    pooled_item = torch.cat([negative_pooled[index : index + 1], pooled_item])
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,
-                    "context": context,
-                    "pooled": pooled_item,
+                    "condition": condition,
                     "guidance": params.guidance_scale if guided else None,
                     "size": (params.height, params.width),
                     "step_kwargs": {},
                 }
-                running.append(RunningItem(item, total=len(timesteps), state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return running
 
-    def denoise(self, running: list[RunningItem]) -> None:
-        torch = self._torch
-        with torch.inference_mode():
-            inputs, timesteps = [], []
-            for r in running:
-                latents = r.state["latents"]
-                x = torch.cat([latents] * 2) if r.state["guidance"] is not None else latents
-                inputs.append(x)
-                timesteps.append(r.state["timesteps"][r.done].expand(x.shape[0]))
-            sample, timestep = torch.cat(inputs), torch.cat(timesteps)
-            context = torch.cat([r.state["context"] for r in running])
-            pooled = torch.cat([r.state["pooled"] for r in running])
-            rows = sample.shape[0]
-            size = self.padded_rows(rows, rows_per_image=2)
-            if size != rows:
-                sample, timestep, context, pooled = (pad_rows(t, size) for t in (sample, timestep, context, pooled))
-            predicted = self.pipeline.transformer(
-                hidden_states=sample, timestep=timestep, encoder_hidden_states=context, pooled_projections=pooled,
-                return_dict=False,
-            )[0][:rows]  # fmt: skip
-            self.step_items(running, guided_predictions(running, inputs, predicted))
+    def call_model(self, sample, timestep, condition: dict):
+        return self.pipeline.transformer(
+            hidden_states=sample, timestep=timestep, encoder_hidden_states=condition["context"],
+            pooled_projections=condition["pooled"], return_dict=False,
+        )[0]  # fmt: skip
 
-    def decode(self, running: list[RunningItem]) -> list:
-        torch, pipe = self._torch, self.pipeline
-        with torch.inference_mode():
-            latents = torch.cat([r.state["latents"] for r in running])
-            latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-            images = pipe.vae.decode(latents, return_dict=False)[0]
-            arrays = pipe.image_processor.postprocess(images, output_type="np")
-        self.finished(running)
-        return list(arrays)
+    def decode_latents(self, latents, running: list[RunningItem]):
+        return from_flow_latents(self.pipeline.vae, latents)
+
+
+def from_flow_latents(vae, latents):
+    """The flow-matching families' VAE decode: latents unscaled and shifted back, as FLUX's and SD 3's pipelines do."""
+    return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]

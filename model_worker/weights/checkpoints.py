@@ -7,7 +7,9 @@ first as the format requires: `contract/safetensors_checks.py`). A single file c
 (local, or the weights path of a model already served), gives every component's configuration, the
 tokenizers and scheduler, and every component the file lacks (a FLUX fine-tune ships only its transformer).
 A fine-tune has its base's shapes: the file's key tensors are checked against the base's own safetensors
-headers before converting, and every converted component against them after.
+headers before converting, and every converted component against them after. One setting is taken from what
+the file is rather than from the base: a VAE that is not the base's decodes in float32 (`force_upcast`) even
+where the base's, the fp16-fix VAE, need not, since a file may bake in the original SDXL VAE.
 
 Each component is converted by diffusers (`Model.from_single_file(..., config=base, subfolder=...)`, and
 `create_diffusers_clip_model_from_ldm` for the CLIP text encoders, what `Pipeline.from_single_file` calls),
@@ -236,9 +238,29 @@ def _check_converted(model, component: str, base: Path, file: str) -> None:
                                      f"{len(differing) + len(empty)} such)")  # fmt: skip
 
 
-def convert_checkpoint(path: Path, base: Path, out: Path, family: str | None = None) -> tuple[str, list[str]]:
+def _needs_upcast(vae, base: Path) -> bool:
+    """Whether a converted VAE must decode in float32 where its base says it need not (`force_upcast: false`, the
+    fp16-fix VAE SDXL bases often carry). The file's config is the base's, so it says nothing of the file's VAE:
+    a file that bakes in another VAE (the original SDXL one overflows float16) gets `force_upcast` unless its
+    tensors are the base's (up to half-precision rounding), which is what makes the base's setting true of it."""
+    import torch
+    from safetensors.torch import load_file
+
+    if vae.config.get("force_upcast", True):
+        return False  # decoded in float32 already
+    state = vae.state_dict()
+    theirs = {name: t for file in sorted((base / "vae").glob("*.safetensors")) for name, t in load_file(file).items()}
+    return state.keys() != theirs.keys() or not all(
+        torch.allclose(state[name].float(), theirs[name].float(), rtol=2**-8, atol=1e-5) for name in state
+    )
+
+
+def convert_checkpoint(
+    path: Path, base: Path, out: Path, family: str | None = None
+) -> tuple[str, list[str], list[str]]:
     """Writes the diffusers folder for `path` into `out` (the base's folder, its converted components replaced);
-    returns the family and the components taken from the base unchanged."""
+    returns the family, the components taken from the base unchanged, and notes on what differs from the base's
+    configuration (a VAE decoded in float32 where the base's is not)."""
     from safetensors.torch import load_file
 
     header = read_checkpoint_header(path)
@@ -258,7 +280,7 @@ def convert_checkpoint(path: Path, base: Path, out: Path, family: str | None = N
             f"{path.name}: safetensors cannot load it here ({type(exc).__name__}: {exc})"
         ) from exc
     shutil.copytree(base, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("maas-manifest.json", ".download-*"))
-    from_base = []
+    from_base, notes = [], []
     for component in COMPONENTS[found]:
         mine = {name: tensor for name, tensor in tensors.items() if name.startswith(component.prefixes)}
         if not mine:
@@ -272,8 +294,11 @@ def convert_checkpoint(path: Path, base: Path, out: Path, family: str | None = N
             raise CheckpointRefusedError(f"{path.name}: its {component.name} does not convert against the base "
                                          f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
         _check_converted(model, component.name, base, path.name)
+        if component.name == "vae" and _needs_upcast(model, base):
+            model.register_to_config(force_upcast=True)
+            notes.append("vae: the file's own, not the base's (force_upcast: false): decoded in float32 (force_upcast)")
         shutil.rmtree(out / component.name)
         model.save_pretrained(out / component.name, safe_serialization=True)
     from_base += [p.name for p in sorted(base.iterdir()) if p.is_dir() and p.name not in
                   {c.name for c in COMPONENTS[found]}]  # fmt: skip
-    return found, sorted(set(from_base))
+    return found, sorted(set(from_base)), notes

@@ -136,10 +136,11 @@ def convert_single_file(client, source: Path, base: str, work: Path, family: str
         if not base_dir.is_dir():
             raise ImportRefusedError(f"base {base}: not a directory or gs:// weights path")
     try:
-        found, from_base = convert_checkpoint(source, base_dir, work / "converted", family)
+        found, from_base, notes = convert_checkpoint(source, base_dir, work / "converted", family)
     except CheckpointRefusedError as exc:
         raise ImportRefusedError(str(exc)) from exc
     return (
         work / "converted",
-        f"\n# converted from {source.name} ({found}); from the base {base}: {', '.join(from_base)}",
+        f"\n# converted from {source.name} ({found}); from the base {base}: {', '.join(from_base)}"
+        + "".join(f"\n# {note}" for note in notes),
     )

@@ -3,11 +3,13 @@ against it.
 
 A weights prefix may carry `maas-manifest.json`: every file's size and SHA-256, written when the model was
 uploaded. The worker checks each downloaded file against it before anything is loaded, so a missing, changed
-or truncated file is never served, and every safetensors file against what the format requires
-(`contract/safetensors_checks.py`: a file with overlapping or stray tensor bytes would make diffusers fail at
-load): `WeightsIntegrityError` names the file and why (the worker's `/readyz` says it, and it tries again). A
-prefix without a manifest still loads, with a warning, so existing buckets work. Every file lands inside the
-cache directory: a blob or manifest name that would lead out of it (`..`, an empty segment) is refused.
+or truncated file is never served: `WeightsIntegrityError` names the file and why (the worker's `/readyz` says
+it, and it tries again). Every safetensors file is then checked against what the format requires
+(`contract/safetensors_checks.py`: overlapping or stray tensor bytes would make diffusers fail at load):
+`WeightsFormatError`, for an upload that matches its manifest and yet will never load (the worker waits for
+another upload). A prefix without a manifest still loads, with a warning, so existing buckets work. Every file
+lands inside the cache directory: a blob or manifest name that would lead out of it (`..`, an empty segment) is
+refused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class WeightsIntegrityError(Exception):
     def __init__(self, location: str, file: str, reason: str) -> None:
         super().__init__(f"{location}: {file}: {reason}")
         self.file, self.reason = file, reason
+
+
+class WeightsFormatError(WeightsIntegrityError):
+    """A file that matches the manifest but is not a safetensors file the format allows: it would not load, and the
+    same upload never will (the worker waits for another rather than downloading it again)."""
 
 
 def file_digest(path: Path) -> str:
@@ -73,12 +80,12 @@ def local_path(directory: Path, name: str, location: str) -> Path:
 
 def check_headers(directory: Path, location: str) -> None:
     """Every safetensors file under `directory` is one the format allows (what diffusers would fail to load, or
-    load wrong, is refused here with the file and why)."""
+    load wrong, is refused here with the file and why: `WeightsFormatError`)."""
     for path in sorted(directory.rglob("*.safetensors")):
         try:
             read_file_header(path)
         except SafetensorsError as exc:
-            raise WeightsIntegrityError(location, path.relative_to(directory).as_posix(), str(exc)) from exc
+            raise WeightsFormatError(location, path.relative_to(directory).as_posix(), str(exc)) from exc
 
 
 def verify(directory: Path, manifest: dict, location: str) -> None:

@@ -1,5 +1,7 @@
 """Bring your own model, end to end: a FLUX fine-tune shared as one file is imported as version 2 of a served
 model, answers pinned requests at 0% of the traffic, then takes a canary share, is promoted and rolled back.
+The file's transformer differs from the base's in every tensor, and version 2's images are the file's, not
+the base's (version 1's).
 
 The catalog is read when a process starts, so the test writes the catalog an operator would (the local overlay
 plus the model, its new version at 0%) and starts a worker and an API process on it, as the stack starts its
@@ -8,21 +10,25 @@ own: real Pub/Sub, GCS, Redis and BigQuery; the traffic calls and the log rows a
 
 from __future__ import annotations
 
+import base64
+import io
 import subprocess
 import sys
 import time
 import uuid
 
+import numpy as np
 import pytest
 import requests
 import yaml
+from PIL import Image
 
 from api_server.traffic import choose_version
 from contract.catalog import load_catalog
 from emulators.processes import ProcessRegistry, http_ok, wait_port_free
 from emulators.stack import LOCAL_CATALOG_OVERLAY, ROOT
 from tests.conftest import TEST_ADMIN_KEY, query_rows
-from tests.single_file_checkpoints import write_flux_checkpoint
+from tests.single_file_checkpoints import CARRIED, fine_tune, write_flux_checkpoint
 
 pytestmark = pytest.mark.stack
 MODEL = "byom-flux"
@@ -42,20 +48,19 @@ def catalog_with_the_new_version(path):
 
 
 @pytest.fixture(scope="module")
-def served(stack, settings, tmp_path_factory):
-    """Imports both versions, then starts the model's worker and an API process on the new catalog; its URL."""
+def byom(stack, settings, tmp_path_factory):
+    """Imports both versions: version 1 the served base (a diffusers folder), version 2 a fine-tune of it shared as
+    one file, its transformer (all a FLUX file carries) changed in every tensor. The work folder, base, fine-tune."""
     from contract import google_clients
-    from contract.settings import Settings
-    from emulators.bootstrap import bootstrap_pubsub
     from model_worker.tiny_pipeline import build_pipeline
     from model_worker.weights.importer import import_model
 
     work = tmp_path_factory.mktemp("byom")
     storage = google_clients.storage_client(settings)
-    # Version 1: the served base (a diffusers folder); version 2: a fine-tune of it shared as one file.
     base = build_pipeline(work / "base", "FluxPipeline", "none")
     import_model(storage, settings.model_bucket, base, MODEL, "1", "flux")
-    finetune = write_flux_checkpoint(base, work / "my-flux-finetune.safetensors")
+    tuned = fine_tune(base, work / "tuned", CARRIED["flux"])
+    finetune = write_flux_checkpoint(tuned, work / "my-flux-finetune.safetensors")
     done = subprocess.run(
         [sys.executable, "-m", "model_worker.weights", "import", str(finetune), "--model", MODEL, "--version", "2",
          "--base", f"gs://{settings.model_bucket}/{MODEL}/1"],
@@ -63,7 +68,16 @@ def served(stack, settings, tmp_path_factory):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f'"2": {{weights_path: {MODEL}/2, pipeline: FluxPipeline}}' in done.stdout
+    return work, base, tuned
 
+
+@pytest.fixture(scope="module")
+def served(stack, byom):
+    """Starts the model's worker and an API process on the catalog with the new version; its URL."""
+    from contract.settings import Settings
+    from emulators.bootstrap import bootstrap_pubsub
+
+    work = byom[0]
     overlay = catalog_with_the_new_version(work / "models.yaml")
     catalog = load_catalog(None, str(overlay))
     bootstrap_pubsub(Settings.from_env({**stack.service_env(), "MAAS_CATALOG_OVERLAY": str(overlay)}), catalog)
@@ -92,13 +106,50 @@ def served(stack, settings, tmp_path_factory):
             registry.stop(name, timeout=30)
 
 
-def predict(url, auth_headers, version: str | None = None) -> tuple[str, str]:
+def predict(url, auth_headers, version: str | None = None, body: dict | None = None) -> tuple[str, str]:
     """(the version that answered, the request id)."""
+    return answer(url, auth_headers, version, body)[:2]
+
+
+def answer(url, auth_headers, version: str | None = None, body: dict | None = None) -> tuple[str, str, dict]:
+    """(the version that answered, the request id, the reply's body)."""
     path = f"/v1/models/{MODEL}/versions/{version}:predict" if version else f"/v1/models/{MODEL}:predict"
-    body = {"instances": [{"prompt": f"byom {uuid.uuid4().hex}"}], "parameters": {"num_inference_steps": 2}}
+    body = body or {"instances": [{"prompt": f"byom {uuid.uuid4().hex}"}], "parameters": {"num_inference_steps": 2}}
     response = requests.post(url + path, json=body, headers=auth_headers, timeout=60)
     assert response.status_code == 200, response.text
-    return response.json()["model_version"], response.headers["X-Request-Id"]
+    return response.json()["model_version"], response.headers["X-Request-Id"], response.json()
+
+
+def rendered(folder, version: str, body: dict) -> np.ndarray:
+    """The image the worker's runner makes from the weights in `folder` for `body`, in this process (uint8)."""
+    from api_server.schemas import PredictBody, resolve_parameters
+    from model_worker.pipeline import DiffusionRunner
+    from model_worker.runners import GenerationItem
+
+    spec = load_catalog(None, str(catalog_with_the_new_version(folder.parent / "render.yaml"))).unit(
+        f"{MODEL}--{version}"
+    )
+    params = resolve_parameters(PredictBody.model_validate(body), spec)
+    item = GenerationItem(prompt=body["instances"][0]["prompt"], seed=params.seed)
+    image = DiffusionRunner(spec, folder).generate([item], params, lambda step, total: None)[0]
+    return (np.clip(image, 0, 1) * 255).round().astype(np.int16)
+
+
+def test_the_imported_version_serves_the_files_weights_not_the_bases(served, byom, auth_headers):
+    """Version 2's images are the fine-tune's, made from the file's transformer; version 1's the base's. (Within
+    2/255: the worker batches step by step, on its own thread count, which moves a pixel by a rounding.)"""
+    _, base, tuned = byom
+    body = {"instances": [{"prompt": "a lighthouse at dawn"}], "parameters": {"num_inference_steps": 2, "seed": 11}}
+    served_images = {}
+    for version in ("1", "2"):
+        answered, _, reply = answer(served, auth_headers, version, body)
+        assert answered == version
+        png = base64.b64decode(reply["predictions"][0]["image_b64"])
+        served_images[version] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+    from_base, from_file = rendered(base, "1", body), rendered(tuned, "2", body)
+    assert np.abs(served_images["1"] - from_base).max() <= 2
+    assert np.abs(served_images["2"] - from_file).max() <= 2
+    assert np.abs(served_images["2"] - from_base).max() > 2 * 2, "version 2 answers with the base's images"
 
 
 def set_traffic(url, traffic: dict | None) -> dict:

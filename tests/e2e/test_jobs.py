@@ -96,7 +96,7 @@ def test_cancelled_job_is_answered_cancelled_without_a_result(stack, auth_header
     # The worker honoured it: its stored reply for the request says cancelled.
     import redis
 
-    from contract.results import ResultStore
+    from contract.stores.results import ResultStore
 
     store = ResultStore(redis.Redis.from_url(stack.client_env()["MAAS_REDIS_URL"]), 60)
     job_id = location.rsplit("/", 1)[1]

@@ -227,6 +227,8 @@ def test_health_endpoints(stack):
     assert requests.get(f"{stack.api_url}/healthz", timeout=5).status_code == 200
     ready = requests.get(f"{stack.api_url}/readyz", timeout=5)
     assert ready.status_code == 200 and ready.json()["reply_mode"] == "per-request"
+    # JSON (no charset parameter: RFC 8259), every non-ASCII character escaped, so no client misreads a reason.
+    assert ready.headers["Content-Type"] == "application/json" and ready.content.isascii()
 
 
 def test_an_image_whose_text_chunk_inflates_too_far_is_a_422_not_a_500(stack, auth_headers):

@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from contract import google_clients, naming
-from contract.adapter_registry import AdapterRecord, AdapterRegistry
 from contract.lora_files import AdapterFileError
+from contract.stores.adapter_registry import AdapterRecord, AdapterRegistry
 from emulators.stack import local_catalog
 from tests.conftest import SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS, TEST_ADMIN_KEY, query_rows
 

@@ -33,10 +33,10 @@ from api_server.jobs import JobStore
 from api_server.redis_state import RedisState
 from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
-from contract.inflight import InflightStore
 from contract.messages import Attr, InferenceReply, Payload, Prediction
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.inflight import InflightStore
+from contract.stores.results import ResultStore
 from emulators.bootstrap import bootstrap_pubsub
 from emulators.processes import ProcessRegistry, http_ok
 from tests.conftest import TEST_API_KEYS, png_b64, query_rows

@@ -24,8 +24,8 @@ from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import InferenceReply, InferenceRequest, Payload, Prediction
 from contract.outcomes import Outcome
-from contract.results import ResultStore
 from contract.settings import Settings, api_key_digest
+from contract.stores.results import ResultStore
 from emulators.bootstrap import bootstrap_pubsub
 from tests.conftest import TEST_API_KEYS, png_b64, query_rows
 

@@ -21,7 +21,7 @@ from api_server.janitor import (
 )
 from api_server.reply_waiter import CREATED_LABEL, PerRequestReplyWaiter, reply_subscription_request
 from contract import google_clients, naming
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from emulators.stack import ROOT
 
 pytestmark = pytest.mark.stack

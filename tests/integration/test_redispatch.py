@@ -16,8 +16,8 @@ import yaml
 from api_server.app import create_app
 from chaos.scenarios import ChaosContext, run_scenario
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
-from contract.results import ResultStore
 from contract.settings import Settings
+from contract.stores.results import ResultStore
 from emulators.bootstrap import bootstrap_pubsub
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis

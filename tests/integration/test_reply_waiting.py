@@ -12,7 +12,7 @@ from google.api_core import exceptions
 from api_server.reply_waiter import CREATED_LABEL, PerInstanceReplyWaiter, PerRequestReplyWaiter
 from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 
 pytestmark = pytest.mark.stack
 

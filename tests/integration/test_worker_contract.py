@@ -20,7 +20,7 @@ from contract.messages import (
     RequestInstance,
     request_attributes,
 )
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from tests.conftest import png_b64
 
 pytestmark = pytest.mark.stack

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 
 pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"

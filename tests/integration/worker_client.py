@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import redis
 
 from contract import google_clients, naming
-from contract.inflight import InflightStore, RequestKeeper
 from contract.messages import (
     GenerationParameters,
     InferenceReply,
@@ -21,6 +20,7 @@ from contract.messages import (
     RequestInstance,
     request_attributes,
 )
+from contract.stores.inflight import InflightStore, RequestKeeper
 
 
 @dataclass(frozen=True)

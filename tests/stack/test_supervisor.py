@@ -102,3 +102,27 @@ def test_a_dead_emulator_is_reported_once_and_not_restarted(registry, supervised
     supervisor.check()
     assert caplog.text.count("pubsub is not running") == 1 and "make restart-pubsub" in caplog.text
     assert not registry.is_running("pubsub")
+
+
+def test_the_exit_status_of_a_restarted_process_is_reported_as_it_was(registry, tmp_path, caplog):
+    """The registry's liveness check reaps its children; the supervisor still reports how they ended (it said
+    "exited with status 0" for every crash of a process it had restarted)."""
+    clock = Clock()
+    failing = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
+    start = lambda: registry.start("worker", failing, dict(os.environ))  # noqa: E731
+    start()
+    supervisor = Supervisor(registry, {"worker": start}, clock=clock)
+    caplog.set_level(logging.INFO, logger="emulators.supervisor")
+    for _ in range(2):  # the first exit is of a process `up` started; the second of the supervisor's own
+        deadline = time.monotonic() + 10
+        while registry.is_running("worker"):  # reaps it, as the supervisor's own checks do
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        supervisor.check()
+        clock.now += BACKOFF_MAX_SECONDS
+        supervisor.check()
+    assert "worker exited; restarting in 1s" in caplog.text
+    assert "worker exited with status 3; restarting in 2s" in caplog.text
+    kill(registry, "worker")
+    supervisor.check()
+    assert "worker was killed by signal 9; restarting in 4s" in caplog.text

@@ -3,8 +3,11 @@ the worker's device loop, equals the pipeline's after `load_lora_weights` and `s
 
 For SD 1.5, SDXL, FLUX.1 and SD 3.5 (tiny random-weight pipelines, as the local stack serves them), in both
 schedulings: one adapter at a scale, two composed, scale 0 (the base image); files in the kohya layout (with
-alpha, SDXL's in the original UNet's block names too), with LoCon conv layers, and FLUX.1's BFL names; an activation that fails part-way (diffusers' load, or its
-`set_adapters`) leaves the base model behind; and a compiled model's hotswap slots, wired on an eager model.
+alpha, SDXL's in the original UNet's block names too), with LoCon conv layers, and FLUX.1's BFL names; an
+activation that fails part-way (diffusers' load, or its `set_adapters`) leaves the base model behind. A compiled
+model's hotswap slots: wired on an eager model (PEFT, kohya LoCon and mixed-rank files, a swap that fails
+part-way; every family's denoiser), and on a model compiled with torch.compile's eager backend, which serves a base request, an adapter,
+a switch to another, two at once and the base model again without compiling after its warm-up.
 Adapters reach the runner through the worker's own loader (digest, header check against the base weights).
 """
 
@@ -158,13 +161,13 @@ def reference_with(pipelines, family: str, pending, files: dict[str, bytes], sca
         reference.delete_adapters(list(scales))
 
 
-def served(pipelines, family: str, scheduling: str, runner=None, adapters=None, seed: int = 7):
-    """A request of two images through the worker's device loop, and the runner (reused across calls)."""
+def served(pipelines, family: str, scheduling: str, runner=None, adapters=None, seed: int = 7, images: int = 2):
+    """A request of `images` images through the worker's device loop, and the runner (reused across calls)."""
     from model_worker.pipeline import DiffusionRunner
 
     spec = FAMILIES[family].model_copy(update={"scheduling": scheduling})
     runner = runner or DiffusionRunner(spec, pipelines[family][0], torch_threads=1)
-    pending = request(f"{family}-{scheduling}-{seed}", spec, steps=3, guidance=3.5, seed=seed, images=2)
+    pending = request(f"{family}-{scheduling}-{seed}", spec, steps=3, guidance=3.5, seed=seed, images=images)
     pending.request.parameters.width = pending.request.parameters.height = SIZE
     if adapters is not None:
         pending = with_adapters(pending, adapters)
@@ -267,56 +270,179 @@ def served_items(adapters) -> list:
     return [GenerationItem("a lighthouse", 5, adapters=adapters)]
 
 
-def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipelines):
-    """The hotswap wiring on an eager model (torch.compile on CPU is minutes, not seconds): an adapter is swapped
-    into its slot's existing modules, every slot stays active with its scale written into PEFT's scaling tensors
-    (so nothing a compiled graph was traced with changes), and each image is diffusers' own for the set."""
-    import diffusers
+def denoiser_only(data: bytes, component: str = "unet") -> bytes:
+    """The file's denoiser part (a compiled model refuses text-encoder layers); kohya names it `lora_unet_` in
+    every family."""
+    from safetensors.torch import load, save
+
+    return save({k: v for k, v in load(data).items() if k.startswith((f"{component}.", "lora_unet_"))})
+
+
+def mixed_ranks(data: bytes, rank: int = 8, modules: int = 3) -> bytes:
+    """A kohya file with its first `modules` pairs redrawn at `rank` (one alpha for all: scalings differ per layer)."""
     import torch
     from safetensors.torch import load, save
 
-    from model_worker.lora import LoraSets
+    tensors = load(data)
+    generator = torch.Generator().manual_seed(11)
+    for name in sorted({key.split(".")[0] for key in tensors if key.endswith(".lora_down.weight")})[:modules]:
+        down, up = tensors[f"{name}.lora_down.weight"], tensors[f"{name}.lora_up.weight"]
+        tensors[f"{name}.lora_down.weight"] = torch.randn(rank, *down.shape[1:], generator=generator) / 4
+        tensors[f"{name}.lora_up.weight"] = torch.randn(up.shape[0], rank, *up.shape[2:], generator=generator) / 2
+    return save(tensors)
+
+
+def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipelines, monkeypatch):
+    """The hotswap wiring on an eager model: every slot is made up front on every Linear and Conv2d layer (zeros:
+    the base image, exactly), an adapter is swapped into its slot's existing modules, every slot stays active with
+    its scale written into PEFT's scaling tensors (so nothing a compiled graph was traced with changes), each
+    layer's scaling is the file's own (kohya alphas and ranks that differ per layer), and each image is
+    diffusers' own for the set. A swap that fails part-way leaves the slot empty and the base model."""
+    import diffusers
+    import torch
+    from peft.utils import hotswap
+
+    from model_worker.lora import LoraSets, Slots
 
     directory, _ = pipelines["sd15"]
-    unet_only = {name: save({k: v for k, v in load(peft_file(directory, seed, rank)).items() if k.startswith("unet.")})
-                 for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8), ("dots", 3, 4))}  # fmt: skip
+    files = {name: denoiser_only(peft_file(directory, seed, rank)) for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8),
+                                                                                        ("dots", 3, 4))}  # fmt: skip
+    files["locon"] = denoiser_only(kohya_file(directory, "sd15", seed=4, conv=True))  # alpha 8 on convs, 2 elsewhere
+    files["mixed"] = mixed_ranks(denoiser_only(kohya_file(directory, "sd15", seed=5)))  # ranks 8 and 4, one alpha
     pipeline = diffusers.StableDiffusionPipeline.from_pretrained(directory)
     pipeline.set_progress_bar_config(disable=True)
-    sets = LoraSets(pipeline, ("unet", "text_encoder"), device_cache=4, hotswap_rank=POLICY.max_rank)
 
-    def image(name: str):
+    def image():
         pending = request("hot", FAMILIES["sd15"], steps=2, guidance=7.5, seed=5)  # one prompt for every image
         pending.request.parameters.width = pending.request.parameters.height = SIZE
         return pending, pipeline(**reference_kwargs(pending)).images
 
     def weights(name: str):
-        return loaded("sd15", pipelines, unet_only, {name: 1.0}).loaded[0][0]
+        return loaded("sd15", pipelines, files, {name: 1.0}).loaded[0][0]
 
-    _, base = image("base")
-    modules = None
-    for names, scales in ((["ink"], [0.8]), (["neon"], [0.8]), (["ink", "dots"], [0.8, -0.6]), (["neon"], [0.0]),
-                          (["dots", "ink"], [0.5, 0.5]), ([], [])):  # fmt: skip
-        sets.activate([(weights(name), scale) for name, scale in zip(names, scales, strict=True)])
-        layers = [m for m in pipeline.unet.modules() if "slot_0" in getattr(m, "lora_A", {})]
-        slots = {(id(m), slot): id(m.lora_A[slot]) for m in layers for slot in m.lora_A}
-        assert modules is None or all(slots[key] == value for key, value in modules.items() if key in slots), (
-            "a swap made new LoRA modules (a compiled model would recompile)"
-        )
-        modules = slots
-        assert all(isinstance(m.scaling[s], torch.Tensor) for m in layers for s in m.scaling), "a scaling is a float"
-        assert all(m.active_adapters == [s for s in ("slot_0", "slot_1") if s in sets._slots] for m in layers)
-        pending, got = image("+".join(names))
-        if any(scales):
-            files = {name: unet_only[name] for name in names}
-            assert_close(got, reference_with(pipelines, "sd15", pending, files, dict(zip(names, scales, strict=True))))
-        else:
-            assert_close(got, base)
+    _, base = image()  # the plain pipeline, before any slot
+    targets = sum(1 for m in pipeline.unet.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+    sets = LoraSets(pipeline, ("unet", "text_encoder"), device_cache=4, slots=Slots(2, POLICY.max_rank, "unet"))
     assert pipeline.get_list_adapters() == {"unet": ["slot_0", "slot_1"]}
+    layers = [m for m in pipeline.unet.modules() if "slot_0" in getattr(m, "lora_A", {})]
+    assert len(layers) == targets, "a Linear or Conv2d layer has no slot (an adapter on it could not swap in)"
+    modules = {(id(m), slot): (id(m.lora_A[slot]), id(m.lora_B[slot])) for m in layers for slot in m.lora_A}
+    assert np.array_equal(image()[1], base), "the empty slots changed the base image"
+    for names, scales in ((["ink"], [0.8]), (["neon"], [0.8]), (["ink", "dots"], [0.8, -0.6]), (["neon"], [0.0]),
+                          (["dots", "ink"], [0.5, 0.5]), (["locon"], [0.7]), (["mixed", "neon"], [0.9, 0.4]),
+                          ([], [])):  # fmt: skip
+        sets.activate([(weights(name), scale) for name, scale in zip(names, scales, strict=True)])
+        now = {(id(m), slot): (id(m.lora_A[slot]), id(m.lora_B[slot])) for m in layers for slot in m.lora_A}
+        assert now == modules, "a swap made new LoRA modules (a compiled model would recompile)"
+        assert all(isinstance(m.scaling[s], torch.Tensor) for m in layers for s in m.scaling), "a scaling is a float"
+        assert all(m.active_adapters == ["slot_0", "slot_1"] and not m.disable_adapters for m in layers)
+        pending, got = image()
+        if any(scales):
+            chosen = {name: files[name] for name in names}
+            assert_close(got, reference_with(pipelines, "sd15", pending, chosen, dict(zip(names, scales, strict=True))))
+        else:
+            assert np.array_equal(got, base)
     [(with_text, _)] = loaded("sd15", pipelines, {"inked-text": peft_file(directory, 1, 4)}, {"inked-text": 0.8}).loaded
     with pytest.raises(ValueError, match="changes a text encoder: a compiled model serves adapters that change the "):
         sets.activate([(with_text, 0.8)])
-    _, after = image("after")
-    assert_close(after, base)
+    assert np.array_equal(image()[1], base)
+
+    swap = hotswap.hotswap_adapter_from_state_dict
+
+    def fails_part_way(model, state_dict, adapter_name, *args, **kwargs):
+        swap(model, state_dict, adapter_name, *args, **kwargs)  # the slot now holds the new weights ...
+        if adapter_name == "slot_1":
+            raise RuntimeError("the device ran out of memory")  # ... and the load fails after them
+
+    monkeypatch.setattr(hotswap, "hotswap_adapter_from_state_dict", fails_part_way)
+    with pytest.raises(ValueError, match="adapter dots@1 could not be swapped into a compiled model's slot: the dev"):
+        sets.activate([(weights("ink"), 0.8), (weights("dots"), 0.5)])
+    assert np.array_equal(image()[1], base), "a failed swap left part of an adapter running"
+    now = {(id(m), slot): (id(m.lora_A[slot]), id(m.lora_B[slot])) for m in layers for slot in m.lora_A}
+    assert now == modules, "diffusers deleted the failed slot's layers"
+    assert all(not m.lora_B["slot_1"].weight.any() for m in layers), "the failed slot kept weights"
+    monkeypatch.undo()
+    sets.activate([(weights("dots"), 0.5)])
+    pending, got = image()
+    assert_close(got, reference_with(pipelines, "sd15", pending, {"dots": files["dots"]}, {"dots": 0.5}))
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux-dev", "sd35"])
+def test_every_familys_slots_leave_the_base_image_and_swap_adapters_as_diffusers_loads_them(pipelines, family):
+    """The slots on the other families' denoisers (SDXL's UNet, FLUX.1's and SD 3.5's transformers): empty, the
+    base image bit for bit; a PEFT file and a kohya one (LoCon on SDXL, BFL names on FLUX.1), alone and together,
+    diffusers' own images; the base model again after them."""
+    import diffusers
+    import torch
+    from safetensors.torch import load
+
+    from model_worker.lora import LoraSets, Slots
+
+    directory, reference = pipelines[family]
+    spec = FAMILIES[family]
+    component = "unet" if family == "sdxl" else "transformer"
+    second = peft_file(directory, 2, 8) if family == "sd35" else kohya_file(directory, family, 3, conv=family == "sdxl")
+    files = {"ink": denoiser_only(peft_file(directory, 1, 4), component), "other": denoiser_only(second, component)}
+    left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
+    pipeline = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
+    pipeline.set_progress_bar_config(disable=True)
+    guidance = 0.0 if spec.guidance_mode == "none" else 3.5
+
+    def image(pipe):
+        return pipe(prompt="a lighthouse", num_inference_steps=2, guidance_scale=guidance, width=SIZE, height=SIZE,
+                    generator=torch.Generator().manual_seed(5), output_type="np").images  # fmt: skip
+
+    base = image(pipeline)
+    sets = LoraSets(pipeline, spec.family.lora_components, device_cache=4, slots=Slots(2, POLICY.max_rank, component))
+    assert np.array_equal(image(pipeline), base), "the empty slots changed the base image"
+    for scales in ({"ink": 0.8}, {"other": 0.7}, {"ink": 0.8, "other": -0.5}):
+        sets.activate(loaded(family, pipelines, files, scales).loaded)
+        for name in scales:
+            reference.load_lora_weights(load(files[name]), adapter_name=name)
+        try:
+            reference.set_adapters(list(scales), list(scales.values()))
+            assert_close(image(pipeline), image(reference))
+        finally:
+            reference.delete_adapters(list(scales))
+    sets.activate([])
+    assert np.array_equal(image(pipeline), base)
+
+
+def test_a_compiled_model_serves_adapters_without_compiling_after_its_warm_up(pipelines):
+    """torch.compile with the eager backend (Dynamo's tracing and guards, as with inductor, without code generation:
+    seconds on CPU) at one batch bucket: the warm-up traces the model with its empty slots; then a base request,
+    an adapter, a switch to another, two at once and the base model again, each through the worker's device loop,
+    add no graph (no recompile), and each image is diffusers' own (the base one with the slots at 0)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from model_worker.pipeline import DiffusionRunner
+
+    directory = pipelines["sd15"][0]
+    files = {"ink": denoiser_only(peft_file(directory, 1, 4)), "neon": denoiser_only(peft_file(directory, 2, 8))}
+    spec = FAMILIES["sd15"]
+    spec = spec.model_copy(update={"max_batch_size": 1, "scheduling": "step",
+                                   "defaults": spec.defaults.model_copy(update={"width": SIZE, "height": SIZE})})  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        runner = DiffusionRunner(spec, directory, torch_threads=1, compile_unet=True, compile_backend="eager")
+        warm = counters["stats"]["unique_graphs"]
+        runner.warm_up()
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > warm, "the warm-up compiled nothing"
+        base, pending, _ = served(pipelines, "sd15", "step", runner, images=1)
+        assert_close(base, reference_images({"sd15": pipelines["sd15"]}, "sd15", pending))
+        for scales in ({"ink": 0.8}, {"neon": -0.5}, {"ink": 0.8, "neon": 0.5}):
+            adapters = loaded("sd15", pipelines, files, scales)
+            images, pending, _ = served(pipelines, "sd15", "step", runner, adapters, images=1)
+            assert counters["stats"]["unique_graphs"] == graphs, f"{scales} compiled the model again"
+            assert_close(images, reference_with(pipelines, "sd15", pending, files, scales))
+            assert differs(images, base) > VISIBLE
+        again, _, _ = served(pipelines, "sd15", "step", runner, images=1)
+        assert np.array_equal(np.asarray(again), np.asarray(base))
+        assert counters["stats"]["unique_graphs"] == graphs, "the base model after adapters compiled again"
+    finally:
+        torch._dynamo.reset()
 
 
 def reference_kwargs(pending) -> dict:

@@ -293,7 +293,7 @@ class FakeBucket:
 
 
 def test_a_catalog_listed_adapter_resolves_without_registration_and_is_checked_once():
-    from contract.adapter_registry import AdapterRegistry
+    from contract.stores.adapter_registry import AdapterRegistry
     from emulators.stack import local_catalog
 
     spec = local_catalog().get("sd15-txt2img")
@@ -388,8 +388,8 @@ def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_
 
 def test_a_sharded_base_component_is_read_from_every_shard_its_index_names(tmp_path):
     """FLUX.1's transformer ships in shards: the worker (local files) and the registry (the bucket) merge them."""
-    from contract.adapter_registry import AdapterRegistry
     from contract.lora_files import base_headers
+    from contract.stores.adapter_registry import AdapterRegistry
     from emulators.stack import local_catalog
     from model_worker.adapters import _file_opener
 

@@ -1,9 +1,11 @@
 """Every model family against its own reference, the diffusers pipeline: the worker's images equal the pipeline's.
 
-For SD 1.5, SDXL, FLUX.1 [schnell] and FLUX.1 [dev] (tiny random-weight pipelines built from configuration,
-as the local stack serves them), a request's images made by the worker's device loop, alone and in a running
-set beside requests with other step counts and guidance, in both schedulings, equal what the pipeline itself
-returns for the same prompt, seed and parameters, within the README's tolerance.
+For SD 1.5, SDXL, FLUX.1 [schnell] and [dev] and SD 3.5 (tiny random-weight pipelines built from configuration,
+as the local stack serves them; the UNets' timestep made to matter, `family_references.UNET_SHARPENING`), a
+request's images made by the worker's device loop, alone and in a running set beside requests with other step
+counts and guidance, in both schedulings, equal what the pipeline itself returns for the same prompt, seed and
+parameters, within the README's tolerance. And the oracle can tell: a worker broken on purpose (every row given
+the first row's timestep, a zero timestep, no guidance, a wrong schedule shift) misses it by far more.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def reference_images(pipelines, name: str, pending) -> list:
         }  # fmt: skip
         if item.negative_prompt is not None:
             kwargs["negative_prompt"] = item.negative_prompt
+        if spec.family.name == "flux" and spec.guidance_mode == "none":
+            kwargs["max_sequence_length"] = 256  # [schnell]'s T5 length, as its reference code and model card run it
         if spec.task == "image-to-image":
             kwargs["image"], kwargs["strength"] = item.image, params.strength
             if spec.family.name != "flux":  # the UNet img2img pipelines take the image's size
@@ -72,11 +76,18 @@ def reference_images(pipelines, name: str, pending) -> list:
     return images
 
 
-def assert_close(got: list, expected: list) -> None:
+def differences(got: list, expected: list) -> float:
+    """The largest pixel difference (of 255) between two requests' images."""
     assert len(got) == len(expected)
-    for a, b in zip(got, expected, strict=True):
-        difference = np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max() * 255
-        assert difference <= PIXEL_TOLERANCE, f"differs from the pipeline's own image by {difference:.1f}/255"
+    return max(
+        np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max() * 255
+        for a, b in zip(got, expected, strict=True)
+    )
+
+
+def assert_close(got: list, expected: list) -> None:
+    difference = differences(got, expected)
+    assert difference <= PIXEL_TOLERANCE, f"differs from the pipeline's own image by {difference:.1f}/255"
 
 
 def input_image(seed: int):
@@ -119,22 +130,207 @@ def test_a_request_alone_equals_the_pipeline_in_both_schedulings(pipelines, name
         assert_close(worker.outcomes.images[pending.request_id], reference_images(pipelines, name, pending))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_requests_with_other_steps_and_guidance_share_steps_and_each_equals_the_pipeline(pipelines, name):
-    spec, runner = runner_for(pipelines, name, "step")
-    hooked = Hooked(runner)
-    first = make_request(name, "first", spec, steps=5, guidance=guidance_of(name, 6.0), seed=3)
+def running_set(name: str, spec) -> tuple:
+    """The running set every family's oracle is checked on: a guided request of 6 steps and, from its second call
+    on, an unguided one of 3 steps (two images) beside it, so the two are at other timesteps in every shared call
+    and a guided and an unguided image share each call."""
+    first = make_request(name, "first", spec, steps=6, guidance=guidance_of(name, 6.0), seed=3)
     joiner = make_request(name, "joiner", spec, steps=3, guidance=guidance_of(name, 1.0), seed=9, images=2)
     for pending in (first, joiner):
         pending.request.parameters.width = pending.request.parameters.height = SIZE
-    with Worker({spec.queue: hooked}) as worker:
+    return first, joiner
+
+
+def serve_running_set(runner, first, joiner) -> tuple[list[int], dict]:
+    """Runs the running set through the worker's device loop: (the images of each model call, the outcomes)."""
+    hooked = Hooked(runner)
+    with Worker({runner.spec.queue: hooked}) as worker:
         hooked.after[1] = lambda: worker.pool.add(joiner)
         worker.pool.add(first)
         worker.outcomes.wait(2)
-    assert max(hooked.sizes) == 3, f"the joiner never shared a model call: {hooked.sizes}"
-    assert worker.outcomes.fields["first"]["batch_id"] == worker.outcomes.fields["joiner"]["batch_id"]
+    assert set(worker.outcomes.images) == {"first", "joiner"}, worker.outcomes.answered
+    return hooked.sizes, worker.outcomes
+
+
+class RunningSetOracle:
+    """Per family, made on first use and shared by the oracle test and its mutation checks: the worker's step
+    runner and the pipeline's own images of the running set."""
+
+    def __init__(self, pipelines) -> None:
+        self.pipelines = pipelines
+        self._made: dict[str, tuple] = {}
+
+    def runner(self, name: str):
+        return self._case(name)[0]
+
+    def difference(self, name: str, outcomes) -> float:
+        """The largest difference of the served running set's images from the pipeline's own."""
+        expected = self._case(name)[1]
+        return max(differences(outcomes.images[key], images) for key, images in expected.items())
+
+    def _case(self, name: str) -> tuple:
+        if name not in self._made:
+            spec, runner = runner_for(self.pipelines, name, "step")
+            expected = {p.request_id: reference_images(self.pipelines, name, p) for p in running_set(name, spec)}
+            self._made[name] = (runner, expected)
+        return self._made[name]
+
+
+@pytest.fixture(scope="module")
+def oracle(pipelines) -> RunningSetOracle:
+    return RunningSetOracle(pipelines)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_requests_with_other_steps_and_guidance_share_steps_and_each_equals_the_pipeline(oracle, name):
+    runner = oracle.runner(name)
+    sizes, outcomes = serve_running_set(runner, *running_set(name, runner.spec))
+    assert max(sizes) == 3, f"the joiner never shared a model call: {sizes}"
+    assert outcomes.fields["first"]["batch_id"] == outcomes.fields["joiner"]["batch_id"]
+    difference = oracle.difference(name, outcomes)
+    assert difference <= PIXEL_TOLERANCE, f"differs from the pipeline's own images by {difference:.1f}/255"
+
+
+# --- the oracle sees a wrong worker --------------------------------------------------------------------------
+# Each check breaks the worker on purpose and asserts that the running set's comparison with the pipeline then
+# fails, by far more than the tolerance: an oracle that passes a wrong timestep, guidance or shift proves nothing.
+MUTATION_MARGIN = 3 * PIXEL_TOLERANCE
+
+
+def model_call_with_timesteps(model, change):
+    """The worker's model, with `change` applied to the per-row timesteps of every call."""
+    import inspect
+
+    forward = model.forward
+    signature = inspect.signature(forward)
+
+    def mutated(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["timestep"] = change(bound.arguments["timestep"])
+        return forward(*bound.args, **bound.kwargs)
+
+    return mutated
+
+
+def first_items_timestep(monkeypatch, runner) -> None:
+    """Every row of a shared call gets the first row's timestep (a batch that ignores per-sample timesteps)."""
+    model = runner._denoiser.model
+    monkeypatch.setattr(model, "forward", model_call_with_timesteps(model, lambda t: t[:1].expand(t.shape[0])))
+
+
+def zero_timestep(monkeypatch, runner) -> None:
+    import torch
+
+    model = runner._denoiser.model
+    monkeypatch.setattr(model, "forward", model_call_with_timesteps(model, torch.zeros_like))
+
+
+def no_guidance(monkeypatch, runner) -> None:
+    """Each guided image is denoised at guidance 1: classifier-free guidance's text row alone, FLUX [dev]'s embedded
+    guidance of 1."""
+    start_items = runner.start_items
+
+    def started(items, params):
+        running = start_items(items, params)
+        for r in running:
+            if r.state["guidance"] is not None:
+                r.state["guidance"] = 1.0
+        return running
+
+    monkeypatch.setattr(runner, "start_items", started)
+
+
+def wrong_shift(monkeypatch, runner) -> None:
+    """Each image's flow-matching schedule is shifted wrongly: FLUX's `mu` as for an image of another size (+0.5),
+    SD 3.5's static shift doubled."""
+    import functools
+
+    from model_worker.families.base import Denoiser
+
+    new_scheduler = Denoiser.new_scheduler
+
+    def shifted(self):
+        scheduler = new_scheduler(self)
+        if not scheduler.config.get("use_dynamic_shifting"):
+            scheduler.set_shift(scheduler.shift * 2)
+            return scheduler
+        set_timesteps = scheduler.set_timesteps
+
+        @functools.wraps(set_timesteps)  # diffusers' retrieve_timesteps reads its signature
+        def with_mu(*args, mu=None, **kwargs):
+            return set_timesteps(*args, mu=mu + 0.5, **kwargs)
+
+        scheduler.set_timesteps = with_mu
+        return scheduler
+
+    monkeypatch.setattr(Denoiser, "new_scheduler", shifted)
+
+
+MUTATIONS = {
+    "first-items-timestep": first_items_timestep, "zero-timestep": zero_timestep, "no-guidance": no_guidance,
+    "wrong-shift": wrong_shift,
+}  # fmt: skip
+MUTATED = [
+    (name, mutation)
+    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35")
+    for mutation in MUTATIONS
+    if not (mutation == "no-guidance" and FAMILIES[name].guidance_mode == "none")  # [schnell] takes no guidance
+    and not (mutation == "wrong-shift" and FAMILIES[name].family.name not in ("flux", "sd3"))  # no shift
+]
+
+
+@pytest.mark.parametrize(("name", "mutation"), MUTATED)
+def test_a_worker_with_a_wrong_timestep_guidance_or_shift_fails_the_oracle(oracle, monkeypatch, name, mutation):
+    runner = oracle.runner(name)
+    MUTATIONS[mutation](monkeypatch, runner)
+    _, outcomes = serve_running_set(runner, *running_set(name, runner.spec))
+    difference = oracle.difference(name, outcomes)
+    assert difference > MUTATION_MARGIN, f"the oracle passed a worker with {mutation}: off by {difference:.1f}/255"
+
+
+def test_a_float16_sdxl_decodes_through_the_float32_upcast_as_the_pipeline_does(pipelines):
+    """SDXL in float16, as a GPU serves it (`gpu_dtype`), on CPU: its VAE's config says it overflows in half
+    precision (`force_upcast`), so both the worker and the pipeline decode in float32 and put the VAE back."""
+    import diffusers
+    import torch
+
+    directory = pipelines["sdxl"][0]
+    reference = diffusers.StableDiffusionXLPipeline.from_pretrained(directory, torch_dtype=torch.float16)
+    reference.set_progress_bar_config(disable=True)
+    spec, runner = runner_for(pipelines, "sdxl", "step")
+    vae = runner._pipeline.to(torch.float16).vae
+    assert vae.config.force_upcast
+    decoded = []
+    decode = vae.decode
+
+    def recording_decode(latents, *args, **kwargs):
+        decoded.append((latents.dtype, vae.dtype))
+        return decode(latents, *args, **kwargs)
+
+    vae.decode = recording_decode
+    first, joiner = running_set("sdxl", spec)
+    _, outcomes = serve_running_set(runner, first, joiner)
+    assert decoded and set(decoded) == {(torch.float32, torch.float32)}, decoded
+    assert vae.dtype == torch.float16, "the VAE must be half precision again after the decode"
     for pending in (first, joiner):
-        assert_close(worker.outcomes.images[pending.request_id], reference_images(pipelines, name, pending))
+        assert_close(outcomes.images[pending.request_id], reference_images({"sdxl": (directory, reference)}, "sdxl",
+                                                                           pending))  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "runs"), [("sd15-img2img", 3), ("sdxl-img2img", 3), ("flux-img2img", 4)])
+def test_image_to_image_progress_counts_the_steps_its_pipeline_runs_in_both_schedulings(pipelines, name, runs):
+    """7 steps at strength 0.5: SD's and SDXL's img2img pipelines run int(3.5) = 3 of them, FLUX's 7 - int(3.5) = 4;
+    progress shows that many, whatever the scheduler adds (PNDM's extra call)."""
+    for scheduling in ("step", "request"):
+        spec, runner = runner_for(pipelines, name, scheduling)
+        pending = make_request(name, f"progress-{scheduling}", spec, steps=7, guidance=guidance_of(name, 3.5),
+                               strength=0.5)  # fmt: skip
+        pending.request.parameters.width = pending.request.parameters.height = SIZE
+        with Worker({spec.queue: runner}) as worker:
+            worker.pool.add(pending)
+            worker.outcomes.wait(1)
+        seen = worker.progress.seen[pending.request_id]
+        assert {total for _, total in seen} == {runs} and max(seen) == (runs, runs), (scheduling, sorted(seen))
 
 
 def test_flux_requests_of_different_sizes_never_share_a_call_and_keep_their_own_shift(pipelines):
@@ -162,6 +358,29 @@ def test_flux_requests_of_different_sizes_never_share_a_call_and_keep_their_own_
     assert worker.outcomes.fields["small"]["batch_id"] != worker.outcomes.fields["large"]["batch_id"]
     for pending in (small, large):
         assert_close(worker.outcomes.images[pending.request_id], reference_images(pipelines, "flux-schnell", pending))
+
+
+@pytest.mark.parametrize(("name", "tokens"), [("flux-schnell", 256), ("flux-dev", 512)])
+def test_flux_schnell_runs_256_t5_tokens_and_dev_512_as_their_references_do(pipelines, monkeypatch, name, tokens):
+    """[schnell] was distilled with a 256-token T5 prompt (its reference code and model card run 256), [dev] with
+    512: the transformer sees that many text tokens in both schedulings. The tiny T5 pads alike, so the images
+    alone would not tell."""
+    for scheduling in ("step", "request"):
+        spec, runner = runner_for(pipelines, name, scheduling)
+        model, seen = runner._denoiser.model, set()
+        forward = model.forward
+
+        def recording(*args, _forward=forward, _seen=seen, **kwargs):
+            _seen.add(kwargs["encoder_hidden_states"].shape[1])
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", recording)
+        pending = make_request(name, f"tokens-{scheduling}", spec, steps=1, guidance=guidance_of(name, 3.5))
+        pending.request.parameters.width = pending.request.parameters.height = SIZE
+        with Worker({spec.queue: runner}) as worker:
+            worker.pool.add(pending)
+            worker.outcomes.wait(1)
+        assert seen == {tokens}, (scheduling, seen)
 
 
 def test_a_flux_catalog_entry_whose_guidance_contradicts_the_weights_is_refused_at_load(pipelines):

@@ -28,7 +28,7 @@ from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy,
 from contract.generation import GenerationParameters
 from contract.messages import InferenceReply, InferenceRequest
 from contract.outcomes import Outcome
-from contract.results import ResultStore
+from contract.stores.results import ResultStore
 from emulators.stack import local_catalog
 
 CATALOG = local_catalog(test_fixtures=True)  # the rollout fixtures (tests/models.fixtures.yaml)

@@ -10,7 +10,7 @@ import pytest
 from contract.catalog import load_catalog
 from contract.messages import GenerationParameters
 from model_worker.device import ProgressReporter
-from model_worker.pipeline import _step_callback, requested_steps
+from model_worker.pipeline import _step_callback
 from model_worker.runners import GenerationItem, SyntheticRunner
 
 SLEEP = load_catalog(overlay="contract/models.local.yaml").get("sleep")
@@ -41,10 +41,33 @@ def test_a_scheduler_that_adds_steps_still_shows_the_requested_total(requested, 
     assert steps == sorted(steps) and set(steps) == set(range(1, requested + 1))
 
 
-def test_image_to_image_counts_the_steps_its_strength_runs():
-    assert requested_steps(params(25, strength=0.5), image_to_image=True) == 12
-    assert requested_steps(params(25, strength=1.0), image_to_image=True) == 25
-    assert requested_steps(params(25), image_to_image=False) == 25
+def requested_steps(pipeline: str, parameters: GenerationParameters) -> int:
+    """The family's count for `pipeline`, over an instance of the diffusers class without weights."""
+    import diffusers
+
+    from model_worker.families import denoiser_class
+
+    task = "image-to-image" if "Img2Img" in pipeline else "text-to-image"
+    spec = load_catalog().get("flux-schnell" if "Flux" in pipeline else "sdxl-txt2img")
+    spec = spec.model_copy(update={"pipeline": pipeline, "task": task})
+    stand_in = object.__new__(getattr(diffusers, pipeline))
+    return denoiser_class(spec)(spec, stand_in, "cpu").requested_steps(parameters)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "strength", "expected"),
+    [
+        ("StableDiffusionImg2ImgPipeline", 0.5, 12),  # int(25 x 0.5)
+        ("StableDiffusionXLImg2ImgPipeline", 0.5, 12),
+        ("FluxImg2ImgPipeline", 0.5, 13),  # 25 - int(25 - 12.5): FLUX runs the half step
+        ("FluxImg2ImgPipeline", 0.3, 8),  # 25 - int(17.5)
+        ("StableDiffusionImg2ImgPipeline", 1.0, 25),
+        ("FluxImg2ImgPipeline", 1.0, 25),
+        ("FluxPipeline", 0.5, 25),  # text-to-image: all of them
+    ],
+)
+def test_image_to_image_counts_the_steps_its_pipeline_runs(pipeline, strength, expected):
+    assert requested_steps(pipeline, params(25, strength=strength)) == expected
 
 
 @pytest.mark.parametrize("call_seconds", [0.0, 0.05])

@@ -372,7 +372,7 @@ def refusal_at_registration(file: bytes) -> str:
     from api_server.adapters import AdapterService
     from api_server.errors import ApiError
     from contract import naming
-    from contract.adapter_registry import AdapterRegistry
+    from contract.stores.adapter_registry import AdapterRegistry
     from emulators.stack import local_catalog
     from tests.unit.test_adapter_parts import FakeBucket
 

@@ -102,12 +102,22 @@ class Outcomes:
 
 
 class Progress:
+    """Records each request's (step, total): per step of a running set, per pipeline callback of a request-level
+    batch."""
+
     def __init__(self) -> None:
         self.seen: dict[str, set[tuple[int, int]]] = {}
+        self._batch: list = []
 
-    def begin(self, batch, started=None) -> None: ...
-    def update(self, step, total) -> None: ...
-    def end(self) -> None: ...
+    def begin(self, batch, started=None) -> None:
+        self._batch = list(batch)
+
+    def update(self, step, total) -> None:
+        for pending in self._batch:
+            self.seen.setdefault(pending.request_id, set()).add((step, total))
+
+    def end(self) -> None:
+        self._batch = []
 
     def running(self, entries) -> None:
         for pending, step, total, _images in entries:

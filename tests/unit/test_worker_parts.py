@@ -19,6 +19,40 @@ def test_probes_follow_the_worker_lifecycle():
     assert health.status("/other")[0] == 404
 
 
+def test_a_problem_found_while_loading_ends_start_up_and_says_why_in_readiness():
+    """Weights that cannot be served: the kubelet hands over to readiness (503, the reason) and liveness (alive)
+    instead of restarting the pod when the startup probe's deadline passes."""
+    health = WorkerHealth(stall_seconds=0.01)
+    health.report_problem(
+        "weights of m v1", "gs://b/m/1: unet/x.safetensors: does not load (invalid offset) — not served"
+    )
+    time.sleep(0.05)
+    assert health.status("/startupz")[0] == 200
+    assert health.status("/readyz") == (
+        503,
+        "not ready: weights of m v1: gs://b/m/1: unet/x.safetensors: does not load (invalid offset) — not served",
+    )
+    assert health.status("/livez") == (200, "alive")  # no loop turns yet: nothing to call stalled
+    health.clear_problem("weights of m v1")
+    assert health.status("/readyz") == (503, "loading") and health.status("/startupz")[0] == 200
+
+
+def test_the_probes_answer_utf8_text_saying_so():
+    import requests
+
+    from model_worker.health import serve_health
+
+    health = WorkerHealth(stall_seconds=60)
+    health.report_problem("weights of m v1", "gs://b/m/1: x — not served")
+    server = serve_health(health, 0, "127.0.0.1")
+    try:
+        response = requests.get(f"http://127.0.0.1:{server.server_address[1]}/readyz", timeout=5)
+    finally:
+        server.shutdown()
+    assert response.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert response.status_code == 503 and response.text == "not ready: weights of m v1: gs://b/m/1: x — not served"
+
+
 def test_a_stalled_loop_fails_liveness():
     health = WorkerHealth(stall_seconds=0.01)
     health.started = True
