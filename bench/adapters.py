@@ -57,7 +57,7 @@ def per_call_ms(runner, variants: dict, params, calls: int) -> dict[str, float]:
 def publish(bucket, registry, spec, model_dir: Path, scratch: Path) -> dict[str, AdapterRef]:
     """Builds the bench adapters for the model, uploads and registers them; their refs at scale 0.8."""
     from contract import naming
-    from model_worker.tiny_pipeline import build_adapter
+    from emulators.tiny_pipeline import build_adapter
 
     refs = {}
     for name, (seed, rank) in ADAPTERS.items():

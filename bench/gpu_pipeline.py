@@ -56,7 +56,7 @@ def build_sd15_sized(out_dir: Path) -> Path:
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from model_worker.tiny_pipeline import build_tokenizer
+    from emulators.tiny_pipeline import build_tokenizer
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
@@ -227,9 +227,9 @@ def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls:
 
     from contract import naming
     from contract.generation import AdapterRef
+    from emulators.tiny_pipeline import build_adapter
     from model_worker.adapters import AdapterLoader
     from model_worker.runners import GenerationItem
-    from model_worker.tiny_pipeline import build_adapter
 
     bucket = LocalBucket(workdir / "adapter-bucket")
     refs = {}

@@ -493,7 +493,7 @@ def bootstrap_resources(config: StackConfig) -> list[str]:
 def publish_tiny_model(config: StackConfig) -> None:
     """Builds (once, cached) and uploads the tiny pipeline; a subprocess, since it imports torch."""
     result = subprocess.run(
-        [sys.executable, "-m", "model_worker.tiny_pipeline", "--out", str(config.tiny_model_dir), "--upload"],
+        [sys.executable, "-m", "emulators.tiny_pipeline", "--out", str(config.tiny_model_dir), "--upload"],
         env=config.service_env(),
         cwd=ROOT,
         capture_output=True,

@@ -52,7 +52,7 @@ def byom(stack, settings, tmp_path_factory):
     """Imports both versions: version 1 the served base (a diffusers folder), version 2 a fine-tune of it shared as
     one file, its transformer (all a FLUX file carries) changed in every tensor. The work folder, base, fine-tune."""
     from contract import google_clients
-    from model_worker.tiny_pipeline import build_pipeline
+    from emulators.tiny_pipeline import build_pipeline
     from model_worker.weights.importer import import_model
 
     work = tmp_path_factory.mktemp("byom")

@@ -80,7 +80,7 @@ def test_each_family_serves_an_adapter_as_diffusers_own_lora_loading_applies_it(
     from PIL import Image
     from safetensors.torch import load_file
 
-    from model_worker.tiny_pipeline import ADAPTER_VERSION
+    from emulators.tiny_pipeline import ADAPTER_VERSION
 
     seed, prompt, scale = random.randrange(10**6), f"adapter {uuid.uuid4().hex}", 0.8
     parameters = {"seed": seed, "num_inference_steps": 3, "adapters": [{"name": "tiny-ink", "scale": scale}]}

@@ -68,7 +68,7 @@ def upload_adapter(bucket, name: str, files: dict[str, bytes], version: str = "1
 
 def lora_bytes(stack, seed: int, rank: int = 4, **shapes) -> bytes:
     """A valid tiny LoRA for the stack's tiny pipeline (the `make up` builder), as bytes."""
-    from model_worker.tiny_pipeline import build_adapter
+    from emulators.tiny_pipeline import build_adapter
 
     path = Path(stack.stack_dir) / f"lora-{seed}-{rank}-{uuid.uuid4().hex[:6]}.safetensors"
     return build_adapter(stack.tiny_model_dir / MODEL, path, seed, rank).read_bytes()

@@ -21,7 +21,7 @@ UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 
 @pytest.fixture(scope="module")
 def tiny_sdxl(tmp_path_factory):
-    from model_worker.tiny_pipeline import build_pipeline
+    from emulators.tiny_pipeline import build_pipeline
 
     return build_pipeline(tmp_path_factory.mktemp("import") / "sdxl", "StableDiffusionXLPipeline")
 
@@ -87,7 +87,7 @@ def test_the_local_stack_never_uploads_its_tiny_pipeline_over_an_imported_model(
     """`make up` uploads the tiny pipeline to every catalog version's weights path: over its own earlier upload
     (which repairs a changed file), never over a model imported there."""
     from contract import google_clients
-    from model_worker.tiny_pipeline import imported_weights, upload_directory
+    from emulators.tiny_pipeline import imported_weights, upload_directory
     from model_worker.weights.importer import import_model
 
     client = google_clients.storage_client(settings)

@@ -41,7 +41,7 @@ SERVED_FLUX = "flux-versions/1"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """family -> (the tiny diffusers pipeline: the base, its fine-tune, the fine-tune as one original-layout file)."""
-    from model_worker.tiny_pipeline import build_pipeline
+    from emulators.tiny_pipeline import build_pipeline
 
     root = tmp_path_factory.mktemp("single-file")
     made = {}

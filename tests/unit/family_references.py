@@ -19,7 +19,7 @@ def tiny_pipelines(root: Path, families: dict) -> dict:
     import diffusers
     import torch
 
-    from model_worker.tiny_pipeline import build_pipeline
+    from emulators.tiny_pipeline import build_pipeline
 
     torch.set_num_threads(1)
     built = {}

@@ -43,7 +43,7 @@ def pipelines(tmp_path_factory) -> dict:
 
 def peft_file(directory: Path, seed: int, rank: int) -> bytes:
     """The `make up` adapter builder's file (diffusers' PEFT layout): attention projections of every component."""
-    from model_worker.tiny_pipeline import build_adapter
+    from emulators.tiny_pipeline import build_adapter
 
     out = directory.parent / f"{directory.name}-peft-{seed}-{rank}.safetensors"
     return build_adapter(directory, out, seed, rank).read_bytes()

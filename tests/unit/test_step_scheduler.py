@@ -37,8 +37,8 @@ PIXEL_TOLERANCE = 3
 def runners(tmp_path_factory) -> dict:
     import torch
 
+    from emulators.tiny_pipeline import build_pipeline
     from model_worker.pipeline import DiffusionRunner
-    from model_worker.tiny_pipeline import build_pipeline
 
     torch.set_num_threads(1)
     root: Path = tmp_path_factory.mktemp("tiny")

@@ -71,7 +71,7 @@ def test_deadlines_are_epoch_milliseconds_and_a_missing_one_runs_the_request():
 def test_tiny_tokenizer_knows_prompt_words(tmp_path):
     from transformers import CLIPTokenizer
 
-    from model_worker.tiny_pipeline import build_tokenizer
+    from emulators.tiny_pipeline import build_tokenizer
 
     bos, eos = build_tokenizer(tmp_path)
     tokenizer = CLIPTokenizer.from_pretrained(tmp_path)

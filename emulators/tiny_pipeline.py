@@ -2,9 +2,10 @@
 
 No machine here can download weights. The tiny pipeline has the same component classes as SD 1.5
 (UNet2DConditionModel, AutoencoderKL with an 8x latent, CLIPTextModel, a BPE CLIP tokenizer), so the
-worker downloads and loads it exactly as it would the real model. Its images are noise.
+worker downloads and loads it exactly as it would the real model. Its images are noise. It is the local
+stack's and the tests' fixture, so it lives with the emulators, not in the worker's package.
 
-    python -m model_worker.tiny_pipeline --out .stack/tiny-model --upload
+    python -m emulators.tiny_pipeline --out .stack/tiny-model --upload
 """
 
 from __future__ import annotations
