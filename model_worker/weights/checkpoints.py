@@ -120,17 +120,22 @@ def detect_family(names: list[str] | set[str], file: str) -> str:
                                  "conditioner.embedders.1.model.*, double_blocks.*); a LoRA or another model?")  # fmt: skip
 
 
+def pipeline_class(index: Path, label: str = "") -> str:
+    """The `_class_name` a diffusers folder's model_index.json names: the folder import and a base read it alike."""
+    try:
+        pipeline = json.loads(index.read_text())["_class_name"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointRefusedError(f"{label}{index}: unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pipeline, str):
+        raise CheckpointRefusedError(f"{label}{index}: _class_name is {pipeline!r}, not a pipeline class name")
+    return pipeline
+
+
 def base_pipeline(base: Path) -> str:
     index = base / "model_index.json"
     if not index.is_file():
         raise CheckpointRefusedError(f"base {base}: no model_index.json (the base must be a diffusers folder)")
-    try:
-        pipeline = json.loads(index.read_text())["_class_name"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise CheckpointRefusedError(f"base {index}: unreadable ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(pipeline, str):
-        raise CheckpointRefusedError(f"base {index}: _class_name is {pipeline!r}, not a pipeline class name")
-    return pipeline
+    return pipeline_class(index, "base ")
 
 
 def _base_header(base: Path, component: str) -> dict:

@@ -16,7 +16,6 @@ worker checks every download against.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from contract import naming
 from contract.families import PIPELINES, family_of
 from contract.safetensors_checks import SafetensorsError, is_pickle, read_file_header
-from model_worker.weights.checkpoints import CheckpointRefusedError, convert_checkpoint
+from model_worker.weights.checkpoints import CheckpointRefusedError, convert_checkpoint, pipeline_class
 from model_worker.weights.store import WeightsIntegrityError, download_weights, upload_with_manifest
 
 # Weights in formats the worker never loads: refused in a diffusers folder (pickles too: `is_pickle`).
@@ -54,11 +53,9 @@ def check_folder(source: Path, family: str | None = None) -> CheckedModel:
     if not index.is_file():
         raise ImportRefusedError(f"{source}: no model_index.json (not a diffusers folder)")
     try:
-        pipeline = json.loads(index.read_text())["_class_name"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise ImportRefusedError(f"{index}: unreadable ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(pipeline, str):
-        raise ImportRefusedError(f"{index}: _class_name is {pipeline!r}, not a pipeline class name")
+        pipeline = pipeline_class(index)
+    except CheckpointRefusedError as exc:
+        raise ImportRefusedError(str(exc)) from exc
     found = family_of(pipeline)
     if found is None:
         raise ImportRefusedError(f"{index}: pipeline {pipeline!r} is not served; one of {', '.join(sorted(PIPELINES))}")
