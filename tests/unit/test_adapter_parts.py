@@ -23,7 +23,7 @@ from contract.lora_files import (
     read_header,
 )
 from contract.settings import Settings
-from model_worker.adapters import AdapterSet
+from model_worker.adapters import AdapterLoader, AdapterSet
 from model_worker.pool import RequestPool
 from tests.unit.test_worker_stages import pending
 
@@ -357,29 +357,36 @@ def test_finite_extremes_pass_and_a_non_finite_scalar_of_any_float_dtype_is_foun
         check_finite(read_header(bytes_reader(broken), len(broken)), broken)
 
 
-def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_load(tmp_path):
+def loaded_by_the_worker(spec, name: str, data: bytes, base_dir) -> tuple[AdapterSet, AdapterLoader]:
+    """`data` registered as `name` version 1 and loaded by the worker's own loader against the base in `base_dir`;
+    the set with the (stopped) loader that loaded it."""
     import hashlib
 
+    from contract import naming
+
+    bucket = FakeBucket({naming.adapter_prefix(spec.name, name, "1") + naming.ADAPTER_FILE: data})
+    loader = AdapterLoader(bucket, {spec.queue: base_dir}, lambda: None)
+    loader.start()
+    try:
+        ref = AdapterRef(name=name, version="1", scale=1.0, sha256=hashlib.sha256(data).hexdigest())
+        adapters = loader.request(spec, (ref,))
+        assert adapters.done.wait(30)
+    finally:
+        loader.stop()
+    return adapters, loader
+
+
+def test_an_adapter_registered_before_the_check_is_refused_at_the_workers_first_load(tmp_path):
     import torch
 
-    from contract import naming
     from emulators.stack import local_catalog
-    from model_worker.adapters import AdapterLoader
 
     spec = local_catalog().get("sd15-txt2img")
     data = lora_with(torch.float32, float("nan"))
     base = safetensors({f"{MODULE}.weight": ("F32", [16, 32])})
     (tmp_path / "unet").mkdir()
     (tmp_path / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(base)
-    bucket = FakeBucket({naming.adapter_prefix(spec.name, "nan-style", "1") + naming.ADAPTER_FILE: data})
-    loader = AdapterLoader(bucket, {spec.queue: tmp_path}, lambda: None)
-    loader.start()
-    try:
-        ref = AdapterRef(name="nan-style", version="1", scale=1.0, sha256=hashlib.sha256(data).hexdigest())
-        adapters = loader.request(spec, (ref,))
-        assert adapters.done.wait(30)
-    finally:
-        loader.stop()
+    adapters, loader = loaded_by_the_worker(spec, "nan-style", data, tmp_path)
     # The runner's ValueError is what the device loop answers as bad_input, this request alone.
     with pytest.raises(ValueError, match=r"nan-style@1: unet\..*lora_B\.weight holds NaN or infinite values"):
         adapters.weights()

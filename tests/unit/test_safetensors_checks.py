@@ -7,7 +7,6 @@ diffusers folder's import, a single file's import (the command line), and the wo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import math
@@ -385,23 +384,11 @@ def refusal_at_registration(file: bytes) -> str:
 
 
 def refusal_at_the_workers_adapter_load(file: bytes) -> str:
-    from contract import naming
-    from contract.generation import AdapterRef
     from emulators.stack import local_catalog
-    from model_worker.adapters import AdapterLoader
-    from tests.unit.test_adapter_parts import FakeBucket
+    from tests.unit.test_adapter_parts import loaded_by_the_worker
 
-    spec = local_catalog().get("sd15-txt2img")
-    bucket = FakeBucket({naming.adapter_prefix(spec.name, "style", "1") + naming.ADAPTER_FILE: file})
     with tempfile.TemporaryDirectory() as base:
-        loader = AdapterLoader(bucket, {spec.queue: Path(base)}, lambda: None)
-        loader.start()
-        try:
-            ref = AdapterRef(name="style", version="1", scale=1.0, sha256=hashlib.sha256(file).hexdigest())
-            adapters = loader.request(spec, (ref,))
-            assert adapters.done.wait(30)
-        finally:
-            loader.stop()
+        adapters, _ = loaded_by_the_worker(local_catalog().get("sd15-txt2img"), "style", file, Path(base))
     with pytest.raises(ValueError) as refused:
         adapters.weights()
     return str(refused.value).removeprefix("adapter could not be loaded: style@1: ")
