@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from contract import naming
 from contract.families import Family, Guidance, family_of, unknown_pipeline_error
 from contract.generation import defaults_model
+from contract.quantization import Quantization
 
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
 
@@ -131,6 +132,8 @@ class ModelSpec(BaseModel):
     limits: GenerationLimits
     # LoRA adapters per request (absent: refused with a 422).
     adapters: AdapterPolicy | None = None
+    # Components quantized at load (contract/quantization.py); absent: every component in the serving dtype.
+    quantization: Quantization | None = None
 
     @property
     def queue(self) -> str:
