@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from contract import naming
 from contract.families import Family, Guidance, family_of, unknown_pipeline_error
 from contract.generation import defaults_model
-from contract.quantization import Quantization
+from contract.hardware import HARDWARE, HardwareName
+from contract.memory_plan import DeploymentPlan, UnitPlan, architecture_problem, deployment_plan, unit_plan
+from contract.quantization import FLOAT8_MIN_COMPUTE_CAPABILITY, Quantization
 
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
 
@@ -106,7 +108,8 @@ class ModelSpec(BaseModel):
     # Synthetic runners only (tests): the `sleep` runner's seconds per call, and a version that fails every call.
     call_seconds: float | None = Field(default=None, gt=0)
     fails: bool = False
-    hardware: Literal["l4", "a100"]
+    # The GPU it runs on (contract/hardware.py): the GKE node pool, and the memory its plan must fit.
+    hardware: HardwareName
     gpu_sharing: bool
     # Models with the same worker group are served by one worker deployment, one process loading each
     # pipeline once (GPU time-sharing between models); unset means a deployment of its own.
@@ -134,6 +137,9 @@ class ModelSpec(BaseModel):
     adapters: AdapterPolicy | None = None
     # Components quantized at load (contract/quantization.py); absent: every component in the serving dtype.
     quantization: Quantization | None = None
+    # The real model its weights are (contract/architectures.py: sd1.5, sdxl, flux.1-dev, flux.1-schnell,
+    # sd3.5-medium, sd3.5-large), which sizes its memory plan; unset: its family's usual one.
+    architecture: str | None = None
 
     @property
     def queue(self) -> str:
@@ -191,6 +197,7 @@ class ModelSpec(BaseModel):
         self._check_synthetic_fields()
         if self.pipeline is not None:
             self._check_family()
+        self._check_quantization()
         if self.max_instances_per_request > self.max_batch_size:
             raise ValueError(
                 f"{self.name}: max_instances_per_request exceeds max_batch_size (one request is one batch)"
@@ -217,6 +224,20 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
                 "remove it"
+            )
+
+    def _check_quantization(self) -> None:
+        if (problem := architecture_problem(self)) is not None:
+            raise ValueError(problem)
+        if self.quantization is None or not self.quantization.needs_float8:
+            return
+        gpu = HARDWARE[self.hardware]
+        if gpu.compute_capability < FLOAT8_MIN_COMPUTE_CAPABILITY:
+            have, need = ".".join(map(str, gpu.compute_capability)), ".".join(map(str, FLOAT8_MIN_COMPUTE_CAPABILITY))
+            raise ValueError(
+                f"{self.name}: quantization {self.quantization.type} needs fp8 tensor cores (compute capability "
+                f"{need}: l4, h100) and hardware {self.hardware} ({gpu.name}) has compute capability {have}: use "
+                "int8_weight_only there, or no quantization"
             )
 
     @model_validator(mode="after")
@@ -459,6 +480,24 @@ class ModelCatalog(BaseModel):
             models[name] = versions[rollouts[name].stable]
         raw["models"], raw["rollouts"] = models, rollouts
         return cls.model_validate(raw)
+
+    @model_validator(mode="after")
+    def _plans_fit(self) -> ModelCatalog:
+        """Every unit, then every worker deployment (its units' weights summed), fits its GPU (contract/memory_plan.py)."""
+        for spec in self.units():
+            if (problem := deployment_plan(spec.queue, [spec]).problem()) is not None:
+                raise ValueError(problem)
+        for plan in self.deployment_plans().values():
+            if (problem := plan.problem()) is not None:
+                raise ValueError(problem)
+        return self
+
+    def unit_plan(self, spec: ModelSpec) -> UnitPlan | None:
+        return unit_plan(spec)
+
+    def deployment_plans(self) -> dict[str, DeploymentPlan]:
+        """The memory plan of every worker deployment, by deployment name."""
+        return {name: deployment_plan(name, specs) for name, specs in self.deployments().items()}
 
     def get(self, name: str) -> ModelSpec | None:
         return self.models.get(name)

@@ -1,0 +1,119 @@
+"""The served model architectures' recorded sizes: each pipeline component's parameter count and the shape of its
+activations, the numbers the memory plan (contract/memory_plan.py) reads where torch is not installed (the API).
+
+Counted from each architecture's real configuration instantiated on the `meta` device (no weights), and checked by
+tests/unit/test_memory_plan.py, which recounts them from tests/data/model_configs/ (sources in its README.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    # Parameters and persistent floating-point buffers (SD 3's positional embedding): what the weights files hold.
+    parameters: int
+    # The part in nn.Linear weights: what torchao's weight quantization changes (convolutions, norms, embeddings
+    # and biases keep the serving dtype).
+    linear_weights: int
+    # Output rows of those Linear layers: one quantization scale each (torchao's per-row / per-channel scales).
+    linear_rows: int
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    family: str
+    components: dict[str, ComponentSize]
+    # The denoiser's activation elements per row of its batch per token (a latent pixel for a UNet, an image or
+    # text token for a transformer), counted from the configuration (see `denoiser_elements_per_token`).
+    denoiser_elements_per_token: int
+    # Output pixels per denoiser token: 8x8 for a UNet's latent pixel, 16x16 for a transformer's 2x2 patch.
+    pixels_per_token: int
+    # Text tokens the transformer attends over beside the image (0: a UNet's cross-attention keeps them apart).
+    text_tokens: int = 0
+    denoiser: str = field(default="transformer")
+
+
+# An element count per token: a transformer block's widest moment holds its input and residual streams, the
+# normalised copy, q/k/v, the attention output and the 4x-wide MLP's two tensors (attention itself runs through
+# SDPA's memory-efficient kernels, nothing quadratic kept): about 20 x the hidden width.
+TRANSFORMER_WIDTHS_PER_TOKEN = 20
+# A UNet's working block at full latent resolution (GEGLU's 8x-wide projection, q/k/v, the up path's concatenated
+# input) holds about 24 x its first block's channels; the skip connections kept for the up path are added.
+UNET_WIDTHS_PER_TOKEN = 24
+
+
+def transformer_elements_per_token(hidden: int) -> int:
+    return TRANSFORMER_WIDTHS_PER_TOKEN * hidden
+
+
+def unet_elements_per_token(block_out_channels: list[int], layers_per_block: int) -> int:
+    """The UNet's working block plus every skip tensor the down path keeps (conv_in's, each resnet's and each
+    downsampler's), each at its resolution (a quarter of the pixels per level), per full-resolution latent pixel."""
+    skips = block_out_channels[0]
+    for level, channels in enumerate(block_out_channels):
+        skips += layers_per_block * channels / 4**level
+        if level < len(block_out_channels) - 1:
+            skips += channels / 4 ** (level + 1)
+    return int(UNET_WIDTHS_PER_TOKEN * block_out_channels[0] + skips)
+
+
+CLIP_L = ComponentSize(123_060_480, 84_934_656, 82_944)
+CLIP_L_PROJECTION = ComponentSize(123_650_304, 85_524_480, 83_712)
+CLIP_G_PROJECTION = ComponentSize(694_659_840, 630_784_000, 369_920)
+T5_XXL = ComponentSize(4_762_310_656, 4_630_511_616, 983_040)
+VAE_4 = ComponentSize(83_653_863, 2_097_152, 4_096)
+VAE_16 = ComponentSize(83_819_683, 2_097_152, 4_096)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch
+    for arch in (
+        Architecture(
+            "sd1.5", "sd15",
+            {"unet": ComponentSize(859_520_964, 270_049_280, 234_880), "text_encoder": CLIP_L, "vae": VAE_4},
+            denoiser_elements_per_token=unet_elements_per_token([320, 640, 1280, 1280], 2),
+            pixels_per_token=64, denoiser="unet",
+        ),
+        Architecture(
+            "sdxl", "sdxl",
+            {"unet": ComponentSize(2_567_463_684, 2_232_647_680, 1_455_040), "text_encoder": CLIP_L,
+             "text_encoder_2": CLIP_G_PROJECTION, "vae": VAE_4},
+            denoiser_elements_per_token=unet_elements_per_token([320, 640, 1280], 2),
+            pixels_per_token=64, denoiser="unet",
+        ),
+        Architecture(
+            "flux.1-dev", "flux",
+            {"transformer": ComponentSize(11_901_408_320, 11_898_322_944, 3_065_920), "text_encoder": CLIP_L,
+             "text_encoder_2": T5_XXL, "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=512,
+        ),
+        Architecture(
+            "flux.1-schnell", "flux",
+            {"transformer": ComponentSize(11_891_178_560, 11_888_099_328, 3_059_776), "text_encoder": CLIP_L,
+             "text_encoder_2": T5_XXL, "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=256,  # [schnell] encodes 256 T5 tokens, [dev] 512
+        ),
+        Architecture(
+            "sd3.5-medium", "sd3",
+            {"transformer": ComponentSize(2_469_663_936, 2_241_822_720, 1_241_152),
+             "text_encoder": CLIP_L_PROJECTION, "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL,
+             "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 64),
+            pixels_per_token=256, text_tokens=77 + 256,  # the CLIP tokens, then T5's max_sequence_length
+        ),
+        Architecture(
+            "sd3.5-large", "sd3",
+            {"transformer": ComponentSize(8_146_280_768, 8_053_694_464, 2_765_248),
+             "text_encoder": CLIP_L_PROJECTION, "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL,
+             "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(38 * 64),
+            pixels_per_token=256, text_tokens=77 + 256,
+        ),
+    )
+}  # fmt: skip
+# The architecture a catalog entry of a family serves unless it names one (`architecture:`).
+DEFAULT_ARCHITECTURE = {"sd15": "sd1.5", "sdxl": "sdxl", "flux": "flux.1-dev", "sd3": "sd3.5-large"}

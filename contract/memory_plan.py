@@ -1,0 +1,232 @@
+"""The memory plan: what each catalog unit and worker deployment needs on its GPU (weights per component in the
+serving dtype or quantized, plus the activation peak of a full batch at the largest allowed size), against the
+hardware's room, known before a pod is scheduled. The catalog refuses what does not fit; the renderer sizes pods'
+host memory from it; the worker re-checks it against the real device at load.
+
+Weights are counted from the recorded parameter counts (contract/architectures.py). The activation peak is
+computed, not measured (no GPU was lent for this work): the larger of
+- the denoiser call over a full batch (rows doubled by classifier-free guidance) at the largest size, from the
+  element count per token in the architecture's record, in the serving dtype; and
+- the VAE decode of one image at the largest size (the worker decodes a batch one image at a time on a GPU, as
+  diffusers' `vae.enable_slicing()` does), from one published measurement scaled by pixels: FLUX.1-dev at 1024x1024
+  peaks 4.8 GiB above its loaded weights on an H100 (diffusers' quantization blog: 31.4 GiB loaded, 36.2 GiB peak),
+  and the denoiser's share of that call is under 0.5 GiB, so the rest is the decode's. All four families share the
+  decoder's layout (128/256/512/512 channels). SDXL's VAE decodes in float32 (`force_upcast`): twice the bytes, and
+  a float32 copy of the VAE's weights beside its half-precision ones.
+The text encoders' activations (77 to 512 tokens) are small beside both and are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from contract.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE, Architecture
+from contract.hardware import GIB, HARDWARE, MAX_SHARED_CLIENTS_PER_GPU, RESERVE_BYTES
+from contract.quantization import QUANTIZED_BYTES_PER_PARAMETER
+
+if TYPE_CHECKING:
+    from contract.catalog import ModelSpec
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# torchao keeps one float32 scale per output row of a quantized Linear (per-row fp8, per-channel int8).
+SCALE_BYTES_PER_ROW = 4
+# The decode's bytes per output pixel in a 2-byte dtype: 4.8 GiB at 1024x1024 (see the module's docstring).
+DECODE_BYTES_PER_PIXEL = round(4.8 * GIB / (1024 * 1024))
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    name: str
+    parameters: int
+    # The serving dtype, or the quantization type for a quantized component.
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One catalog unit's memory on its GPU."""
+
+    queue: str
+    architecture: str
+    hardware: str
+    components: tuple[ComponentPlan, ...]
+    activation_bytes: int
+    # Which call peaks: "denoiser" (a full batch's model call) or "decode" (one image's VAE decode).
+    activation_phase: str
+    batch: int
+    width: int
+    height: int
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(component.bytes for component in self.components)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        """The plan as `GET /v1/models` and `make status` show it."""
+        return {
+            "architecture": self.architecture,
+            "hardware": self.hardware,
+            "weights_bytes": self.weights_bytes,
+            "activation_bytes": self.activation_bytes,
+            "activation_phase": self.activation_phase,
+            "activation_at": {"batch": self.batch, "width": self.width, "height": self.height},
+            "total_bytes": self.total_bytes,
+            "components": {c.name: {"parameters": c.parameters, "dtype": c.dtype, "bytes": c.bytes}
+                           for c in self.components},
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """A worker deployment (a worker group or a unit alone): one process loads every unit's weights once, and its
+    device runs one call at a time, so weights add up and the largest activation counts once."""
+
+    name: str
+    hardware: str
+    gpu_sharing: bool
+    units: tuple[UnitPlan, ...]
+    clients_per_gpu: int = MAX_SHARED_CLIENTS_PER_GPU
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(unit.weights_bytes for unit in self.units)
+
+    @property
+    def activation_bytes(self) -> int:
+        return max((unit.activation_bytes for unit in self.units), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        return HARDWARE[self.hardware].share_bytes(self.gpu_sharing, self.clients_per_gpu)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.room_bytes
+
+    @property
+    def host_staging_bytes(self) -> int:
+        """Host memory the weights pass through at load: the pipeline loads on the CPU (quantized there) before it
+        moves to the GPU, one unit after another, so the largest unit's loaded weights."""
+        return max((unit.weights_bytes for unit in self.units), default=0)
+
+    def problem(self) -> str | None:
+        """Why it does not fit, with the numbers; None when it does."""
+        if self.fits:
+            return None
+        gpu = HARDWARE[self.hardware]
+        room = f"{gib(self.room_bytes)} usable: {gib(gpu.memory_bytes)} less a {gib(RESERVE_BYTES)} reserve"
+        if self.gpu_sharing:
+            room += f", shared by {self.clients_per_gpu} time-sharing pods"
+        weights = "; ".join(
+            f"{unit.queue} {gib(unit.weights_bytes)} ("
+            + ", ".join(f"{c.name} {gib(c.bytes)} {c.dtype}" for c in unit.components)
+            + ")"
+            for unit in self.units
+        )
+        peak = max(self.units, key=lambda unit: unit.activation_bytes)
+        what = "worker_group" if len(self.units) > 1 else "model"
+        return (
+            f"{what} {self.name!r} does not fit its GPU: it needs {gib(self.total_bytes)} on {self.hardware} "
+            f"({gpu.name}, {room}): weights {gib(self.weights_bytes)} [{weights}] + activation "
+            f"{gib(self.activation_bytes)} ({peak.queue}'s {peak.activation_phase} at batch {peak.batch}, "
+            f"{peak.width}x{peak.height}). Quantize components (`quantization:`), lower max_batch_size or "
+            "limits, split the worker_group, or name larger hardware"
+        )
+
+
+def gib(count: int) -> str:
+    return f"{count / GIB:.2f} GiB"
+
+
+def architecture_of(spec: ModelSpec) -> Architecture | None:
+    """The architecture a diffusers unit serves (its `architecture:`, or its family's usual one); None for the
+    synthetic runners, which hold no weights."""
+    family = spec.family
+    if spec.runner != "diffusers" or family is None:
+        return None
+    name = spec.architecture or DEFAULT_ARCHITECTURE[family.name]
+    if family.name == "flux" and spec.architecture is None and spec.guidance_mode == "none":
+        name = "flux.1-schnell"
+    return ARCHITECTURES[name]
+
+
+def architecture_problem(spec: ModelSpec) -> str | None:
+    """Why a unit's `architecture:` or `quantization.components` are wrong, or None (checked by the catalog)."""
+    if spec.architecture is not None:
+        known = ARCHITECTURES.get(spec.architecture)
+        if known is None:
+            return f"{spec.name}: architecture {spec.architecture!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
+        if spec.family is None or known.family != spec.family.name:
+            return f"{spec.name}: architecture {spec.architecture!r} is a {known.family} model, not {spec.pipeline}'s"
+    architecture = architecture_of(spec)
+    if spec.quantization is not None and architecture is not None:
+        loaded = [name for name in architecture.components if name not in spec.without]
+        if unknown := sorted(set(spec.quantization.components) - set(loaded)):
+            return f"{spec.name}: quantization.components names {unknown}; its pipeline loads {', '.join(loaded)}"
+    return None
+
+
+def component_plans(spec: ModelSpec, architecture: Architecture) -> tuple[ComponentPlan, ...]:
+    dtype = spec.family.gpu_dtype
+    serving = DTYPE_BYTES[dtype]
+    quantized = set(spec.quantization.components) if spec.quantization else set()
+    plans = []
+    for name, size in architecture.components.items():
+        if name in spec.without:
+            continue
+        if name in quantized:
+            kind = spec.quantization.type
+            count = (
+                size.linear_weights * QUANTIZED_BYTES_PER_PARAMETER[kind]
+                + size.linear_rows * SCALE_BYTES_PER_ROW
+                + (size.parameters - size.linear_weights) * serving
+            )
+            plans.append(ComponentPlan(name, size.parameters, kind, count))
+        else:
+            plans.append(ComponentPlan(name, size.parameters, dtype, size.parameters * serving))
+    return tuple(plans)
+
+
+def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: int, height: int) -> tuple[int, str]:
+    """(bytes, phase) of the activation peak of a batch at a size (see the module's docstring)."""
+    serving = DTYPE_BYTES[spec.family.gpu_dtype]
+    rows = batch * (2 if spec.guidance_mode == "cfg" else 1)
+    tokens = math.ceil(width * height / architecture.pixels_per_token) + architecture.text_tokens
+    denoiser = rows * tokens * architecture.denoiser_elements_per_token * serving
+    decode = width * height * DECODE_BYTES_PER_PIXEL * serving // 2
+    if spec.family.name == "sdxl":  # decoded in float32 (force_upcast): twice the bytes, and the VAE's float32 copy
+        decode = 2 * decode + architecture.components["vae"].parameters * 4
+    return (denoiser, "denoiser") if denoiser > decode else (decode, "decode")
+
+
+def unit_plan(spec: ModelSpec) -> UnitPlan | None:
+    """A diffusers unit's plan at its max_batch_size and largest allowed size; None for the synthetic runners."""
+    architecture = architecture_of(spec)
+    if architecture is None:
+        return None
+    width, height = spec.limits.max_width, spec.limits.max_height
+    width -= width % spec.family.size_multiple
+    height -= height % spec.family.size_multiple
+    count, phase = activation(spec, architecture, spec.max_batch_size, width, height)
+    return UnitPlan(
+        spec.queue, architecture.name, spec.hardware, component_plans(spec, architecture), count, phase,
+        spec.max_batch_size, width, height,
+    )  # fmt: skip
+
+
+def deployment_plan(
+    name: str, specs: list[ModelSpec], clients_per_gpu: int = MAX_SHARED_CLIENTS_PER_GPU
+) -> DeploymentPlan:
+    units = tuple(plan for plan in (unit_plan(spec) for spec in specs) if plan is not None)
+    return DeploymentPlan(name, specs[0].hardware, specs[0].gpu_sharing, units, clients_per_gpu)
