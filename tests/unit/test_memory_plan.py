@@ -159,8 +159,8 @@ def test_time_sharing_pods_each_get_a_share_of_the_card(tmp_path):
     with pytest.raises(ValueError, match=r"10\.75 GiB usable: .* shared by 2 time-sharing pods"):
         catalog(tmp_path, {"sdxl": shared})
     small = {
-        "limits": {**shared["limits"], "max_width": 768, "max_height": 768},
-        "defaults": {"width": 768, "height": 768},
+        "limits": {**shared["limits"], "max_width": 512, "max_height": 512},
+        "defaults": {"width": 512, "height": 512},
     }
     assert catalog(tmp_path, {"sdxl": {**shared, **small}}).deployment_plans()["sdxl"].fits
 
