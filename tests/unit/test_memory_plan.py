@@ -14,7 +14,7 @@ from contract.architectures import (
     transformer_elements_per_token,
     unet_elements_per_token,
 )
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, load_catalog
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, ModelSpec, load_catalog
 from contract.hardware import GIB, HARDWARE
 from contract.memory_plan import deployment_plan, unit_plan
 
@@ -182,12 +182,16 @@ def test_an_unknown_architecture_or_quantized_component_is_refused(tmp_path):
         catalog(tmp_path, {"flux": flux(quantization=unet)})
 
 
-def test_a_left_out_component_is_not_counted(tmp_path):
-    sd35 = entry("sd35-txt2img", hardware="a100", quantization=None, adapters=None)
-    with pytest.raises(ValueError, match="does not fit"):
-        catalog(tmp_path, {"sd35": sd35})
-    plan = unit_plan(catalog(tmp_path, {"sd35": {**sd35, "without": ["text_encoder_3"]}}).get("sd35"))
-    assert "text_encoder_3" not in {c.name for c in plan.components}
+def test_a_left_out_component_is_not_counted():
+    sd35 = {**entry("sd35-txt2img", quantization=None), "name": "sd35"}
+    full, without = (
+        unit_plan(ModelSpec.model_validate(spec)) for spec in (sd35, {**sd35, "without": ["text_encoder_3"]})
+    )
+    assert "text_encoder_3" not in {c.name for c in without.components}
+    assert (
+        full.weights_bytes - without.weights_bytes
+        == 2 * ARCHITECTURES["sd3.5-large"].components["text_encoder_3"].parameters
+    )
 
 
 def test_every_catalog_deployment_fits_and_the_synthetic_ones_hold_nothing():
