@@ -23,6 +23,7 @@ from pathlib import Path
 from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
 from model_worker.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
+from model_worker.device_memory import check_device_memory
 from model_worker.families import denoiser_class
 from model_worker.lora import LoraSets, Slots
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
@@ -55,6 +56,7 @@ class DiffusionRunner:
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
         dtype = getattr(torch, spec.family.gpu_dtype) if self._device == "cuda" else torch.float32
+        check_device_memory(spec, torch)
         started = time.perf_counter()
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)
@@ -62,6 +64,10 @@ class DiffusionRunner:
             weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
         ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
+        if self._device == "cuda":
+            # One image per VAE call (diffusers' own slicing): a batch's decode would hold every image's full-size
+            # feature maps at once, and the memory plan counts one (contract/memory_plan.py).
+            self._pipeline.vae.enable_slicing()
         if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:
             scheduler_class = getattr(diffusers, spec.scheduler)
             self._pipeline.scheduler = scheduler_class.from_config(self._pipeline.scheduler.config)

@@ -203,3 +203,36 @@ def test_every_catalog_deployment_fits_and_the_synthetic_ones_hold_nothing():
     assert deployment_plan("x", [load_catalog().get("sd15-txt2img")]).host_staging_bytes == pytest.approx(
         2.13 * GB, rel=0.01
     )
+
+
+class FakeCuda:
+    """torch.cuda as the check reads it: a device with `free` bytes free of 24 GiB, or none."""
+
+    def __init__(self, free: int | None) -> None:
+        self.free = free
+
+    def is_available(self) -> bool:
+        return self.free is not None
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.free, 24 * GIB
+
+    def get_device_name(self, index: int) -> str:
+        return "NVIDIA L4"
+
+
+def test_the_worker_refuses_to_load_a_unit_the_devices_free_memory_cannot_hold(caplog):
+    from types import SimpleNamespace
+
+    from model_worker.device_memory import DeviceMemoryError, check_device_memory
+
+    spec = load_catalog().get("flux-schnell")
+    with pytest.raises(
+        DeviceMemoryError, match=r"flux-schnell: its memory plan needs 20\.84 GiB .* has 20\.00 GiB free"
+    ):
+        check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(20 * GIB)))
+    with caplog.at_level("INFO", logger="model_worker.device_memory"):
+        check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(22 * GIB)))
+        check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(None)))
+    assert "within 22.00 GiB free of 24.00 GiB on NVIDIA L4" in caplog.text
+    assert "the check against the device is skipped: no CUDA device" in caplog.text
