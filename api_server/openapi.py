@@ -111,6 +111,36 @@ class JobListQuery(BaseModel):
     cursor: str | SkipJsonSchema[None] = Field(default=None, description="`next_cursor` of the previous page")
 
 
+class PlannedComponent(BaseModel):
+    parameters: int
+    dtype: str = Field(description="the serving dtype, or the quantization type of a quantized component")
+    bytes: int
+
+
+class PlannedDeployment(BaseModel):
+    name: str = Field(description="the worker deployment (a worker_group, or the model alone)")
+    models: list[str]
+    weights_bytes: int = Field(description="every model's weights: one process loads them all")
+    activation_bytes: int = Field(description="the largest model's activation peak: one call runs at a time")
+    total_bytes: int
+    room_bytes: int = Field(description="the GPU's memory less the reserve, shared between time-sharing pods")
+    fits: bool
+
+
+class MemoryPlan(BaseModel):
+    """What the model needs on its GPU (README "Memory plan"): computed from its architecture, not measured."""
+
+    architecture: str
+    hardware: str
+    weights_bytes: int
+    activation_bytes: int = Field(description="the peak of a full batch at the largest allowed size")
+    activation_phase: Literal["denoiser", "decode"]
+    activation_at: dict[str, int] = Field(description="batch, width and height of that peak")
+    total_bytes: int
+    components: dict[str, PlannedComponent]
+    worker_deployment: PlannedDeployment
+
+
 class ModelInfo(BaseModel):
     name: str
     version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
@@ -126,6 +156,9 @@ class ModelInfo(BaseModel):
     request_timeout_seconds: int
     defaults: GenerationDefaults
     limits: GenerationLimits
+    memory_plan: MemoryPlan | None = Field(
+        default=None, description="its stable version's memory on its GPU; null for the synthetic models"
+    )
 
 
 class ModelList(BaseModel):

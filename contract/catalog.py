@@ -14,7 +14,7 @@ from contract import naming
 from contract.families import Family, Guidance, family_of, unknown_pipeline_error
 from contract.generation import defaults_model
 from contract.hardware import HARDWARE, HardwareName
-from contract.memory_plan import DeploymentPlan, UnitPlan, architecture_problem, deployment_plan, unit_plan
+from contract.memory_plan import DeploymentPlan, architecture_problem, deployment_plan, unit_plan
 from contract.quantization import FLOAT8_MIN_COMPUTE_CAPABILITY, Quantization
 
 DEFAULT_CATALOG_PATH = Path(__file__).with_name("models.yaml")
@@ -492,8 +492,12 @@ class ModelCatalog(BaseModel):
                 raise ValueError(problem)
         return self
 
-    def unit_plan(self, spec: ModelSpec) -> UnitPlan | None:
-        return unit_plan(spec)
+    def memory_plan(self, spec: ModelSpec) -> dict[str, object] | None:
+        """A unit's memory plan and its worker deployment's (what `GET /v1/models` shows); None for a synthetic one."""
+        plan = unit_plan(spec)
+        if plan is None:
+            return None
+        return {**plan.as_dict(), "worker_deployment": self.deployment_plans()[spec.deployment].as_dict()}
 
     def deployment_plans(self) -> dict[str, DeploymentPlan]:
         """The memory plan of every worker deployment, by deployment name."""

@@ -120,6 +120,17 @@ class DeploymentPlan:
         moves to the GPU, one unit after another, so the largest unit's loaded weights."""
         return max((unit.weights_bytes for unit in self.units), default=0)
 
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "models": [unit.queue for unit in self.units],
+            "weights_bytes": self.weights_bytes,
+            "activation_bytes": self.activation_bytes,
+            "total_bytes": self.total_bytes,
+            "room_bytes": self.room_bytes,
+            "fits": self.fits,
+        }
+
     def problem(self) -> str | None:
         """Why it does not fit, with the numbers; None when it does."""
         if self.fits:
@@ -230,3 +241,36 @@ def deployment_plan(
 ) -> DeploymentPlan:
     units = tuple(plan for plan in (unit_plan(spec) for spec in specs) if plan is not None)
     return DeploymentPlan(name, specs[0].hardware, specs[0].gpu_sharing, units, clients_per_gpu)
+
+
+def plan_rows(plans: dict[str, DeploymentPlan]) -> list[tuple[str, ...]]:
+    """One row per planned unit (its deployment's sum and room beside it): `make status` and README's table."""
+    rows = [("model", "architecture", "hardware", "quantized", "weights", "activation (at)", "total", "deployment / room", "fits")]  # fmt: skip
+    for plan in plans.values():
+        for unit in plan.units:
+            quantized = sorted({c.dtype for c in unit.components} - set(DTYPE_BYTES))
+            rows.append((
+                unit.queue, unit.architecture, unit.hardware, ", ".join(quantized) or "-", gib(unit.weights_bytes),
+                f"{gib(unit.activation_bytes)} ({unit.activation_phase}, {unit.batch} x {unit.width}x{unit.height})",
+                gib(unit.total_bytes), f"{gib(plan.total_bytes)} / {gib(plan.room_bytes)}", "yes" if plan.fits else "NO",
+            ))  # fmt: skip
+    return rows
+
+
+def plan_table(plans: dict[str, DeploymentPlan], markdown: bool = False) -> str:
+    rows = plan_rows(plans)
+    if markdown:
+        lines = ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+if __name__ == "__main__":  # python -m contract.memory_plan [--markdown]: the catalog's plan
+    import sys
+
+    from contract.catalog import load_catalog
+
+    print(plan_table(load_catalog().deployment_plans(), markdown="--markdown" in sys.argv))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from contract.catalog import load_catalog
+from contract.memory_plan import plan_table
 from contract.settings import LOCAL_DEFAULT_API_KEY
 from emulators.processes import (
     ProcessRegistry,
@@ -630,7 +631,10 @@ def status(config: StackConfig) -> tuple[str, bool]:
         for row in rows
     ]
     header = f"Stack in {config.stack_dir} (port offset {config.port_offset}), API {config.api_url}"
-    return "\n".join([header, *lines]), healthy
+    plan = "Memory plan (each model on its catalog hardware; here the tiny pipelines run on the CPU):\n" + plan_table(
+        config.catalog().deployment_plans()
+    )
+    return "\n".join([header, *lines, "", plan]), healthy
 
 
 def _short(health: str, project_id: str, limit: int = 160) -> str:

@@ -27,6 +27,7 @@ def _public(spec, versions) -> dict:
         "request_timeout_seconds": spec.request_timeout_seconds,
         "defaults": spec.defaults.model_dump(exclude_none=True),
         "limits": spec.limits.model_dump(),
+        "memory_plan": app_state().catalog.memory_plan(spec),
     }
 
 
