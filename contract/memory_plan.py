@@ -59,6 +59,7 @@ class UnitPlan:
     batch: int
     width: int
     height: int
+    serving_dtype: str = "float16"
 
     @property
     def weights_bytes(self) -> int:
@@ -67,6 +68,12 @@ class UnitPlan:
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.activation_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Its safetensors in the bucket (and the worker's disk cache): every component in the serving dtype, as
+        quantization happens at load."""
+        return sum(c.parameters * DTYPE_BYTES[self.serving_dtype] for c in self.components)
 
     def as_dict(self) -> dict[str, object]:
         """The plan as `GET /v1/models` and `make status` show it."""
@@ -232,7 +239,7 @@ def unit_plan(spec: ModelSpec) -> UnitPlan | None:
     count, phase = activation(spec, architecture, spec.max_batch_size, width, height)
     return UnitPlan(
         spec.queue, architecture.name, spec.hardware, component_plans(spec, architecture), count, phase,
-        spec.max_batch_size, width, height,
+        spec.max_batch_size, width, height, spec.family.gpu_dtype,
     )  # fmt: skip
 
 

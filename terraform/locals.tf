@@ -94,6 +94,15 @@ locals {
       machine_type     = "a2-highgpu-1g"
       accelerator_type = "nvidia-tesla-a100"
     }
+    # An 80 GB card: a model in bf16 the memory plan (contract/memory_plan.py) does not fit an L4 or a 40 GB A100.
+    a100-80 = {
+      machine_type     = "a2-ultragpu-1g"
+      accelerator_type = "nvidia-a100-80gb"
+    }
+    h100 = {
+      machine_type     = "a3-highgpu-1g"
+      accelerator_type = "nvidia-h100-80gb"
+    }
   }
 
   # The API's request timeout must outlast the slowest model's, or Cloud Run cuts off replies the

@@ -94,7 +94,7 @@ variable "gke_release_channel" {
 
 variable "gpu_node_pools" {
   description = <<-EOT
-    GPU node pools keyed by pool name. `hardware` is a catalog hardware class (l4 or a100).
+    GPU node pools keyed by pool name. `hardware` is a catalog hardware class (l4, a100, a100-80 or h100).
     `max_shared_clients_per_gpu` above 1 turns on GPU time-sharing with that many pods per GPU
     (for catalog models with gpu_sharing: true); 1 gives every pod a whole GPU. Node counts are
     totals across var.gke_zones. `spot` uses Spot VMs (cheaper, preemptible).

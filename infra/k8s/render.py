@@ -25,6 +25,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
+from contract.hardware import MAX_SHARED_CLIENTS_PER_GPU  # noqa: E402
+from contract.memory_plan import deployment_plan  # noqa: E402
 from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
 from contract.settings import ADAPTER_HOST_CACHE_BYTES  # noqa: E402
 
@@ -47,11 +49,12 @@ WORKER_STARTUP_BUDGET_SECONDS = 15 * 60
 WORKER_STARTUP_PERIOD_SECONDS = 10
 # Time to publish the last replies and exit after the drain ends, before the kubelet sends SIGKILL.
 WORKER_EXIT_MARGIN_SECONDS = 30
-# Weights of an SD 1.5-class pipeline are a few GB; the rest leaves room for a second version.
-MODEL_CACHE_SIZE = "20Gi"
-WORKER_EPHEMERAL_STORAGE = "24Gi"
-DEFAULT_MAX_SHARED_CLIENTS_PER_GPU = 2
-# Host memory a serving worker holds besides its LoRA adapters: Python, torch and CUDA's host side, the pipeline's
+# The node-local weights cache holds twice a deployment's weights files (the memory plan's `file_bytes`: a new upload
+# downloads beside the old), and at least this much; ephemeral storage adds room for logs and temporary files.
+MIN_MODEL_CACHE_GIB = 20
+EPHEMERAL_STORAGE_BESIDE_CACHE_GIB = 4
+DEFAULT_MAX_SHARED_CLIENTS_PER_GPU = MAX_SHARED_CLIENTS_PER_GPU  # the memory plan's share of a time-shared GPU
+# Host memory a serving worker holds besides its LoRA adapters and its weights at load: Python, torch and CUDA's host side, the pipeline's
 # bookkeeping once its weights are on the GPU, a batch's payloads and images. An estimate with room to spare (a
 # tiny-model worker is about 1 GiB); the adapters' share is counted from the catalog and the cache budget.
 WORKER_PROCESS_MEMORY_MIB = 6 * 1024
@@ -86,6 +89,12 @@ GPU_POOLS: dict[str, GpuPool] = {
     "l4": GpuPool("l4", "nvidia-l4", "g2-standard-8", node_cpu_millis=6500, node_memory_mib=24 * 1024),
     # a2-highgpu-1g: 12 vCPU, 85 GB, one A100 (40 GB).
     "a100": GpuPool("a100", "nvidia-tesla-a100", "a2-highgpu-1g", node_cpu_millis=10000, node_memory_mib=64 * 1024),
+    # a2-ultragpu-1g: 12 vCPU, 170 GB, one A100 (80 GB).
+    "a100-80": GpuPool(
+        "a100-80", "nvidia-a100-80gb", "a2-ultragpu-1g", node_cpu_millis=10000, node_memory_mib=128 * 1024
+    ),
+    # a3-highgpu-1g: 26 vCPU, 234 GB, one H100 (80 GB).
+    "h100": GpuPool("h100", "nvidia-h100-80gb", "a3-highgpu-1g", node_cpu_millis=22000, node_memory_mib=180 * 1024),
 }
 
 
@@ -336,9 +345,23 @@ def adapter_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -
     return math.ceil((settings.adapter_host_cache_bytes + 2 * deployment.largest_adapter_bytes) / MIB)
 
 
+def weights_staging_mib(deployment: WorkerDeployment) -> int:
+    """Host memory its weights pass through at load, from the memory plan: a pipeline loads (and is quantized) on
+    the CPU before it moves to the GPU, one model after another (contract/memory_plan.py, `host_staging_bytes`)."""
+    return math.ceil(deployment_plan(deployment.name, list(deployment.models)).host_staging_bytes / MIB)
+
+
+def model_cache_gib(deployment: WorkerDeployment) -> int:
+    """The weights cache volume's size: twice its models' files (a new upload beside the old), at least 20 GiB."""
+    files = sum(unit.file_bytes for unit in deployment_plan(deployment.name, list(deployment.models)).units)
+    return max(MIN_MODEL_CACHE_GIB, math.ceil(2 * files / 1024**3))
+
+
 def worker_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
-    """Host memory one worker of the deployment needs: the process, and its adapters."""
-    return WORKER_PROCESS_MEMORY_MIB + adapter_memory_mib(deployment, settings)
+    """Host memory one worker of the deployment needs: the process, and the larger of its weights at load (the
+    memory plan's) and its adapters while it serves (the adapter cache fills after the load), in whole GiB."""
+    needed = WORKER_PROCESS_MEMORY_MIB + max(weights_staging_mib(deployment), adapter_memory_mib(deployment, settings))
+    return math.ceil(needed / 1024) * 1024
 
 
 def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
@@ -352,19 +375,24 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
         node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
         node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
         affinity = {}
-    memory_mib = pool.node_memory_mib // clients_per_node
+    share_mib = pool.node_memory_mib // clients_per_node
+    plan = deployment_plan(deployment.name, list(deployment.models), clients_per_node)
+    if (problem := plan.problem()) is not None:
+        raise ValueError(f"worker deployment {deployment.name!r}: {problem}")
     largest = deployment.largest_adapter_bytes
     if largest > settings.adapter_host_cache_bytes:
         raise ValueError(
             f"worker deployment {deployment.name!r}: adapter files of up to {largest} bytes (the catalog's "
             f"max_bytes) do not fit a host cache of {settings.adapter_host_cache_bytes} bytes"
         )
-    if worker_memory_mib(deployment, settings) > memory_mib:
+    memory_mib = worker_memory_mib(deployment, settings)
+    if memory_mib > share_mib:
         raise ValueError(
-            f"worker deployment {deployment.name!r} needs {worker_memory_mib(deployment, settings)} MiB of host "
-            f"memory ({WORKER_PROCESS_MEMORY_MIB} MiB for the worker, {adapter_memory_mib(deployment, settings)} MiB "
-            f"for a {settings.adapter_host_cache_bytes}-byte adapter cache and a load of its largest file) but its "
-            f"pod on {pool.name} gets {memory_mib} MiB: lower the adapter cache or the catalog's max_bytes"
+            f"worker deployment {deployment.name!r} needs {memory_mib} MiB of host memory ({WORKER_PROCESS_MEMORY_MIB} "
+            f"MiB for the worker, and the larger of {weights_staging_mib(deployment)} MiB for its weights at load and "
+            f"{adapter_memory_mib(deployment, settings)} MiB for a {settings.adapter_host_cache_bytes}-byte adapter "
+            f"cache and a load of its largest file) but its pod on {pool.name} gets {share_mib} MiB: lower the adapter "
+            "cache or the catalog's max_bytes, or quantize its weights"
         )
     # The startup probe keeps counting from the container's start, so a rounded-up threshold still
     # covers the whole budget.
@@ -388,12 +416,12 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "resources": resources(
                 pool.node_cpu_millis // clients_per_node,
                 memory_mib,
-                ephemeral_storage=WORKER_EPHEMERAL_STORAGE,
+                ephemeral_storage=f"{model_cache_gib(deployment) + EPHEMERAL_STORAGE_BESIDE_CACHE_GIB}Gi",
             ),
             "adapter_host_cache_bytes": str(settings.adapter_host_cache_bytes),
             "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
             "startup_failure_threshold": startup_failure_threshold,
-            "model_cache_size": MODEL_CACHE_SIZE,
+            "model_cache_size": f"{model_cache_gib(deployment)}Gi",
             "min_replicas": deployment.min_replicas,
             "max_replicas": deployment.max_replicas,
             "trigger_authentication": TRIGGER_AUTHENTICATION,

@@ -229,7 +229,11 @@ def test_worker_writes_weights_and_caches_to_volumes_sized_for_them(manifests: l
     for variable in ("MAAS_WEIGHTS_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
         (mount_path,) = [path for path in mounts if env[variable].startswith(path + "/")]
         assert volumes[mounts[mount_path]]["name"] == "model-cache", variable
-    assert volumes["model-cache"]["emptyDir"]["sizeLimit"] == render.MODEL_CACHE_SIZE
+    # Twice the deployment's weights files (the memory plan's, in the serving dtype), at least 20 GiB.
+    files = sum(unit.file_bytes for unit in CATALOG.deployment_plans()[deployment].units)
+    cache = mebibytes(volumes["model-cache"]["emptyDir"]["sizeLimit"]) * 2**20
+    assert cache >= max(2 * files, 20 * 2**30)
+    assert mebibytes(container["resources"]["requests"]["ephemeral-storage"]) * 2**20 > cache
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
@@ -279,7 +283,12 @@ def test_worker_runs_at_high_priority(manifests: list[Manifest], deployment: str
 def test_worker_is_placed_on_its_catalog_gpu_pool(manifests: list[Manifest], deployment: str) -> None:
     spec = pod_spec(worker_deployment(manifests, deployment))
     for model in members(deployment):
-        accelerator = {"l4": "nvidia-l4", "a100": "nvidia-tesla-a100"}[model.hardware]
+        accelerator = {
+            "l4": "nvidia-l4",
+            "a100": "nvidia-tesla-a100",
+            "a100-80": "nvidia-a100-80gb",
+            "h100": "nvidia-h100-80gb",
+        }[model.hardware]
         assert spec["nodeSelector"]["cloud.google.com/gke-accelerator"] == accelerator
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
 
@@ -439,7 +448,7 @@ def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
 
 
 def test_a_worker_group_takes_the_most_demanding_settings_of_its_models() -> None:
-    a, b = MODELS[:2]
+    a, b = "sd15-img2img", "sd15-txt2img"  # two that fit one L4 together (the memory plan)
     catalog = catalog_with(
         **{
             a: {
@@ -508,7 +517,8 @@ def capacity_buffers(manifests: list[Manifest]) -> list[Manifest]:
 
 def test_there_is_a_capacity_buffer_per_gpu_pool(manifests: list[Manifest]) -> None:
     names = sorted(m["metadata"]["name"] for m in capacity_buffers(manifests))
-    assert names == ["capacity-reservation-a100", "capacity-reservation-l4"]
+    assert names == sorted(f"capacity-reservation-{pool}" for pool in render.GPU_POOLS)
+    assert set(render.GPU_POOLS) == {"l4", "a100", "a100-80", "h100"}
 
 
 def test_capacity_buffer_has_the_lowest_priority_of_all_priority_classes(manifests: list[Manifest]) -> None:
@@ -537,7 +547,12 @@ def test_capacity_buffer_pods_hold_a_whole_gpu_node_and_leave_at_once(manifests:
 
 def test_gpu_pool_sizes_fit_their_machine_types() -> None:
     # vCPU and GB of the machine types, which a pod can never fully claim.
-    machines = {"g2-standard-8": (8, 32), "a2-highgpu-1g": (12, 85)}
+    machines = {
+        "g2-standard-8": (8, 32),
+        "a2-highgpu-1g": (12, 85),
+        "a2-ultragpu-1g": (12, 170),
+        "a3-highgpu-1g": (26, 234),
+    }
     for pool in render.GPU_POOLS.values():
         vcpus, gigabytes = machines[pool.machine_type]
         assert 0.7 * vcpus * 1000 <= pool.node_cpu_millis < vcpus * 1000
@@ -574,6 +589,38 @@ def test_a_workers_memory_counts_its_adapter_cache_and_a_load_beside_it(
     memory = mebibytes(container["resources"]["requests"]["memory"]) * 2**20
     assert render.WORKER_PROCESS_MEMORY_MIB * 2**20 + adapters <= memory
     assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_a_workers_memory_holds_its_weights_at_load_as_the_memory_plan_counts_them(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    """The pipeline loads (and is quantized) in host memory before it moves to the GPU: the pod's memory holds the
+    worker and the largest of its models' planned weights."""
+    memory = mebibytes(worker_container(manifests, deployment)["resources"]["requests"]["memory"]) * 2**20
+    staging = max(unit.weights_bytes for unit in CATALOG.deployment_plans()[deployment].units)
+    assert render.WORKER_PROCESS_MEMORY_MIB * 2**20 + staging <= memory
+
+
+def test_flux_on_an_l4_gets_the_memory_its_fp8_weights_need_and_no_more_than_a_node() -> None:
+    (container,) = pod_spec(
+        next(
+            m
+            for m in render.render_all(render.RenderSettings(project_id=PROJECT_ID))[
+                "20-model-worker-flux-schnell.yaml"
+            ]
+            if m["kind"] == "Deployment"
+        )
+    )["containers"]
+    # 6 GiB for the worker and 16.04 GiB of weights (transformer and T5 in float8), in whole GiB.
+    assert container["resources"]["requests"]["memory"] == "23Gi"
+    assert mebibytes("23Gi") <= render.GPU_POOLS["l4"].node_memory_mib
+
+
+def test_a_deployment_whose_gpu_plan_does_not_fit_its_share_of_a_time_shared_gpu_is_refused() -> None:
+    # SD 1.5 plans 6.79 GiB: a quarter of an L4 (5.37 GiB) is too little.
+    with pytest.raises(ValueError, match=r"'sd15-txt2img'.* needs 6\.79 GiB on l4 .* shared by 4 time-sharing pods"):
+        render.render_all(render.RenderSettings(project_id=PROJECT_ID, max_shared_clients_per_gpu=4))
 
 
 def test_the_adapter_cache_budget_is_rendered_and_one_the_pods_cannot_hold_is_refused() -> None:

@@ -628,6 +628,27 @@ def test_default_node_pools_can_run_every_catalog_model(model):
     assert fitting, f"no default GPU pool offers {spec.hardware} with gpu_sharing={spec.gpu_sharing} for {model}"
 
 
+def test_default_node_pools_hold_the_memory_the_plan_gives_each_worker():
+    """Every worker's pod (host memory from the memory plan: its weights at load) fits a node of every default pool
+    it may land on, its share where the GPU is time-shared; the pool's GPU holds the plan's weights and activations."""
+    render_module = _manifest_renderer()
+    settings = render_module.RenderSettings(project_id=EXAMPLE_PROJECT)
+    hardware, pools = locals_()["gpu_hardware"], variables()["gpu_node_pools"]["default"]
+    for deployment in render_module.worker_deployments(CATALOG):
+        memory = render_module.worker_memory_mib(deployment, settings)
+        fitting = [pool for pool in pools.values() if pool["hardware"] == deployment.hardware
+                   and (pool.get("max_shared_clients_per_gpu", 1) > 1) == deployment.gpu_sharing]  # fmt: skip
+        assert fitting, deployment.name
+        for pool in fitting:
+            node = render_module.GPU_POOLS[pool["hardware"]]
+            assert hardware[pool["hardware"]]["machine_type"] == node.machine_type
+            clients = pool.get("max_shared_clients_per_gpu", 1)
+            assert memory <= node.node_memory_mib // clients, (deployment.name, memory)
+            plan = CATALOG.deployment_plans()[deployment.name]
+            assert plan.clients_per_gpu == clients or not deployment.gpu_sharing
+            assert plan.fits, plan.problem()
+
+
 def test_gpu_nodes_are_tainted_shared_and_get_drivers_from_gke():
     pool = resource("google_container_node_pool", "gpu")
     assert expression(pool["for_each"]) == "var.gpu_node_pools"
