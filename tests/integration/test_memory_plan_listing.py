@@ -1,0 +1,24 @@
+"""`GET /v1/models` shows each model's memory plan (contract/memory_plan.py) from the API, which has no torch."""
+
+from __future__ import annotations
+
+import requests
+
+from contract.hardware import GIB
+
+
+def test_the_model_listing_shows_each_models_memory_plan(stack, auth_headers):
+    response = requests.get(f"{stack.api_url}/v1/models", headers=auth_headers, timeout=10)
+    assert response.status_code == 200, response.text
+    models = {model["name"]: model for model in response.json()["models"]}
+    flux = models["flux-schnell"]["memory_plan"]
+    assert (flux["architecture"], flux["hardware"]) == ("flux.1-schnell", "l4")
+    assert flux["components"]["transformer"]["dtype"] == "float8_weight_only"
+    assert flux["components"]["text_encoder"]["dtype"] == "bfloat16"
+    assert flux["activation_at"] == {"batch": 4, "width": 1024, "height": 1024}
+    assert flux["total_bytes"] == flux["weights_bytes"] + flux["activation_bytes"] < 21.5 * GIB
+    assert flux["worker_deployment"]["fits"] and flux["worker_deployment"]["models"] == ["flux-schnell"]
+    # Two versions in one worker: their weights add up.
+    versions = models["flux-versions"]["memory_plan"]["worker_deployment"]
+    assert versions["weights_bytes"] == 2 * models["flux-versions"]["memory_plan"]["weights_bytes"]
+    assert models["noop"]["memory_plan"] is None
