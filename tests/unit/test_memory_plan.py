@@ -236,3 +236,13 @@ def test_the_worker_refuses_to_load_a_unit_the_devices_free_memory_cannot_hold(c
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(None)))
     assert "within 22.00 GiB free of 24.00 GiB on NVIDIA L4" in caplog.text
     assert "the check against the device is skipped: no CUDA device" in caplog.text
+
+
+def test_a_version_asks_for_an_a100_in_bf16_beside_the_l4_fp8_one(tmp_path):
+    versions = {"versions": {"1": {}, "2": {"hardware": "a100-80", "quantization": None}}}
+    served = catalog(tmp_path, {"flux-schnell": entry("flux-schnell", **versions)})
+    plans = served.deployment_plans()
+    l4, a100 = plans["flux-schnell--1"], plans["flux-schnell--2"]
+    assert (l4.hardware, a100.hardware) == ("l4", "a100-80")
+    assert {c.dtype for c in a100.units[0].components} == {"bfloat16"}
+    assert a100.fits and a100.total_bytes / GIB == pytest.approx(36.2, abs=0.05)
