@@ -56,7 +56,7 @@ class DiffusionRunner:
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
         dtype = getattr(torch, spec.family.gpu_dtype) if self._device == "cuda" else torch.float32
-        check_device_memory(spec, torch)
+        check_device_memory(spec, torch, weights_dir)
         started = time.perf_counter()
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)

@@ -246,3 +246,26 @@ def test_a_version_asks_for_an_a100_in_bf16_beside_the_l4_fp8_one(tmp_path):
     assert (l4.hardware, a100.hardware) == ("l4", "a100-80")
     assert {c.dtype for c in a100.units[0].components} == {"bfloat16"}
     assert a100.fits and a100.total_bytes / GIB == pytest.approx(36.2, abs=0.05)
+
+
+def test_the_worker_refuses_weights_larger_than_the_architecture_the_plan_counted(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from model_worker.device_memory import DeviceMemoryError, check_device_memory, file_parameters
+
+    (tmp_path / "vae").mkdir()
+    save_file(
+        {"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors")
+    )
+    assert file_parameters(tmp_path) == {"vae": 17}
+    spec = load_catalog().get("flux-schnell")
+    check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(22 * GIB)), tmp_path)  # fewer than planned: fine
+    planned = ARCHITECTURES["flux.1-schnell"].components["vae"].parameters
+    save_file({"big": torch.zeros(int(planned * 1.06))}, str(tmp_path / "vae" / "more.safetensors"))
+    with pytest.raises(
+        DeviceMemoryError, match=r"vae holds 88,848,880 parameters .* counts 83,819,683 \(flux.1-schnell\)"
+    ):
+        check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(22 * GIB)), tmp_path)
