@@ -269,3 +269,13 @@ def test_the_worker_refuses_weights_larger_than_the_architecture_the_plan_counte
         DeviceMemoryError, match=r"vae holds 88,848,880 parameters .* counts 83,819,683 \(flux.1-schnell\)"
     ):
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(22 * GIB)), tmp_path)
+
+
+def test_make_status_prints_each_models_plan_under_the_components(tmp_path):
+    from emulators.stack import StackConfig, status
+
+    table, _ = status(StackConfig(stack_dir=tmp_path, port_offset=0))
+    plan = table.split("Memory plan (each model on its catalog hardware; here the tiny pipelines run on the CPU):\n")[1]
+    rows = {line.split()[0]: line.split() for line in plan.splitlines()[1:]}
+    assert rows["flux-schnell"][:4] == ["flux-schnell", "flux.1-schnell", "l4", "float8_weight_only"]
+    assert rows["flux-schnell"][-1] == "yes" and "noop" not in rows
