@@ -64,15 +64,15 @@ class DiffusionRunner:
             weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
         ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
-        if self._device == "cuda":
-            # One image per VAE call (diffusers' own slicing): a batch's decode would hold every image's full-size
-            # feature maps at once, and the memory plan counts one (contract/memory_plan.py).
-            self._pipeline.vae.enable_slicing()
         if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:
             scheduler_class = getattr(diffusers, spec.scheduler)
             self._pipeline.scheduler = scheduler_class.from_config(self._pipeline.scheduler.config)
         self._denoiser = denoiser(spec, self._pipeline, self._device)
         self._denoiser.check_loaded()
+        if self._device == "cuda":
+            # One image per VAE call (diffusers' own slicing): a batch's decode would hold every image's full-size
+            # feature maps at once, and the memory plan counts one (contract/memory_plan.py).
+            self._pipeline.vae.enable_slicing()
         if spec.scheduling == "step":
             self._denoiser.check_steppable()
         # Compiled shapes must be static: batches are padded up to the next bucket.
