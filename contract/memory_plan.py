@@ -123,8 +123,9 @@ class DeploymentPlan:
 
     @property
     def host_staging_bytes(self) -> int:
-        """Host memory the weights pass through at load: the pipeline loads on the CPU (quantized there) before it
-        moves to the GPU, one unit after another, so the largest unit's loaded weights."""
+        """Host memory the weights pass through at load, at most: a pipeline loaded on the CPU before it moves to the
+        GPU holds all its loaded weights there (one loaded straight to the GPU holds less), one unit after another,
+        so the largest unit's loaded weights."""
         return max((unit.weights_bytes for unit in self.units), default=0)
 
     def as_dict(self) -> dict[str, object]:
