@@ -43,6 +43,9 @@ class ModelInfo(_Body):
     request_timeout_seconds: int
     defaults: GenerationDefaults
     limits: GenerationLimits
+    # What the model needs on its GPU (weights per component, activation peak, its worker's sum and room);
+    # None for the synthetic models and from servers older than the memory plan (README "Memory plan").
+    memory_plan: dict | None = None
 
 
 class ModelList(_Body):
