@@ -122,7 +122,7 @@ class WorkerService:
                 project, naming.worker_subscription(spec.queue, priority)
             )
             for spec in specs
-            for priority in naming.PRIORITIES
+            for priority in settings.worker_priorities
         }
         dead_letters = {
             spec.queue: self.subscriber.subscription_path(project, naming.dead_letter_subscription(spec.queue))
