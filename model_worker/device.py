@@ -220,7 +220,10 @@ class DeviceLoop:
         else:
             self.running.resume()
             self._join(interactive=False)
+        self._pool.interactive_running(self.running.interactive_images > 0)
         self.running.step()
+        if not self.running:
+            self._pool.interactive_running(False)
 
     def _join(self, interactive: bool) -> None:
         if not self.running:
@@ -269,6 +272,7 @@ class DeviceLoop:
                 raise BatchPreemptedError  # an interactive request waits, or the worker drains: hand them back
 
         self._progress.begin(batch, started)
+        self._pool.interactive_running(not preemptible)
         began = time.perf_counter()
         try:
             self.calls += 1
@@ -290,6 +294,7 @@ class DeviceLoop:
             return
         finally:
             self._progress.end()
+            self._pool.interactive_running(False)
         seconds = time.perf_counter() - began
         self._metrics.inference_seconds.labels(model=spec.name).observe(seconds)
         self._metrics.batch_size.labels(model=spec.name).observe(len(items))

@@ -101,6 +101,7 @@ class RequestPool:
         self._held: list[PendingRequest] = []
         self._changed = threading.Condition()
         self._closed = False
+        self._interactive_running = False  # the device runs an interactive request: no batch line is pulled
 
     def _images(self, *priorities: str) -> int:
         return sum(p.size for p in self._held if not priorities or p.priority in priorities)
@@ -114,8 +115,9 @@ class RequestPool:
             return 0
         if priority == "batch":
             # Idle capacity only: nothing held at all (a held interactive request waits for the device; held batch
-            # lines are already the next batch), so batch lines are never leased while interactive work waits here.
-            return 0 if self._held else self.capacity
+            # lines are already the next batch) and no interactive request running, so batch lines are never leased
+            # here while interactive work waits or runs: another worker, idle, takes them.
+            return 0 if self._held or self._interactive_running else self.capacity
         used = self._images("high") if priority == "high" else self._images("high", "normal")
         return max(0, self.capacity - used)
 
@@ -178,6 +180,13 @@ class RequestPool:
                 self._held = [p for p in self._held if id(p) not in taken]
                 self._changed.notify_all()
             return joiners, abandoned
+
+    def interactive_running(self, running: bool) -> None:
+        """The device says whether it runs an interactive request now (batch pulls wait while it does)."""
+        with self._changed:
+            if running != self._interactive_running:
+                self._interactive_running = running
+                self._changed.notify_all()
 
     def first_interactive(self) -> PendingRequest | None:
         """The interactive request the device takes next, if one is held and ready: what a running set of batch

@@ -56,6 +56,12 @@ def test_batch_lines_are_pulled_only_into_an_empty_pool_and_never_shrink_an_inte
     pool.take_batch(timeout=0)
     pool.add(request("n", SLEEP))
     assert pool.room("batch") == 0, "a waiting interactive request: no batch line is leased meanwhile"
+    pool.take_batch(timeout=0)
+    assert pool.room("batch") == 8
+    pool.interactive_running(True)
+    assert pool.room("batch") == 0, "an interactive request running: batch lines are left to idle workers"
+    pool.interactive_running(False)
+    assert pool.room("batch") == 8
 
 
 def test_the_oldest_batch_line_is_chosen_after_the_newest_interactive_request():
