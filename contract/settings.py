@@ -166,6 +166,10 @@ class Settings:
     # The priorities this worker pulls (MAAS_WORKER_PRIORITIES, comma-separated; unset: all, `high,normal,batch`).
     # The Spot batch Deployment sets `batch` (infra/k8s/render.py): its workers never take interactive requests.
     worker_priorities: tuple[str, ...] = naming.PRIORITIES
+    # Batch images a worker holds or runs at once (MAAS_BATCH_IMAGES; 0: its models' max_batch_size). A batch call's
+    # start (prompt and input-image encoding) and decode cannot be cut short for an interactive request, so an
+    # interactive worker runs batch lines one at a time by default; the Spot batch Deployment runs full batches.
+    batch_images: int = 1
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -261,6 +265,7 @@ class Settings:
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,
             worker_priorities=tuple(p for p in naming.PRIORITIES if p in worker_priorities),
+            batch_images=int(env.get("MAAS_BATCH_IMAGES") or cls.batch_images),
             adapter_host_cache_bytes=host_cache_bytes,
             adapter_load_delay={
                 name.strip(): float(seconds)

@@ -191,7 +191,7 @@ class DeviceLoop:
                         idle_since = time.monotonic()
                     continue
                 if self.running.paused and not self.stopping.is_set() and self._pool.first_interactive() is None:
-                    self.running.resume()  # paused batch lines go on before any new one starts
+                    self.running.resume(self._pool.batch_images)  # paused batch lines go on before any new one starts
                     continue
                 batch, abandoned = self._pool.take_batch(timeout=1.0)
                 self._answer_all(abandoned)
@@ -218,7 +218,7 @@ class DeviceLoop:
             self.running.pause_batch()
             self._join(interactive=True)
         else:
-            self.running.resume()
+            self.running.resume(self._pool.batch_images)
             self._join(interactive=False)
         self._pool.interactive_running(self.running.interactive_images > 0)
         self.running.step()
@@ -228,7 +228,10 @@ class DeviceLoop:
     def _join(self, interactive: bool) -> None:
         if not self.running:
             return  # emptied by `pause_batch`: the next turn starts a new set with the waiting request
-        joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room, interactive)
+        room = (
+            self.running.room if interactive else min(self.running.room, self._pool.batch_images - self.running.images)
+        )
+        joiners, abandoned = self._pool.take_joiners(self.running.key, room, interactive)
         self._answer_all(abandoned)
         self.running.admit(joiners)
 

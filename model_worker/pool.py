@@ -96,8 +96,12 @@ class RequestPool:
     their own; batch pulls take up to `capacity` only into an empty pool (held batch lines never shrink another
     priority's room)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, batch_images: int | None = None) -> None:
+        """`batch_images`: the most batch images held, or run at once (None: `capacity`). Small on an interactive
+        worker: a batch call's start (prompt and image encoding) and decode cannot be cut short, and an interactive
+        request arriving then waits for them; on a Spot batch worker, full batches."""
         self.capacity = capacity
+        self.batch_images = min(capacity, batch_images or capacity)
         self._held: list[PendingRequest] = []
         self._changed = threading.Condition()
         self._closed = False
@@ -117,7 +121,7 @@ class RequestPool:
             # Idle capacity only: nothing held at all (a held interactive request waits for the device; held batch
             # lines are already the next batch) and no interactive request running, so batch lines are never leased
             # here while interactive work waits or runs: another worker, idle, takes them.
-            return 0 if self._held or self._interactive_running else self.capacity
+            return 0 if self._held or self._interactive_running else self.batch_images
         used = self._images("high") if priority == "high" else self._images("high", "normal")
         return max(0, self.capacity - used)
 
@@ -144,6 +148,8 @@ class RequestPool:
             if live:
                 first = live[0]
                 limit, used = first.spec.max_batch_size, 0
+                if not first.interactive:
+                    limit = min(limit, self.batch_images)
                 for candidate in live:
                     if candidate.interactive != first.interactive:
                         continue  # batch lines never share a call with interactive requests: they would slow it

@@ -144,13 +144,15 @@ class RunningSet:
             self._metrics.running_images.set(self.images)
         return images
 
-    def resume(self) -> int:
-        """Brings paused batch lines back, oldest first, where they fit (an empty set takes the first one's size);
-        returns how many requests came back. They go on from the step they paused at."""
+    def resume(self, images: int | None = None) -> int:
+        """Brings paused batch lines back, oldest first, where they fit (an empty set takes the first one's size), up
+        to `images` in the set; returns how many requests came back. They go on from the step they paused at."""
         resumed = 0
         for request in list(self.paused):
             key, size = request.pending.batch_key, len(request.items)
             if self._requests and (key != self.key or size > self.room):
+                continue
+            if self._requests and images is not None and self.images + size > images:
                 continue
             self.paused.remove(request)
             if not self._requests:

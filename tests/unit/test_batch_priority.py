@@ -77,6 +77,32 @@ def test_the_oldest_batch_line_is_chosen_after_the_newest_interactive_request():
     assert [p.request_id for p in batch] == ["batch-old"] and pool.first_interactive() is None
 
 
+def test_batch_images_bound_what_an_interactive_worker_holds_and_runs_of_batch_lines():
+    pool = RequestPool(capacity=8, batch_images=1)
+    assert pool.room("batch") == 1 and pool.room("normal") == 8
+    for index in range(3):
+        pool.add(request(f"b{index}", SLEEP, priority="batch"))
+    batch, _ = pool.take_batch(timeout=0)
+    assert [p.request_id for p in batch] == ["b0"]  # one at a time
+    pool.add(request("n0", SLEEP))
+    pool.add(request("n1", SLEEP))
+    batch, _ = pool.take_batch(timeout=0)
+    assert [p.request_id for p in batch] == ["n0", "n1"]  # interactive requests still batch together
+
+
+def test_a_running_set_takes_batch_lines_up_to_its_batch_images():
+    runner = Recording(SLEEP_STEP)
+    lines = [request(f"line-{i}", SLEEP_STEP, steps=2, priority="batch") for i in range(3)]
+    worker = Worker({SLEEP_STEP.name: runner})
+    worker.loop._pool = worker.pool = RequestPool(8, batch_images=2)  # before its device thread starts
+    with worker:
+        for line in lines:
+            worker.pool.add(line)
+        worker.outcomes.wait(3)
+    assert max(len(ids) for ids in runner.calls) == 2
+    answered_once(worker, [line.request_id for line in lines])
+
+
 def test_joiners_are_taken_interactive_first_and_batch_lines_only_when_asked():
     pool = RequestPool(capacity=8)
     key = request("x", SLEEP_STEP).batch_key
@@ -175,6 +201,8 @@ def test_a_call_of_batch_lines_stops_for_an_interactive_request_and_its_lines_ru
 def test_a_worker_pulls_the_priorities_it_is_told(value, expected):
     env = {} if value is None else {"MAAS_WORKER_PRIORITIES": value}
     assert Settings.from_env(env).worker_priorities == expected
+    assert Settings.from_env(env).batch_images == 1
+    assert Settings.from_env({"MAAS_BATCH_IMAGES": "0"}).batch_images == 0
     assert naming.worker_subscription("m", "batch") == "maas-requests-m-batch-workers"
 
 
