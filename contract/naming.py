@@ -40,16 +40,21 @@ def version_name_problem(version: object) -> str | None:
     return None
 
 
-Priority = Literal["high", "normal"]
-# Workers take from these in this order; `high` has its own topic because subscription filters are not
-# applied by the emulator, and a filter-based split would put both priorities in one backlog anyway.
-PRIORITIES: tuple[Priority, ...] = ("high", "normal")
+Priority = Literal["high", "normal", "batch"]
+# Workers take from these in this order; each has a topic of its own because subscription filters are not
+# applied by the emulator, and a filter-based split would put the priorities in one backlog anyway. `batch`
+# (issue 35) is below normal: a worker pulls it only when no interactive request waits, and a batch line is
+# the first to leave a running set an interactive request wants to join.
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "batch")
+# The priorities a caller waits on; `batch` is fed by the batch API, never sent to the predict route.
+INTERACTIVE_PRIORITIES: tuple[Priority, ...] = ("high", "normal")
+PRIORITY_SUFFIXES: dict[str, str] = {"high": "-high", "normal": "", "batch": "-batch"}
 
 
 def _priority_suffix(priority: Priority) -> str:
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
-    return "-high" if priority == "high" else ""
+    return PRIORITY_SUFFIXES[priority]
 
 
 def version_queue(model: str, version: str) -> str:
@@ -67,7 +72,7 @@ def worker_subscription(model: str, priority: Priority = "normal") -> str:
 
 
 def dead_letter_topic(model: str) -> str:
-    """One per model: both priorities' subscriptions dead-letter here."""
+    """One per model: every priority's subscription dead-letters here."""
     return f"{PREFIX}-requests-{model}-dead-letter"
 
 

@@ -42,6 +42,7 @@ locals {
   priority_suffixes = {
     high   = "-high"
     normal = ""
+    batch  = "-batch"
   }
 
   # One request queue (topic and worker subscription) per model and priority, keyed "model/priority"
