@@ -174,3 +174,11 @@ def test_a_component_the_weights_do_not_have_is_refused_naming_the_ones_they_hav
     spec = SPEC.model_copy(update={"quantization": Quantization(type="int8_weight_only", components=["transformer"])})
     with pytest.raises(QuantizationUnsupportedError, match=r"'transformer'.*quantizable: text_encoder, unet, vae"):
         DiffusionRunner(spec, pipelines["sd15"][0], torch_threads=1)
+
+
+def test_a_quantized_model_keeps_its_compile_artifacts_apart_from_the_unquantized_ones():
+    from model_worker.compiled import compile_cache_key
+
+    int8, fp8 = quantized("int8_weight_only"), quantized("float8_weight_only")
+    keys = {compile_cache_key(SPEC), compile_cache_key(int8), compile_cache_key(fp8)}
+    assert len(keys) == 3 and compile_cache_key(int8).endswith("-int8_weight_only-text_encoder+unet")
