@@ -1,9 +1,10 @@
-"""Quantization at load (the catalog's `quantization:`) on the tiny SD 1.5 pipeline, on the CPU.
+"""Quantization at load (the catalog's `quantization:`) on the tiny SD 1.5 and FLUX.1 pipelines, on the CPU.
 
 int8 weight-only quantizes the named components' Linear layers while diffusers loads them (torchao tensors in
 the model, the weights on disk unchanged), and the worker's images stay within the README's tolerance of the
 unquantized pipeline's, in both schedulings, with an adapter (diffusers' LoRA layers on the quantized ones), and
-compiled (torch.compile's eager backend, the adapter slots on quantized layers). torchao runs float8 weight-only
+compiled (torch.compile's eager backend, the adapter slots on quantized layers); FLUX.1 with its transformer and
+T5 quantized likewise, with an adapter. torchao runs float8 weight-only
 on a CPU too (within its own, wider tolerance); float8 dynamic it cannot run there, and fp8 on a GPU below compute
 capability 8.9 (an A100): both are refused before anything loads, with the reason.
 """
@@ -18,7 +19,7 @@ from contract.quantization import Quantization
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_adapter_families import VISIBLE, denoiser_only, peft_file, reference_with
 from tests.unit.test_adapter_parts import loaded_by_the_worker, with_adapters
-from tests.unit.test_model_families import SD15, differences, reference_images
+from tests.unit.test_model_families import DEV, SD15, differences, reference_images
 from tests.unit.test_step_scheduler import Worker, request
 
 # The largest pixel difference (of 255) of a quantized model's image from the unquantized pipeline's: README
@@ -26,6 +27,8 @@ from tests.unit.test_step_scheduler import Worker, request
 QUANTIZED_TOLERANCE = {"int8_weight_only": 6.0, "float8_weight_only": 16.0}
 SIZE = 64
 SPEC = SD15.model_copy(update={"name": "sd15-quantized"})
+# FLUX.1 as the catalog quantizes it on an L4: the transformer and T5-XXL (transformers' T5EncoderModel).
+FLUX = DEV.model_copy(update={"name": "flux-quantized", "adapters": SD15.adapters})
 
 
 def quantized(kind: str, scheduling: str = "step", **update):
@@ -35,8 +38,9 @@ def quantized(kind: str, scheduling: str = "step", **update):
 
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory) -> dict:
-    """The tiny SD 1.5 pipeline's directory and the unquantized diffusers pipeline loaded from it (the reference)."""
-    return tiny_pipelines(tmp_path_factory.mktemp("quantized"), {"sd15": SPEC})
+    """The tiny SD 1.5 and FLUX.1 [dev] pipelines' directories and the unquantized diffusers pipelines (the
+    references)."""
+    return tiny_pipelines(tmp_path_factory.mktemp("quantized"), {"sd15": SPEC, "flux-dev": FLUX})
 
 
 def serve(runner, spec, request_id: str, adapters=None, images: int = 2) -> tuple[list, object]:
@@ -87,6 +91,27 @@ def test_int8_weight_only_stays_within_the_tolerance_in_both_schedulings_with_an
             "int8_weight_only", images, reference_with(pipelines, "sd15", pending, {"ink": data}, {"ink": 1.0})
         )
         assert differences(images, base) > VISIBLE, "the adapter did not change the quantized model's image"
+
+
+def test_flux_with_its_transformer_and_t5_in_int8_stays_within_the_tolerance_with_an_adapter(pipelines):
+    from model_worker.pipeline import DiffusionRunner
+
+    directory, _ = pipelines["flux-dev"]
+    quantization = Quantization(type="int8_weight_only", components=["transformer", "text_encoder_2"])
+    spec = FLUX.model_copy(update={"quantization": quantization, "scheduling": "step"})
+    runner = DiffusionRunner(spec, directory, torch_threads=1)
+    for component in ("transformer", "text_encoder_2"):
+        done, total = quantized_layers(getattr(runner._pipeline, component))  # noqa: SLF001
+        assert done == total > 0, f"{component}: {done} of {total} Linear layers quantized"
+    base, pending = serve(runner, spec, "flux-int8")
+    assert_within("int8_weight_only", base, reference_images(pipelines, "flux-dev", pending))
+    data = peft_file(directory, 1, 4)  # the transformer's and the CLIP encoder's attention projections
+    adapters, _ = loaded_by_the_worker(spec, "ink", data, directory)
+    images, pending = serve(runner, spec, "flux-int8-ink", adapters)
+    assert_within(
+        "int8_weight_only", images, reference_with(pipelines, "flux-dev", pending, {"ink": data}, {"ink": 1.0})
+    )
+    assert differences(images, base) > VISIBLE
 
 
 def test_float8_weight_only_runs_on_the_cpu_within_its_tolerance(pipelines):
