@@ -65,8 +65,8 @@ class DiffusionRunner:
             load_kwargs["quantization_config"] = pipeline_quantization(
                 spec.name, spec.quantization, weights_dir, spec.without
             )
-            if self._device == "cuda":
-                load_kwargs["device_map"] = "cuda"  # quantized on the GPU: no full-precision copy in host memory
+            # Quantized on the device it runs on (on a GPU, no full-precision copy in host memory).
+            load_kwargs["device_map"] = self._device
         self._pipeline = pipeline_class.from_pretrained(
             weights_dir, torch_dtype=dtype, use_safetensors=True, **load_kwargs
         ).to(self._device)
