@@ -24,7 +24,18 @@ weights scaled by 0.5 so fp16 activations stay finite, saved once as fp16 safete
     .venv/bin/python -m bench.gpu_pipeline                         # every stage
     .venv/bin/python -m bench.gpu_pipeline --stages direct worker  # eager only (compiling takes minutes)
 
-Needs only PyTorch with CUDA and the worker's packages. Without a GPU it says so and exits 0.
+`--quantization TYPE...` runs `quantized_pipeline.py`'s comparison instead of the stages above: the worker's
+runner in the serving dtype and quantized at load as each TYPE (the catalog's: float8_weight_only, float8_dynamic,
+int8_weight_only), eager (`direct` or `worker` among `--stages`) and compiled (`compiled`), one image per call:
+s/image, and GB allocated once loaded and at the peak. `--family flux` is FLUX.1 [schnell] at its real size
+(random weights, about 34 GB of bf16 safetensors built once under `--workdir`), at `--size 1024`:
+
+    .venv/bin/python -m bench.gpu_pipeline --family flux --size 1024 --stages direct compiled \
+        --quantization float8_weight_only float8_dynamic int8_weight_only
+    .venv/bin/python -m bench.gpu_pipeline --family flux --tiny --size 64 --quantization int8_weight_only  # CPU
+
+Needs only PyTorch with CUDA and the worker's packages. Without a GPU it says so and exits 0 (`--tiny` runs the
+quantization comparison on the local stack's tiny pipeline on a CPU: the smoke test; times only, no memory).
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
+
+from contract.quantization import QuantizationType
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("direct", "worker", "open-loop", "compiled", "compiled-plain", "warm-start")
@@ -46,6 +60,9 @@ COMPILED_ADAPTERS = {"bench-ink": (1, 16), "bench-neon": (2, 64)}
 # The open-loop sweep's step mix on the GPU: the catalog's default 25 and a shorter request beside it.
 GPU_STEP_MIX = (12, 25)
 WEIGHT_SCALE = 0.5
+DEFAULT_STEPS = 25
+# The catalog's quantization types, for `--quantization`.
+QUANTIZATION_TYPES = get_args(QuantizationType)
 
 
 def build_sd15_sized(out_dir: Path) -> Path:
@@ -288,17 +305,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="(--quantization: the catalog's default)")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--seconds", type=float, default=15.0, help="measurement time per point")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="weights and compile artifacts")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_pipeline.json")
     parser.add_argument("--warm-start-child", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--family", choices=("sd15", "flux"), default="sd15",
+                        help="--quantization's pipeline (the other stages are SD-1.5-sized only)")  # fmt: skip
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATION_TYPES,
+                        help="compare the serving dtype with these quantizations at load (see above)")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="--quantization on the tiny pipeline (runs on a CPU)")
+    parser.add_argument("--calls", type=int, default=3, help="--quantization: timed calls per variant")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
 
+    if args.quantization and (args.tiny or torch.cuda.is_available()):
+        return quantization_comparison(args)
     if not torch.cuda.is_available():
         print(
             f"No CUDA GPU here (torch {torch.__version__}, CUDA available: no): nothing measured. "
@@ -406,6 +431,30 @@ def main() -> int:
             print(f"warm start failed:\n{done.stderr[-2000:]}", flush=True)
 
     print_summary(result, spec.max_batch_size)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def quantization_comparison(args) -> int:
+    """`--quantization`: quantized_pipeline.py's comparison, its rows added to the JSON under `quantization`."""
+    import torch
+
+    from bench.quantized_pipeline import compare, summary
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"{device}, torch {torch.__version__}; {args.family}{' (tiny)' if args.tiny else ''}: the serving dtype "
+          f"against {', '.join(args.quantization)}", flush=True)  # fmt: skip
+    eager = bool({"direct", "worker", "open-loop"} & set(args.stages))
+    rows = compare(args.family, args.quantization, eager, "compiled" in args.stages, args.tiny, args.workdir,
+                   args.size, args.steps if args.steps != DEFAULT_STEPS else None, args.calls)  # fmt: skip
+    print("\n" + summary(rows))
+    result = json.loads(args.json.read_text()) if args.json.exists() else {}
+    result.setdefault("quantization", {})[f"{args.family}{'-tiny' if args.tiny else ''}"] = {
+        "device": device,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0

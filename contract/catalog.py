@@ -34,7 +34,7 @@ SCHEDULINGS: tuple[str, ...] = ("step", "request")
 STEPPABLE_SCHEDULERS = frozenset({
     "PNDMScheduler", "DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler", "DPMSolverMultistepScheduler",
-    "UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler",
+    "UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler", "LCMScheduler",
 })  # fmt: skip
 NOT_STEPPABLE_SCHEDULERS = frozenset({
     "HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
@@ -88,6 +88,22 @@ class AdapterPolicy(BaseModel):
         return self
 
 
+class SchedulerConfig(BaseModel):
+    """Overrides of the scheduler's saved config that a distilled few-step model needs: SDXL-Lightning's and
+    Hyper-SD's `timestep_spacing: trailing` (the schedule must start at the last training timestep), LCM's
+    `original_inference_steps`. Applied over the weights' saved config when the worker loads the pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+    timestep_spacing: Literal["leading", "trailing", "linspace"] | None = None
+    steps_offset: int | None = Field(default=None, ge=0)
+    # LCMScheduler only: the distillation's skipping schedule (50 for LCM-LoRA and LCM-distilled models).
+    original_inference_steps: int | None = Field(default=None, ge=1)
+
+    def overrides(self) -> dict[str, object]:
+        """The keyword arguments of the scheduler's `from_config`: only what the catalog sets."""
+        return self.model_dump(exclude_none=True)
+
+
 class ModelSpec(BaseModel):
     """One servable unit: a single-version model, or one version of a model with `versions`."""
 
@@ -125,6 +141,8 @@ class ModelSpec(BaseModel):
     # The diffusers scheduler class the pipeline runs with (its saved config, this class); unset: the one
     # saved with the weights, checked when the pipeline loads.
     scheduler: str | None = None
+    # Overrides of the scheduler's saved config (a few-step model's `timestep_spacing: trailing`); empty: as saved.
+    scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
     max_instances_per_request: int = Field(ge=1)
     request_timeout_seconds: int = Field(ge=1)
     ack_deadline_seconds: int = Field(ge=10, le=600)
@@ -192,6 +210,11 @@ class ModelSpec(BaseModel):
                 raise ValueError(f"{self.name}: scheduler {self.scheduler!r} is not one of {', '.join(sorted(known))}")
             if self.scheduling == "step" and self.scheduler not in STEPPABLE_SCHEDULERS:
                 raise ValueError(steppable_error(self.name, self.scheduler))
+        if self.scheduler_config.original_inference_steps is not None and self.scheduler != "LCMScheduler":
+            raise ValueError(
+                f"{self.name}: scheduler_config.original_inference_steps is LCMScheduler's; set scheduler: LCMScheduler "
+                "or remove it"
+            )
         if self.runner == "diffusers" and not (self.pipeline and self.weights_path):
             raise ValueError(f"{self.name}: the diffusers runner needs `pipeline` and `weights_path`")
         self._check_synthetic_fields()

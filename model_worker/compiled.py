@@ -63,9 +63,13 @@ class CompileCache:
 
 
 def compile_cache_key(spec: ModelSpec) -> str:
-    """Artifacts are only valid for the same torch build, GPU model and bucket shapes."""
+    """Artifacts are only valid for the same torch build, GPU model, bucket shapes and quantization (a quantized
+    model's graphs are others: a version that changes `quantization:` on the same weights gets its own)."""
     import torch
 
     device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
     buckets = "-".join(str(size) for size in batch_buckets(spec.max_batch_size))
-    return f"torch-{torch.__version__}-{device}-{spec.defaults.width}x{spec.defaults.height}-b{buckets}"
+    key = f"torch-{torch.__version__}-{device}-{spec.defaults.width}x{spec.defaults.height}-b{buckets}"
+    if spec.quantization is not None:
+        key += f"-{spec.quantization.type}-{'+'.join(sorted(spec.quantization.components))}"
+    return key

@@ -26,6 +26,7 @@ from model_worker.compiled import CompileCache, batch_buckets, compile_cache_key
 from model_worker.device_memory import check_device_memory
 from model_worker.families import denoiser_class
 from model_worker.lora import LoraSets, Slots
+from model_worker.quantization import check_device, pipeline_quantization
 from model_worker.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,19 @@ class DiffusionRunner:
         started = time.perf_counter()
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)
+        load_kwargs = denoiser.load_kwargs(spec)
+        if spec.quantization is not None:  # quantized while loading; refused first where the device cannot run it
+            check_device(spec.name, spec.quantization, self._device)
+            load_kwargs["quantization_config"] = pipeline_quantization(
+                spec.name, spec.quantization, weights_dir, spec.without
+            )
+            # Quantized on the device it runs on (on a GPU, no full-precision copy in host memory).
+            load_kwargs["device_map"] = self._device
         self._pipeline = pipeline_class.from_pretrained(
-            weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
+            weights_dir, torch_dtype=dtype, use_safetensors=True, **load_kwargs
         ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
-        if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:
-            scheduler_class = getattr(diffusers, spec.scheduler)
-            self._pipeline.scheduler = scheduler_class.from_config(self._pipeline.scheduler.config)
+        self._pipeline.scheduler = configured_scheduler(spec, self._pipeline.scheduler)
         self._denoiser = denoiser(spec, self._pipeline, self._device)
         self._denoiser.check_loaded()
         if self._device == "cuda":
@@ -181,6 +188,18 @@ class DiffusionRunner:
     def decode(self, running: list[RunningItem]) -> list:
         """One VAE call for the finished items; float arrays as `output_type="np"` gives them."""
         return self._denoiser.decode(running)
+
+
+def configured_scheduler(spec: ModelSpec, scheduler):
+    """The pipeline's scheduler as the catalog configures it: its class (`scheduler`, from the saved config) and
+    `scheduler_config`'s overrides (a distilled model's `timestep_spacing: trailing`); unchanged when it sets none."""
+    import diffusers
+
+    overrides = spec.scheduler_config.overrides()
+    name = spec.scheduler or type(scheduler).__name__
+    if name == type(scheduler).__name__ and not overrides:
+        return scheduler
+    return getattr(diffusers, name).from_config(scheduler.config, **overrides)
 
 
 def _step_callback(on_step: StepCallback, requested: int) -> Callable:

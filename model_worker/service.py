@@ -217,8 +217,10 @@ class WorkerService:
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
         from model_worker.compiled import CompileCache, compile_cache_key
         from model_worker.pipeline import DiffusionRunner
+        from model_worker.quantization import QuantizationUnsupportedError, check_device, worker_device
         from model_worker.weights.store import MANIFEST, WeightsFormatError, download_weights
 
+        check_device(spec.name, spec.quantization, worker_device())  # before minutes of download
         settings = self.settings
         # Which upload this is, read before its files: a manifest replaced meanwhile is tried again next time.
         manifest = self._storage.bucket(settings.model_bucket).get_blob(f"{spec.weights_path.rstrip('/')}/{MANIFEST}")
@@ -238,6 +240,8 @@ class WorkerService:
             cache = CompileCache(bucket, naming.compile_cache_object(spec.weights_path, compile_cache_key(spec)))
         try:
             return DiffusionRunner(spec, weights_dir, settings.torch_threads, settings.torch_compile, cache)
+        except QuantizationUnsupportedError:
+            raise  # the catalog's quantization on this device: a configuration error, not the weights'; the pod exits
         except Exception as exc:
             if _out_of_memory(exc):
                 raise  # the device's, not the weights': a restart (or another node) may fit it

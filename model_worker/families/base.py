@@ -74,8 +74,12 @@ class Denoiser:
         """Compiles the denoising model for static shapes (batches padded to `batch_buckets`): with inductor at
         max-autotune, or with `compile_backend` when one is named (the tests' `eager`)."""
         torch = self._torch
-        # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters.
-        if hasattr(self.pipeline, "fuse_qkv_projections") and not (self.lora_components() and self.spec.adapters):
+        # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters. Nor on
+        # quantized weights: diffusers fuses by concatenating the weights, which torchao's tensors do not implement.
+        quantization = self.spec.quantization
+        quantized = quantization is not None and self.model_attribute in quantization.components
+        adapters = self.lora_components() and self.spec.adapters
+        if hasattr(self.pipeline, "fuse_qkv_projections") and not adapters and not quantized:
             self.pipeline.fuse_qkv_projections()
         backend = self.compile_backend
         options = {"mode": "max-autotune-no-cudagraphs"} if backend is None else {"backend": backend}

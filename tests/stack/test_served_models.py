@@ -22,13 +22,17 @@ from emulators.stack import (
 from tests.conftest import stack_config
 
 PRODUCTION = load_catalog()  # contract/models.yaml alone: what Terraform and the Kubernetes renderer read
-LOCAL_ONLY = {"noop", "sleep", "flux-versions"}
+LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sd15-lcm"}
 # The integration and e2e tests' models: rollouts, fallback, shadows and the re-dispatch tests' long ack deadline.
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
     "shadowed-once", "sleep-long-ack",
 }  # fmt: skip
-USER_WORKERS = {f"worker-{name}" for name in PRODUCTION.deployments()} | {"worker-synthetic", "worker-flux-versions"}
+USER_WORKERS = {f"worker-{name}" for name in PRODUCTION.deployments()} | {
+    "worker-synthetic",
+    "worker-flux-versions",
+    "worker-sd15-lcm",
+}
 
 
 def make_up_config(tmp_path) -> StackConfig:
@@ -52,7 +56,7 @@ def test_make_up_lists_only_the_models_a_user_is_meant_to_see(tmp_path, monkeypa
     assert set(served(api_component(config).env)) == names
     workers = worker_components(config)
     assert {worker.name for worker in workers} == USER_WORKERS
-    assert len(workers) == len(PRODUCTION.deployments()) + 2  # synthetic and flux-versions
+    assert len(workers) == len(PRODUCTION.deployments()) + 3  # synthetic, flux-versions and sd15-lcm
     for worker in workers:
         assert not set(worker.env["MAAS_MODELS"].split(",")) & FIXTURES, worker.name
         assert set(served(worker.env)) == names

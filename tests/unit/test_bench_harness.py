@@ -82,3 +82,29 @@ def test_admin_operations_turn_into_a_sustainable_rate():
     }
     assert sustainable_rps(2.0) == pytest.approx(50)
     assert sustainable_rps(0.001) is None
+
+
+def test_the_gpu_benchs_quantization_comparison_runs_on_the_tiny_flux_pipeline_on_a_cpu(tmp_path, monkeypatch):
+    """`bench/gpu_pipeline.py --quantization` (its smoke test: the real-size run needs a GPU): the tiny FLUX.1
+    pipeline in the serving dtype and int8 weight-only, compiled (torch.compile's eager backend on a CPU; the eager
+    runner's quantization is tests/unit/test_quantization.py's), timed and written to its JSON; float8_dynamic is
+    reported refused there, not failed."""
+    import json
+    import sys
+
+    from bench import gpu_pipeline
+
+    out = tmp_path / "gpu.json"
+    argv = ["gpu_pipeline", "--family", "flux", "--tiny", "--size", "64", "--steps", "2", "--calls", "1",
+            "--stages", "compiled", "--quantization", "int8_weight_only", "float8_dynamic",
+            "--workdir", str(tmp_path), "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert gpu_pipeline.main() == 0
+    rows = json.loads(out.read_text())["quantization"]["flux-tiny"]["rows"]
+    assert [(row["quantization"], row["compiled"]) for row in rows] == [
+        ("none", True),
+        ("int8_weight_only", True),
+        ("float8_dynamic", True),
+    ]
+    assert all(row["s_per_image"] > 0 and row["steps"] == 2 for row in rows[:2])
+    assert "compute capability 8.9" in rows[2]["refused"]
