@@ -363,7 +363,9 @@ class FlowStages:
         if request.flow is None:
             return None
         held = self._held_run(request.request_id)
-        return held or FlowRun(request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished))
+        return held or FlowRun(
+            request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished)
+        )
 
     def _held_run(self, request_id: str) -> FlowRun | None:
         with self._lock:
@@ -382,5 +384,3 @@ class FlowStages:
 
     def close(self) -> None:
         self._background.shutdown(wait=True)
-
-
