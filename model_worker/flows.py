@@ -86,7 +86,7 @@ class FlowRun:
 def flow_progress(pending: PendingRequest, step: int, total: int) -> dict:
     """A request's progress fields; a flow's stage counts every stage's steps and names the stage (its own step
     count mapped onto the steps its plan gives it)."""
-    run: FlowRun | None = pending.flow
+    run: FlowRun | None = getattr(pending, "flow", None)
     if run is None:
         return {"step": step, "total": total}
     done = sum(plan.steps for plan in run.plans[: run.stage])
