@@ -38,6 +38,13 @@ class Family:
     lora_components: tuple[str, ...] = ()
     # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
     optional_components: tuple[str, ...] = ()
+    # The VAE latent space its denoiser works in (channels, scaling): a flow hands a latent on only between
+    # families of the same space (contract/flows.py); empty: its latents are not handed on (FLUX packs them 2x2
+    # into tokens and SD 3.5's pipelines take no latents as their image).
+    latent_space: str = ""
+    # Whether its pipelines take diffusers' `denoising_end` (text-to-image) and `denoising_start`
+    # (image-to-image): the base + refiner handoff of a partly denoised latent.
+    denoising_handoff: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -52,6 +59,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",
             adapters=True,
             lora_components=("unet", "text_encoder"),
+            latent_space="sd15-vae: 4 channels, scaling 0.18215",
         ),
         Family(
             "sdxl",
@@ -62,6 +70,10 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
             adapters=True,
             lora_components=("unet", "text_encoder", "text_encoder_2"),
+            # The refiner's configuration (stable-diffusion-xl-refiner-1.0): `text_encoder_2` only.
+            optional_components=("text_encoder",),
+            latent_space="sdxl-vae: 4 channels, scaling 0.13025",
+            denoising_handoff=True,
         ),
         Family(
             "flux",
