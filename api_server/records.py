@@ -19,6 +19,7 @@ from flask import Request, Response
 
 from api_server import metrics
 from api_server.auth import Caller
+from api_server.flow_rows import rows_of
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import JobStore
@@ -119,7 +120,8 @@ class RequestRecords:
         if answer is not None and answer.job_made in DEFERRED and http_status == 202:
             self._defer(row, answer)
         else:
-            self._log.write(row)
+            for each in rows_of(row, answer.reply if answer is not None else None):
+                self._log.write(each)
 
     def _settle(self, request_id: str) -> bool:
         """True when the row kept with the published request is still this process's to write."""
