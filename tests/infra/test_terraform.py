@@ -794,3 +794,17 @@ def test_each_catalog_version_is_a_unit_named_as_the_code_names_it():
     assert f'"${{name}}{naming.VERSION_SEPARATOR}${{version}}"' in units
     assert "merge(entry, override)" in units
     assert naming.version_queue("m", "2") == "m--2"
+
+
+def test_a_flow_needs_no_topic_of_its_own_and_workers_may_forward_a_flow_to_its_later_stages():
+    # A flow is published to its first stage's request topic: no topic is declared for flows.
+    assert all("flow" not in name for name in resources_of_type("google_pubsub_topic"))
+    forwarded = expression(locals_()["flow_forwarded_models"])
+    assert "try(local.catalog.flows, {})" in forwarded and "stage.model if index > 0" in forwarded
+    queues = expression(locals_()["flow_forwarded_queues"])
+    assert "local.request_queues" in queues and 'contains(local.flow_forwarded_models, split("--", queue.model)[0])' in queues
+    grant = resource("google_pubsub_topic_iam_member", "worker_forwards_flow_stages")
+    assert expression(grant["for_each"]) == "local.flow_forwarded_queues"
+    assert expression(grant["topic"]) == "google_pubsub_topic.requests[each.key].name"
+    assert grant["role"] == "roles/pubsub.publisher"
+    assert expression(grant["member"]) == "google_service_account.worker.member"
