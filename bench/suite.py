@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from bench import admin_ops, open_loop, report
+from bench import admin_ops, flows, open_loop, report
 from bench.breakdown import median_stages
 from bench.loadgen import run_closed_loop, summarize
 from bench.pubsub_floor import PubSubRoundTrips
@@ -76,8 +76,9 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        # floor, naive, http, cache/jobs, direct, adapters, open loop in process and through the system, streams
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 2 + 1
+        # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
+        # streams
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -163,6 +164,22 @@ class Suite:
             return sum(1 for s in names if s.name.rsplit("/", 1)[-1].startswith(prefix))
         finally:
             subscriber.close()
+
+    def flows(self, api: BenchApi) -> dict | None:
+        """A two-stage flow against its two models called one after another by a client (bench/flows.py)."""
+        started = time.monotonic()
+        self.count += 1
+        print(f"[{self.count:>2}/{self.total}] flows: {flows.FLOW} vs its two models called by a client:", flush=True)
+        api.start("per-instance")
+        try:
+            result = flows.measure(api.url, self.key, self.seconds, self.warmup, lambda line: print(line, flush=True))
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - one scenario's failure leaves the rest of the suite
+            print(f"  failed: {exc}", flush=True)
+            return None
+        finally:
+            api.stop()
+        print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
+        return result
 
     def direct(self) -> dict | None:
         started = time.monotonic()
@@ -284,12 +301,13 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = None
+    direct = event_streams = adapters = flow_result = None
     sweeps: dict[str, dict] = {}
     try:
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
+            flow_result = suite.flows(api)
             direct = suite.direct()
             adapters = suite.adapters()
             event_streams = suite.event_streams()
@@ -321,6 +339,7 @@ def main() -> None:
         "open_loop": sweeps,
         "event_streams": event_streams,
         "adapters": adapters,
+        "flows": flow_result,
     }
     plot = None
     if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone
