@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contract import naming
 from contract.families import Family, Guidance, family_of, unknown_pipeline_error
+from contract.flows import FlowSpec, build_flows
 from contract.generation import defaults_model
 from contract.quantization import Quantization
 
@@ -398,8 +399,9 @@ def _expand(name: str, entry: dict) -> tuple[list[dict], dict | None]:
 
 
 # What an overlay file may hold: `models` adds (or replaces) entries; `overrides` changes fields of entries a file
-# before it lists (the local stack's small defaults for its tiny models); `templates` holds YAML anchors only.
-OVERLAY_KEYS = ("models", "overrides", "templates")
+# before it lists (the local stack's small defaults for its tiny models); `templates` holds YAML anchors only;
+# `flows` adds (or replaces) flows (contract/flows.py).
+OVERLAY_KEYS = ("models", "overrides", "templates", "flows")
 
 
 def overlay_paths(overlay: Path | str | Sequence[Path | str] | None) -> list[Path]:
@@ -410,11 +412,12 @@ def overlay_paths(overlay: Path | str | Sequence[Path | str] | None) -> list[Pat
     return [Path(str(item).strip()) for item in items if str(item).strip()]
 
 
-def _apply_overlay(entries: dict, path: Path) -> None:
+def _apply_overlay(entries: dict, flows: dict, path: Path) -> None:
     raw = yaml.safe_load(path.read_text()) or {}
     if unknown := sorted(set(raw) - set(OVERLAY_KEYS)):
         raise ValueError(f"{path}: unknown keys {unknown}; an overlay holds {', '.join(OVERLAY_KEYS)}")
     entries.update(raw.get("models") or {})
+    flows.update(raw.get("flows") or {})
     for name, changes in (raw.get("overrides") or {}).items():
         if name not in entries:
             raise ValueError(f"{path}: overrides {name!r}, which no catalog file before it lists")
@@ -437,6 +440,8 @@ class ModelCatalog(BaseModel):
     models: dict[str, ModelSpec]
     # Versioned models only (`versions:` in the catalog).
     rollouts: dict[str, Rollout] = Field(default_factory=dict)
+    # Flows: several served models called as one (contract/flows.py), checked against `models` at load.
+    flows: dict[str, FlowSpec] = Field(default_factory=dict)
 
     @classmethod
     def from_yaml(
@@ -445,8 +450,9 @@ class ModelCatalog(BaseModel):
         """The catalog, plus overlay files (the local stack's) applied in order, when given (`overlay_paths`)."""
         raw = yaml.safe_load(Path(path).read_text())
         entries = dict(raw.get("models") or {})
+        flows = dict(raw.get("flows") or {})
         for overlay_path in overlay_paths(overlay):
-            _apply_overlay(entries, overlay_path)
+            _apply_overlay(entries, flows, overlay_path)
         models, rollouts = {}, {}
         for name, entry in entries.items():
             # A copy per entry: YAML aliases can make two models share one mapping.
@@ -458,13 +464,24 @@ class ModelCatalog(BaseModel):
             rollouts[name] = Rollout.model_validate({**rollout, "name": name, "versions": versions})
             models[name] = versions[rollouts[name].stable]
         raw["models"], raw["rollouts"] = models, rollouts
-        return cls.model_validate(raw)
+        raw.pop("flows", None)
+        catalog = cls.model_validate(raw)
+        catalog.flows = build_flows(flows, catalog.models)
+        return catalog
 
     def get(self, name: str) -> ModelSpec | None:
         return self.models.get(name)
 
     def names(self) -> list[str]:
         return sorted(self.models)
+
+    def flow(self, name: str) -> FlowSpec | None:
+        return self.flows.get(name)
+
+    def flow_runs_in_one_worker(self, flow: FlowSpec) -> bool:
+        """Whether one worker deployment serves every stage (each stage's stable unit; a version with a
+        deployment of its own is forwarded to like another group)."""
+        return len({self.models[stage.model].deployment for stage in flow.stages}) == 1
 
     def rollout(self, name: str) -> Rollout | None:
         return self.rollouts.get(name)

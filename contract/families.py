@@ -38,6 +38,12 @@ class Family:
     lora_components: tuple[str, ...] = ()
     # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
     optional_components: tuple[str, ...] = ()
+    # The VAE latent space its denoiser works in (channels, scaling): a flow hands a latent on only between
+    # families of the same space (contract/flows.py).
+    latent_space: str = ""
+    # Whether its pipelines take diffusers' `denoising_end` (text-to-image) and `denoising_start`
+    # (image-to-image): the base + refiner handoff of a partly denoised latent.
+    denoising_handoff: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -52,6 +58,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",
             adapters=True,
             lora_components=("unet", "text_encoder"),
+            latent_space="sd15-vae: 4 channels, scaling 0.18215",
         ),
         Family(
             "sdxl",
@@ -62,6 +69,8 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
             adapters=True,
             lora_components=("unet", "text_encoder", "text_encoder_2"),
+            latent_space="sdxl-vae: 4 channels, scaling 0.13025",
+            denoising_handoff=True,
         ),
         Family(
             "flux",
@@ -72,6 +81,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
+            latent_space="flux-vae: 16 channels, 2x2 packed",
         ),
         Family(
             "sd3",
@@ -83,6 +93,7 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
+            latent_space="sd3-vae: 16 channels, scaling 1.5305",
         ),
     )
 }

@@ -47,6 +47,79 @@ class RequestInstance(BaseModel):
     image: Payload | None = None
 
 
+# How a flow's stage passes its output on (contract/flows.py): a latent the next stage starts from, or images.
+StageOutput = Literal["image", "latent"]
+
+
+class Resize(BaseModel):
+    """A resize between two stages of a flow (the hires fix): of the latent, or of the decoded image."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    scale: Literal[1.5, 2]
+    space: Literal["latent", "pixel"]
+
+
+class Handoff(BaseModel):
+    """diffusers' base + refiner handoff: the base stops at `denoising_end` of its schedule with a latent that
+    still holds noise, and the next stage starts at `denoising_start` (the same fraction) from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    denoising_end: float | None = Field(default=None, gt=0, lt=1)
+    denoising_start: float | None = Field(default=None, gt=0, lt=1)
+
+
+class FlowStagePlan(BaseModel):
+    """One stage of a flow's request, resolved by the API (contract/flows.py `plan_stages`): the unit chosen
+    (version or canary), its fully merged parameters, and how its output goes on."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    model: str
+    model_version: str
+    # The unit's queue (contract/catalog.py `ModelSpec.queue`): its request topics and worker are named after it.
+    queue: str
+    parameters: GenerationParameters
+    output: StageOutput = "image"
+    resize: Resize | None = None
+    handoff: Handoff | None = None
+    # Denoising steps this stage runs (its share of the flow's progress total).
+    steps: int = Field(ge=0)
+
+
+class StageReport(BaseModel):
+    """What the worker that ran a flow's stage knows about it: one per stage that ran, on the flow's reply."""
+
+    model_config = ConfigDict(extra="forbid")
+    stage: str
+    index: int
+    model: str
+    model_version: str
+    worker_id: str = ""
+    accelerator: str | None = None
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+    worker_started_ms: int | None = None
+    worker_finished_ms: int | None = None
+    batch_id: str | None = None
+    batch_size: int = 0
+    attempt: int = 0
+    steps: int = 0
+
+
+class FlowContext(BaseModel):
+    """A flow on a request message: every stage's plan, which stage this message asks for, and what the
+    stages before it left (their reports, and their output when it crossed to another worker group)."""
+
+    model_config = ConfigDict(extra="forbid")
+    flow: str
+    stages: list[FlowStagePlan] = Field(min_length=1)
+    stage: int = Field(default=0, ge=0)
+    # The previous stage's output, forwarded across worker groups: a safetensors file holding `latents`
+    # (N, C, H, W) or `images` (N, H, W, 3, uint8); inline when small, else a claim check in the payload bucket.
+    intermediate: Payload | None = None
+    finished: list[StageReport] = Field(default_factory=list)
+
+
 class InferenceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str
@@ -55,6 +128,9 @@ class InferenceRequest(BaseModel):
     instances: list[RequestInstance]
     parameters: GenerationParameters
     published_at_ms: int = Field(default_factory=lambda: int(time.time() * 1000))
+    # Set on a flow's request (the API publishes it to the first stage's unit; `model`/`model_version`/
+    # `parameters` are that stage's): the worker runs `flow.stage` and hands its output on.
+    flow: FlowContext | None = None
 
 
 class Prediction(BaseModel):
@@ -91,6 +167,8 @@ class InferenceReply(BaseModel):
     worker_finished_ms: int | None = None
     # When this answer became available (stored, then published): a job's end, its log row's end-to-end time.
     answered_ms: int | None = None
+    # A flow's final reply (`model` the flow's name, `model_version` ""): every stage that ran, once each.
+    stages: list[StageReport] = Field(default_factory=list)
 
 
 class Progress(BaseModel):
@@ -103,6 +181,9 @@ class Progress(BaseModel):
     batch_size: int = 1
     updated_ms: int
     started_ms: int | None = None  # when the pipeline call running it began: a running job's `started_at`
+    # A flow's: the stage running, by name and index; `step`/`total` count all its stages' steps.
+    stage: str | None = None
+    stage_index: int | None = None
 
 
 def request_attributes(
