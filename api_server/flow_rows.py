@@ -41,9 +41,7 @@ def _once_each(reports: list[StageReport]) -> list[StageReport]:
 def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport) -> InferenceLogRow:
     failed = reply.status != "ok" and (reply.error or "").startswith(f"{FAILED_STAGE_PREFIX}{report.stage} (")
     images = flow.num_images or 1
-    gpu_seconds = (
-        round(report.inference_ms / 1000 * images / report.batch_size, 6) if report.batch_size else None
-    )
+    gpu_seconds = round(report.inference_ms / 1000 * images / report.batch_size, 6) if report.batch_size else None
     return replace(
         flow,
         request_id=stage_row_id(flow.request_id, report.stage),

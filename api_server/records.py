@@ -20,6 +20,7 @@ from flask import Request, Response
 from api_server import metrics
 from api_server.auth import Caller
 from api_server.flow_rows import rows_of
+from api_server.flows import FlowCall
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import JobStore
@@ -57,6 +58,8 @@ class InferenceCall:
     lease: Lease = NO_LEASE
     prepared: PreparedRequest | None = None
     answer: Answer | None = None
+    # A call to a flow (api_server/flows.py): its row is the flow's, billed; its stages' rows follow its reply.
+    flow: FlowCall | None = None
 
 
 class RequestRecords:
@@ -136,6 +139,8 @@ class RequestRecords:
         row = call.row
         if call.caller is not None:
             row.api_key_id = call.caller.key_id
+        if call.flow is not None:
+            row.flow = call.flow.flow.name
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
             row.model_family = call.spec.family.name if call.spec.family else None

@@ -802,7 +802,10 @@ def test_a_flow_needs_no_topic_of_its_own_and_workers_may_forward_a_flow_to_its_
     forwarded = expression(locals_()["flow_forwarded_models"])
     assert "try(local.catalog.flows, {})" in forwarded and "stage.model if index > 0" in forwarded
     queues = expression(locals_()["flow_forwarded_queues"])
-    assert "local.request_queues" in queues and 'contains(local.flow_forwarded_models, split("--", queue.model)[0])' in queues
+    assert (
+        "local.request_queues" in queues
+        and 'contains(local.flow_forwarded_models, split("--", queue.model)[0])' in queues
+    )
     grant = resource("google_pubsub_topic_iam_member", "worker_forwards_flow_stages")
     assert expression(grant["for_each"]) == "local.flow_forwarded_queues"
     assert expression(grant["topic"]) == "google_pubsub_topic.requests[each.key].name"

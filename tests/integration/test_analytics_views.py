@@ -399,7 +399,9 @@ def test_zz_flows_share_latency_and_gpu_seconds_by_stage_and_bill_the_flow_once(
     assert (got["base"]["runs"], got["base"]["model"], got["base"]["stage_index"]) == (2, "sdxl-base", 0)
     assert got["base"]["latency_share"] == pytest.approx(0.6) and got["refiner"]["latency_share"] == pytest.approx(0.4)
     assert got["base"]["gpu_seconds"] == pytest.approx(1.2) and got["refiner"]["gpu_seconds"] == pytest.approx(0.6)
-    assert got["base"]["gpu_share"] == pytest.approx(1.2 / 1.8) and got["refiner"]["gpu_share"] == pytest.approx(0.6 / 1.8)
+    assert got["base"]["gpu_share"] == pytest.approx(1.2 / 1.8) and got["refiner"]["gpu_share"] == pytest.approx(
+        0.6 / 1.8
+    )
     billed = [r for r in views("billing_by_api_key_daily", "day") if r["api_key_id"] == "key-flow"]
     assert [(r["model"], r["requests"], r["images"]) for r in billed] == [("two-stage", 2, 2)]
     assert billed[0]["gpu_seconds"] == pytest.approx(1.8)  # the flow's row, never its stages' rows again

@@ -3,9 +3,8 @@ policy, the Server-Sent Events parser and what a finished job turns into."""
 
 from __future__ import annotations
 
-import inspect
-
 import base64
+import inspect
 import json
 import math
 import os
