@@ -69,6 +69,8 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
             adapters=True,
             lora_components=("unet", "text_encoder", "text_encoder_2"),
+            # The refiner's configuration (stable-diffusion-xl-refiner-1.0): `text_encoder_2` only.
+            optional_components=("text_encoder",),
             latent_space="sdxl-vae: 4 channels, scaling 0.13025",
             denoising_handoff=True,
         ),

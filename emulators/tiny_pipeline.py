@@ -78,12 +78,15 @@ def build_tokenizer(out_dir: Path) -> tuple[int, int]:
     return len(tokens) - 2, len(tokens) - 1
 
 
-def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline", guidance: str = "cfg") -> Path:
+def build_pipeline(
+    out_dir: Path, pipeline_class: str = "StableDiffusionPipeline", guidance: str = "cfg", without: tuple = ()
+) -> Path:
     """Builds the pipeline deterministically (fixed seed) and saves it as safetensors.
 
     The catalog's pipeline class picks the components: SD 1.5's (a UNet, one CLIP), SDXL's (a UNet with
     `text_time` conditioning, two CLIP encoders, the second with a projection) or FLUX.1's (a flow-matching
-    transformer, CLIP and T5, a VAE with a shift factor), each at the sizes diffusers' own tests use.
+    transformer, CLIP and T5, a VAE with a shift factor), each at the sizes diffusers' own tests use. An SDXL
+    image-to-image entry `without` its first text encoder is the refiner (`_sdxl_refiner`).
     """
     import diffusers
     import torch
@@ -92,6 +95,8 @@ def build_pipeline(out_dir: Path, pipeline_class: str = "StableDiffusionPipeline
     builder = _BUILDERS.get(pipeline_class)
     if builder is None:
         raise ValueError(f"no tiny pipeline for {pipeline_class}; one of {', '.join(sorted(_BUILDERS))}")
+    if pipeline_class == "StableDiffusionXLImg2ImgPipeline" and "text_encoder" in without:
+        builder = _sdxl_refiner
     components = builder(out_dir, guidance_embeds=True) if guidance == "embedded" else builder(out_dir)
     pipeline = getattr(diffusers, pipeline_class)(**components)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
@@ -209,6 +214,41 @@ def _sdxl(out_dir: Path) -> dict:
     return {
         "unet": unet, "vae": _vae(force_upcast=True), "text_encoder": text_encoder, "tokenizer": tokenizer,
         "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "scheduler": scheduler,
+    }  # fmt: skip
+
+
+def _sdxl_refiner(out_dir: Path) -> dict:
+    """The SDXL refiner's configuration (diffusers' stable-diffusion-xl-refiner-1.0): `text_encoder_2` only, its
+    UNet conditioned on that encoder alone and on an aesthetic score (five time ids, `requires_aesthetics_score`),
+    no zeroed negative prompt. Its VAE and second encoder are the tiny base's own (built first from the same seed),
+    as the real refiner shares the base's."""
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    base = _sdxl(out_dir)
+    shutil.rmtree(out_dir / "tokenizer", ignore_errors=True)  # the first encoder's: the refiner has none
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=128,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=72,  # 5 time ids (with the aesthetic score) x 8 + the 32-wide pooled
+        cross_attention_dim=32,  # the second encoder's hidden states alone
+        norm_num_groups=32,
+    )
+    return {
+        "unet": unet, "vae": base["vae"], "text_encoder": None, "tokenizer": None,
+        "text_encoder_2": base["text_encoder_2"], "tokenizer_2": base["tokenizer_2"], "scheduler": base["scheduler"],
+        "requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False,
     }  # fmt: skip
 
 
@@ -418,19 +458,23 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = Settings.from_env()
+    built: dict[str, Path] = {}  # weights path -> the tiny pipeline uploaded there
     for spec in settings.catalog().units():
         if spec.runner != "diffusers":
             continue
-        target = args.out / spec.queue
-        if not (target / "model_index.json").exists():
-            build_pipeline(target, spec.pipeline, spec.guidance_mode)
+        # Units on the same weights (the local SD 1.5 image-to-image on the text-to-image's) share one upload: the
+        # catalog's pipeline class loads the same files.
+        shared = spec.weights_path in built
+        target = built.setdefault(spec.weights_path, args.out / spec.queue)
+        if not shared and not (target / "model_index.json").exists():
+            build_pipeline(target, spec.pipeline, spec.guidance_mode, tuple(spec.without))
             log.info("built tiny %s for %s in %s", spec.pipeline, spec.queue, target)
         if args.upload:
             imported = imported_weights(target, settings.model_bucket, spec.weights_path)
             if imported:
                 log.info("kept gs://%s/%s: imported weights, not the tiny pipeline (%s)",
                          settings.model_bucket, spec.weights_path, imported)  # fmt: skip
-            else:
+            elif not shared:
                 count = upload_directory(target, settings.model_bucket, spec.weights_path)
                 log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
             if spec.adapters is not None:
