@@ -4,6 +4,7 @@ a unit chosen per stage, and one row per stage that ran linked to the flow's row
 
 from __future__ import annotations
 
+import io
 from datetime import UTC, datetime
 
 import pytest
@@ -141,3 +142,26 @@ def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_sta
     assert (base.status, hires.status, hires.error_kind) == ("ok", "error", "worker")
     plain = InferenceReply(request_id="r", model="sd15-txt2img", model_version="1", status="ok")
     assert len(rows_of(flow_row(), plain)) == 1
+
+
+def test_the_sdk_names_a_flows_running_stage_to_a_callback_that_takes_it_and_the_cli_lists_its_stages(catalog):
+    from rich.console import Console
+
+    from maas_client._core import ProgressGate
+    from maas_client.cli import print_models
+    from maas_client.types import JobView, ModelInfo
+
+    def view(step: int, stage: str) -> JobView:
+        return JobView.model_validate({"id": "j", "status": "running", "model": "sd15-hires", "model_version": "",
+                                       "created_at": "2026-11-25T00:00:00+00:00", "links": {"self": "/v1/jobs/j"},
+                                       "progress": {"step": step, "total": 12, "stage": stage, "stage_index": 1}})  # fmt: skip
+
+    staged, plain = [], []
+    for gate in (ProgressGate(lambda step, total, stage: staged.append((step, stage))),
+                 ProgressGate(lambda step, total: plain.append(step))):  # fmt: skip
+        gate.update(view(9, "hires"))
+    assert (staged, plain) == ([(9, "hires")], [9])
+    listed = ModelInfo.model_validate(flows(catalog).view(catalog.flow("sd15-hires")))
+    buffer = io.StringIO()
+    print_models([listed], Console(file=buffer, width=40, force_terminal=False, color_system=None))
+    assert buffer.getvalue().splitlines()[1].split()[2] == "flow:sd15-txt2img>sd15-img2img"

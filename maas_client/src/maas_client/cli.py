@@ -201,7 +201,7 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
 def _family(model: ModelInfo) -> str:
     """A flow shows its stages' models in order, where a model shows its family."""
     if model.stages:
-        return "flow: " + " > ".join(stage.model for stage in model.stages)
+        return "flow:" + ">".join(stage.model for stage in model.stages)
     return model.family or "-"
 
 
