@@ -39,7 +39,8 @@ class Family:
     # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
     optional_components: tuple[str, ...] = ()
     # The VAE latent space its denoiser works in (channels, scaling): a flow hands a latent on only between
-    # families of the same space (contract/flows.py).
+    # families of the same space (contract/flows.py); empty: its latents are not handed on (FLUX packs them 2x2
+    # into tokens and SD 3.5's pipelines take no latents as their image).
     latent_space: str = ""
     # Whether its pipelines take diffusers' `denoising_end` (text-to-image) and `denoising_start`
     # (image-to-image): the base + refiner handoff of a partly denoised latent.
@@ -83,7 +84,6 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
-            latent_space="flux-vae: 16 channels, 2x2 packed",
         ),
         Family(
             "sd3",
@@ -95,7 +95,6 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
-            latent_space="sd3-vae: 16 channels, scaling 1.5305",
         ),
     )
 }

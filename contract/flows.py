@@ -259,11 +259,14 @@ def _check_handoff(
         )
     if stage.output == "latent":
         mine, theirs = spec.family, next_spec.family
-        if mine is None or theirs is None or mine.latent_space != theirs.latent_space:
+        if mine is None or not mine.latent_space:
+            raise FlowError(
+                f"{where}: {_unit_label(spec)} does not hand latents on (SD 1.5 and SDXL do); use `output: image`"
+            )
+        if theirs is None or mine.latent_space != theirs.latent_space:
             raise FlowError(
                 f"{where}: a latent handoff from {_unit_label(spec)} to {_unit_label(next_spec)} crosses latent "
-                f"spaces ({mine.latent_space if mine else 'no latent'} -> "
-                f"{theirs.latent_space if theirs else 'no latent'}); use `output: image`"
+                f"spaces ({mine.latent_space} -> {theirs.latent_space if theirs else 'no latents'}); use `output: image`"
             )
     if stage.resize is not None:
         if (stage.resize.space == "latent") != (stage.output == "latent"):

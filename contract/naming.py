@@ -98,6 +98,15 @@ def result_object(request_id: str, index: int) -> str:
     return f"results/{request_id}/{index}.png"
 
 
+def flow_stage_object(request_id: str, index: int) -> str:
+    """Payload-bucket object holding a flow's stage `index` output (kept until the flow ends, to resume from)."""
+    return f"{flow_stage_prefix(request_id)}stage-{index}"
+
+
+def flow_stage_prefix(request_id: str) -> str:
+    return f"flows/{request_id}/"
+
+
 def input_object(request_id: str, index: int) -> str:
     """Payload-bucket object for input image `index` of a request (above the inline limit)."""
     return f"inputs/{request_id}/{index}"
@@ -131,6 +140,11 @@ def adapter_record(model: str, name: str) -> str:
 def result_key(request_id: str) -> str:
     """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
     return f"{PREFIX}:result:{request_id}"
+
+
+def flow_stages_key(request_id: str) -> str:
+    """Redis hash of a flow's finished stages (index -> StageReport JSON), until its deadline."""
+    return f"{PREFIX}:flow:{request_id}:stages"
 
 
 def progress_key(request_id: str) -> str:

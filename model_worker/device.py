@@ -18,6 +18,7 @@ from contract.messages import Progress
 from contract.payloads import PayloadError
 from contract.stores.results import ResultStore
 from model_worker.finisher import ReplyFinisher
+from model_worker.flows import flow_progress
 from model_worker.health import WorkerHealth
 from model_worker.intake import ReplyFactory
 from model_worker.leases import LeaseKeeper
@@ -131,7 +132,7 @@ class ProgressReporter:
     def _write(self, entries: list[ProgressEntry]) -> None:
         now_ms = int(time.time() * 1000)
         self._results.put_progress(
-            [Progress(request_id=p.request_id, step=step, total=total, batch_size=images, updated_ms=now_ms,
+            [Progress(request_id=p.request_id, **flow_progress(p, step, total), batch_size=images, updated_ms=now_ms,
                       started_ms=started_ms)
              for p, step, total, images, started_ms in entries]
         )  # fmt: skip

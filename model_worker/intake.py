@@ -24,6 +24,7 @@ from contract.payloads import PayloadCodec, PayloadError
 from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.finisher import ReplyFinisher
+from model_worker.flows import FlowStages
 from model_worker.health import WorkerHealth
 from model_worker.leases import LeaseKeeper
 from model_worker.log_context import request_log_context
@@ -86,8 +87,10 @@ class Triage:
         finisher: ReplyFinisher,
         replies: ReplyFactory,
         adapters: AdapterLoader | None = None,
+        flows: FlowStages | None = None,
     ) -> None:
         self._adapters = adapters
+        self._flows = flows
         self._results = results
         self._payloads = payloads
         self._finisher = finisher
@@ -125,7 +128,11 @@ class Triage:
             self._answer(spec, message, request_id, "error", "malformed", f"malformed request: {detail}")
             return None
         try:
-            items = self._items(spec, request)
+            if request.flow is not None:  # a flow's stage: model_worker/flows.py makes it a request like this one
+                if self._flows is None:
+                    raise PayloadError("this worker runs no flows")
+                return self._flows.intake(spec, message, request, priority, deadline_ms, self.items)
+            items = self.items(spec, request)
         except PayloadError as exc:
             self._answer(spec, message, request.request_id, "error", "bad_input", str(exc))
             return None
@@ -133,7 +140,9 @@ class Triage:
             message=message, spec=spec, request=request, items=items, priority=priority, deadline_ms=deadline_ms
         )
 
-    def _items(self, spec: ModelSpec, request: InferenceRequest) -> list[GenerationItem]:
+    def items(self, spec: ModelSpec, request: InferenceRequest, inputs: list | None = None) -> list[GenerationItem]:
+        """The request's images to generate; `inputs`: a flow's later stage's, one per instance (the previous
+        stage's latents, or its images already at this stage's size), in place of the instances' images."""
         params = request.parameters
         adapters = None
         if params.adapters:
@@ -143,7 +152,9 @@ class Triage:
         items = []
         for index, instance in enumerate(request.instances):
             image = None
-            if spec.needs_image:
+            if inputs is not None:
+                image = inputs[index]
+            elif spec.needs_image:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(

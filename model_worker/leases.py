@@ -131,6 +131,15 @@ class LeaseKeeper:
         except redis.RedisError as exc:
             self._redis_outage.failed(exc)  # the leases lapse by themselves; records end at their deadline
 
+    def hand_over(self, message: HeldMessage) -> None:
+        """Ends this worker's holder lease on a request another worker takes on next (a flow's stage published
+        to another group's queue), before it is published: that worker takes the lease. The message stays leased
+        until it is acked."""
+        with self._lock:
+            request_id = self._taken.pop(message.ack_id, None)
+        if request_id:
+            self._let_go([request_id], answered=False)
+
     def release(self, message: HeldMessage) -> None:
         """Hands a message back now (ack deadline 0), so another worker or attempt takes it."""
         request_id = self._forget(message)

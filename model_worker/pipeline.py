@@ -41,9 +41,12 @@ class DiffusionRunner:
         compile_unet: bool = False,
         compile_cache: CompileCache | None = None,
         compile_backend: str | None = None,
+        share: DiffusionRunner | None = None,
     ) -> None:
         """`compile_backend`: None compiles with inductor (max-autotune) on CUDA only; a named torch.compile
-        backend (the tests' `eager`) compiles with it on any device."""
+        backend (the tests' `eager`) compiles with it on any device. `share`: a runner loaded from the same
+        weights (another pipeline class of the family): this one is built from its components, not loaded again,
+        and uses its adapter sets (the LoRA layers are in the shared components)."""
         import diffusers
         import torch
 
@@ -58,9 +61,14 @@ class DiffusionRunner:
         started = time.perf_counter()
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)
-        self._pipeline = pipeline_class.from_pretrained(
-            weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
-        ).to(self._device)
+        if share is not None:
+            shared = share._pipeline.components
+            extra = {key: value for key, value in denoiser.load_kwargs(spec).items() if key not in shared}
+            self._pipeline = pipeline_class(**shared, **extra)
+        else:
+            self._pipeline = pipeline_class.from_pretrained(
+                weights_dir, torch_dtype=dtype, use_safetensors=True, **denoiser.load_kwargs(spec)
+            ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
         if spec.scheduler and type(self._pipeline.scheduler).__name__ != spec.scheduler:
             scheduler_class = getattr(diffusers, spec.scheduler)
@@ -76,9 +84,9 @@ class DiffusionRunner:
             log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
         # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap slots, made before compiling.
         components = self._denoiser.lora_components()
-        self._lora = None
+        self._lora = share._lora if share is not None else None
         policy = spec.adapters
-        if components and policy is not None:
+        if components and policy is not None and self._lora is None:
             slots = Slots(policy.max_adapters_per_request, policy.max_rank, self._denoiser.model_attribute)
             self._lora = LoraSets(self._pipeline, components, policy.device_cache, slots if self._compiled else None)
         if self._compiled:
@@ -154,8 +162,9 @@ class DiffusionRunner:
             "guidance_scale": params.guidance_scale,
             "generator": [torch.Generator(device="cpu").manual_seed(item.seed) for item in items],
             "callback_on_step_end": _step_callback(on_step, self._denoiser.requested_steps(params)),
-            # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread.
-            "output_type": "np",
+            # Arrays, not PIL images: the conversion and PNG encoding happen in the finisher, off this thread. A
+            # flow's stage that hands its latents on gets them undecoded.
+            "output_type": "latent" if items[0].latent_output else "np",
             **self._denoiser.call_kwargs(items, params),
         }
         with torch.inference_mode():

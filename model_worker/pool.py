@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from contract.catalog import ModelSpec
 from contract.messages import InferenceRequest
@@ -41,6 +42,8 @@ class PendingRequest:
     priority: str
     deadline_ms: int | None
     cancelled: bool = field(default=False)
+    # A flow's stage (model_worker/flows.py `FlowRun`): where its output goes when it finishes; None otherwise.
+    flow: Any = None
 
     @property
     def request_id(self) -> str:
@@ -70,7 +73,7 @@ class PendingRequest:
             # Steps, guidance, strength and prompts are per item in a step; only the latent size must match.
             # Adapter sets never share a denoising call: diffusers activates one set per call (model_worker/lora.py).
             return (self.spec.queue, params.width, params.height, params.adapters)
-        return (self.spec.queue, *batch_key(params))
+        return (self.spec.queue, *batch_key(params), self.items[0].call_shape if self.items else ())
 
 
 class RequestPool:

@@ -33,9 +33,26 @@ class GenerationItem:
     prompt: str
     seed: int
     negative_prompt: str | None = None
-    image: Any = None  # a PIL image for image-to-image
+    image: Any = None  # a PIL image for image-to-image, or a flow's previous stage's latents (1, C, h, w)
     # The request's LoRA adapters (model_worker.adapters.AdapterSet, one per request), None for the base model.
     adapters: Any = None
+    # A flow's stage (model_worker/flows.py), as diffusers' base + refiner handoff: start at `denoising_start` of
+    # the schedule from the latents in `image` (no noise added), stop at `denoising_end`; `latent_output`: hand
+    # the latents on (as `output_type="latent"`) instead of decoding them.
+    denoising_start: float | None = None
+    denoising_end: float | None = None
+    latent_output: bool = False
+
+    @property
+    def call_shape(self) -> tuple:
+        """What items of one pipeline call share besides the parameters: where the schedule starts and ends, what
+        comes in (latents or an image) and what goes out."""
+        return (self.denoising_start, self.denoising_end, self.latent_output, is_latent(self.image))
+
+
+def is_latent(image: Any) -> bool:
+    """A flow's latents (a tensor) rather than a decoded input image."""
+    return image is not None and hasattr(image, "ndim")
 
 
 @dataclass(eq=False)

@@ -26,6 +26,8 @@ from contract.stores.results import ResultStore
 from model_worker.adapters import AdapterLoader
 from model_worker.device import DeviceLoop, ProgressReporter
 from model_worker.finisher import ReplyFinisher
+from model_worker.flow_state import FlowCheckpoints
+from model_worker.flows import FlowStages
 from model_worker.health import WorkerHealth, serve_health
 from model_worker.intake import PULL_WAIT_SECONDS, DeadLetterResponder, ReplyFactory, SubscriptionPuller, Triage
 from model_worker.leases import LeaseKeeper
@@ -105,6 +107,8 @@ class WorkerService:
         )
         self._storage = google_clients.storage_client(settings)
         self._unloadable: dict[str, str | None] = {}  # weights path -> the upload that did not load
+        # Diffusers runners by weights path: a unit on weights another unit loaded shares its components.
+        self._loaded: dict[str, Runner] = {}
         self.runners: dict[str, Runner] = {spec.queue: self._load_verified(spec) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
@@ -162,7 +166,13 @@ class WorkerService:
             lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
             settings.adapter_host_cache_bytes,
         )
-        triage = Triage(self.results, payloads, self.finisher, self.replies, self.adapters)
+        # Flows' stages (model_worker/flows.py): between the device and the finisher, on to the next stage.
+        self.flows = FlowStages(
+            self.finisher, self.pool, self.leases, by_name,
+            FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket)),
+            self.publisher, project, settings.inline_payload_limit, self.results,
+        )  # fmt: skip
+        triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows)
         self.pullers = [
             SubscriptionPuller(
                 self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
@@ -184,7 +194,7 @@ class WorkerService:
         ]
         self.progress = ProgressReporter(self.results, self.finisher)
         self.device = DeviceLoop(
-            self.runners, self.pool, self.finisher, self.leases, self.replies, self.progress, self.metrics, self.health
+            self.runners, self.pool, self.flows, self.leases, self.replies, self.progress, self.metrics, self.health
         )
         self._stopped = threading.Event()
 
@@ -215,6 +225,19 @@ class WorkerService:
             time.sleep(self.settings.weights_retry_seconds)
 
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
+        from model_worker.pipeline import DiffusionRunner
+
+        shared = self._loaded.get(spec.weights_path)
+        # Not when compiled: the compiled model's static shapes are its own runner's.
+        if isinstance(shared, DiffusionRunner) and shared.spec.family == spec.family and not self.settings.torch_compile:
+            # The same weights as a unit loaded already (SD 1.5's image-to-image beside its text-to-image): one copy
+            # of the components, as diffusers' `Pipeline(**other.components)`.
+            return DiffusionRunner(spec, shared.weights_dir, self.settings.torch_threads, share=shared)
+        runner = self._download_and_load(spec)
+        self._loaded[spec.weights_path] = runner
+        return runner
+
+    def _download_and_load(self, spec: ModelSpec) -> Runner:
         from model_worker.compiled import CompileCache, compile_cache_key
         from model_worker.pipeline import DiffusionRunner
         from model_worker.weights.store import MANIFEST, WeightsFormatError, download_weights
@@ -276,6 +299,7 @@ class WorkerService:
             self.leases.release(pending.message)
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.join(PULL_WAIT_SECONDS + 1)
+        self.flows.close()
         self.finisher.close()
         self.adapters.stop()
         self.progress.stop()

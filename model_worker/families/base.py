@@ -82,6 +82,12 @@ class Denoiser:
         setattr(self.pipeline, self.model_attribute, torch.compile(self.model, dynamic=False, **options))
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
 
+    @staticmethod
+    def schedule_cut(scheduler, fraction: float) -> int:
+        """The training timestep where diffusers cuts a schedule at `denoising_end`/`denoising_start`."""
+        train = scheduler.config.num_train_timesteps
+        return int(round(train - fraction * train))
+
     def requested_steps(self, params: GenerationParameters) -> int:
         """The steps a request's progress counts to: `num_inference_steps`, or for image-to-image the share of them
         its strength runs, as the img2img pipeline's own `get_timesteps` counts it (SD's and SDXL's
@@ -113,14 +119,19 @@ class Denoiser:
         raise NotImplementedError
 
     def decode(self, running: list[RunningItem]) -> list:
-        """Float arrays (height x width x 3, in [0, 1]) of finished items, in one decoder call."""
+        """Float arrays (height x width x 3, in [0, 1]) of finished items, in one decoder call; a flow's stage that
+        hands its latents on (`latent_output`) gets its latents (1, C, h, w) instead, undecoded."""
         torch = self._torch
-        with torch.inference_mode():
-            latents = torch.cat([r.state["latents"] for r in running])
-            images = self.decode_latents(latents, running)
-            arrays = self.pipeline.image_processor.postprocess(images, output_type="np")
+        outputs: list = [r.state["latents"] if r.item.latent_output else None for r in running]
+        decoded = [r for r in running if not r.item.latent_output]
+        if decoded:
+            with torch.inference_mode():
+                latents = torch.cat([r.state["latents"] for r in decoded])
+                images = self.decode_latents(latents, decoded)
+                arrays = iter(self.pipeline.image_processor.postprocess(images, output_type="np"))
+            outputs = [output if output is not None else next(arrays) for output in outputs]
         self.finished(running)
-        return list(arrays)
+        return outputs
 
     def decode_latents(self, latents, running: list[RunningItem]):
         """The VAE's images of the model's latents, as the family's pipeline decodes them."""

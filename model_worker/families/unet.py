@@ -11,7 +11,7 @@ from typing import Any
 
 from contract.messages import GenerationParameters
 from model_worker.families.base import GuidedDenoiser, conditions
-from model_worker.runners import GenerationItem, RunningItem
+from model_worker.runners import GenerationItem, RunningItem, is_latent
 
 
 class UNetDenoiser(GuidedDenoiser):
@@ -36,11 +36,18 @@ class UNetDenoiser(GuidedDenoiser):
         kwargs: dict[str, Any] = {}
         if any(item.negative_prompt for item in items):
             kwargs["negative_prompt"] = [item.negative_prompt or "" for item in items]
+        first = items[0]
         if self.spec.needs_image:
-            kwargs["image"] = [item.image for item in items]  # decoded and resized off this thread, at intake
+            # Decoded and resized off this thread, at intake; a flow's latents stay one tensor on the device.
+            images = [item.image for item in items]
+            kwargs["image"] = self._torch.cat(images) if is_latent(first.image) else images
             kwargs["strength"] = params.strength
         else:
             kwargs["width"], kwargs["height"] = params.width, params.height
+        if first.denoising_start is not None:
+            kwargs["denoising_start"] = float(first.denoising_start)
+        if first.denoising_end is not None:
+            kwargs["denoising_end"] = float(first.denoising_end)
         return kwargs
 
     # --- the family's conditioning (SDXL overrides) --------------------------------------------------------
@@ -78,9 +85,12 @@ class UNetDenoiser(GuidedDenoiser):
                 timesteps, dtype = scheduler.timesteps, condition["context"].dtype
                 with self.using(scheduler):  # the pipeline's own helpers, on this image's scheduler
                     if self.spec.needs_image:
-                        timesteps, _ = pipe.get_timesteps(params.num_inference_steps, params.strength, device)
-                        image = pipe.image_processor.preprocess(item.image)
-                        latents = pipe.prepare_latents(image, timesteps[:1].repeat(1), 1, 1, dtype, device, [generator])
+                        # A flow's refiner starts at `denoising_start` from the base's latents, adding no noise.
+                        start = {} if item.denoising_start is None else {"denoising_start": item.denoising_start}
+                        timesteps, _ = pipe.get_timesteps(params.num_inference_steps, params.strength, device, **start)
+                        image = pipe.image_processor.preprocess(item.image)  # a flow's latents pass through
+                        latents = pipe.prepare_latents(image, timesteps[:1].repeat(1), 1, 1, dtype, device, [generator],
+                                                       **({"add_noise": False} if start else {}))  # fmt: skip
                     else:
                         if hasattr(scheduler, "set_begin_index"):
                             scheduler.set_begin_index(0)
@@ -88,6 +98,10 @@ class UNetDenoiser(GuidedDenoiser):
                             1, pipe.unet.config.in_channels, params.height, params.width, dtype, device, [generator]
                         )
                     step_kwargs = pipe.prepare_extra_step_kwargs([generator], 0.0)
+                if item.denoising_end is not None:  # the base stops where the refiner starts (diffusers' cut)
+                    cut = self.schedule_cut(scheduler, item.denoising_end)
+                    timesteps = timesteps[: int((timesteps >= cut).sum())]
+                handoff = item.denoising_start is not None or item.denoising_end is not None
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
@@ -96,7 +110,8 @@ class UNetDenoiser(GuidedDenoiser):
                     "guidance": params.guidance_scale if guided else None,
                     "step_kwargs": step_kwargs,
                 }
-                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
+                steps = len(timesteps) if handoff else requested
+                running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
         return running
 
 

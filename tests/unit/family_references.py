@@ -24,7 +24,7 @@ def tiny_pipelines(root: Path, families: dict) -> dict:
     torch.set_num_threads(1)
     built = {}
     for name, spec in families.items():
-        directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode)
+        directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode, tuple(spec.without))
         sharpen_unet(directory)
         left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
         reference = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
