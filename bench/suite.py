@@ -283,6 +283,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
     parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
+    parser.add_argument("--flows-only", action="store_true", help="only the flows scenario (bench/flows.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
     args = parser.parse_args()
     out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick else "")
@@ -304,6 +305,14 @@ def main() -> None:
     direct = event_streams = adapters = flow_result = None
     sweeps: dict[str, dict] = {}
     try:
+        if args.flows_only:
+            flow_result = suite.flows(api)
+            meta = {"when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+                    "cpus": os.cpu_count(), "load_before": load_before,
+                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "seconds": suite.seconds}  # fmt: skip
+            (out_dir / "flows.json").write_text(json.dumps({"meta": meta, "flows": flow_result}, indent=2))
+            print(f"\nWrote {out_dir / 'flows.json'} (load average before {load_before}, after {meta['load_after']})")
+            return
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
