@@ -8,6 +8,7 @@ import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -180,3 +181,29 @@ def test_a_flow_across_two_deployments_is_published_once_by_the_api(stack, auth_
     rows = log_rows(bigquery, settings, request_id, 3)
     staged = [row for row in rows if row["stage"] is not None]
     assert len(rows) == 3 and len({row["worker_id"] for row in staged}) == 2  # two deployments' workers
+
+
+def test_identical_seeded_flow_calls_run_once_and_only_that_run_has_stage_rows(stack, auth_headers, bigquery, settings):
+    prompt = f"coalesced flow {uuid.uuid4().hex[:8]}"
+    body = {"instances": [{"prompt": prompt}], "parameters": {**SMALL, "seed": 21}}
+
+    def call(_index: int) -> requests.Response:
+        return requests.post(f"{stack.api_url}/v1/models/sd15-hires:predict", json=body, headers=auth_headers,
+                             timeout=120)  # fmt: skip
+
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(call, range(3)))
+    responses.append(call(3))  # after they ended: the result cache
+    assert {response.status_code for response in responses} == {200}
+    assert len({response.json()["predictions"][0]["image_b64"] for response in responses}) == 1
+    assert responses[-1].headers["X-Cache"] == "hit"
+    ids = [response.headers["X-Request-Id"] for response in responses]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    quoted = ", ".join(f"'{request_id}'" for request_id in ids)
+    rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id IN ({quoted}) OR flow_request_id IN ({quoted})",
+                      len(ids) + 2, timeout=60)  # fmt: skip
+    ran = [row for row in rows if row["stage"] is None and not row["coalesced"] and not row["cache_hit"]]
+    assert len(ran) == 1, rows
+    staged = [row for row in rows if row["stage"] is not None]
+    assert sorted(row["stage"] for row in staged) == ["base", "hires"]
+    assert {row["flow_request_id"] for row in staged} == {ran[0]["request_id"]}
