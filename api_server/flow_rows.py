@@ -15,6 +15,8 @@ from contract.messages import InferenceReply, StageReport
 
 # A failed stage's error names it: "stage <name> (<model>): ..." (contract/messages.py).
 FAILED_STAGE_PREFIX = "stage "
+# A stage row's endpoint: its model's sync and job latencies (the caller's waits) leave it out.
+STAGE_ENDPOINT = "stage"
 
 
 def stage_row_id(flow_request_id: str, stage: str) -> str:
@@ -49,6 +51,7 @@ def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport
         model_version=report.model_version,
         task=None,
         model_family=None,
+        endpoint=STAGE_ENDPOINT,
         status=flow.status if failed else "ok",
         error=flow.error if failed else None,
         error_kind=flow.error_kind if failed else None,

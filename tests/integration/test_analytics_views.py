@@ -390,6 +390,7 @@ def test_zz_flows_share_latency_and_gpu_seconds_by_stage_and_bill_the_flow_once(
             [("base", "sdxl-base", 600.0, 1), ("refiner", "sdxl-refiner", 400.0, 1 + index)]
         ):
             rows.append({**common, "request_id": f"{flow_id}:{stage}", "model": model, "model_version": "1",
+                         "endpoint": "stage",
                          "stage": stage, "stage_index": stage_index, "flow_request_id": flow_id,
                          "queue_ms": 0.0, "inference_ms": ms, "total_ms": ms, "batch_size": batch,
                          "gpu_seconds": ms / 1000 / batch})  # fmt: skip

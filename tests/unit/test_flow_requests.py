@@ -128,6 +128,7 @@ def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gp
     )  # fmt: skip
     assert (base.gpu_seconds, hires.gpu_seconds, flow.gpu_seconds) == (0.4, 0.3, 0.7)
     assert hires.batch_id == "b1" and hires.num_inference_steps == 8 and flow.stage is None
+    assert (base.endpoint, hires.endpoint) == ("stage", "stage")
     for row in (flow, base, hires):
         row.to_json()  # each a valid row of the log's schema
 
