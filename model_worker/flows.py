@@ -86,7 +86,7 @@ class FlowRun:
 def flow_progress(pending: PendingRequest, step: int, total: int) -> dict:
     """A request's progress fields; a flow's stage counts every stage's steps and names the stage (its own step
     count mapped onto the steps its plan gives it)."""
-    run: FlowRun | None = pending.flow
+    run: FlowRun | None = getattr(pending, "flow", None)
     if run is None:
         return {"step": step, "total": total}
     done = sum(plan.steps for plan in run.plans[: run.stage])
@@ -363,7 +363,9 @@ class FlowStages:
         if request.flow is None:
             return None
         held = self._held_run(request.request_id)
-        return held or FlowRun(request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished))
+        return held or FlowRun(
+            request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished)
+        )
 
     def _held_run(self, request_id: str) -> FlowRun | None:
         with self._lock:
@@ -382,5 +384,3 @@ class FlowStages:
 
     def close(self) -> None:
         self._background.shutdown(wait=True)
-
-

@@ -229,7 +229,11 @@ class WorkerService:
 
         shared = self._loaded.get(spec.weights_path)
         # Not when compiled: the compiled model's static shapes are its own runner's.
-        if isinstance(shared, DiffusionRunner) and shared.spec.family == spec.family and not self.settings.torch_compile:
+        if (
+            isinstance(shared, DiffusionRunner)
+            and shared.spec.family == spec.family
+            and not self.settings.torch_compile
+        ):
             # The same weights as a unit loaded already (SD 1.5's image-to-image beside its text-to-image): one copy
             # of the components, as diffusers' `Pipeline(**other.components)`.
             return DiffusionRunner(spec, shared.weights_dir, self.settings.torch_threads, share=shared)

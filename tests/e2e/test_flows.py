@@ -1,6 +1,7 @@
 """Flows on the stack, called like models: predict and jobs with stage-named progress, a cancel and a deadline
 in the second stage, a row per stage linked to the flow's, and a flow across two deployments that the API
-publishes once (the first stage's worker forwards it to the second's queue, never back through the API)."""
+publishes once (the first stage's worker forwards it to the second's queue, never back through the API). The
+flows are `make up`'s and tests/models.fixtures.yaml's (sd15-slow-hires, relay-across)."""
 
 from __future__ import annotations
 
@@ -170,13 +171,14 @@ def test_a_flow_past_its_deadline_in_its_second_stage_expires_naming_it(stack, s
 
 
 def test_a_flow_across_two_deployments_is_published_once_by_the_api(stack, auth_headers, bigquery, settings):
+    # relay-across (tests/models.fixtures.yaml): its draft is the relay group's, its polish the rollouts group's.
     before = publishes(stack)
-    response = predict(stack, auth_headers, "sd15-hires-apart", seed=12)
+    response = predict(stack, auth_headers, "relay-across", seed=12)
     assert response.status_code == 200, response.text
     assert publishes(stack) - before == 1  # the first stage's worker forwarded the flow to the second's queue
     answer, request_id = response.json(), response.headers["X-Request-Id"]
     assert [(stage["stage"], stage["model"]) for stage in answer["stages"]] == [
-        ("base", "sd15-txt2img"), ("hires", "sd15-img2img-apart"),
+        ("draft", "relay-draft"), ("polish", "relay-polish"),
     ]  # fmt: skip
     rows = log_rows(bigquery, settings, request_id, 3)
     staged = [row for row in rows if row["stage"] is not None]

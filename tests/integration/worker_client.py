@@ -83,14 +83,32 @@ class WorkerClient:
                 negative_prompt=negative_prompt,
             ),
         )
+        return self._publish(request, model, timeout, priority)
+
+    def send_flow(self, catalog, flow: str, prompt: str = "a lighthouse", *, timeout: float = 30.0, **asked) -> str:
+        """Publishes a flow's request as the API does (contract/flows.py): every stage planned, to the first
+        stage's queue; `asked`: the request's parameters (seed 1 unless given)."""
+        from contract.flows import plan_stages
+        from contract.messages import FlowContext
+
+        spec = catalog.flow(flow)
+        plans = plan_stages(spec, [catalog.get(stage.model) for stage in spec.stages], {"seed": 1, **asked})
+        request = InferenceRequest(
+            request_id=uuid.uuid4().hex, model=plans[0].model, model_version=plans[0].model_version,
+            instances=[RequestInstance(prompt=prompt)], parameters=plans[0].parameters,
+            flow=FlowContext(flow=flow, stages=plans),
+        )  # fmt: skip
+        return self._publish(request, plans[0].queue, timeout, "normal")
+
+    def _publish(self, request: InferenceRequest, queue: str, timeout: float, priority: naming.Priority) -> str:
         deadline_ms = int((time.time() + timeout) * 1000)
         attributes = request_attributes(request, self._replies_topic, deadline_ms, priority)
-        topic = self._publisher.topic_path(self._project, naming.request_topic(model, priority))
-        self.published_at[request_id] = time.time()
+        topic = self._publisher.topic_path(self._project, naming.request_topic(queue, priority))
+        self.published_at[request.request_id] = time.time()
         data = request.model_dump_json().encode()
         self._publisher.publish(topic, data, **attributes).result(timeout=10)
         self._keeper.keep(topic, data, attributes)
-        return request_id
+        return request.request_id
 
     def wait(self, request_ids: list[str], timeout: float) -> dict[str, InferenceReply]:
         """The first reply of each request; fails listing the ones still unanswered after `timeout`."""

@@ -22,13 +22,19 @@ from emulators.stack import (
 from tests.conftest import stack_config
 
 PRODUCTION = load_catalog()  # contract/models.yaml alone: what Terraform and the Kubernetes renderer read
-LOCAL_ONLY = {"noop", "sleep", "flux-versions"}
+LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner"}
 # The integration and e2e tests' models: rollouts, fallback, shadows and the re-dispatch tests' long ack deadline.
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
-    "shadowed-once", "sleep-long-ack",
+    "shadowed-once", "sleep-long-ack", "relay-draft", "relay-finish", "relay-polish",
 }  # fmt: skip
-USER_WORKERS = {f"worker-{name}" for name in PRODUCTION.deployments()} | {"worker-synthetic", "worker-flux-versions"}
+# Locally, the flows' models share a worker group each (SD 1.5's two, the SDXL base and refiner); the others have a
+# deployment of their own, as in production.
+USER_WORKERS = {"worker-sd15", "worker-sdxl", "worker-flux-schnell", "worker-sd35-txt2img", "worker-synthetic",
+                "worker-flux-versions"}  # fmt: skip
+# What the local overlay changes beside the defaults: the flows' worker groups (one pod's placement) and SD 1.5's
+# image-to-image on the text-to-image weights (one set of components).
+LOCAL_GROUPING = {"worker_group", "gpu_sharing", "weights_path"}
 
 
 def make_up_config(tmp_path) -> StackConfig:
@@ -52,7 +58,7 @@ def test_make_up_lists_only_the_models_a_user_is_meant_to_see(tmp_path, monkeypa
     assert set(served(api_component(config).env)) == names
     workers = worker_components(config)
     assert {worker.name for worker in workers} == USER_WORKERS
-    assert len(workers) == len(PRODUCTION.deployments()) + 2  # synthetic and flux-versions
+    assert len(workers) == len(USER_WORKERS)
     for worker in workers:
         assert not set(worker.env["MAAS_MODELS"].split(",")) & FIXTURES, worker.name
         assert set(served(worker.env)) == names
@@ -73,7 +79,7 @@ def test_the_test_suites_stack_still_serves_the_fixture_models_its_tests_use(tmp
     assert names == set(PRODUCTION.names()) | LOCAL_ONLY | FIXTURES
     assert set(served(api_component(config).env)) == names
     workers = {worker.name: worker for worker in worker_components(config)}
-    assert set(workers) == USER_WORKERS | {"worker-rollouts", "worker-rollouts-shadow"}
+    assert set(workers) == USER_WORKERS | {"worker-rollouts", "worker-rollouts-shadow", "worker-relay"}
     assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack"
     # Probe ports: `make up`'s workers keep theirs, the fixtures' workers come after them.
     user = {worker.name: worker.port for worker in worker_components(make_up_config(tmp_path / "user"))}
@@ -101,9 +107,12 @@ def test_the_tiny_local_models_have_small_defaults_and_production_keeps_its_own(
         # Seconds on a CPU, not minutes: at most 256x256 and 8 steps unless asked for more.
         assert spec.defaults.width * spec.defaults.height <= 256 * 256, name
         assert spec.defaults.num_inference_steps <= 8, name
-        # Only the defaults change: limits, guidance and everything else stay the catalog's.
+        # Only the defaults (and the flows' grouping) change: limits, guidance and everything else stay the catalog's.
         assert spec.limits == production.limits and spec.defaults.guidance_scale == production.defaults.guidance_scale
-        assert spec.model_dump(exclude={"defaults"}) == production.model_dump(exclude={"defaults"}), name
+        kept = {"defaults", *LOCAL_GROUPING}
+        assert spec.model_dump(exclude=kept) == production.model_dump(exclude=kept), name
+    assert local.get("sd15-img2img").weights_path == local.get("sd15-txt2img").weights_path
+    assert {spec.deployment for spec in (local.get("sdxl-txt2img"), local.get("sdxl-refiner"))} == {"sdxl"}
     # The production catalog keeps the real models' defaults (Terraform and the cluster read only it).
     sdxl = PRODUCTION.get("sdxl-txt2img").defaults
     assert (sdxl.width, sdxl.height, sdxl.num_inference_steps) == (1024, 1024, 30)
