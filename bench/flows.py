@@ -69,7 +69,8 @@ def flow_caller(api_url: str, key: str, flow: str) -> Callable[[], Callable[[int
             answer = response.json()
             stages = answer.get("stages") or []
             worker_ms = sum(stage["inference_ms"] for stage in stages) or answer["timings_ms"]["inference"]
-            return Sample(started, ended, True, {"worker_ms": worker_ms})
+            per_stage = {f"stage{index}_ms": stage["inference_ms"] for index, stage in enumerate(stages)}
+            return Sample(started, ended, True, {"worker_ms": worker_ms, **per_stage})
 
         return call
 
@@ -102,8 +103,9 @@ def two_calls_caller(api_url: str, key: str, stages: list[dict]) -> Callable[[],
             ended = time.perf_counter()
             if two.status_code != 200:
                 return Sample(started, ended, False, error=f"HTTP {two.status_code} (second)")
-            worker_ms = one.json()["timings_ms"]["inference"] + two.json()["timings_ms"]["inference"]
-            return Sample(started, ended, True, {"worker_ms": worker_ms})
+            first_ms, second_ms = one.json()["timings_ms"]["inference"], two.json()["timings_ms"]["inference"]
+            return Sample(started, ended, True, {"worker_ms": first_ms + second_ms, "stage0_ms": first_ms,
+                                                 "stage1_ms": second_ms})  # fmt: skip
 
         return call
 
@@ -130,11 +132,19 @@ def measure(api_url: str, key: str, seconds: float, warmup: float, progress=prin
         for way in order:
             samples, window = run_closed_loop(ways[way], concurrency, seconds, warmup)
             row = {"way": way, **summarize(samples, window, concurrency)}
-            worker = [s.timings["worker_ms"] for s in samples if s.ok and window[0] <= s.ended <= window[1]]
+            measured = [s for s in samples if s.ok and window[0] <= s.ended <= window[1]]
+            worker = [s.timings["worker_ms"] for s in measured]
             row["worker_ms_mean"] = statistics.fmean(worker) if worker else None
+            # Each stage's (each call's) pipeline milliseconds: where a way spends its worker time.
+            row["stage_ms_mean"] = [
+                statistics.fmean(s.timings[f"stage{index}_ms"] for s in measured if f"stage{index}_ms" in s.timings)
+                for index in range(2)
+                if any(f"stage{index}_ms" in s.timings for s in measured)
+            ]
             rows.append(row)
             progress(f"  {FLOW} {way:<9} c={concurrency}: p50 {row['p50_ms']:.0f} / p95 {row['p95_ms']:.0f} ms, "
-                     f"{row['rps']:.2f} req/s, worker {row['worker_ms_mean'] or 0:.0f} ms per answer, "
+                     f"{row['rps']:.2f} req/s, worker {row['worker_ms_mean'] or 0:.0f} ms per answer "
+                     f"({' + '.join(f'{ms:.0f}' for ms in row['stage_ms_mean'])} by stage), "
                      f"{row['errors']} errors")  # fmt: skip
     ratios = {}
     for concurrency in CONCURRENCIES:
