@@ -209,3 +209,16 @@ def test_identical_seeded_flow_calls_run_once_and_only_that_run_has_stage_rows(s
     staged = [row for row in rows if row["stage"] is not None]
     assert sorted(row["stage"] for row in staged) == ["base", "hires"]
     assert {row["flow_request_id"] for row in staged} == {ran[0]["request_id"]}
+
+
+def test_an_idempotency_key_replays_a_flows_answer_without_running_it_again(stack, auth_headers, bigquery, settings):
+    headers = {**auth_headers, "Idempotency-Key": f"flow-{uuid.uuid4().hex}"}
+    body = {"instances": [{"prompt": "once"}], "parameters": SMALL}  # no seed: only the key makes it one request
+    first, again = (requests.post(f"{stack.api_url}/v1/models/sd15-hires:predict", json=body, headers=headers,
+                                  timeout=120) for _ in range(2))  # fmt: skip
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["Idempotent-Replayed"] == "true" and again.json() == first.json()
+    rows = log_rows(bigquery, settings, first.headers["X-Request-Id"], 3)
+    assert sorted(row["stage"] or "" for row in rows) == ["", "base", "hires"]
+    replay = log_rows(bigquery, settings, again.headers["X-Request-Id"], 1)
+    assert [(row["idempotent_replay"], row["stage"]) for row in replay] == [(True, None)]  # no stage rows of its own

@@ -18,6 +18,7 @@ from api_server.flows import FlowService
 from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogRow
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
+from contract.generation import AdapterRef
 from contract.messages import InferenceReply, StageReport
 
 HIRES = {
@@ -166,3 +167,27 @@ def test_the_sdk_names_a_flows_running_stage_to_a_callback_that_takes_it_and_the
     buffer = io.StringIO()
     print_models([listed], Console(file=buffer, width=40, force_terminal=False, color_system=None))
     assert buffer.getvalue().splitlines()[1].split()[2] == "flow:sd15-txt2img>sd15-img2img"
+
+
+def test_adapters_are_resolved_for_each_stage_that_takes_them_against_its_own_model(catalog):
+    class Registry:
+        """Each model's adapter at a version of its own: a stage's adapters are its model's registration."""
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def resolve(self, spec, requested):
+            self.asked.append(spec.name)
+            return tuple(AdapterRef(name=a.name, version=f"{spec.name}-v1", scale=a.scale, sha256="0" * 64)
+                         for a in requested)  # fmt: skip
+
+    registry = Registry()
+    call = flows(catalog).call(catalog.flow("sd15-hires"), "req-2", CALLER)
+    body = {"instances": [{"prompt": "x"}], "parameters": {"seed": 1, "adapters": [{"name": "ink", "scale": 0.5}]}}
+    inference = InferenceService(None, None, 900, adapters=registry)  # type: ignore[arg-type]
+    message = inference.message(inference.prepare(call.spec, body, "req-2", CALLER, flow=call))
+    assert registry.asked == ["sd15-txt2img", "sd15-img2img"]  # both stages take adapters (models.yaml serves them)
+    base, hires = message.flow.stages
+    assert [a.version for a in base.parameters.adapters] == ["sd15-txt2img-v1"]
+    assert [a.version for a in hires.parameters.adapters] == ["sd15-img2img-v1"]
+    assert message.parameters.adapters == base.parameters.adapters  # the first stage's, on the message itself
