@@ -382,6 +382,8 @@ def plan_stages(
         raise FlowError(f"flow {flow.name}: {len(units)} units for {len(flow.stages)} stages")
     if "seed" not in asked:
         raise FlowError(f"flow {flow.name}: the request's seed must be resolved before planning")
+    if unknown := sorted(set(asked) - set(REQUEST_PARAMETERS)):
+        raise FlowError(f"flow {flow.name}: {unknown} are not request parameters ({', '.join(REQUEST_PARAMETERS)})")
     plans: list[FlowStagePlan] = []
     size: tuple[int, int] | None = None
     for index, (stage, unit) in enumerate(zip(flow.stages, units, strict=True)):

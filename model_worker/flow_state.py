@@ -9,6 +9,7 @@ stage's report in Redis) and to go on to another worker group's queue.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,26 +42,33 @@ class Intermediate:
         return list(self.images or [])
 
     def to_bytes(self) -> bytes:
+        """A safetensors file; images through numpy alone, so a worker that never loads torch (the synthetic
+        runners) does not import it for them."""
         import numpy as np
-        import torch
-        from safetensors.torch import save
+        from safetensors.numpy import save
 
         if self.latents is not None:
-            return save({"latents": self.latents.detach().to("cpu").contiguous()})
+            from safetensors.torch import save as save_tensors
+
+            return save_tensors({"latents": self.latents.detach().to("cpu").contiguous()})
         pixels = np.stack([np.asarray(image.convert("RGB"), dtype=np.uint8) for image in self.images or []])
-        return save({"images": torch.from_numpy(pixels)})
+        return save({"images": pixels})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Intermediate:
         from PIL import Image
-        from safetensors.torch import load
 
-        tensors = load(data)
-        if "latents" in tensors:
-            return cls(latents=tensors["latents"])
-        if "images" in tensors:
-            return cls(images=[Image.fromarray(pixels.numpy()) for pixels in tensors["images"]])
-        raise ValueError(f"a flow intermediate holds `latents` or `images`, not {sorted(tensors)}")
+        header_length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+        names = set(json.loads(data[8 : 8 + header_length] or b"{}")) - {"__metadata__"}
+        if names == {"latents"}:  # torch's loader: latents may be bfloat16, which numpy has not
+            from safetensors.torch import load as load_tensors
+
+            return cls(latents=load_tensors(data)["latents"])
+        if names == {"images"}:
+            from safetensors.numpy import load
+
+            return cls(images=[Image.fromarray(pixels) for pixels in load(data)["images"]])
+        raise ValueError(f"a flow intermediate holds `latents` or `images`, not {sorted(names)}")
 
 
 def resize_latents(latents, width: int, height: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -118,7 +119,6 @@ class FlowStages:
         project_id: str = "",
         inline_limit: int = 256 * 1024,
         results=None,
-        threads: int = 2,
     ) -> None:
         """`served`: this worker's units by queue; `checkpoints` None keeps nothing (no resume: the unit tests'
         device loop); `publisher` None serves only flows whose every stage is served here."""
@@ -131,8 +131,9 @@ class FlowStages:
         self._project_id = project_id
         self._inline_limit = inline_limit
         self._results = results
-        # Checkpoints, forwards and clean-ups, off the device thread; the next stage in this process never waits.
-        self._background = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flows")
+        # Checkpoints, forwards and clean-ups, off the device thread (the next stage in this process never waits for
+        # them), one at a time in order: a flow's clean-up never overtakes the keeping of its last stage.
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flows")
         # The stage each flow held here is at, by request id: an answer for its message names that stage.
         self._runs: dict[str, FlowRun] = {}
         self._lock = threading.Lock()
@@ -283,11 +284,16 @@ class FlowStages:
         """Keeps a finished stage (output, then report) for a resume; returns its output's URI ("" if not kept)."""
         if self._checkpoints is None:
             return ""
+        started = time.perf_counter()
         try:
-            return self._checkpoints.save(run.request.request_id, report, intermediate.to_bytes(), deadline_ms)
+            data = intermediate.to_bytes()
+            uri = self._checkpoints.save(run.request.request_id, report, data, deadline_ms)
         except Exception as exc:  # noqa: BLE001 - not kept: a crash reruns this stage, nothing worse
             log.warning("flow %s: stage %s not kept (%s)", run.request.request_id, report.stage, exc)
             return ""
+        log.info("flow %s: stage %s kept (%d bytes) in %.0f ms", run.request.request_id, report.stage, len(data),
+                 (time.perf_counter() - started) * 1000)  # fmt: skip
+        return uri
 
     def _forward(
         self,

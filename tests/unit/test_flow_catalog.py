@@ -143,3 +143,10 @@ def test_a_plan_refuses_a_unit_of_another_model(tmp_path):
     flow = loaded.flow("sd15-hires")
     with pytest.raises(FlowError, match="unit sd15-txt2img is not a version of sd15-img2img"):
         plan_stages(flow, [loaded.get("sd15-txt2img")] * 2, {"seed": 1})
+
+
+def test_a_plan_refuses_a_parameter_no_request_carries(tmp_path):
+    loaded = catalog(tmp_path, {"sd15-hires": HIRES})
+    flow = loaded.flow("sd15-hires")
+    with pytest.raises(FlowError, match=r"\['steps'\] are not request parameters"):
+        plan_stages(flow, [loaded.get(stage.model) for stage in flow.stages], {"seed": 1, "steps": 4})

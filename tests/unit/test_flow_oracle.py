@@ -18,7 +18,7 @@ from contract.flows import plan_stages
 from contract.messages import FlowContext, InferenceRequest, RequestInstance
 from emulators.stack import local_catalog
 from model_worker.flow_state import resize_image
-from model_worker.flows import FlowStages, flow_progress
+from model_worker.flows import FlowStages
 from model_worker.intake import Triage
 from model_worker.pool import HeldMessage
 from tests.unit.family_references import tiny_pipelines
@@ -215,16 +215,3 @@ def test_a_skipped_resize_fails_the_oracle_by_far(pipelines, references, monkeyp
     outcomes, _ = run_flow(runners(pipelines, scheduling, FLOW_UNITS["sd15-hires"]), "sd15-hires")
     off = difference(outcomes.images["flow"][0], references("sd15-hires"))
     assert off > MUTATION_MARGIN, f"the oracle passed a skipped resize: off by {off:.1f}/255"
-
-
-def test_progress_counts_every_stage_and_names_the_one_running():
-    body, message = flow_message("sd15-hires", "progress")
-    stages = FlowStages(None, None, None, UNITS)
-    pending = stages.intake(UNITS["sd15-txt2img"], message, body, "normal", None, Triage(None, None, None, None).items)
-    base, hires = body.flow.stages
-    total = base.steps + hires.steps
-    assert flow_progress(pending, 3, base.steps) == {"step": 3, "total": total, "stage": "base", "stage_index": 0}
-    pending.flow.stage = 1
-    assert flow_progress(pending, 1, hires.steps) == {
-        "step": base.steps + 1, "total": total, "stage": "hires", "stage_index": 1,
-    }  # fmt: skip
