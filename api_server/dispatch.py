@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 
+from api_server import metrics
 from api_server.errors import ApiError
 from api_server.reply_waiter import ReplyWaiter
 from contract import naming
@@ -117,6 +118,7 @@ class InferenceDispatcher:
         except Exception as exc:  # publish futures raise transport and timeout errors alike
             log.error("publish to %s failed: %s", topic, exc)
             raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
+        metrics.PUBLISHES.labels(spec.queue).inc()
         if self._keeper is None:
             return False
         if log_row is not None:

@@ -11,6 +11,7 @@ import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from api_server.adapters import AdapterService
 from api_server.auth import Caller
@@ -22,6 +23,9 @@ from contract import naming
 from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
 from contract.payloads import PayloadCodec, PayloadError
+
+if TYPE_CHECKING:
+    from api_server.flows import FlowCall
 
 
 @dataclass
@@ -48,6 +52,8 @@ class PreparedRequest:
     # Its partial inference log row (the records stage's), kept in Redis with the published request so that
     # another API process writes it if this one dies before answering.
     log_row: Callable[[], dict] | None = None
+    # A call to a flow (api_server/flows.py): its stages' units and plans; published to its first stage's unit.
+    flow: FlowCall | None = None
 
     def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
         """This request asked of another version under an id of its own (a fallback, a shadow copy): no
@@ -94,10 +100,13 @@ class InferenceService:
         received: float | None = None,
         pinned: bool = False,
         log_row: Callable[[], dict] | None = None,
+        flow: FlowCall | None = None,
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
-        if body.parameters.adapters:
+        if flow is not None:  # its adapters are each stage's that takes them, planned with its stages
+            flow.check(body, params, self._adapters)
+        elif body.parameters.adapters:
             if self._adapters is None:
                 raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
             params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
@@ -126,6 +135,7 @@ class InferenceService:
             time.perf_counter() if received is None else received,
             pinned,
             log_row,
+            flow,
         )
 
     def job_deadline_ms(self) -> int:
@@ -171,13 +181,14 @@ class InferenceService:
             )
             for index, (prompt, image) in enumerate(zip(prepared.prompts, prepared.images, strict=True))
         ]
-        return InferenceRequest(
+        request = InferenceRequest(
             request_id=prepared.request_id,
             model=prepared.spec.name,
             model_version=prepared.spec.version,
             instances=instances,
             parameters=prepared.params,
         )
+        return request if prepared.flow is None else prepared.flow.message(request)
 
     def _prediction_json(self, prediction) -> dict:
         try:

@@ -24,11 +24,11 @@ from contract.log_schema import validate_row
 from contract.messages import InferenceReply
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_BACKOFF_SECONDS = 10.0
 
 
-def _timestamp(epoch_ms: int | float | None) -> datetime | None:
+def from_epoch_ms(epoch_ms: int | float | None) -> datetime | None:
     return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, UTC)
 
 
@@ -76,6 +76,12 @@ class InferenceLogRow:
     shadow_of: str | None = None
     fallback_from: str | None = None
     fallback_error: str | None = None
+    # A flow's rows (api_server/flow_rows.py): its own (`flow`, billed) and one per stage that ran (`stage`).
+    flow: str | None = None
+    stage: str | None = None
+    stage_index: int | None = None
+    flow_request_id: str | None = None
+    gpu_seconds: float | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:
@@ -83,9 +89,9 @@ class InferenceLogRow:
         self.worker_id, self.accelerator, self.attempt = reply.worker_id or None, reply.accelerator, reply.attempt
         self.batch_id, self.batch_size = reply.batch_id, reply.batch_size or None
         self.queue_ms, self.inference_ms = reply.queue_ms, reply.inference_ms
-        self.worker_started_at = _timestamp(reply.worker_started_ms)
-        self.worker_finished_at = _timestamp(reply.worker_finished_ms)
-        self.published_at = _timestamp(published_ms) or self.published_at
+        self.worker_started_at = from_epoch_ms(reply.worker_started_ms)
+        self.worker_finished_at = from_epoch_ms(reply.worker_finished_ms)
+        self.published_at = from_epoch_ms(published_ms) or self.published_at
         self.replied_at = datetime.now(UTC)
         if reply.error_kind and not self.error_kind:
             self.error_kind = reply.error_kind
@@ -93,7 +99,7 @@ class InferenceLogRow:
     def end_job(self, answered_ms: int | None) -> None:
         """A job's row measures the job, not its 202: `total_ms` from the request's arrival to its result being
         available (the worker's `answered_ms`; for an unanswered job, now, when its expiry is recorded)."""
-        ended = _timestamp(answered_ms) or datetime.now(UTC)
+        ended = from_epoch_ms(answered_ms) or datetime.now(UTC)
         self.replied_at = ended
         self.total_ms = round(max(0.0, (ended - self.created_at).total_seconds() * 1000), 2)
 

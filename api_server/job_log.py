@@ -26,6 +26,7 @@ import redis
 
 from api_server import metrics
 from api_server.errors import ApiError
+from api_server.flow_rows import rows_of
 from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import EXPIRY_GRACE_MS, EndedJob, JobStore, reply_outcome
@@ -100,7 +101,8 @@ class JobLogFinisher:
                 row.model_version = self._stable_version(row.model) or row.model_version
                 row.fallback_from, row.fallback_error = ended.fallback_from, ended.fallback_error
             row, outcome = _ended(row, reply)
-            self._log.write(row)
+            for each in rows_of(row, reply):
+                self._log.write(each)
             if ended.observe:
                 self._observe(row, outcome)
             written += 1
@@ -131,7 +133,8 @@ class JobLogFinisher:
                 "wrote the log row of request %s: its API process %s died before answering", item.request_id,
                 item.owner,
             )  # fmt: skip
-            self._log.write(row)
+            for each in rows_of(row, reply):
+                self._log.write(each)
             written += 1
             if row.reply_mode == "per-request" and self._forget_reply_subscription is not None:
                 self._forget_reply_subscription(item.request_id)  # nobody waits on it any more

@@ -374,6 +374,8 @@ def job_view(job: JobState, predictions) -> dict:
     }
     if job.progress is not None:
         view["progress"] = {"step": job.progress.step, "total": job.progress.total}
+        if job.progress.stage is not None:  # a flow's: its steps count all stages', the running one named
+            view["progress"].update(stage=job.progress.stage, stage_index=job.progress.stage_index)
     reply = job.reply
     if reply is not None and job.status == "succeeded":
         if predictions is None:

@@ -36,6 +36,11 @@ JOBS = Counter(
     "Job events: submitted, converted (sync request turned job), cached (answered from the cache), cancelled",
     ["event"],
 )
+PUBLISHES = Counter(
+    "maas_api_publishes_total",
+    "Request messages the API published, by the unit whose topic took them (a flow's: its first stage's, once)",
+    ["queue"],
+)
 FALLBACKS = Counter(
     "maas_api_fallbacks_total",
     "Requests a canary version failed with a model error that were sent on to the stable version",

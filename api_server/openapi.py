@@ -50,6 +50,7 @@ class PredictResponse(BaseModel):
     model_version: str
     request_id: str = Field(description="the request that ran the model (a cache hit names the original)")
     timings_ms: dict[str, float]
+    stages: list[StageTimings] | None = Field(default=None, description="a flow's: every stage that ran, in order")
 
 
 class JobLinks(BaseModel):
@@ -66,8 +67,10 @@ class JobAccepted(BaseModel):
 
 
 class JobProgress(BaseModel):
-    step: int
+    step: int = Field(description="denoising steps done; a flow's count every stage's steps")
     total: int
+    stage: str | None = Field(default=None, description="a flow's job: the stage running, by name")
+    stage_index: int | None = Field(default=None, description="a flow's job: the stage running, from 0")
 
 
 class JobResult(BaseModel):
@@ -141,6 +144,25 @@ class MemoryPlan(BaseModel):
     worker_deployment: PlannedDeployment
 
 
+class FlowStage(BaseModel):
+    """One stage of a flow: the served model that runs it, what it fixes and takes, and how it goes on."""
+
+    name: str
+    model: str
+    output: Literal["image", "latent"] = Field(description="what the next stage starts from (the last: image)")
+    resize: dict[str, Any] | None = Field(default=None, description="`{scale, space}` between it and the next")
+    takes: list[str] | None = Field(default=None, description="the request's parameters this stage takes")
+    fixes: dict[str, Any] | None = Field(default=None, description="parameters this stage sets (not overridable)")
+
+
+class StageTimings(BaseModel):
+    stage: str
+    model: str
+    model_version: str
+    queue_ms: float
+    inference_ms: float
+
+
 class ModelInfo(BaseModel):
     name: str
     version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
@@ -159,6 +181,10 @@ class ModelInfo(BaseModel):
     memory_plan: MemoryPlan | None = Field(
         default=None, description="its stable version's memory on its GPU; null for the synthetic models"
     )
+    kind: Literal["model", "flow"] = Field(
+        default="model", description="`flow`: several served models in one call, stage after stage"
+    )
+    stages: list[FlowStage] | None = Field(default=None, description="a flow's stages, in order; null for a model")
 
 
 class ModelList(BaseModel):

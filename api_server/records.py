@@ -19,6 +19,8 @@ from flask import Request, Response
 
 from api_server import metrics
 from api_server.auth import Caller
+from api_server.flow_rows import rows_of
+from api_server.flows import FlowCall
 from api_server.inference import PreparedRequest
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.jobs import JobStore
@@ -56,6 +58,8 @@ class InferenceCall:
     lease: Lease = NO_LEASE
     prepared: PreparedRequest | None = None
     answer: Answer | None = None
+    # A call to a flow (api_server/flows.py): its row is the flow's, billed; its stages' rows follow its reply.
+    flow: FlowCall | None = None
 
 
 class RequestRecords:
@@ -119,7 +123,8 @@ class RequestRecords:
         if answer is not None and answer.job_made in DEFERRED and http_status == 202:
             self._defer(row, answer)
         else:
-            self._log.write(row)
+            for each in rows_of(row, answer.reply if answer is not None else None):
+                self._log.write(each)
 
     def _settle(self, request_id: str) -> bool:
         """True when the row kept with the published request is still this process's to write."""
@@ -134,6 +139,8 @@ class RequestRecords:
         row = call.row
         if call.caller is not None:
             row.api_key_id = call.caller.key_id
+        if call.flow is not None:
+            row.flow = call.flow.flow.name
         if call.spec is not None:
             row.model_version, row.task = call.spec.version, call.spec.task
             row.model_family = call.spec.family.name if call.spec.family else None

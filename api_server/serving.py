@@ -531,6 +531,12 @@ class ServingStage:
                 "cleanup": timings.cleanup_ms,
             },
         }
+        if reply.stages:  # a flow's: every stage that ran (api_server/flows.py)
+            body["stages"] = [
+                {"stage": stage.stage, "model": stage.model, "model_version": stage.model_version,
+                 "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2)}
+                for stage in reply.stages
+            ]  # fmt: skip
         return Answer(
             Outcome.OK,
             ResponseRecord(200, json.dumps(body).encode(), dict(JSON), outcome=Outcome.OK),

@@ -18,6 +18,7 @@ from api_server.auth import ApiKeyAuth
 from api_server.bigquery_write import StorageWriteSink, write_client
 from api_server.dispatch import InferenceDispatcher
 from api_server.flights import SharedFlights
+from api_server.flows import FlowService
 from api_server.inference import InferenceService
 from api_server.inference_log import InferenceLogWriter
 from api_server.janitor import JanitorTask, build_janitor_task, delete_orphaned_subscription
@@ -74,6 +75,9 @@ class AppState:
     liveness: ProcessLiveness
     cache_redis: redis.Redis | None = None
     adapters: AdapterService | None = None
+    # The catalog's flows, called like models (api_server/flows.py); built with `serving`, which picks each
+    # stage's unit. None only for a state built by hand without it (tests): no flow is served then.
+    flows: FlowService | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
@@ -179,6 +183,10 @@ def build_app_state(settings: Settings) -> AppState:
         AuditLog(bigquery, f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", settings.instance_id),
     )
     shadow = ShadowTraffic(inference, inference_log, settings.instance_id, waiter.mode)
+    serving = ServingStage(
+        settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow,
+        inflight,
+    )  # fmt: skip
     return AppState(
         settings=settings,
         catalog=catalog,
@@ -195,20 +203,8 @@ def build_app_state(settings: Settings) -> AppState:
         cache_flights=cache_flights,
         flights=flights,
         limiter=limiter,
-        serving=ServingStage(
-            settings,
-            catalog,
-            inference,
-            jobs,
-            results,
-            redis_state,
-            flights,
-            cache_flights,
-            limiter,
-            rollouts,
-            shadow,
-            inflight,
-        ),  # fmt: skip
+        serving=serving,
+        flows=FlowService(catalog, serving.model),
         records=RequestRecords(
             inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations, inflight
         ),

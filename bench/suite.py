@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from bench import admin_ops, open_loop, report
+from bench import admin_ops, flows, open_loop, report
 from bench.breakdown import median_stages
 from bench.loadgen import run_closed_loop, summarize
 from bench.pubsub_floor import PubSubRoundTrips
@@ -76,8 +76,9 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        # floor, naive, http, cache/jobs, direct, adapters, open loop in process and through the system, streams
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 2 + 1
+        # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
+        # streams
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -163,6 +164,24 @@ class Suite:
             return sum(1 for s in names if s.name.rsplit("/", 1)[-1].startswith(prefix))
         finally:
             subscriber.close()
+
+    def flows(self, api: BenchApi) -> dict | None:
+        """A two-stage flow against its two models called one after another by a client (bench/flows.py)."""
+        started = time.monotonic()
+        self.count += 1
+        print(f"[{self.count:>2}/{self.total}] flows: {flows.FLOW} vs its two models called by a client:", flush=True)
+        api.start("per-instance")
+        try:
+            # A flow at C=8 takes seconds: a window of several of its latencies, not the suite's 10 s.
+            seconds = flows.QUICK_SECONDS if self.quick else flows.SECONDS
+            result = flows.measure(api.url, self.key, seconds, self.warmup, lambda line: print(line, flush=True))
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - one scenario's failure leaves the rest of the suite
+            print(f"  failed: {exc}", flush=True)
+            return None
+        finally:
+            api.stop()
+        print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
+        return result
 
     def direct(self) -> dict | None:
         started = time.monotonic()
@@ -266,6 +285,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
     parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
+    parser.add_argument("--flows-only", action="store_true", help="only the flows scenario (bench/flows.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
     args = parser.parse_args()
     out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick else "")
@@ -284,12 +304,21 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = None
+    direct = event_streams = adapters = flow_result = None
     sweeps: dict[str, dict] = {}
     try:
+        if args.flows_only:
+            flow_result = suite.flows(api)
+            meta = {"when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+                    "cpus": os.cpu_count(), "load_before": load_before,
+                    "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "seconds": flows.SECONDS}  # fmt: skip
+            (out_dir / "flows.json").write_text(json.dumps({"meta": meta, "flows": flow_result}, indent=2))
+            print(f"\nWrote {out_dir / 'flows.json'} (load average before {load_before}, after {meta['load_after']})")
+            return
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
+            flow_result = suite.flows(api)
             direct = suite.direct()
             adapters = suite.adapters()
             event_streams = suite.event_streams()
@@ -321,6 +350,7 @@ def main() -> None:
         "open_loop": sweeps,
         "event_streams": event_streams,
         "adapters": adapters,
+        "flows": flow_result,
     }
     plot = None
     if sweeps:  # their own files too, so an --open-loop-only run leaves the suite's results alone

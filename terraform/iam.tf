@@ -155,6 +155,16 @@ resource "google_pubsub_topic_iam_member" "worker_publishes_replies" {
   member = google_service_account.worker.member
 }
 
+# A flow's stage served by another deployment: the worker that finished the stage before publishes the flow,
+# its intermediate (a claim check in the payload bucket) and its reply address to that stage's request topic.
+resource "google_pubsub_topic_iam_member" "worker_forwards_flow_stages" {
+  for_each = local.flow_forwarded_queues
+
+  topic  = google_pubsub_topic.requests[each.key].name
+  role   = "roles/pubsub.publisher"
+  member = google_service_account.worker.member
+}
+
 resource "google_storage_bucket_iam_member" "worker_reads_weights" {
   bucket = google_storage_bucket.models.name
   role   = "roles/storage.objectViewer"

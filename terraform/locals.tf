@@ -54,6 +54,17 @@ locals {
     }
   }
 
+  # Flows (the catalog's `flows:`) publish to their first stage's request topics like any request: no topic of
+  # their own. A stage served by another worker deployment gets the flow from the worker that ran the stage
+  # before it, which publishes to that stage's request topics itself (never through the API): the models of
+  # every stage after the first, whose request topics (each of their units', both priorities) workers publish to.
+  flow_forwarded_models = toset(flatten([
+    for name, flow in try(local.catalog.flows, {}) : [for index, stage in flow.stages : stage.model if index > 0]
+  ]))
+  flow_forwarded_queues = {
+    for key, queue in local.request_queues : key => queue if contains(local.flow_forwarded_models, split("--", queue.model)[0])
+  }
+
   request_topic_names            = { for key, queue in local.request_queues : key => "maas-requests-${queue.model}${local.priority_suffixes[queue.priority]}" }
   worker_subscription_names      = { for key, queue in local.request_queues : key => "maas-requests-${queue.model}${local.priority_suffixes[queue.priority]}-workers" }
   dead_letter_topic_names        = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter" }

@@ -47,10 +47,16 @@ async function loadModels() {
     return;
   }
   const select = $("model");
-  select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + (model.family ? model.family + ", " : "") + model.task + ")", model.name)));
+  select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + describe(model) + ")", model.name)));
   const preferred = catalog.find((model) => model.name.startsWith("sd15-txt2img"));
   if (preferred) select.value = preferred.name;
   modelChanged();
+}
+
+// A flow names its stages' models in order (it is called like a model); a model, its family and task.
+function describe(model) {
+  if (model.kind === "flow" && model.stages) return "flow: " + model.stages.map((stage) => stage.model).join(" > ");
+  return (model.family ? model.family + ", " : "") + model.task;
 }
 
 function modelChanged() {
@@ -172,7 +178,9 @@ function onEvent(kind, job, request) {
   if (kind === "queued") { $("status").textContent = "queued"; return; }
   if (kind === "running" && job.progress) {
     $("progress").value = Math.round((100 * job.progress.step) / job.progress.total);
-    $("status").textContent = "running: step " + job.progress.step + " of " + job.progress.total;
+    // A flow's steps count all its stages'; the stage running is named.
+    const stage = job.progress.stage ? " (stage " + job.progress.stage + ")" : "";
+    $("status").textContent = "running: step " + job.progress.step + " of " + job.progress.total + stage;
     return;
   }
   finish(job, request);

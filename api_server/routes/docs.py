@@ -65,7 +65,9 @@ def openapi_json():
     """This document"""
     state = app_state()
     if (document := state.lazy.get("openapi")) is None:
-        document = state.lazy.setdefault("openapi", openapi_document(state.catalog.names()))
+        document = state.lazy.setdefault(
+            "openapi", openapi_document([*state.catalog.names(), *(state.flows.names() if state.flows else [])])
+        )
     return jsonify(document)
 
 

@@ -34,16 +34,23 @@ def _public(spec, versions) -> dict:
 @bp.get("/v1/models")
 @documented(Response(HTTP_200=ModelList, **errors(401)), tags=["models"])
 def list_models():
-    """The catalog: names, versions, tasks, defaults and limits"""
-    serving = app_state().serving
-    views = (serving.model_view(name) for name in sorted(app_state().catalog.models))
-    return jsonify({"models": [_public(stable, versions) for stable, versions, _ in views]})
+    """The catalog: names, versions, tasks, defaults and limits; flows too, each with its stages"""
+    state = app_state()
+    views = (state.serving.model_view(name) for name in sorted(state.catalog.models))
+    listed = [_public(stable, versions) for stable, versions, _ in views]
+    if state.flows is not None:
+        listed += [state.flows.view(state.flows.get(name)) for name in state.flows.names()]
+    return jsonify({"models": listed})
 
 
 @bp.get("/v1/models/<model:model>")
 @documented(Response(HTTP_200=ModelDetail, **errors(401, 404)), tags=["models"])
 def get_model(model: str):
-    """One model of the catalog, its versions and the traffic split in force"""
+    """One model of the catalog, its versions and the traffic split in force (a flow: its stages)"""
+    flows = app_state().flows
+    if flows is not None and (flow := flows.get(model)) is not None:
+        view = flows.view(flow)
+        return jsonify({**view, "stable_version": view["version"], "sticky": None, "traffic": None})
     stable, versions, split = app_state().serving.model_view(model)
     rollout = app_state().catalog.rollout(model)
     return jsonify(

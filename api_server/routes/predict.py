@@ -37,8 +37,13 @@ def _admit() -> None:
     call.caller = caller()
     serving = app_state().serving
     args = request.view_args or {}
+    flows = app_state().flows
     if "version" in args:
         call.spec = serving.pinned(args["model"], args["version"])
+    elif flows is not None and (flow := flows.get(args["model"])) is not None:
+        # A flow: each stage's unit chosen as for a single call to its model; then served like a model.
+        call.flow = flows.call(flow, g.request_id, call.caller)
+        call.spec = call.flow.spec
     else:
         call.spec = serving.model(args["model"], g.request_id, call.caller)
     call.lease = serving.admit(call.caller, call.spec)
@@ -106,6 +111,7 @@ def _serve() -> Response:
         received=call.started,
         pinned="version" in (request.view_args or {}),
         log_row=lambda: state.records.pending_row(call),
+        flow=call.flow,
     )
     call.answer = serving.answer(call.prepared, call.mode)
     return _render(call.answer)

@@ -233,6 +233,10 @@ class WorkerDeployment:
     name: str
     models: tuple[ModelSpec, ...]
     batch: bool = False  # the Spot batch Deployment of these models (pulls and scales on `-batch` only)
+    # The catalog's flows with a stage served here (contract/flows.py): a flow whose stages all are runs in one
+    # of these pods, stage after stage; one that starts here arrives on its first stage's queue, this
+    # Deployment's backlog (no queue of its own), and a later stage elsewhere is published to by these pods.
+    flows: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -332,7 +336,16 @@ def backlog_target(spec: ModelSpec) -> float:
 
 
 def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
-    return [WorkerDeployment(name, tuple(specs)) for name, specs in catalog.deployments().items()]
+    return [
+        WorkerDeployment(name, tuple(specs), flows_served_by(catalog, name))
+        for name, specs in catalog.deployments().items()
+    ]
+
+
+def flows_served_by(catalog: ModelCatalog, deployment: str) -> tuple[str, ...]:
+    """The flows one of whose stages' models (any version) the deployment serves."""
+    served = {spec.name for spec in catalog.deployments()[deployment]}
+    return tuple(name for name, flow in sorted(catalog.flows.items()) if served & set(flow.models))
 
 
 def worker_labels(deployment: WorkerDeployment) -> dict[str, str]:
@@ -415,6 +428,11 @@ def worker_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) ->
     return math.ceil(needed / 1024) * 1024
 
 
+def flow_annotations(deployment: WorkerDeployment) -> dict[str, str]:
+    """`maas/flows`: the flows with a stage in this Deployment (none: no annotation)."""
+    return {"maas/flows": ",".join(deployment.flows)} if deployment.flows else {}
+
+
 def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
     """The Deployment, PodDisruptionBudget, ScaledObject and PodMonitoring of one worker deployment."""
     pool = GPU_POOLS[deployment.hardware]
@@ -479,7 +497,7 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "namespace": settings.namespace,
             "models": ",".join(deployment.model_names),
             "labels": worker_labels(deployment),
-            "annotations": {"maas/models": ",".join(deployment.model_names)},
+            "annotations": {"maas/models": ",".join(deployment.model_names), **flow_annotations(deployment)},
             "selector": worker_selector(deployment),
             "image": settings.image,
             "termination_grace_period_seconds": grace,

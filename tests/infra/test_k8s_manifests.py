@@ -800,3 +800,45 @@ def test_batch_deployments_follow_the_batch_replica_setting() -> None:
     for deployment in DEPLOYMENTS:
         scaled = find(three[f"30-model-batch-{deployment}.yaml"], "ScaledObject", f"model-batch-{deployment}")
         assert scaled["spec"]["maxReplicaCount"] == 3
+
+
+# --- flows ---------------------------------------------------------------------------------------
+
+HIRES_FLOW = {
+    "stages": [
+        {"name": "base", "model": "sd15-txt2img", "fixes": {"num_inference_steps": 8},
+         "resize": {"scale": 2, "space": "pixel"}},
+        {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}},
+    ]
+}  # fmt: skip
+
+
+def test_a_flow_adds_no_deployment_and_its_group_runs_it_scaled_on_its_first_stages_backlog(tmp_path) -> None:
+    # One worker group serves both stages: the flow runs in its pods; its requests are its first stage's backlog.
+    overlay = tmp_path / "flows.yaml"
+    group = {"worker_group": "sd15", "hardware": "l4", "gpu_sharing": False}
+    overlay.write_text(yaml.safe_dump({"overrides": {"sd15-txt2img": group, "sd15-img2img": group},
+                                       "flows": {"sd15-hires": HIRES_FLOW}}))  # fmt: skip
+    catalog = ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
+    without = catalog.model_copy(update={"flows": {}})
+    settings = render.RenderSettings(project_id=PROJECT_ID)
+    files = render.render_all(settings, catalog)
+    assert set(files) == set(render.render_all(settings, without))  # no deployment, queue or scaler of its own
+    manifests = files["20-model-worker-sd15.yaml"]
+    assert worker_deployment(manifests, "sd15")["metadata"]["annotations"]["maas/flows"] == "sd15-hires"
+    query = scaled_object_triggers(manifests, "sd15")["backlog-per-worker"]["metadata"]["query"]
+    assert worker_subscription("sd15-txt2img", "normal") in query
+    others = [m for name, group in files.items() if name != "20-model-worker-sd15.yaml" for m in group]
+    assert all("maas/flows" not in (m["metadata"].get("annotations") or {}) for m in others)
+
+
+def test_a_flow_across_two_deployments_is_named_on_both(tmp_path) -> None:
+    # models.yaml serves the two stages from two deployments: the first stage's pods forward to the second's queue.
+    overlay = tmp_path / "flows.yaml"
+    overlay.write_text(yaml.safe_dump({"flows": {"sd15-hires": HIRES_FLOW}}))
+    catalog = ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
+    assert not catalog.flow_runs_in_one_worker(catalog.flow("sd15-hires"))
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
+    for deployment in ("sd15-txt2img", "sd15-img2img"):
+        manifest = worker_deployment(files[f"20-model-worker-{deployment}.yaml"], deployment)
+        assert manifest["metadata"]["annotations"]["maas/flows"] == "sd15-hires"

@@ -561,7 +561,11 @@ def test_worker_grants_cover_exactly_what_the_worker_touches():
         ("google_pubsub_subscription.dead_letter[each.key].name", "roles/pubsub.subscriber", "local.models"),
     }
     topics = {(expression(b["topic"]), b["role"]) for b in _grants("google_pubsub_topic_iam_member", member).values()}
-    assert topics == {("google_pubsub_topic.replies.name", "roles/pubsub.publisher")}
+    assert topics == {
+        ("google_pubsub_topic.replies.name", "roles/pubsub.publisher"),
+        # A flow's later stages' request topics only (local.flow_forwarded_queues): a worker forwards a flow.
+        ("google_pubsub_topic.requests[each.key].name", "roles/pubsub.publisher"),
+    }
     bucket_grants = _grants("google_storage_bucket_iam_member", member).values()
     buckets = {(expression(b["bucket"]), b["role"]) for b in bucket_grants}
     assert buckets == {
@@ -856,3 +860,20 @@ def test_batch_queues_keep_their_lines_for_longer_than_a_batch_window():
     )
     assert 24 * 3600 < variables()["batch_request_retention_seconds"]["default"] <= 604800
     assert locals_()["priority_suffixes"]["batch"] == "-batch"
+
+
+def test_a_flow_needs_no_topic_of_its_own_and_workers_may_forward_a_flow_to_its_later_stages():
+    # A flow is published to its first stage's request topic: no topic is declared for flows.
+    assert all("flow" not in name for name in resources_of_type("google_pubsub_topic"))
+    forwarded = expression(locals_()["flow_forwarded_models"])
+    assert "try(local.catalog.flows, {})" in forwarded and "stage.model if index > 0" in forwarded
+    queues = expression(locals_()["flow_forwarded_queues"])
+    assert (
+        "local.request_queues" in queues
+        and 'contains(local.flow_forwarded_models, split("--", queue.model)[0])' in queues
+    )
+    grant = resource("google_pubsub_topic_iam_member", "worker_forwards_flow_stages")
+    assert expression(grant["for_each"]) == "local.flow_forwarded_queues"
+    assert expression(grant["topic"]) == "google_pubsub_topic.requests[each.key].name"
+    assert grant["role"] == "roles/pubsub.publisher"
+    assert expression(grant["member"]) == "google_service_account.worker.member"

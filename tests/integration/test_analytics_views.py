@@ -121,7 +121,7 @@ def no_gpu(row: dict) -> bool:
 def test_every_sql_file_is_covered_here():
     tested = {"daily_usage_by_model", "hourly_usage_by_model", "latency_by_model_hourly", "cache_and_coalescing_daily",
               "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours",
-              "version_comparison", "rollouts"}  # fmt: skip
+              "version_comparison", "rollouts", "flows_by_stage_daily"}  # fmt: skip
     assert {path.stem for path in ANALYTICS_SQL_DIR.glob("*.sql")} == tested
 
 
@@ -375,3 +375,34 @@ def test_zz_rollouts_lists_every_split_change(views, settings):
     got = [r for r in views("rollouts", "at") if r["model"] == VERSIONED]
     assert [(r["action"], r["actor"]) for r in got] == [("set", "admin-key"), ("rollback", "rollback-guard")]
     assert '"2"' in got[1]["from_split"] and "error rate" in got[1]["reason"]
+
+
+def test_zz_flows_share_latency_and_gpu_seconds_by_stage_and_bill_the_flow_once(views, settings):
+    client = google_clients.bigquery_client(dataclasses.replace(settings, dataset=views.dataset))
+    hour, rows = DAY2.replace(minute=20).isoformat(), []
+    for index in range(2):  # two calls of a two-stage flow; the second's refiner shared a batch of two images
+        flow_id = f"flow-{index}"
+        common = {"created_at": hour, "api_key_id": "key-flow", "endpoint": "sync", "status": "ok",
+                  "http_status": 200, "num_images": 1, "flow": "two-stage"}  # fmt: skip
+        rows.append({**common, "request_id": flow_id, "model": "two-stage", "model_version": "", "total_ms": 1000.0,
+                     "gpu_seconds": 0.6 + (0.2 if index else 0.4)})  # fmt: skip
+        for stage_index, (stage, model, ms, batch) in enumerate(
+            [("base", "sdxl-base", 600.0, 1), ("refiner", "sdxl-refiner", 400.0, 1 + index)]
+        ):
+            rows.append({**common, "request_id": f"{flow_id}:{stage}", "model": model, "model_version": "1",
+                         "endpoint": "stage",
+                         "stage": stage, "stage_index": stage_index, "flow_request_id": flow_id,
+                         "queue_ms": 0.0, "inference_ms": ms, "total_ms": ms, "batch_size": batch,
+                         "gpu_seconds": ms / 1000 / batch})  # fmt: skip
+    assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.log_table}", rows) == []
+    got = {r["stage"]: r for r in views("flows_by_stage_daily", "day, flow, stage_index") if r["flow"] == "two-stage"}
+    assert set(got) == {"base", "refiner"}
+    assert (got["base"]["runs"], got["base"]["model"], got["base"]["stage_index"]) == (2, "sdxl-base", 0)
+    assert got["base"]["latency_share"] == pytest.approx(0.6) and got["refiner"]["latency_share"] == pytest.approx(0.4)
+    assert got["base"]["gpu_seconds"] == pytest.approx(1.2) and got["refiner"]["gpu_seconds"] == pytest.approx(0.6)
+    assert got["base"]["gpu_share"] == pytest.approx(1.2 / 1.8) and got["refiner"]["gpu_share"] == pytest.approx(
+        0.6 / 1.8
+    )
+    billed = [r for r in views("billing_by_api_key_daily", "day") if r["api_key_id"] == "key-flow"]
+    assert [(r["model"], r["requests"], r["images"]) for r in billed] == [("two-stage", 2, 2)]
+    assert billed[0]["gpu_seconds"] == pytest.approx(1.8)  # the flow's row, never its stages' rows again

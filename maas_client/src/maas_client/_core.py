@@ -4,6 +4,7 @@ policy, the Server-Sent Events parser and what a finished job turns into."""
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import math
 import os
@@ -404,18 +405,42 @@ class EventParser:
 
 class ProgressGate:
     """Calls `on_progress(step, total)` only for a step beyond the last one: strictly increasing; a job that
-    succeeds ends at `(total, total)` (the stream sends at most ~4 steps a second, maybe not the last)."""
+    succeeds ends at `(total, total)` (the stream sends at most ~4 steps a second, maybe not the last). A flow's
+    step counts all its stages' steps; a callback that takes a third argument also gets the running stage's
+    name (`on_progress(step, total, stage)`; None for a model's job)."""
 
     def __init__(self, on_progress) -> None:
         self._on_progress = on_progress
+        self._with_stage = on_progress is not None and _takes_three(on_progress)
         self._step = self._total = 0
+        self._stage: str | None = None
 
     def update(self, view: JobView) -> None:
         if self._on_progress is None:
             return
         if view.progress is not None and view.progress.step > self._step:
             self._step, self._total = view.progress.step, view.progress.total
-            self._on_progress(view.progress.step, view.progress.total)
+            self._stage = view.progress.stage
+            self._call(view.progress.step, view.progress.total)
         elif view.status == "succeeded" and self._step < self._total:
             self._step = self._total
-            self._on_progress(self._total, self._total)
+            self._call(self._total, self._total)
+
+    def _call(self, step: int, total: int) -> None:
+        if self._with_stage:
+            self._on_progress(step, total, self._stage)
+        else:
+            self._on_progress(step, total)
+
+
+def _takes_three(callback) -> bool:
+    """Whether `callback` takes (step, total, stage), not only (step, total)."""
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(0, 0, None)
+    except TypeError:
+        return False
+    return True

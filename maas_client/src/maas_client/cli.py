@@ -127,7 +127,12 @@ def live_progress(label: str) -> Iterator[ProgressCallback]:
     )  # fmt: skip
     with bar:
         task = bar.add_task(label, total=None)
-        yield lambda step, total: bar.update(task, completed=step, total=total)
+
+        def on_progress(step: int, total: int, stage: str | None = None) -> None:
+            # A flow's progress names the stage running; its steps count all its stages'.
+            bar.update(task, completed=step, total=total, description=f"{label} · {stage}" if stage else label)
+
+        yield on_progress
 
 
 def _check_options(
@@ -181,7 +186,7 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
         (
             m.name,
             _versions(m),
-            m.family or "-",
+            _family(m),
             m.task,
             f"{m.defaults.width}x{m.defaults.height}",
             str(m.defaults.num_inference_steps),
@@ -191,6 +196,13 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
         for m in listed
     ]
     print_table(headers, rows, console=console)
+
+
+def _family(model: ModelInfo) -> str:
+    """A flow shows its stages' models in order, where a model shows its family."""
+    if model.stages:
+        return "flow:" + ">".join(stage.model for stage in model.stages)
+    return model.family or "-"
 
 
 def _versions(model: ModelInfo) -> str:

@@ -12,7 +12,8 @@ from maas_client import _core
 from maas_client.errors import NotFound, ServerError, Timeout
 from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
 
-ProgressCallback = Callable[[int, int], None]
+# `on_progress(step, total)`, or `on_progress(step, total, stage)` to also get a flow's running stage by name.
+ProgressCallback = Callable[[int, int], None] | Callable[[int, int, str | None], None]
 POLL_SECONDS = 0.5
 
 

@@ -31,6 +31,17 @@ class GenerationLimits(_Body):
     max_input_pixels: int | None = None
 
 
+class FlowStage(_Body):
+    """One stage of a flow as `GET /v1/models` lists it: the served model that runs it and how it goes on."""
+
+    name: str
+    model: str
+    output: Literal["image", "latent"]
+    resize: dict[str, Any] | None = None
+    takes: list[str] | None = None
+    fixes: dict[str, Any] | None = None
+
+
 class ModelInfo(_Body):
     name: str
     version: str  # the stable one
@@ -46,6 +57,9 @@ class ModelInfo(_Body):
     # What the model needs on its GPU (weights per component, activation peak, its worker's sum and room);
     # None for the synthetic models and from servers older than the memory plan (README "Memory plan").
     memory_plan: dict | None = None
+    # `flow`: several served models in one call (its stages, in order); called like a model.
+    kind: Literal["model", "flow"] = "model"
+    stages: list[FlowStage] | None = None
 
 
 class ModelList(_Body):
@@ -64,12 +78,21 @@ class Prediction(_Body):
         return base64.b64decode(self.image_b64)
 
 
+class StageTimings(_Body):
+    stage: str
+    model: str
+    model_version: str
+    queue_ms: float
+    inference_ms: float
+
+
 class PredictResponse(_Body):
     predictions: list[Prediction]
     model: str
     model_version: str
     request_id: str
     timings_ms: dict[str, float]
+    stages: list[StageTimings] | None = None  # a flow's: every stage that ran, in order
 
 
 class JobLinks(_Body):
@@ -87,6 +110,9 @@ class JobAccepted(_Body):
 class JobProgress(_Body):
     step: int
     total: int
+    # A flow's job: the stage running (step and total count all its stages' steps).
+    stage: str | None = None
+    stage_index: int | None = None
 
 
 class JobResult(_Body):

@@ -1,0 +1,193 @@
+"""A flow on the API's request path (api_server/flows.py) and the rows it leaves (api_server/flow_rows.py): the
+flow as a model for the serving stage, its request validated and planned, one message to its first stage's unit,
+a unit chosen per stage, and one row per stage that ran linked to the flow's row."""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime
+
+import pytest
+import yaml
+
+from api_server.auth import Caller
+from api_server.cache import cache_key
+from api_server.errors import ApiError
+from api_server.flow_rows import rows_of
+from api_server.flows import FlowService
+from api_server.inference import InferenceService
+from api_server.inference_log import InferenceLogRow
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
+from contract.generation import AdapterRef
+from contract.messages import InferenceReply, StageReport
+
+HIRES = {
+    "stages": [
+        {"name": "base", "model": "sd15-txt2img", "fixes": {"num_inference_steps": 8},
+         "resize": {"scale": 2, "space": "pixel"}},
+        {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}},
+    ]
+}  # fmt: skip
+CALLER = Caller("key-1", "digest-1")
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory) -> ModelCatalog:
+    overlay = tmp_path_factory.mktemp("flows") / "flows.yaml"
+    overlay.write_text(yaml.safe_dump({"flows": {"sd15-hires": HIRES}}))
+    return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
+
+
+def flows(catalog: ModelCatalog, canary: dict[str, str] | None = None) -> FlowService:
+    """Each stage's unit as the split would choose it: the stable one, or the version `canary` names."""
+
+    def choose(model: str, _request_id: str, _caller: Caller):
+        spec = catalog.get(model)
+        if canary and model in canary:
+            spec = spec.model_copy(update={"version": canary[model], "versioned": True})
+        return spec
+
+    return FlowService(catalog, choose)
+
+
+def prepared(catalog, body: dict, canary: dict[str, str] | None = None):
+    service = flows(catalog, canary)
+    call = service.call(catalog.flow("sd15-hires"), "req-1", CALLER)
+    inference = InferenceService(None, None, 900)  # type: ignore[arg-type]
+    return inference, inference.prepare(call.spec, body, "req-1", CALLER, flow=call)
+
+
+def test_a_flow_is_a_model_published_to_its_first_stage_and_carrying_every_stage_plan(catalog):
+    inference, request = prepared(catalog, {"instances": [{"prompt": "a fox"}], "parameters": {"seed": 7, "width": 256,
+                                                                                              "height": 192}})  # fmt: skip
+    spec = request.spec
+    assert (spec.name, spec.queue, spec.version) == ("sd15-hires", "sd15-txt2img", "base=1,hires=1")
+    units = [catalog.get("sd15-txt2img"), catalog.get("sd15-img2img")]
+    assert spec.request_timeout_seconds == sum(unit.request_timeout_seconds for unit in units)
+    message = inference.message(request)
+    assert (message.model, message.model_version, message.request_id) == ("sd15-txt2img", "1", "req-1")
+    assert message.parameters.num_inference_steps == 8 and message.parameters.seed == 7
+    base, hires = message.flow.stages
+    assert (message.flow.flow, message.flow.stage, base.queue, hires.queue) == (
+        "sd15-hires", 0, "sd15-txt2img", "sd15-img2img",
+    )  # fmt: skip
+    assert (base.parameters.width, base.parameters.height) == (256, 192)
+    assert (hires.parameters.width, hires.parameters.height, hires.parameters.strength) == (512, 384, 0.5)
+    assert hires.parameters.seed == 7 and base.steps == 8 and hires.steps == hires.parameters.num_inference_steps // 2
+
+
+def test_what_no_stage_takes_is_refused_naming_the_stage_that_fixes_it(catalog):
+    with pytest.raises(ApiError) as refused:
+        prepared(catalog, {"instances": [{"prompt": "x"}], "parameters": {"num_inference_steps": 20}})
+    assert refused.value.status == 422 and refused.value.field == "parameters.num_inference_steps"
+    assert "stage base fixes it" in refused.value.message
+    with pytest.raises(ApiError) as too_large:
+        prepared(catalog, {"instances": [{"prompt": "x"}], "parameters": {"width": 1024}})
+    assert too_large.value.field == "parameters.width"  # twice 1024 is beyond sd15-img2img's limit
+
+
+def test_a_canary_is_chosen_per_stage_and_the_cache_tells_the_versions_apart(catalog):
+    body = {"instances": [{"prompt": "x"}], "parameters": {"seed": 3}}
+    _, stable = prepared(catalog, body)
+    inference, canary = prepared(catalog, body, canary={"sd15-img2img": "2"})
+    assert canary.spec.version == "base=1,hires=2"
+    hires = inference.message(canary).flow.stages[1]
+    assert (hires.model_version, hires.queue) == ("2", "sd15-img2img--2")
+    key = cache_key(stable.spec, stable.params, stable.prompts, stable.images)
+    assert key != cache_key(canary.spec, canary.params, canary.prompts, canary.images)
+
+
+def test_get_models_lists_the_flow_with_its_stages(catalog):
+    view = flows(catalog).view(catalog.flow("sd15-hires"))
+    assert view["kind"] == "flow" and view["task"] == "text-to-image"
+    assert [(s["name"], s["model"], s["resize"]) for s in view["stages"]] == [
+        ("base", "sd15-txt2img", {"scale": 2, "space": "pixel"}), ("hires", "sd15-img2img", None),
+    ]  # fmt: skip
+    assert view["stages"][1]["fixes"] == {"strength": 0.5} and "seed" in view["stages"][0]["takes"]
+
+
+def report(stage: str, index: int, model: str, inference_ms: float, batch_size: int) -> StageReport:
+    return StageReport(stage=stage, index=index, model=model, model_version="1", worker_id="w1", queue_ms=5.0,
+                       inference_ms=inference_ms, worker_started_ms=1_700_000_000_000, batch_id=f"b{index}",
+                       batch_size=batch_size, attempt=1, steps=8)  # fmt: skip
+
+
+def flow_row() -> InferenceLogRow:
+    return InferenceLogRow(request_id="req-1", created_at=datetime.now(UTC), model="sd15-hires", status="ok",
+                           http_status=200, model_version="base=1,hires=1", num_images=1, api_key_id="key-1",
+                           flow="sd15-hires")  # fmt: skip
+
+
+def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gpu_seconds():
+    stages = [report("base", 0, "sd15-txt2img", 400.0, 1), report("hires", 1, "sd15-img2img", 600.0, 2)]
+    reply = InferenceReply(request_id="req-1", model="sd15-hires", model_version="", status="ok",
+                           stages=[*stages, stages[1]])  # a stage reported twice is still one row  # fmt: skip
+    flow, base, hires = rows_of(flow_row(), reply)
+    assert [row.request_id for row in (flow, base, hires)] == ["req-1", "req-1:base", "req-1:hires"]
+    assert (base.model, base.stage, base.stage_index, base.flow_request_id, base.flow) == (
+        "sd15-txt2img", "base", 0, "req-1", "sd15-hires",
+    )  # fmt: skip
+    assert (base.gpu_seconds, hires.gpu_seconds, flow.gpu_seconds) == (0.4, 0.3, 0.7)
+    assert hires.batch_id == "b1" and hires.num_inference_steps == 8 and flow.stage is None
+    assert (base.endpoint, hires.endpoint) == ("stage", "stage")
+    for row in (flow, base, hires):
+        row.to_json()  # each a valid row of the log's schema
+
+
+def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_stage_rows():
+    failed = flow_row()
+    failed.status, failed.error, failed.error_kind = "error", "stage hires (sd15-img2img): out of memory", "worker"
+    reply = InferenceReply(request_id="req-1", model="sd15-hires", model_version="", status="error",
+                           error=failed.error, stages=[report("base", 0, "sd15-txt2img", 400.0, 1),
+                                                       report("hires", 1, "sd15-img2img", 10.0, 1)])  # fmt: skip
+    _, base, hires = rows_of(failed, reply)
+    assert (base.status, hires.status, hires.error_kind) == ("ok", "error", "worker")
+    plain = InferenceReply(request_id="r", model="sd15-txt2img", model_version="1", status="ok")
+    assert len(rows_of(flow_row(), plain)) == 1
+
+
+def test_the_sdk_names_a_flows_running_stage_to_a_callback_that_takes_it_and_the_cli_lists_its_stages(catalog):
+    from rich.console import Console
+
+    from maas_client._core import ProgressGate
+    from maas_client.cli import print_models
+    from maas_client.types import JobView, ModelInfo
+
+    def view(step: int, stage: str) -> JobView:
+        return JobView.model_validate({"id": "j", "status": "running", "model": "sd15-hires", "model_version": "",
+                                       "created_at": "2026-11-25T00:00:00+00:00", "links": {"self": "/v1/jobs/j"},
+                                       "progress": {"step": step, "total": 12, "stage": stage, "stage_index": 1}})  # fmt: skip
+
+    staged, plain = [], []
+    for gate in (ProgressGate(lambda step, total, stage: staged.append((step, stage))),
+                 ProgressGate(lambda step, total: plain.append(step))):  # fmt: skip
+        gate.update(view(9, "hires"))
+    assert (staged, plain) == ([(9, "hires")], [9])
+    listed = ModelInfo.model_validate(flows(catalog).view(catalog.flow("sd15-hires")))
+    buffer = io.StringIO()
+    print_models([listed], Console(file=buffer, width=40, force_terminal=False, color_system=None))
+    assert buffer.getvalue().splitlines()[1].split()[2] == "flow:sd15-txt2img>sd15-img2img"
+
+
+def test_adapters_are_resolved_for_each_stage_that_takes_them_against_its_own_model(catalog):
+    class Registry:
+        """Each model's adapter at a version of its own: a stage's adapters are its model's registration."""
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def resolve(self, spec, requested):
+            self.asked.append(spec.name)
+            return tuple(AdapterRef(name=a.name, version=f"{spec.name}-v1", scale=a.scale, sha256="0" * 64)
+                         for a in requested)  # fmt: skip
+
+    registry = Registry()
+    call = flows(catalog).call(catalog.flow("sd15-hires"), "req-2", CALLER)
+    body = {"instances": [{"prompt": "x"}], "parameters": {"seed": 1, "adapters": [{"name": "ink", "scale": 0.5}]}}
+    inference = InferenceService(None, None, 900, adapters=registry)  # type: ignore[arg-type]
+    message = inference.message(inference.prepare(call.spec, body, "req-2", CALLER, flow=call))
+    assert registry.asked == ["sd15-txt2img", "sd15-img2img"]  # both stages take adapters (models.yaml serves them)
+    base, hires = message.flow.stages
+    assert [a.version for a in base.parameters.adapters] == ["sd15-txt2img-v1"]
+    assert [a.version for a in hires.parameters.adapters] == ["sd15-img2img-v1"]
+    assert message.parameters.adapters == base.parameters.adapters  # the first stage's, on the message itself
