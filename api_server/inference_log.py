@@ -24,7 +24,7 @@ from contract.log_schema import validate_row
 from contract.messages import InferenceReply
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_BACKOFF_SECONDS = 10.0
 
 
@@ -76,6 +76,8 @@ class InferenceLogRow:
     shadow_of: str | None = None
     fallback_from: str | None = None
     fallback_error: str | None = None
+    batch_job_id: str | None = None
+    custom_id: str | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:

@@ -41,7 +41,7 @@ def test_a_miss_then_a_cache_hit(stack, auth_headers, bigquery, settings):
     assert first["status"] == "ok" and first["cache_hit"] is False and first["endpoint"] == "sync"
     assert first["batch_id"] and first["batch_size"] >= 1 and first["accelerator"] == "synthetic"
     assert first["attempt"] == 1 and first["worker_id"] and first["reply_mode"] == "per-request"
-    assert first["priority"] == "normal" and first["output_bytes"] > 0 and first["schema_version"] == 3
+    assert first["priority"] == "normal" and first["output_bytes"] > 0 and first["schema_version"] == 4
     assert first["created_at"] <= first["published_at"] <= first["worker_started_at"] <= first["replied_at"]
     assert second["status"] == "ok" and second["cache_hit"] is True and second["batch_id"] is None
 

@@ -1,0 +1,363 @@
+"""A batch's record and its lines' bookkeeping in Redis, each step one atomic script under the batch's lease.
+
+Keys, all under `maas:batch:{id}`:
+- the hash itself: owner, status, times, input, the feeder's cursor (byte offset and line number of the last line
+  it took), request_counts, part sequence numbers;
+- `:lease`: the process working the batch (feeding, collecting, flushing), renewed every step; once it lapses
+  (the process died) another process takes it and resumes from the cursor;
+- `:seen`: the custom_ids taken (16-hex digests; about 60 bytes of Redis per line while the batch runs, deleted
+  when it ends): a custom_id is published once;
+- `:pending`: published lines not yet collected (bounded by `MAAS_BATCH_MAX_IN_FLIGHT` per model), with their
+  partial log rows; `:publishing`: the few whose publish was under way, with their message, so a resumed feeder
+  republishes one only when neither its in-flight record nor its answer exists (the same request id: a worker
+  answers it once);
+- `:inflight`: lines in flight per model queue; `:outbox:{results|errors}`: collected lines waiting for their
+  part file; `:part:{kind}:{seq}`: a part being written (renamed from the outbox atomically, so a part rewritten
+  after a crash holds exactly the same lines, under the same name).
+
+The record is mirrored to `gs://{payload bucket}/batches/{id}/batch.json` on every change of status and every
+part written, so a lost Redis loses no batch's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import redis
+from google.cloud import storage
+
+from contract import naming
+
+ACTIVE_KEY = "maas:batches:active"
+# Ended batches whose webhook is still to call: any process that can sign claims one (SREM) and calls it once.
+WEBHOOKS_KEY = "maas:batches:webhooks"
+STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
+ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
+COUNTS = ("total", "succeeded", "failed", "cancelled", "expired")
+KINDS = ("results", "errors")
+# An ended batch's Redis record lives this long (its GCS copy stays).
+ENDED_TTL_SECONDS = 7 * 24 * 3600
+TIME_FIELDS = ("created", "in_progress", "finalizing", "cancelling", "completed", "failed", "cancelled", "expired")
+
+LEASED = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
+RENEW = LEASED + "redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
+# KEYS: lease, batch, seen, publishing, pending, inflight. ARGV: token, digest, rid, message, pending, queue, offset,
+# line.
+TAKE_VALID = (
+    LEASED
+    + """
+if redis.call('SADD', KEYS[3], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[5], ARGV[3], ARGV[5])
+redis.call('HINCRBY', KEYS[6], ARGV[6], 1)
+redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[7], 'cursor_line', ARGV[8], 'valid_seen', '1')
+redis.call('HINCRBY', KEYS[2], 'total', 1)
+return 1"""
+)
+# KEYS: lease, batch, seen, errors outbox. ARGV: token, digest ('' for none), item, offset, line, first error.
+TAKE_INVALID = (
+    LEASED
+    + """
+if ARGV[2] ~= '' then redis.call('SADD', KEYS[3], ARGV[2]) end
+redis.call('RPUSH', KEYS[4], ARGV[3])
+redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[4], 'cursor_line', ARGV[5])
+redis.call('HSETNX', KEYS[2], 'first_error', ARGV[6])
+redis.call('HINCRBY', KEYS[2], 'total', 1)
+redis.call('HINCRBY', KEYS[2], 'failed', 1)
+return 1"""
+)
+# KEYS: lease, batch, pending, inflight, outbox, publishing. ARGV: token, rid, queue, item, counter.
+COLLECT = (
+    LEASED
+    + """
+if redis.call('HDEL', KEYS[3], ARGV[2]) == 0 then return 0 end
+redis.call('HDEL', KEYS[6], ARGV[2])
+redis.call('HINCRBY', KEYS[4], ARGV[3], -1)
+redis.call('RPUSH', KEYS[5], ARGV[4])
+redis.call('HINCRBY', KEYS[2], ARGV[5], 1)
+return 1"""
+)
+# KEYS: lease, batch, outbox, parts set. ARGV: token, kind. Returns the part's key, or false.
+CUT_PART = (
+    LEASED
+    + """
+if redis.call('LLEN', KEYS[3]) == 0 then return false end
+local seq = redis.call('HINCRBY', KEYS[2], 'parts_' .. ARGV[2], 1)
+local part = KEYS[2] .. ':part:' .. ARGV[2] .. ':' .. seq
+redis.call('RENAME', KEYS[3], part)
+redis.call('SADD', KEYS[4], part)
+return part"""
+)
+
+
+def batch_key(batch_id: str) -> str:
+    return f"maas:batch:{batch_id}"
+
+
+def owner_key(owner: str) -> str:
+    return f"maas:batches:owner:{owner}"
+
+
+def iso(epoch_ms: int | None) -> str | None:
+    return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
+
+
+@dataclass
+class Batch:
+    """A batch's record as read from Redis (or its GCS copy)."""
+
+    batch_id: str
+    fields: dict[str, str]
+
+    @property
+    def status(self) -> str:
+        return self.fields["status"]
+
+    @property
+    def owner(self) -> str:
+        return self.fields["owner"]
+
+    def int(self, name: str, default: int = 0) -> int:
+        value = self.fields.get(name)
+        return int(value) if value not in (None, "") else default
+
+    def time(self, name: str) -> int | None:
+        value = self.fields.get(f"{name}_ms")
+        return int(value) if value else None
+
+    @property
+    def expires_ms(self) -> int:
+        return self.int("expires_ms")
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+
+class BatchStore:
+    def __init__(self, client: redis.Redis, bucket: storage.Bucket) -> None:
+        self._redis = client
+        self._bucket = bucket
+        self._renew = client.register_script(RENEW)
+        self._take_valid = client.register_script(TAKE_VALID)
+        self._take_invalid = client.register_script(TAKE_INVALID)
+        self._collect = client.register_script(COLLECT)
+        self._cut_part = client.register_script(CUT_PART)
+
+    @property
+    def bucket(self) -> storage.Bucket:
+        return self._bucket
+
+    def object_name(self, batch_id: str, name: str) -> str:
+        return naming.batch_prefix(batch_id) + name
+
+    def uri(self, batch_id: str, name: str = "") -> str:
+        return f"gs://{self._bucket.name}/{self.object_name(batch_id, name)}"
+
+    # The record.
+
+    def create(self, batch_id: str, fields: dict[str, str | int]) -> Batch:
+        key = batch_key(batch_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={**fields, **{name: 0 for name in COUNTS}})
+        pipe.zadd(owner_key(str(fields["owner"])), {batch_id: int(fields["created_ms"])})
+        pipe.sadd(ACTIVE_KEY, batch_id)
+        pipe.execute()
+        batch = self.get(batch_id)
+        assert batch is not None
+        self.mirror(batch)
+        return batch
+
+    def get(self, batch_id: str, owner: str | None = None) -> Batch | None:
+        """The batch as `owner` may see it (None: absent, or another key's); Redis first, then its GCS copy."""
+        raw = self._redis.hgetall(batch_key(batch_id))
+        fields = {key.decode(): value.decode() for key, value in raw.items()}
+        if "status" not in fields:
+            fields = self._mirrored(batch_id)
+        if not fields or (owner is not None and fields.get("owner") != owner):
+            return None
+        return Batch(batch_id, fields)
+
+    def _mirrored(self, batch_id: str) -> dict[str, str]:
+        blob = self._bucket.blob(self.object_name(batch_id, "batch.json"))
+        try:
+            return json.loads(blob.download_as_bytes())
+        except Exception:  # noqa: BLE001 - NotFound or unreachable: no such batch here
+            return {}
+
+    def mirror(self, batch: Batch) -> None:
+        """Copies the record to GCS (what survives a lost Redis)."""
+        blob = self._bucket.blob(self.object_name(batch.batch_id, "batch.json"))
+        blob.upload_from_string(json.dumps(batch.fields), content_type="application/json")
+
+    def list_for(self, owner: str, limit: int, before_ms: int | None = None) -> list[Batch]:
+        top = f"({before_ms}" if before_ms is not None else "+inf"
+        ids = self._redis.zrevrangebyscore(owner_key(owner), top, "-inf", start=0, num=limit)
+        return [batch for raw in ids if (batch := self.get(raw.decode(), owner)) is not None]
+
+    def active(self) -> list[str]:
+        return sorted(member.decode() for member in self._redis.smembers(ACTIVE_KEY))
+
+    def set_fields(self, batch_id: str, **fields: str | int) -> None:
+        self._redis.hset(batch_key(batch_id), mapping=fields)
+
+    def set_status(self, batch_id: str, status: str, **fields: str | int) -> Batch:
+        """Moves the batch to `status` (stamping `{status}_ms`) and mirrors it; an ended batch leaves the active
+        set and its bookkeeping is deleted."""
+        key = batch_key(batch_id)
+        now_ms = int(time.time() * 1000)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"status": status, f"{status}_ms": now_ms, **fields})
+        if status in ENDED:
+            pipe.srem(ACTIVE_KEY, batch_id)
+            pipe.eval(
+                "if redis.call('HEXISTS', KEYS[1], 'webhook_url') == 1 then redis.call('SADD', KEYS[2], ARGV[1]) end",
+                2, key, WEBHOOKS_KEY, batch_id,
+            )  # fmt: skip
+            pipe.delete(*(f"{key}:{suffix}" for suffix in ("seen", "pending", "publishing", "inflight")))
+            pipe.expire(key, ENDED_TTL_SECONDS)
+        pipe.execute()
+        batch = self.get(batch_id)
+        assert batch is not None
+        self.mirror(batch)
+        return batch
+
+    def request_cancel(self, batch_id: str) -> bool:
+        """Marks a running batch cancelling; False when it had ended (or was being cancelled) already."""
+        key = batch_key(batch_id)
+        now_ms = int(time.time() * 1000)
+        script = (
+            "local s = redis.call('HGET', KEYS[1], 'status') "
+            "if s == 'validating' or s == 'in_progress' or s == 'finalizing' then "
+            "redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_ms', ARGV[1], 'end_status', 'cancelled') "
+            "return 1 end return 0"
+        )
+        changed = bool(self._redis.eval(script, 1, key, now_ms))
+        if changed:
+            batch = self.get(batch_id)
+            assert batch is not None
+            self.mirror(batch)
+        return changed
+
+    # The lease.
+
+    def acquire(self, batch_id: str, token: str, lease_seconds: float) -> bool:
+        """True when this process holds (or now takes) the batch's lease."""
+        key = f"{batch_key(batch_id)}:lease"
+        ms = int(lease_seconds * 1000)
+        if self._renew(keys=[key], args=[token, ms]) == 1:
+            return True
+        return bool(self._redis.set(key, token, nx=True, px=ms))
+
+    def release(self, batch_id: str, token: str) -> None:
+        script = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+        self._redis.eval(script, 1, f"{batch_key(batch_id)}:lease", token)
+
+    # The lines.
+
+    def _keys(self, batch_id: str, *suffixes: str) -> list[str]:
+        key = batch_key(batch_id)
+        return [f"{key}:lease", key, *(f"{key}:{suffix}" for suffix in suffixes)]
+
+    def take_valid(
+        self, batch_id: str, token: str, digest: str, request_id: str, message: dict, pending: dict, queue: str,
+        offset: int, line: int,
+    ) -> int:  # fmt: skip
+        """1: taken (publish it now); 0: its custom_id was taken already; -1: the lease was lost."""
+        keys = self._keys(batch_id, "seen", "publishing", "pending", "inflight")
+        args = [token, digest, request_id, json.dumps(message), json.dumps(pending), queue, offset, line]
+        return int(self._take_valid(keys=keys, args=args))
+
+    def published(self, batch_id: str, request_id: str) -> None:
+        self._redis.hdel(f"{batch_key(batch_id)}:publishing", request_id)
+
+    def take_invalid(
+        self, batch_id: str, token: str, digest: str | None, item: dict, offset: int, line: int, first_error: str
+    ) -> int:
+        keys = self._keys(batch_id, "seen", "outbox:errors")
+        args = [token, digest or "", json.dumps(item), offset, line, first_error]
+        return int(self._take_invalid(keys=keys, args=args))
+
+    def publishing(self, batch_id: str) -> dict[str, dict]:
+        raw = self._redis.hgetall(f"{batch_key(batch_id)}:publishing")
+        return {key.decode(): json.loads(value) for key, value in raw.items()}
+
+    def pending(self, batch_id: str) -> dict[str, dict]:
+        raw = self._redis.hgetall(f"{batch_key(batch_id)}:pending")
+        return {key.decode(): json.loads(value) for key, value in raw.items()}
+
+    def in_flight(self, batch_id: str) -> dict[str, int]:
+        raw = self._redis.hgetall(f"{batch_key(batch_id)}:inflight")
+        return {key.decode(): int(value) for key, value in raw.items()}
+
+    def collect(
+        self, batch_id: str, token: str, request_id: str, queue: str, kind: str, item: dict, counter: str
+    ) -> int:
+        """Moves a pending line to its outbox and counts it, once: 1 done, 0 collected already, -1 lease lost."""
+        keys = self._keys(batch_id, "pending", "inflight", f"outbox:{kind}", "publishing")
+        return int(self._collect(keys=keys, args=[token, request_id, queue, json.dumps(item), counter]))
+
+    def cut_part(self, batch_id: str, token: str, kind: str) -> str | None:
+        keys = self._keys(batch_id, f"outbox:{kind}", "parts")
+        part = self._cut_part(keys=keys, args=[token, kind])
+        return part.decode() if isinstance(part, bytes) else part
+
+    def parts(self, batch_id: str) -> list[str]:
+        return sorted(member.decode() for member in self._redis.smembers(f"{batch_key(batch_id)}:parts"))
+
+    def part_items(self, part: str) -> list[dict]:
+        return [json.loads(item) for item in self._redis.lrange(part, 0, -1)]
+
+    def part_written(self, batch_id: str, part: str) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.srem(f"{batch_key(batch_id)}:parts", part)
+        pipe.delete(part)
+        pipe.execute()
+
+    def outbox_empty(self, batch_id: str) -> bool:
+        key = batch_key(batch_id)
+        pipe = self._redis.pipeline(transaction=False)
+        for kind in KINDS:
+            pipe.llen(f"{key}:outbox:{kind}")
+        pipe.scard(f"{key}:parts")
+        return not any(pipe.execute())
+
+    def webhooks_due(self) -> list[str]:
+        return sorted(member.decode() for member in self._redis.smembers(WEBHOOKS_KEY))
+
+    def claim_webhook(self, batch_id: str) -> bool:
+        """True for exactly one caller across processes: that one calls the batch's webhook."""
+        return bool(self._redis.srem(WEBHOOKS_KEY, batch_id))
+
+
+def view(batch: Batch, store: BatchStore) -> dict:
+    """A batch as `GET /v1/batches/{id}`, its list and its webhook show it."""
+    fields, batch_id = batch.fields, batch.batch_id
+    body: dict = {
+        "id": batch_id,
+        "object": "batch",
+        "status": batch.status,
+        "input_file": fields.get("input_file"),
+        "completion_window": fields.get("completion_window"),
+        "request_counts": {name: batch.int(name) for name in COUNTS},
+        "created_at": iso(batch.time("created")),
+        "expires_at": iso(batch.expires_ms),
+        **{f"{name}_at": iso(batch.time(name)) for name in TIME_FIELDS[1:] if batch.time(name) is not None},
+        "output": {
+            "results": store.uri(batch_id, "results/"),
+            "errors": store.uri(batch_id, "errors/"),
+            "images": store.uri(batch_id, "images/"),
+        },
+        "links": {
+            "self": f"/v1/batches/{batch_id}",
+            "results": f"/v1/batches/{batch_id}/results",
+            "errors": f"/v1/batches/{batch_id}/errors",
+        },
+        "metadata": json.loads(fields.get("metadata") or "{}"),
+    }
+    if fields.get("error"):
+        body["error"] = json.loads(fields["error"])
+    return body
