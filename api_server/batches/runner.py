@@ -264,8 +264,12 @@ class BatchRunner:
         if self._store.take_invalid(batch.batch_id, self._token, digest, item, line.end_offset, line.number, first) < 0:
             return False
         limit = self._settings.batch_fail_fast_lines
-        if line.number >= limit and not self._store.get(batch.batch_id).fields.get("valid_seen"):  # type: ignore[union-attr]
-            self._fail(batch.batch_id, 422, f"the first {limit} lines are all invalid; {first}"[:1024])
+        if line.number >= limit:
+            current = self._store.get(batch.batch_id)
+            if current is not None and not current.fields.get("valid_seen"):
+                reason = f"the first {limit} lines are all invalid; {current.fields.get('first_error', first)}"
+                self._fail(batch.batch_id, 422, reason[:1024])
+                return False  # nothing more is read
         return True
 
     def _take_valid(self, batch: Batch, line: Line, prepared: PreparedRequest) -> int:

@@ -39,8 +39,8 @@ def test_a_large_file_is_read_line_by_line_with_flat_memory():
     stream = io.BufferedReader(GeneratedFile(LINES), buffer_size=64 * 1024)
     tracemalloc.start()
     count, last = 0, None
-    for last in read_lines(stream, 0, 0, 8 * 1024 * 1024):
-        count += 1
+    for item in read_lines(stream, 0, 0, 8 * 1024 * 1024):
+        count, last = count + 1, item
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert count == LINES and last is not None and last.number == LINES
