@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import uuid
 
 import pytest
+import redis
 
+from contract import naming
 from emulators.processes import ProcessRegistry
 from tests.conftest import query_rows
 from tests.e2e.test_batches import create, line, output, wait
@@ -34,7 +37,9 @@ def test_the_feeding_api_and_a_worker_killed_mid_batch_answer_every_custom_id_on
     resumed = wait(stack, auth_headers, batch["id"], timeout=60,
                    until=lambda view: view["request_counts"]["succeeded"] >= running["request_counts"]["total"] + 40)  # fmt: skip
     assert resumed["status"] == "in_progress"
-    os.kill(registry.pid(extra), signal.SIGKILL)  # with batch lines in its hands: redelivered to the stack's worker
+    victim = f"{socket.gethostname()}-{registry.pid(extra)}"  # the worker's id, as its holder leases name it
+    held = _held_by(redis.Redis.from_url(stack.client_env()["MAAS_REDIS_URL"]), batch["id"], victim)
+    os.kill(registry.pid(extra), signal.SIGKILL)  # with these lines in its hands: the stack's worker answers them
     final = wait(stack, auth_headers, batch["id"], timeout=120)
     assert final["status"] == "completed", final
     assert final["request_counts"] == {"total": LINES, "succeeded": LINES, "failed": 0, "cancelled": 0, "expired": 0}
@@ -43,9 +48,23 @@ def test_the_feeding_api_and_a_worker_killed_mid_batch_answer_every_custom_id_on
     assert output(stack, auth_headers, batch["id"], "errors") == []
 
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    sql = f"SELECT request_id, custom_id, attempt FROM {table} WHERE batch_job_id = '{batch['id']}'"
+    sql = f"SELECT request_id, custom_id, worker_id FROM {table} WHERE batch_job_id = '{batch['id']}'"
     rows = query_rows(bigquery, sql, expected=LINES, timeout=30)
     time.sleep(2)  # a second copy would be written within the log writer's next rounds
     rows = query_rows(bigquery, sql, expected=LINES)
     assert len(rows) == LINES and len({row["custom_id"] for row in rows}) == LINES
-    assert any(row["attempt"] >= 2 for row in rows), "the worker kill caught no batch line in its hands"
+    answered_by = {row["request_id"]: row["worker_id"] for row in rows}
+    assert all(answered_by[request_id] not in (None, victim) for request_id in held)
+
+
+def _held_by(client: redis.Redis, batch_id: str, worker: str, timeout: float = 30) -> list[str]:
+    """The batch's lines in flight that `worker` holds now (waits until it holds some)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = [key.decode() for key in client.hkeys(f"maas:batch:{batch_id}:pending")]
+        holders = client.mget([naming.holder_key(request_id) for request_id in pending]) if pending else []
+        held = [request_id for request_id, holder in zip(pending, holders, strict=True) if holder == worker.encode()]
+        if held:
+            return held
+        time.sleep(0.02)
+    raise AssertionError(f"{worker} held none of the batch's lines in {timeout}s")
