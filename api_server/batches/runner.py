@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 FEED_SLICE_SECONDS = 0.5
 FLUSH_EVERY_SECONDS = 1.0
 IDLE_WAIT_SECONDS = 0.2
+# Invalid lines are written to the errors outbox this many at a time (one Redis round trip).
+INVALID_PER_ROUND_TRIP = 200
 
 
 @dataclass
@@ -219,57 +221,70 @@ class BatchRunner:
         caller = Caller(batch.owner, batch.fields.get("digest", ""))
         in_flight = self._store.in_flight(batch_id)
         limit = self._settings.batch_max_in_flight
-        started, worked = time.monotonic(), False
+        started, worked, invalid = time.monotonic(), False, []
+        fail_fast = self._settings.batch_fail_fast_lines
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
             if reader.held is None:
                 line = next(reader.lines, None)
                 if line is None:
+                    if not self._take_invalid(batch, invalid):
+                        return True
                     return self._fed_all(batch_id) or worked
                 max_bytes = self._settings.max_request_bytes
                 reader.held = (line, validate_line(self._serving, batch_id, line, caller, max_bytes))
             line, checked = reader.held
             if isinstance(checked, InvalidLine):
-                if not self._take_invalid(batch, line, checked):
+                invalid.append((line, checked))  # written in one round trip with the invalid lines after it
+                reader.held, worked = None, True
+                if (len(invalid) >= INVALID_PER_ROUND_TRIP or line.number == fail_fast) and not self._take_invalid(
+                    batch, invalid
+                ):
                     return worked
-            else:
-                queue = checked.spec.queue
-                if in_flight.get(queue, 0) >= limit:
-                    return worked  # this model's share is full: wait for answers
-                taken = self._take_valid(batch, line, checked)
-                if taken < 0:
-                    return worked
-                if taken:
-                    in_flight[queue] = in_flight.get(queue, 0) + 1
+                continue
+            if not self._take_invalid(batch, invalid):  # the cursor moves in file order
+                return worked
+            queue = checked.spec.queue
+            if in_flight.get(queue, 0) >= limit:
+                return worked  # this model's share is full: wait for answers
+            taken = self._take_valid(batch, line, checked)
+            if taken < 0:
+                return worked
+            if taken:
+                in_flight[queue] = in_flight.get(queue, 0) + 1
             reader.held, worked = None, True
+        self._take_invalid(batch, invalid)
         return worked
 
-    def _take_invalid(self, batch: Batch, line: Line, invalid: InvalidLine) -> bool:
-        error = invalid.error
-        custom_id = invalid.custom_id or custom_id_of(line.data)
-        item = {
-            "line": {
-                "custom_id": custom_id,
-                "line": line.number,
-                "status": "failed",
-                "error": {
-                    "code": error.status,
-                    "message": error.message,
-                    **({"field": error.field} if error.field else {}),
-                },
-            },
-            "row": None,
-        }
-        digest = custom_id_digest(custom_id) if custom_id else None
-        first = f"line {line.number}: {error.status} {error.message}"
-        if self._store.take_invalid(batch.batch_id, self._token, digest, item, line.end_offset, line.number, first) < 0:
+    def _take_invalid(self, batch: Batch, invalid: list[tuple[Line, InvalidLine]]) -> bool:
+        """Writes the invalid lines read so far to the errors outbox (one round trip) and empties `invalid`; False
+        when the batch must not be fed further (the lease was lost, or its first lines were all invalid)."""
+        if not invalid:
+            return True
+        entries = []
+        for line, refused in invalid:
+            error = refused.error
+            custom_id = refused.custom_id or custom_id_of(line.data)
+            detail = {"code": error.status, "message": error.message, **({"field": error.field} if error.field else {})}
+            item = {
+                "line": {"custom_id": custom_id, "line": line.number, "status": "failed", "error": detail},
+                "row": None,
+            }
+            first = f"line {line.number}: {error.status} {error.message}"
+            entries.append(
+                (custom_id_digest(custom_id) if custom_id else None, item, line.end_offset, line.number, first)
+            )
+        last = invalid[-1][0].number
+        invalid.clear()
+        if not self._store.take_invalid(batch.batch_id, self._token, entries):
             return False
         limit = self._settings.batch_fail_fast_lines
-        if line.number >= limit:
+        if limit and last >= limit and not batch.fields.get("valid_seen"):
             current = self._store.get(batch.batch_id)
             if current is not None and not current.fields.get("valid_seen"):
-                reason = f"the first {limit} lines are all invalid; {current.fields.get('first_error', first)}"
+                reason = f"the first {limit} lines are all invalid; {current.fields.get('first_error', '')}"
                 self._fail(batch.batch_id, 422, reason[:1024])
                 return False  # nothing more is read
+            batch.fields["valid_seen"] = "1"
         return True
 
     def _take_valid(self, batch: Batch, line: Line, prepared: PreparedRequest) -> int:
@@ -280,7 +295,7 @@ class BatchRunner:
         try:
             message = self._inference.message(prepared)
         except ApiError as error:
-            return 1 if self._take_invalid(batch, line, InvalidLine(custom_id, error)) else -1
+            return 1 if self._take_invalid(batch, [(line, InvalidLine(custom_id, error))]) else -1
         entry = {"request": message.model_dump_json(), "model": spec.name, "version": spec.version}
         pending = {
             "custom_id": custom_id,
@@ -294,7 +309,7 @@ class BatchRunner:
         )  # fmt: skip
         if taken == 0:
             duplicate = ApiError(409, f"custom_id {custom_id!r}: a line before this one has it", "custom_id")
-            return 0 if self._take_invalid(batch, line, InvalidLine(custom_id, duplicate)) else -1
+            return 0 if self._take_invalid(batch, [(line, InvalidLine(custom_id, duplicate))]) else -1
         if taken < 0:
             return -1
         if batch.status == "validating":

@@ -274,12 +274,16 @@ class BatchStore:
     def published(self, batch_id: str, request_id: str) -> None:
         self._redis.hdel(f"{batch_key(batch_id)}:publishing", request_id)
 
-    def take_invalid(
-        self, batch_id: str, token: str, digest: str | None, item: dict, offset: int, line: int, first_error: str
-    ) -> int:
+    def take_invalid(self, batch_id: str, token: str, entries: list[tuple[str | None, dict, int, int, str]]) -> bool:
+        """Invalid lines to the errors outbox, in file order, in one round trip: (custom_id digest, item, end
+        offset, line number, first error) each. False when the lease was lost."""
         keys = self._keys(batch_id, "seen", "outbox:errors")
-        args = [token, digest or "", json.dumps(item), offset, line, first_error]
-        return int(self._take_invalid(keys=keys, args=args))
+        pipe = self._redis.pipeline(transaction=False)
+        for digest, item, offset, line, first_error in entries:
+            self._take_invalid(
+                keys=keys, args=[token, digest or "", json.dumps(item), offset, line, first_error], client=pipe
+            )
+        return all(int(result) == 1 for result in pipe.execute())
 
     def publishing(self, batch_id: str) -> dict[str, dict]:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:publishing")
