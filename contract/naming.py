@@ -117,6 +117,11 @@ def batch_prefix(batch_id: str) -> str:
     return f"batches/{batch_id}/"
 
 
+# Payload-bucket prefix of an empty marker object per running batch: what a process finds batches by after Redis
+# lost them (a Redis restart without persistence), to restore them from their GCS copies.
+BATCHES_ACTIVE_PREFIX = "batches-active/"
+
+
 def compile_cache_object(weights_path: str, key: str) -> str:
     """Model-bucket object holding saved torch.compile artifacts, next to the weights they were built for."""
     return f"{weights_path.rstrip('/')}/compile-cache/{key}.bin"

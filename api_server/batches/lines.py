@@ -28,29 +28,34 @@ class Line:
     number: int  # 1-based
     end_offset: int  # the byte just past this line's newline: where a resumed feeder starts
     data: bytes | None  # None: longer than the limit (skipped)
+    start_offset: int = 0  # where the line's bytes begin (the blank lines before it skipped)
 
 
 def read_lines(stream: BinaryIO, start_offset: int, start_number: int, max_line_bytes: int) -> Iterator[Line]:
     """Lines from `start_offset` (the stream is positioned there by the caller), numbered after `start_number`;
     blank lines are skipped but counted in the offsets."""
     partial, offset, number, too_long = b"", start_offset, start_number, False  # `offset`: where `partial` begins
+    long_began = start_offset
     while chunk := stream.read(CHUNK_BYTES):
         data, start = partial + chunk, 0
         while (newline := data.find(b"\n", start)) >= 0:
-            raw, end = data[start:newline], offset + newline + 1
+            raw, began, end = data[start:newline], offset + start, offset + newline + 1
             start = newline + 1
             if too_long:
                 too_long, number = False, number + 1
-                yield Line(number, end, None)
+                yield Line(number, end, None, long_began)
             elif raw.strip():
                 number += 1
-                yield Line(number, end, raw if len(raw) <= max_line_bytes else None)
+                yield Line(number, end, raw if len(raw) <= max_line_bytes else None, began)
         offset, partial = offset + start, data[start:]
         if len(partial) > max_line_bytes:
+            if not too_long:
+                long_began = offset
             offset, partial, too_long = offset + len(partial), b"", True  # refused as it comes, never held whole
     if too_long or partial.strip():
         number += 1
-        yield Line(number, offset + len(partial), None if too_long or len(partial) > max_line_bytes else partial)
+        began = long_began if too_long else offset
+        yield Line(number, offset + len(partial), None if too_long or len(partial) > max_line_bytes else partial, began)
 
 
 def line_request_id(batch_id: str, custom_id: str) -> str:

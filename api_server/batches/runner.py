@@ -57,6 +57,8 @@ FLUSH_EVERY_SECONDS = 1.0
 IDLE_WAIT_SECONDS = 0.2
 # Invalid lines are written to the errors outbox this many at a time (one Redis round trip).
 INVALID_PER_ROUND_TRIP = 200
+# How often each process looks for running batches whose Redis record is gone (GCS markers).
+RESTORE_EVERY_SECONDS = 10.0
 
 
 @dataclass
@@ -131,14 +133,20 @@ class BatchRunner:
         self._wake.set()
 
     def _run(self) -> None:
+        restored_at = 0.0
         while not self._stopped.is_set():
             worked = False
             try:
+                if time.monotonic() - restored_at >= RESTORE_EVERY_SECONDS:
+                    restored_at = time.monotonic()
+                    self._restore()
                 for batch_id in self._store.active():
                     if self._stopped.is_set():
                         break
-                    if not self._store.acquire(batch_id, self._token, self._settings.batch_lease_seconds):
-                        self._drop(batch_id)
+                    lease = self._store.acquire(batch_id, self._token, self._settings.batch_lease_seconds)
+                    if lease != "renewed":
+                        self._drop(batch_id)  # a reader from before is stale: reopened at the cursor in Redis
+                    if lease is None:
                         continue
                     worked |= self.step(batch_id)
                 self._call_webhooks()
@@ -149,6 +157,12 @@ class BatchRunner:
             if not worked:
                 self._wake.wait(IDLE_WAIT_SECONDS)
                 self._wake.clear()
+
+    def _restore(self) -> None:
+        """Batches Redis lost (restarted without persistence) are rebuilt from GCS, then resumed like any other."""
+        for batch_id in self._store.orphaned():
+            if self._store.restore(batch_id):
+                log.warning("restored batch %s from GCS after Redis lost it", batch_id)
 
     # One step of one batch, under its lease.
 
@@ -249,7 +263,7 @@ class BatchRunner:
             taken = self._take_valid(batch, line, checked)
             if taken < 0:
                 return worked
-            if taken:
+            if taken == 1:
                 in_flight[queue] = in_flight.get(queue, 0) + 1
             reader.held, worked = None, True
         self._take_invalid(batch, invalid)
@@ -268,6 +282,7 @@ class BatchRunner:
             item = {
                 "line": {"custom_id": custom_id, "line": line.number, "status": "failed", "error": detail},
                 "row": None,
+                "start": line.start_offset,
             }
             first = f"line {line.number}: {error.status} {error.message}"
             entries.append(
@@ -301,12 +316,15 @@ class BatchRunner:
             "custom_id": custom_id,
             "queue": spec.queue,
             "line": line.number,
+            "start": line.start_offset,
             "row": self._row(batch, prepared, custom_id),
         }
         taken = self._store.take_valid(
             batch_id, self._token, custom_id_digest(custom_id), prepared.request_id, entry, pending, spec.queue,
             line.end_offset, line.number,
         )  # fmt: skip
+        if taken == 2:
+            return 2  # answered before Redis lost the batch: in a part file already
         if taken == 0:
             duplicate = ApiError(409, f"custom_id {custom_id!r}: a line before this one has it", "custom_id")
             return 0 if self._take_invalid(batch, [(line, InvalidLine(custom_id, duplicate))]) else -1
@@ -420,11 +438,11 @@ class BatchRunner:
                     "total": row.total_ms,
                 },
             )
-            return "results", "succeeded", {"line": line, "row": row.to_json()}
+            return "results", "succeeded", {"line": line, "row": row.to_json(), "start": entry.get("start", 0)}
         status = {Outcome.CANCELLED: "cancelled", Outcome.EXPIRED: "expired"}.get(outcome, "failed")
         message = row.error or (reply.error if reply else None) or outcome.value
         line.update(status=status, error={"code": outcome.spec.http_status, "message": message, "kind": row.error_kind})
-        return "errors", status, {"line": line, "row": row.to_json()}
+        return "errors", status, {"line": line, "row": row.to_json(), "start": entry.get("start", 0)}
 
     def _save_images(self, batch_id: str, line_number: int, reply: InferenceReply) -> list[tuple[str, int]]:
         """Each image under the batch's prefix (idempotent: the same name for the same line)."""

@@ -21,14 +21,17 @@ part written, so a lost Redis loses no batch's outcome.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import redis
+from google.api_core import exceptions
 from google.cloud import storage
 
+from api_server.batches.lines import custom_id_digest
 from contract import naming
 
 ACTIVE_KEY = "maas:batches:active"
@@ -169,6 +172,7 @@ class BatchStore:
         batch = self.get(batch_id)
         assert batch is not None
         self.mirror(batch)
+        self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).upload_from_string(b"")
         return batch
 
     def get(self, batch_id: str, owner: str | None = None) -> Batch | None:
@@ -189,9 +193,80 @@ class BatchStore:
             return {}
 
     def mirror(self, batch: Batch) -> None:
-        """Copies the record to GCS (what survives a lost Redis)."""
+        """Copies the record to GCS (what survives a lost Redis), with the safe cursor: where a restored batch
+        resumes reading so that no line is lost (the first line not yet in a part file)."""
+        fields = dict(batch.fields)
+        if not batch.ended:
+            fields["safe_offset"], fields["safe_line"] = self._safe_cursor(batch)
         blob = self._bucket.blob(self.object_name(batch.batch_id, "batch.json"))
-        blob.upload_from_string(json.dumps(batch.fields), content_type="application/json")
+        blob.upload_from_string(json.dumps(fields), content_type="application/json")
+
+    def _safe_cursor(self, batch: Batch) -> tuple[int, int]:
+        key = batch_key(batch.batch_id)
+        starts = [(entry.get("start", 0), entry["line"]) for entry in self.pending(batch.batch_id).values()]
+        for name in [f"{key}:outbox:{kind}" for kind in KINDS] + self.parts(batch.batch_id):
+            for raw in self._redis.lrange(name, 0, -1):
+                item = json.loads(raw)
+                starts.append((item.get("start", 0), item["line"]["line"]))
+        if not starts:
+            return batch.int("cursor_offset"), batch.int("cursor_line")
+        offset, line = min(starts)
+        return offset, line - 1
+
+    # After a Redis loss.
+
+    def orphaned(self) -> list[str]:
+        """Running batches (by their GCS markers) whose Redis record is gone."""
+        ids = [blob.name.removeprefix(naming.BATCHES_ACTIVE_PREFIX)
+               for blob in self._bucket.list_blobs(prefix=naming.BATCHES_ACTIVE_PREFIX)]  # fmt: skip
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.exists(batch_key(batch_id))
+        return [batch_id for batch_id, there in zip(ids, pipe.execute(), strict=True) if not there]
+
+    def restore(self, batch_id: str) -> bool:
+        """Rebuilds a batch Redis lost from its GCS copy and its part files: the lines in parts are done (skipped
+        when read again), the counts are the parts', reading resumes at the safe cursor. One process does it."""
+        key = batch_key(batch_id)
+        if self._redis.exists(key) or not self._redis.set(f"{key}:restoring", "1", nx=True, ex=120):
+            return False
+        fields = self._mirrored(batch_id)
+        if not fields or fields.get("status") in ENDED:
+            self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).delete()
+            return False
+        done: dict[str, int] = {}
+        counts = dict.fromkeys(COUNTS, 0)
+        for kind in KINDS:
+            for blob in self._bucket.list_blobs(prefix=self.object_name(batch_id, f"{kind}/")):
+                seq = int(blob.name.rsplit("part-", 1)[1].split(".")[0])
+                fields[f"parts_{kind}"] = str(max(seq, int(fields.get(f"parts_{kind}") or 0)))
+                for text in blob.download_as_text().splitlines():
+                    item = json.loads(text)
+                    custom_id = item.get("custom_id")
+                    done[custom_id_digest(custom_id) if custom_id else f"L{item['line']}"] = item["line"]
+                    counts[item["status"]] += 1
+                    counts["total"] += 1
+        fields.update({name: str(value) for name, value in counts.items()})
+        fields["cursor_offset"] = str(fields.pop("safe_offset", fields.get("cursor_offset", 0)))
+        fields["cursor_line"] = str(fields.pop("safe_line", fields.get("cursor_line", 0)))
+        if fields.get("end_status") not in ("cancelled", "expired", "failed"):
+            fields.pop("feed_done", None)  # lines that were in flight are read again
+        fields["restored_ms"] = str(int(time.time() * 1000))
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=fields)
+        items = list(done.items())
+        for start in range(0, len(items), 10_000):
+            chunk = dict(items[start : start + 10_000])
+            pipe.hset(f"{key}:done", mapping=chunk)
+            digests = [marker for marker in chunk if not marker.startswith("L")]
+            if digests:
+                pipe.sadd(f"{key}:seen", *digests)
+        pipe.zadd(owner_key(fields["owner"]), {batch_id: int(fields["created_ms"])})
+        pipe.sadd(ACTIVE_KEY, batch_id)
+        pipe.execute()
+        return True
 
     def list_for(self, owner: str, limit: int, before_ms: int | None = None) -> list[Batch]:
         top = f"({before_ms}" if before_ms is not None else "+inf"
@@ -217,12 +292,15 @@ class BatchStore:
                 "if redis.call('HEXISTS', KEYS[1], 'webhook_url') == 1 then redis.call('SADD', KEYS[2], ARGV[1]) end",
                 2, key, WEBHOOKS_KEY, batch_id,
             )  # fmt: skip
-            pipe.delete(*(f"{key}:{suffix}" for suffix in ("seen", "pending", "publishing", "inflight")))
+            pipe.delete(*(f"{key}:{suffix}" for suffix in ("seen", "pending", "publishing", "inflight", "done")))
             pipe.expire(key, ENDED_TTL_SECONDS)
         pipe.execute()
         batch = self.get(batch_id)
         assert batch is not None
         self.mirror(batch)
+        if status in ENDED:
+            with contextlib.suppress(exceptions.NotFound):
+                self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).delete()
         return batch
 
     def request_cancel(self, batch_id: str) -> bool:
@@ -244,13 +322,14 @@ class BatchStore:
 
     # The lease.
 
-    def acquire(self, batch_id: str, token: str, lease_seconds: float) -> bool:
-        """True when this process holds (or now takes) the batch's lease."""
+    def acquire(self, batch_id: str, token: str, lease_seconds: float) -> str | None:
+        """`renewed` when this process held the batch's lease, `taken` when it takes it now (what it remembers
+        of the batch is stale: the lease lapsed, or Redis lost it), None when another process holds it."""
         key = f"{batch_key(batch_id)}:lease"
         ms = int(lease_seconds * 1000)
         if self._renew(keys=[key], args=[token, ms]) == 1:
-            return True
-        return bool(self._redis.set(key, token, nx=True, px=ms))
+            return "renewed"
+        return "taken" if self._redis.set(key, token, nx=True, px=ms) else None
 
     def release(self, batch_id: str, token: str) -> None:
         script = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -266,8 +345,9 @@ class BatchStore:
         self, batch_id: str, token: str, digest: str, request_id: str, message: dict, pending: dict, queue: str,
         offset: int, line: int,
     ) -> int:  # fmt: skip
-        """1: taken (publish it now); 0: its custom_id was taken already; -1: the lease was lost."""
-        keys = self._keys(batch_id, "seen", "publishing", "pending", "inflight")
+        """1: taken (publish it now); 0: its custom_id was taken already; 2: answered before Redis lost the batch
+        (skipped); -1: the lease was lost."""
+        keys = self._keys(batch_id, "seen", "publishing", "pending", "inflight", "done")
         args = [token, digest, request_id, json.dumps(message), json.dumps(pending), queue, offset, line]
         return int(self._take_valid(keys=keys, args=args))
 
@@ -277,13 +357,14 @@ class BatchStore:
     def take_invalid(self, batch_id: str, token: str, entries: list[tuple[str | None, dict, int, int, str]]) -> bool:
         """Invalid lines to the errors outbox, in file order, in one round trip: (custom_id digest, item, end
         offset, line number, first error) each. False when the lease was lost."""
-        keys = self._keys(batch_id, "seen", "outbox:errors")
+        keys = self._keys(batch_id, "seen", "outbox:errors", "done")
         pipe = self._redis.pipeline(transaction=False)
         for digest, item, offset, line, first_error in entries:
+            marker = digest or f"L{line}"
             self._take_invalid(
-                keys=keys, args=[token, digest or "", json.dumps(item), offset, line, first_error], client=pipe
+                keys=keys, args=[token, marker, json.dumps(item), offset, line, first_error], client=pipe
             )
-        return all(int(result) == 1 for result in pipe.execute())
+        return all(int(result) >= 1 for result in pipe.execute())
 
     def publishing(self, batch_id: str) -> dict[str, dict]:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:publishing")

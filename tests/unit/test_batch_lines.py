@@ -53,6 +53,7 @@ def test_reading_resumes_at_a_lines_end_offset_and_skips_blank_lines():
     lines = list(read_lines(io.BytesIO(data), 0, 0, 1024))
     assert [item.number for item in lines] == [1, 2, 3, 4]
     assert [json.loads(item.data)["custom_id"] for item in lines] == ["c0", "c1", "c2", "c3"]
+    assert [data[item.start_offset : item.end_offset].strip() for item in lines] == [item.data for item in lines]
     resumed = io.BytesIO(data)
     resumed.seek(lines[1].end_offset)
     rest = list(read_lines(resumed, lines[1].end_offset, 2, 1024))
@@ -67,4 +68,5 @@ def test_a_line_over_the_limit_is_reported_without_being_held():
     lines = list(read_lines(io.BufferedReader(io.BytesIO(data), 100), 0, 0, 1000))
     assert [item.number for item in lines] == [1, 2, 3]
     assert lines[1].data is None and lines[1].end_offset == len(line(0)) + len(long)
+    assert lines[1].start_offset == len(line(0)) and lines[2].start_offset == lines[1].end_offset
     assert json.loads(lines[2].data)["custom_id"] == "c1"
