@@ -561,7 +561,11 @@ def test_worker_grants_cover_exactly_what_the_worker_touches():
         ("google_pubsub_subscription.dead_letter[each.key].name", "roles/pubsub.subscriber", "local.models"),
     }
     topics = {(expression(b["topic"]), b["role"]) for b in _grants("google_pubsub_topic_iam_member", member).values()}
-    assert topics == {("google_pubsub_topic.replies.name", "roles/pubsub.publisher")}
+    assert topics == {
+        ("google_pubsub_topic.replies.name", "roles/pubsub.publisher"),
+        # A batch line's reply goes to the batch collector's topic (issue 35).
+        ("google_pubsub_topic.batch_replies.name", "roles/pubsub.publisher"),
+    }
     bucket_grants = _grants("google_storage_bucket_iam_member", member).values()
     buckets = {(expression(b["bucket"]), b["role"]) for b in bucket_grants}
     assert buckets == {
