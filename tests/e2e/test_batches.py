@@ -215,3 +215,27 @@ def test_a_batch_past_its_window_expires_its_unfinished_lines_and_keeps_the_fini
     counts = final["request_counts"]
     assert counts["succeeded"] > 0 and counts["expired"] > 0, counts
     assert {item["status"] for item in errors} == {"expired"}
+
+
+def test_the_sdk_and_the_cli_create_wait_list_and_read_a_batch(stack, tmp_path):
+    from maas_client import Client
+    from tests.e2e.test_sdk_cli import run_cli
+
+    with Client(stack.api_url, TEST_API_KEYS[0]) as client:
+        view = client.batches.create(requests=[line("sdk-1"), line("sdk-2")], metadata={"via": "sdk"})
+        done = client.batches.wait(view.id, timeout=60)
+        assert done.status == "completed" and done.request_counts.succeeded == 2 and done.metadata == {"via": "sdk"}
+        assert sorted(item["custom_id"] for item in client.batches.results(view.id)) == ["sdk-1", "sdk-2"]
+        assert client.batches.errors(view.id) == []
+        assert view.id in {listed.id for listed in client.batches.list(limit=5)}
+    source = tmp_path / "lines.jsonl"
+    source.write_text(json.dumps(line("cli-1")) + "\n" + json.dumps(line("cli-2", model="no-such-model")) + "\n")
+    created = run_cli(stack, "--json", "batches", "create", str(source), "--metadata", "via=cli")
+    assert created.returncode == 0, created.stderr
+    batch_id = json.loads(created.stdout)["id"]
+    waited = run_cli(stack, "--json", "batches", "wait", batch_id)
+    assert waited.returncode == 0, waited.stderr
+    final = json.loads(waited.stdout)
+    assert final["status"] == "completed" and final["request_counts"]["failed"] == 1, final
+    listed = run_cli(stack, "batches", "list", "--limit", "3")
+    assert listed.returncode == 0 and batch_id in listed.stdout, listed.stdout

@@ -154,7 +154,7 @@ class Usage(_Body):
     since: str
     days: list[UsageRow]
     totals: UsageTotals
-    batches: list[BatchUsage] = Field(default_factory=list)
+    batches: list[BatchUsage]
 
 
 BatchStatus = Literal[
@@ -184,6 +184,7 @@ class BatchView(_Body):
     """A batch job (`POST /v1/batches`) as `GET /v1/batches/{id}` shows it."""
 
     id: str
+    object: Literal["batch"]
     status: BatchStatus
     input_file: str
     completion_window: str
@@ -197,8 +198,9 @@ class BatchView(_Body):
     failed_at: str | None = None
     cancelled_at: str | None = None
     expired_at: str | None = None
-    output: dict[str, str] = Field(default_factory=dict)
-    metadata: dict[str, str] = Field(default_factory=dict)
+    output: dict[str, str]
+    links: dict[str, str]
+    metadata: dict[str, str]
     error: BatchError | None = None
 
     @property
