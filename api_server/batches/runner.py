@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -59,6 +60,7 @@ IDLE_WAIT_SECONDS = 0.2
 INVALID_PER_ROUND_TRIP = 200
 # How often each process looks for running batches whose Redis record is gone (GCS markers).
 RESTORE_EVERY_SECONDS = 10.0
+IO_THREADS = 16
 
 
 @dataclass
@@ -101,6 +103,9 @@ class BatchRunner:
         self._subscriber = subscriber
         self._token = f"{settings.instance_id}-{uuid.uuid4().hex[:8]}"
         self._readers: dict[str, Reader] = {}
+        # Publishes and image copies overlap on this pool (each waits on Pub/Sub or GCS, not on CPU).
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="batch-io")
+        self._publishes: list[Future] = []
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._streaming = None
@@ -120,6 +125,7 @@ class BatchRunner:
             self._streaming.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         for batch_id in list(self._readers):
             self._drop(batch_id)
             with contextlib.suppress(redis.RedisError):
@@ -226,6 +232,14 @@ class BatchRunner:
     def _feed(self, batch: Batch) -> bool:
         if batch.fields.get("feed_done"):
             return False
+        try:
+            return self._feed_lines(batch)
+        finally:
+            for future in self._publishes:
+                future.result()
+            self._publishes.clear()
+
+    def _feed_lines(self, batch: Batch) -> bool:
         batch_id = batch.batch_id
         try:
             reader = self._reader(batch)
@@ -333,12 +347,16 @@ class BatchRunner:
         if batch.status == "validating":
             self._store.set_status(batch_id, "in_progress")
             batch.fields["status"] = "in_progress"
+        self._publishes.append(self._pool.submit(self._publish, batch, message, spec))
+        return 1
+
+    def _publish(self, batch: Batch, message: InferenceRequest, spec) -> None:
+        """From the I/O pool: the publishes of a step's lines overlap (each waits for Pub/Sub's answer)."""
         try:
             self._inference.publish(message, spec, batch.expires_ms, "batch", reply_to=naming.BATCH_REPLIES_TOPIC)
         except ApiError:
-            return 1  # kept in `:publishing`: the next step publishes it again
-        self._store.published(batch_id, prepared.request_id)
-        return 1
+            return  # kept in `:publishing`: the next step publishes it again
+        self._store.published(batch.batch_id, message.request_id)
 
     def _row(self, batch: Batch, prepared: PreparedRequest, custom_id: str) -> dict:
         """The line's partial log row, kept with it until its answer is collected (by whichever process)."""
@@ -393,15 +411,18 @@ class BatchRunner:
             return False
         request_ids = list(pending)
         raw = self._redis.mget([naming.result_key(request_id) for request_id in request_ids])
-        collected = 0
+        ended = []
         for request_id, stored in zip(request_ids, raw, strict=True):
-            entry = pending[request_id]
             reply = InferenceReply.model_validate_json(stored) if stored else None
             if reply is None and ending is None:
                 continue
             if reply is None:
                 self._results.cancel(request_id)  # a worker that still gets it skips it (or stops it)
-            kind, counter, item = self._answer(batch_id, request_id, entry, reply, ending)
+            ended.append((request_id, pending[request_id], reply))
+        # Images are copied under the batch's prefix from the I/O pool; each line is then moved once, in order.
+        answers = self._pool.map(lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended)
+        collected = 0
+        for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True):
             if self._store.collect(batch_id, self._token, request_id, entry["queue"], kind, item, counter) < 0:
                 return bool(collected)
             collected += 1
