@@ -31,6 +31,7 @@ from bench.api_common import BenchApiProcess, load_client, rss_mib, running_stac
 from bench.scenarios import TINY_PARAMETERS, fresh_seed
 from contract import google_clients
 from contract.settings import Settings
+from emulators.processes import ProcessRegistry
 from maas_client import Client
 
 INSTANCE = "bench-batches"
@@ -120,16 +121,20 @@ def million(api: BenchApiProcess, bucket, lines: int, timeout: float, redis_url:
     began = time.perf_counter()
     uri = upload_lines(bucket, f"bench-inputs/million-{lines}-{fresh_seed()}.jsonl", invalid)
     upload_seconds = time.perf_counter() - began
-    worker = api.pids()[-1]
-    idle = rss_mib(worker)
-    samples: list[tuple[float, float, int]] = []
+    # Both API processes that may feed it: the benchmark's, and the stack's own (if it runs one).
+    workers = {INSTANCE: api.pids()[-1]}
+    if (stack_api := stack_api_worker(api)) is not None:
+        workers["stack-api"] = stack_api
+    idle = {name: rss_mib(pid) for name, pid in workers.items()}
+    samples: list[tuple[float, dict, int]] = []
     stop = threading.Event()
     progress = {"read": 0}
 
     def sample() -> None:
         started = time.monotonic()
         while not stop.wait(0.5):
-            samples.append((round(time.monotonic() - started, 1), rss_mib(worker), progress["read"]))
+            rss = {name: round(rss_mib(pid), 1) for name, pid in workers.items()}
+            samples.append((round(time.monotonic() - started, 1), rss, progress["read"]))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -140,13 +145,12 @@ def million(api: BenchApiProcess, bucket, lines: int, timeout: float, redis_url:
         progress["read"] = view.request_counts.total
         holder = client_redis.get(f"maas:batch:{view.id}:lease")
         if holder:
-            holders.add(holder.decode().rsplit("-", 1)[0])
+            holders.add(INSTANCE if holder.decode().startswith(INSTANCE) else "stack-api")
 
     with Client(api.url, "local-dev-key", timeout=60) as client:
         seconds, view = run_batch(client, uri, timeout, seen)
     stop.set()
     sampler.join()
-    rss = [value for _, value, _ in samples] or [idle]
     row = {
         "lines": lines,
         "upload_seconds": round(upload_seconds, 1),
@@ -154,16 +158,33 @@ def million(api: BenchApiProcess, bucket, lines: int, timeout: float, redis_url:
         "lines_read": view["request_counts"]["total"],
         "seconds": round(seconds, 1),
         "lines_per_s": round(view["request_counts"]["total"] / seconds, 1),
-        "rss_idle_mib": round(idle, 1),
-        "rss_peak_mib": round(max(rss), 1),
-        "rss_last_mib": round(rss[-1], 1),
+        "rss_mib": {
+            name: {
+                "idle": round(idle[name], 1),
+                "peak": max((rss[name] for _, rss, _ in samples), default=idle[name]),
+                "last": samples[-1][1][name] if samples else idle[name],
+            }
+            for name in workers
+        },
         "rss_samples": samples[:: max(1, len(samples) // 40)],
         "fed_by": sorted(holders),
     }
+    memory = "; ".join(
+        f"{name} idle {m['idle']} / peak {m['peak']} / last {m['last']}" for name, m in row["rss_mib"].items()
+    )
     print(f"  {lines:,} lines: read {row['lines_read']:,} in {row['seconds']} s ({row['lines_per_s']} lines/s, "
-          f"{view['status']}); API worker RSS idle {row['rss_idle_mib']} MiB, peak {row['rss_peak_mib']} MiB, "
-          f"last {row['rss_last_mib']} MiB; fed by {', '.join(row['fed_by'])}", flush=True)  # fmt: skip
+          f"{view['status']}), fed by {', '.join(row['fed_by'])}; API worker RSS MiB: {memory}", flush=True)  # fmt: skip
     return row
+
+
+def stack_api_worker(api: BenchApiProcess) -> int | None:
+    """The stack's own API worker process (gunicorn's child), when the stack runs its API."""
+    master = ProcessRegistry(api._config.stack_dir).pid("api")
+    children = Path(f"/proc/{master}/task/{master}/children") if master else None
+    if children is None or not children.exists():
+        return None
+    pids = children.read_text().split()
+    return int(pids[0]) if pids else None
 
 
 def main() -> None:
