@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import redis
 
 from bench.api_common import BenchApiProcess, load_client, rss_mib, running_stack
@@ -80,7 +81,11 @@ async def predicts(port: int, model: str, sent: list[dict], concurrency: int) ->
 
     async def one_client(client) -> None:
         for body in pending:
-            response = await client.raw("POST", f"/v1/models/{model}:predict", json=body)
+            try:
+                response = await client.raw("POST", f"/v1/models/{model}:predict", json=body)
+            except httpx.HTTPError as exc:  # counted, as the other benchmarks count them
+                statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
+                continue
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
     began = time.perf_counter()
@@ -96,6 +101,8 @@ def compare(api: BenchApiProcess, bucket, model: str, count: int, timeout: float
     uri = upload_lines(bucket, f"bench-inputs/{model}-{count}-{fresh_seed()}.jsonl", lines)
     with Client(api.url, "local-dev-key", timeout=60) as client:
         batch_seconds, view = run_batch(client, uri, timeout)
+    print(f"  {model}: {count} lines as a batch in {batch_seconds:.1f} s ({view['status']}, "
+          f"{view['request_counts']})", flush=True)  # fmt: skip
     predict_seconds, statuses = asyncio.run(predicts(api.port, model, bodies(model, count), 32))
     counts = view["request_counts"]
     row = {
