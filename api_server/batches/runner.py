@@ -174,7 +174,7 @@ class BatchRunner:
 
     def step(self, batch_id: str) -> bool:
         """True when it did something (the loop then goes on without waiting)."""
-        batch = self._store.get(batch_id)
+        batch = self._store.get(batch_id, mirrored=False)
         if batch is None or batch.ended:
             self._drop(batch_id)
             return False
@@ -308,7 +308,7 @@ class BatchRunner:
             return False
         limit = self._settings.batch_fail_fast_lines
         if limit and last >= limit and not batch.fields.get("valid_seen"):
-            current = self._store.get(batch.batch_id)
+            current = self._store.get(batch.batch_id, mirrored=False)
             if current is not None and not current.fields.get("valid_seen"):
                 reason = f"the first {limit} lines are all invalid; {current.fields.get('first_error', '')}"
                 self._fail(batch.batch_id, 422, reason[:1024])
@@ -388,9 +388,10 @@ class BatchRunner:
         return row.to_json()
 
     def _fed_all(self, batch_id: str) -> bool:
-        batch = self._store.get(batch_id)
-        assert batch is not None
+        batch = self._store.get(batch_id, mirrored=False)
         self._drop(batch_id)
+        if batch is None:
+            return False  # lost with Redis: restored, then read again
         self._store.set_fields(batch_id, feed_done=1)
         if batch.int("total") == 0:
             self._fail(batch_id, 422, "input_file: the file holds no lines")
@@ -501,13 +502,13 @@ class BatchRunner:
             self._log.spool_queued()  # on disk before the part leaves Redis: a kill now loses no row
             self._store.part_written(batch_id, part)
         if parts:
-            batch = self._store.get(batch_id)
+            batch = self._store.get(batch_id, mirrored=False)
             if batch is not None:
                 self._store.mirror(batch)
         return bool(parts)
 
     def _maybe_end(self, batch_id: str) -> bool:
-        batch = self._store.get(batch_id)
+        batch = self._store.get(batch_id, mirrored=False)
         if batch is None or batch.ended:
             return False
         ending = batch.fields.get("end_status")

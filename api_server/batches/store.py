@@ -47,6 +47,8 @@ TIME_FIELDS = ("created", "in_progress", "finalizing", "cancelling", "completed"
 
 LEASED = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
 RENEW = LEASED + "redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
+# Every step also needs the batch's record: after a Redis loss it is restored whole before anyone writes to it.
+RECORDED = LEASED + "if redis.call('HEXISTS', KEYS[2], 'status') == 0 then return -1 end\n"
 # KEYS: lease, batch, seen, publishing, pending, inflight. ARGV: token, digest, rid, message, pending, queue, offset,
 # line.
 TAKE_VALID = (
@@ -175,12 +177,13 @@ class BatchStore:
         self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).upload_from_string(b"")
         return batch
 
-    def get(self, batch_id: str, owner: str | None = None) -> Batch | None:
-        """The batch as `owner` may see it (None: absent, or another key's); Redis first, then its GCS copy."""
+    def get(self, batch_id: str, owner: str | None = None, mirrored: bool = True) -> Batch | None:
+        """The batch as `owner` may see it (None: absent, or another key's); Redis first, then (`mirrored`) its GCS
+        copy. The runner reads Redis only: a batch Redis lost is worked again once restored whole."""
         raw = self._redis.hgetall(batch_key(batch_id))
         fields = {key.decode(): value.decode() for key, value in raw.items()}
         if "status" not in fields:
-            fields = self._mirrored(batch_id)
+            fields = self._mirrored(batch_id) if mirrored else {}
         if not fields or (owner is not None and fields.get("owner") != owner):
             return None
         return Batch(batch_id, fields)
@@ -277,7 +280,10 @@ class BatchStore:
         return sorted(member.decode() for member in self._redis.smembers(ACTIVE_KEY))
 
     def set_fields(self, batch_id: str, **fields: str | int) -> None:
-        self._redis.hset(batch_key(batch_id), mapping=fields)
+        """Only on a whole record (never re-creating a part of one Redis lost)."""
+        flat = [item for pair in fields.items() for item in pair]
+        script = "if redis.call('HEXISTS', KEYS[1], 'status') == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) end"
+        self._redis.eval(script, 1, batch_key(batch_id), *flat)
 
     def set_status(self, batch_id: str, status: str, **fields: str | int) -> Batch:
         """Moves the batch to `status` (stamping `{status}_ms`) and mirrors it; an ended batch leaves the active
@@ -329,6 +335,8 @@ class BatchStore:
         ms = int(lease_seconds * 1000)
         if self._renew(keys=[key], args=[token, ms]) == 1:
             return "renewed"
+        if not self._redis.hexists(batch_key(batch_id), "status"):
+            return None  # lost with Redis: restored first (`restore`)
         return "taken" if self._redis.set(key, token, nx=True, px=ms) else None
 
     def release(self, batch_id: str, token: str) -> None:

@@ -34,7 +34,7 @@ def read(stack, headers: dict, batch_id: str) -> dict | None:
     """The batch now; None while the API cannot answer (the fault tests kill it)."""
     try:
         response = requests.get(f"{stack.api_url}/v1/batches/{batch_id}", headers=headers, timeout=10)
-    except requests.ConnectionError:
+    except requests.RequestException:  # refused or timed out while it restarts
         return None
     return response.json() if response.status_code == 200 else None
 
