@@ -7,6 +7,10 @@ path from a held request to an encoded, stored and published reply, against the 
 
 from __future__ import annotations
 
+import json
+import math
+import random
+import statistics
 import threading
 import time
 import uuid
@@ -114,7 +118,9 @@ class NoLeases:
         self.released += 1
 
 
-def single_image_request(spec: ModelSpec, params: GenerationParameters, seed: int) -> PendingRequest:
+def single_image_request(
+    spec: ModelSpec, params: GenerationParameters, seed: int, priority: str = "normal"
+) -> PendingRequest:
     request_id = uuid.uuid4().hex
     request = InferenceRequest(
         request_id=request_id,
@@ -125,7 +131,7 @@ def single_image_request(spec: ModelSpec, params: GenerationParameters, seed: in
     )
     message = HeldMessage(f"bench/{spec.name}", f"ack-{request_id}", {}, b"", 1, time.time())
     items = [GenerationItem(prompt=f"bench {seed}", seed=seed)]
-    return PendingRequest(message, spec, request, items, "normal", None)
+    return PendingRequest(message, spec, request, items, priority, None)
 
 
 def worker_images_per_second(
@@ -191,5 +197,98 @@ def worker_images_per_second(
         "seconds": round(seconds, 3),
         "images_per_s": counted / seconds if seconds > 0 else float("nan"),
         "pipeline_calls": device.calls + device.running.calls,  # request-level calls or denoising steps
+        "handed_back": leases.released,
+    }
+
+
+class ReplyClock:
+    """Publishes nowhere; records when each request's reply went out, by request id."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+        self._changed = threading.Condition()
+
+    def publish(self, topic: str, data: bytes, **attributes) -> Future:
+        request_id = json.loads(data)["request_id"]
+        with self._changed:
+            self.at[request_id] = time.perf_counter()
+            self._changed.notify_all()
+        future: Future = Future()
+        future.set_result("id")
+        return future
+
+    def wait(self, request_id: str, timeout: float) -> float:
+        with self._changed:
+            if not self._changed.wait_for(lambda: request_id in self.at, timeout):
+                raise RuntimeError(f"no reply to {request_id} within {timeout} s")
+            return self.at[request_id]
+
+
+def interactive_latencies(
+    runner: Runner,
+    spec: ModelSpec,
+    params: GenerationParameters,
+    requests: int,
+    gap_seconds: float,
+    batch_backlog: bool,
+    batch_images: int | None = None,
+    seed: int = 1,
+) -> dict:
+    """Latency (pool to reply published) of `requests` interactive single-image requests, one at a time at random
+    gaps of about `gap_seconds`; with `batch_backlog`, a feeder keeps the worker's batch room full of batch lines,
+    as the batch subscription's puller does (issue 35). Two warm-up requests are not counted."""
+    pool = RequestPool(capacity=spec.max_batch_size, batch_images=batch_images)
+    clock = ReplyClock()
+    leases = NoLeases()
+    metrics = WorkerMetrics()
+    results = ResultStore(MemoryRedis(), 3600)
+    payloads = PayloadCodec(MemoryStorage(), "bench-payloads", 256 * 1024)
+    finisher = ReplyFinisher(clock, "bench/replies", results, payloads, leases, metrics, 4)
+    progress = ProgressReporter(results, finisher)
+    replies = ReplyFactory("bench", {spec.name: runner.accelerator})
+    device = DeviceLoop({spec.name: runner}, pool, finisher, leases, replies, progress, metrics,
+                        WorkerHealth(stall_seconds=3600))  # fmt: skip
+    stop = threading.Event()
+    lines: list[str] = []
+
+    def feed_batch() -> None:
+        while not stop.is_set():
+            for _ in range(pool.wait_for_room("batch", timeout=0.2)):
+                line = single_image_request(spec, params, 100_000 + len(lines), priority="batch")
+                lines.append(line.request_id)
+                pool.add(line)
+
+    threads = [threading.Thread(target=device.run, name="bench-device", daemon=True)]
+    if batch_backlog:
+        threads.append(threading.Thread(target=feed_batch, name="bench-batch-feeder", daemon=True))
+    progress.start()
+    for thread in threads:
+        thread.start()
+    draw = random.Random(seed)
+    latencies = []
+    try:
+        for index in range(requests + 2):
+            time.sleep(draw.uniform(0.5, 1.5) * gap_seconds)  # lands at a random point of the batch work
+            pending = single_image_request(spec, params, index)
+            sent = time.perf_counter()
+            pool.add(pending)
+            answered = clock.wait(pending.request_id, timeout=600)
+            if index >= 2:
+                latencies.append(answered - sent)
+    finally:
+        stop.set()
+        device.stopping.set()
+        pool.close()
+        threads[0].join(timeout=600)
+        finisher.close()
+        progress.stop()
+    ordered = sorted(latencies)
+    return {
+        "requests": len(latencies),
+        "mean_s": statistics.fmean(latencies),
+        "p50_s": ordered[len(ordered) // 2],
+        "p95_s": ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)],
+        "max_s": ordered[-1],
+        "batch_lines_done": sum(1 for line in lines if line in clock.at),
         "handed_back": leases.released,
     }

@@ -172,6 +172,13 @@ class Settings:
     # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
     # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
     scheduling: str | None = None
+    # The priorities this worker pulls (MAAS_WORKER_PRIORITIES, comma-separated; unset: all, `high,normal,batch`).
+    # The Spot batch Deployment sets `batch` (infra/k8s/render.py): its workers never take interactive requests.
+    worker_priorities: tuple[str, ...] = naming.PRIORITIES
+    # Batch images a worker holds or runs at once (MAAS_BATCH_IMAGES; 0: its models' max_batch_size). A batch call's
+    # start (prompt and input-image encoding) and decode cannot be cut short for an interactive request, so an
+    # interactive worker runs batch lines one at a time by default; the Spot batch Deployment runs full batches.
+    batch_images: int = 1
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -197,6 +204,10 @@ class Settings:
         host_cache_bytes = int(env.get("MAAS_ADAPTER_HOST_CACHE_BYTES") or ADAPTER_HOST_CACHE_BYTES)
         if host_cache_bytes < 1:
             raise ValueError(f"MAAS_ADAPTER_HOST_CACHE_BYTES must be positive, not {host_cache_bytes}")
+        worker_priorities = tuple(_csv(env.get("MAAS_WORKER_PRIORITIES"))) or naming.PRIORITIES
+        unknown = [p for p in worker_priorities if p not in naming.PRIORITIES]
+        if unknown:
+            raise ValueError(f"MAAS_WORKER_PRIORITIES: {unknown} not among {list(naming.PRIORITIES)}")
         instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
         return cls(
             env=stage,  # type: ignore[arg-type]
@@ -267,6 +278,8 @@ class Settings:
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,
+            worker_priorities=tuple(p for p in naming.PRIORITIES if p in worker_priorities),
+            batch_images=int(env.get("MAAS_BATCH_IMAGES") or cls.batch_images),
             adapter_host_cache_bytes=host_cache_bytes,
             adapter_load_delay={
                 name.strip(): float(seconds)

@@ -5,6 +5,11 @@ finisher, and the pool already holds the next batch, so under load the device go
 next without a gap. A batch nobody waits for any more (every request past its deadline or cancelled) is
 stopped at the next denoising step. A step-scheduled model runs in a running set instead (`stepping.py`):
 between its steps the loop lets held requests join, and runs nothing else until the set is empty.
+
+Batch lines (issue 35) never make an interactive request wait more than one step: a call of batch lines is
+stopped at its next step when an interactive request is held (its lines go back to the pool, still leased,
+and start over later), and in a running set batch lines are paused (`RunningSet.pause_batch`) while an
+interactive request waits or runs, and resumed after. Neither shares a call with an interactive request.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from model_worker.leases import LeaseKeeper
 from model_worker.log_context import message_log_fields
 from model_worker.metrics import WorkerMetrics
 from model_worker.pool import PendingRequest, RequestPool
-from model_worker.runners import BatchAbandonedError, ModelFailedError, Runner
+from model_worker.runners import BatchAbandonedError, BatchPreemptedError, ModelFailedError, Runner
 from model_worker.stepping import RunningSet
 
 log = logging.getLogger(__name__)
@@ -185,6 +190,9 @@ class DeviceLoop:
                     if not self.running:
                         idle_since = time.monotonic()
                     continue
+                if self.running.paused and not self.stopping.is_set() and self._pool.first_interactive() is None:
+                    self.running.resume(self._pool.batch_images)  # paused batch lines go on before any new one starts
+                    continue
                 batch, abandoned = self._pool.take_batch(timeout=1.0)
                 self._answer_all(abandoned)
                 if not batch:
@@ -198,13 +206,34 @@ class DeviceLoop:
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 self._loop_failed(exc, batch)
                 idle_since = time.monotonic()
+        for pending in self.running.take_paused():
+            self._leases.release(pending.message)  # draining: unanswered batch lines go back to Pub/Sub
 
     def _step_running_set(self) -> None:
-        if not self.stopping.is_set():
-            joiners, abandoned = self._pool.take_joiners(self.running.key, self.running.room)
-            self._answer_all(abandoned)
-            self.running.admit(joiners)
+        if self.stopping.is_set():
+            # Draining (a scale-down, or a Spot preemption's 15 s): batch lines are handed back at once, not run on.
+            self.running.pause_batch()
+        elif self.running.interactive_images or self._pool.first_interactive() is not None:
+            # Somebody waits: batch lines step aside (paused, not lost) so they neither delay nor share its steps.
+            self.running.pause_batch()
+            self._join(interactive=True)
+        else:
+            self.running.resume(self._pool.batch_images)
+            self._join(interactive=False)
+        self._pool.interactive_running(self.running.interactive_images > 0)
         self.running.step()
+        if not self.running:
+            self._pool.interactive_running(False)
+
+    def _join(self, interactive: bool) -> None:
+        if not self.running:
+            return  # emptied by `pause_batch`: the next turn starts a new set with the waiting request
+        room = (
+            self.running.room if interactive else min(self.running.room, self._pool.batch_images - self.running.images)
+        )
+        joiners, abandoned = self._pool.take_joiners(self.running.key, room, interactive)
+        self._answer_all(abandoned)
+        self.running.admit(joiners)
 
     def _loop_failed(self, exc: Exception, batch: list[PendingRequest]) -> None:
         held = self.running.drop_all()
@@ -235,13 +264,18 @@ class DeviceLoop:
             )
         params = batch[0].request.parameters
 
+        preemptible = not any(pending.interactive for pending in batch)
+
         def on_step(step: int, total: int) -> None:
             self._progress.update(step, total)
             self._health.beat()
             if all(pending.abandoned() for pending in batch):
                 raise BatchAbandonedError
+            if preemptible and (self.stopping.is_set() or self._pool.first_interactive() is not None):
+                raise BatchPreemptedError  # an interactive request waits, or the worker drains: hand them back
 
         self._progress.begin(batch, started)
+        self._pool.interactive_running(not preemptible)
         began = time.perf_counter()
         try:
             self.calls += 1
@@ -253,11 +287,17 @@ class DeviceLoop:
             for pending in batch:
                 self._answer_abandoned(pending, "while it ran")
             return
+        except BatchPreemptedError:
+            log.info("call %s of %d batch lines stopped for an interactive request; they run later", batch_id,
+                     len(batch))  # fmt: skip
+            self._pool.put_back(batch)
+            return
         except Exception as exc:  # noqa: BLE001 - each request must still be answered or retried
             self._failed(batch, exc)
             return
         finally:
             self._progress.end()
+            self._pool.interactive_running(False)
         seconds = time.perf_counter() - began
         self._metrics.inference_seconds.labels(model=spec.name).observe(seconds)
         self._metrics.batch_size.labels(model=spec.name).observe(len(items))

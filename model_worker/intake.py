@@ -1,6 +1,7 @@
 """Pulls requests only when the worker has room for them, and answers at once what needs no GPU.
 
-One puller per subscription (each model's high and normal queues), each a waiting pull so a request
+One puller per subscription (each model's high, normal and batch queues, or those MAAS_WORKER_PRIORITIES names),
+each a waiting pull so a request
 reaching an idle worker starts about one pull round trip after it is published. Before a request is
 held for the device it is triaged: a redelivery with a stored reply gets that reply again, a request past
 its deadline or cancelled gets `expired`/`cancelled`, a malformed one or one with an unreadable or
@@ -218,7 +219,8 @@ class SubscriptionLoop:
 
 
 class SubscriptionPuller(SubscriptionLoop):
-    """Pulls one subscription into the pool, never more than the pool has room for."""
+    """Pulls one subscription into the pool, never more than the pool has room for (a batch subscription: only
+    into an empty pool, `RequestPool.room`)."""
 
     def __init__(
         self,

@@ -1,10 +1,17 @@
-"""The requests a worker holds but has not started: at most about one batch, taken high priority and oldest first.
+"""The requests a worker holds but has not started: at most about one batch, taken by priority, oldest first.
 
 Pullers add what they pulled; the device loop takes the next batch: the oldest high-priority request (else
-the oldest normal one) and every held request that can share its pipeline call, up to the model's
-`max_batch_size` images. For a step-scheduled model the device also takes joiners for its running set
-between steps, in the same order. Holding no more than one batch beyond the running one is what keeps a
-backlog in Pub/Sub, where an idle worker can take it, instead of in one worker's hands.
+the oldest normal one, else the oldest batch line) and every held request that can share its pipeline call,
+up to the model's `max_batch_size` images. For a step-scheduled model the device also takes joiners for its
+running set between steps, in the same order. Holding no more than one batch beyond the running one is what
+keeps a backlog in Pub/Sub, where an idle worker can take it, instead of in one worker's hands.
+
+Batch lines (priority `batch`, issue 35) fill only what interactive traffic leaves: they are pulled only
+while no interactive request is held and the pool is empty, at most one batch of them; held batch images
+never count against an interactive pull's room, so a worker holding batch lines still takes an interactive
+request at once, and that request is chosen first. A batch line never shares a call with an interactive
+request: a call (or a step) of 8 images costs about twice one of 1 (README "GPU facts"), and the interactive
+request would pay for it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field
 
 from contract.catalog import ModelSpec
 from contract.messages import InferenceRequest
+from contract.naming import PRIORITIES
 from model_worker.runners import GenerationItem, batch_key
 
 
@@ -57,6 +65,16 @@ class PendingRequest:
         return self.cancelled or self.expired(now)
 
     @property
+    def interactive(self) -> bool:
+        """Somebody waits on it (high or normal); a batch line is only throughput."""
+        return self.priority != "batch"
+
+    @property
+    def rank(self) -> int:
+        """Its place in the device's order: high, normal, batch."""
+        return PRIORITIES.index(self.priority) if self.priority in PRIORITIES else PRIORITIES.index("normal")
+
+    @property
     def ready(self) -> bool:
         """Its adapters (if any) are loaded, or failed to: it may run (or fail) now; until then it waits aside."""
         adapters = self.items[0].adapters if self.items else None
@@ -74,16 +92,23 @@ class PendingRequest:
 
 
 class RequestPool:
-    """Bounded in images: normal pulls stop at `capacity`; high pulls may add up to `capacity` of their own."""
+    """Bounded in images: normal pulls stop at `capacity` interactive images; high pulls may add up to `capacity` of
+    their own; batch pulls take up to `capacity` only into an empty pool (held batch lines never shrink another
+    priority's room)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, batch_images: int | None = None) -> None:
+        """`batch_images`: the most batch images held, or run at once (None: `capacity`). Small on an interactive
+        worker: a batch call's start (prompt and image encoding) and decode cannot be cut short, and an interactive
+        request arriving then waits for them; on a Spot batch worker, full batches."""
         self.capacity = capacity
+        self.batch_images = min(capacity, batch_images or capacity)
         self._held: list[PendingRequest] = []
         self._changed = threading.Condition()
         self._closed = False
+        self._interactive_running = False  # the device runs an interactive request: no batch line is pulled
 
-    def _images(self, priority: str | None = None) -> int:
-        return sum(p.size for p in self._held if priority is None or p.priority == priority)
+    def _images(self, *priorities: str) -> int:
+        return sum(p.size for p in self._held if not priorities or p.priority in priorities)
 
     def room(self, priority: str) -> int:
         with self._changed:
@@ -92,7 +117,12 @@ class RequestPool:
     def _room(self, priority: str) -> int:
         if self._closed:
             return 0
-        used = self._images("high") if priority == "high" else self._images()
+        if priority == "batch":
+            # Idle capacity only: nothing held at all (a held interactive request waits for the device; held batch
+            # lines are already the next batch) and no interactive request running, so batch lines are never leased
+            # here while interactive work waits or runs: another worker, idle, takes them.
+            return 0 if self._held or self._interactive_running else self.batch_images
+        used = self._images("high") if priority == "high" else self._images("high", "normal")
         return max(0, self.capacity - used)
 
     def wait_for_room(self, priority: str, timeout: float) -> int:
@@ -118,7 +148,11 @@ class RequestPool:
             if live:
                 first = live[0]
                 limit, used = first.spec.max_batch_size, 0
+                if not first.interactive:
+                    limit = min(limit, self.batch_images)
                 for candidate in live:
+                    if candidate.interactive != first.interactive:
+                        continue  # batch lines never share a call with interactive requests: they would slow it
                     if candidate.batch_key == first.batch_key and used + candidate.size <= limit:
                         batch.append(candidate)
                         used += candidate.size
@@ -127,17 +161,22 @@ class RequestPool:
             self._changed.notify_all()
             return batch, abandoned
 
-    def take_joiners(self, key: tuple, room: int) -> tuple[list[PendingRequest], list[PendingRequest]]:
+    def take_joiners(
+        self, key: tuple, room: int, interactive: bool | None = None
+    ) -> tuple[list[PendingRequest], list[PendingRequest]]:
         """(requests that join a running set with batch key `key` and `room` images free, abandoned ones); no wait.
 
         Taken in the device's order (high priority, then oldest), stopping at the first that cannot join: a
         request for another model or size is not overtaken forever, the running set drains and it goes next.
+        `interactive`: True takes only high and normal requests, False only batch lines, None both.
         """
         with self._changed:
             now = time.time()
             abandoned = [p for p in self._held if p.abandoned(now)]
             joiners: list[PendingRequest] = []
             for candidate in self._ordered(now):
+                if interactive is not None and candidate.interactive != interactive:
+                    continue
                 if candidate.batch_key != key or candidate.size > room:
                     break
                 joiners.append(candidate)
@@ -148,6 +187,25 @@ class RequestPool:
                 self._changed.notify_all()
             return joiners, abandoned
 
+    def interactive_running(self, running: bool) -> None:
+        """The device says whether it runs an interactive request now (batch pulls wait while it does)."""
+        with self._changed:
+            if running != self._interactive_running:
+                self._interactive_running = running
+                self._changed.notify_all()
+
+    def first_interactive(self) -> PendingRequest | None:
+        """The interactive request the device takes next, if one is held and ready: what a running set of batch
+        lines makes room for."""
+        with self._changed:
+            return next((p for p in self._ordered(time.time()) if p.interactive), None)
+
+    def put_back(self, pending: list[PendingRequest]) -> None:
+        """Requests the device preempted before they finished (batch lines): held again, still leased, to start over."""
+        with self._changed:
+            self._held.extend(pending)
+            self._changed.notify_all()
+
     def wake(self) -> None:
         """A held request's adapters became ready: it may start or join now."""
         with self._changed:
@@ -157,7 +215,7 @@ class RequestPool:
         """Live requests that can run now, in the device's order; one waiting for its adapters blocks nobody."""
         return sorted(
             (p for p in self._held if p.ready and not p.abandoned(now)),
-            key=lambda p: (p.priority != "high", p.message.received_at),
+            key=lambda p: (p.rank, p.message.received_at),
         )
 
     def close(self) -> list[PendingRequest]:

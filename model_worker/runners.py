@@ -88,6 +88,10 @@ class BatchAbandonedError(Exception):
     """Raised from the step callback when nobody waits for any image of the batch any more."""
 
 
+class BatchPreemptedError(Exception):
+    """Raised from the step callback when a call of batch lines only gives way to a waiting interactive request."""
+
+
 class ModelFailedError(Exception):
     """The model failed this request for good: not its input's fault (that is a ValueError, `bad_input`) and not
     worth a retry (any other exception is handed back to Pub/Sub). Answered at once as a worker error."""

@@ -122,7 +122,7 @@ class WorkerService:
                 project, naming.worker_subscription(spec.queue, priority)
             )
             for spec in specs
-            for priority in naming.PRIORITIES
+            for priority in settings.worker_priorities
         }
         dead_letters = {
             spec.queue: self.subscriber.subscription_path(project, naming.dead_letter_subscription(spec.queue))
@@ -134,7 +134,7 @@ class WorkerService:
         worker_id = f"{socket.gethostname()}-{os.getpid()}"
         inflight = InflightStore(redis_client)
         self.leases = LeaseKeeper(self.subscriber, deadlines, inflight, worker_id, settings.holder_lease_seconds)
-        self.pool = RequestPool(capacity=max(spec.max_batch_size for spec in specs))
+        self.pool = RequestPool(capacity=max(spec.max_batch_size for spec in specs), batch_images=settings.batch_images)
         self.finisher = ReplyFinisher(
             self.publisher,
             self.publisher.topic_path(project, naming.REPLIES_TOPIC),

@@ -6,6 +6,11 @@ at the next step (at its own first timestep: image-to-image starts later in the 
 own last step is done leaves at once, decoded in one VAE call with those finishing at the same step, and
 goes to the finisher; a cancelled or expired one leaves at the next step; the others go on undisturbed.
 A failure in the shared call reruns that step request by request, so a bad request fails alone.
+
+Batch lines (issue 35) only use a device nobody else wants: when an interactive request waits or runs, the
+batch lines are paused (`pause_batch`): they leave the set with their denoising state, still leased, and are
+resumed where they stopped (`resume`) once no interactive request waits or runs, before any new batch line
+starts. A paused line is answered once, by the set it finishes in, or handed back unanswered on drain.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class RunningSet:
         self._worker_id = worker_id
         self._finish, self._fail, self._abandon = finish, fail, abandon
         self._requests: list[RunningRequest] = []
+        self.paused: list[RunningRequest] = []  # batch lines that left room for interactive requests
         self.key: tuple | None = None
         # The running set's id, the `batch_id` of every request that ran in it: kept while it is never empty.
         self.batch_id: str | None = None
@@ -118,11 +124,58 @@ class RunningSet:
             )
         self._metrics.running_images.set(self.images)
 
+    @property
+    def batch_images(self) -> int:
+        return sum(len(r.items) for r in self._requests if not r.pending.interactive)
+
+    @property
+    def interactive_images(self) -> int:
+        return self.images - self.batch_images
+
+    def pause_batch(self) -> int:
+        """Pauses every batch line in the set (interactive requests go on); returns the images paused."""
+        lines = [r for r in self._requests if not r.pending.interactive]
+        for request in lines:
+            self._leave(request)
+            self.paused.append(request)
+        images = sum(len(r.items) for r in lines)
+        if images:
+            log.info("paused %d batch images for interactive work or a drain", images)
+            self._metrics.running_images.set(self.images)
+        return images
+
+    def resume(self, images: int | None = None) -> int:
+        """Brings paused batch lines back, oldest first, where they fit (an empty set takes the first one's size), up
+        to `images` in the set; returns how many requests came back. They go on from the step they paused at."""
+        resumed = 0
+        for request in list(self.paused):
+            key, size = request.pending.batch_key, len(request.items)
+            if self._requests and (key != self.key or size > self.room):
+                continue
+            if self._requests and images is not None and self.images + size > images:
+                continue
+            self.paused.remove(request)
+            if not self._requests:
+                self.key, self.batch_id = key, uuid.uuid4().hex[:16]
+            self._requests.append(request)
+            resumed += 1
+        if resumed:
+            self._metrics.running_images.set(self.images)
+        return resumed
+
+    def take_paused(self) -> list[PendingRequest]:
+        """Empties the paused list (a draining worker hands these back to Pub/Sub unanswered)."""
+        paused, self.paused = [r.pending for r in self.paused], []
+        return paused
+
     def step(self) -> None:
         """Drops the abandoned, runs one denoising call for the rest, and hands the finished to the finisher."""
         for request in [r for r in self._requests if r.pending.abandoned()]:
             self._leave(request)
             self._abandon(request.pending, "while it ran")
+        for request in [r for r in self.paused if r.pending.abandoned()]:
+            self.paused.remove(request)
+            self._abandon(request.pending, "while it was paused")
         if self._requests:
             spec = self._requests[0].pending.spec
             model = spec.name
@@ -200,8 +253,9 @@ class RunningSet:
 
     def drop_all(self) -> list[PendingRequest]:
         """Empties the set and returns its requests, for the device loop to answer after an error of its own."""
-        dropped = [r.pending for r in self._requests]
+        dropped = [r.pending for r in self._requests + self.paused]
         self._requests.clear()
+        self.paused.clear()
         self.key = None
         self._metrics.running_images.set(0)
         return dropped

@@ -177,6 +177,7 @@ resource "google_container_node_pool" "gpu" {
     labels = {
       "maas-hardware"    = each.value.hardware
       "maas-gpu-sharing" = each.value.max_shared_clients_per_gpu > 1 ? "time-sharing" : "exclusive"
+      "maas-capacity"    = each.value.spot ? "spot" : "on-demand"
     }
 
     # Only pods that tolerate the GPU taint (the model workers) land on these expensive nodes.
@@ -184,6 +185,19 @@ resource "google_container_node_pool" "gpu" {
       key    = "nvidia.com/gpu"
       value  = "present"
       effect = "NO_SCHEDULE"
+    }
+
+    # Spot pools (issue 35) run only the batch workers (`model-batch-*`, which tolerate this and select
+    # cloud.google.com/gke-spot=true): an interactive worker never lands on a node that can be preempted with
+    # 30 s notice. A preempted batch worker hands its lines back in the 15 s GKE gives its pods; lines it could
+    # not are redelivered when their leases lapse, and answered once (the results store).
+    dynamic "taint" {
+      for_each = each.value.spot ? toset(["spot"]) : toset([])
+      content {
+        key    = "maas-capacity"
+        value  = taint.value
+        effect = "NO_SCHEDULE"
+      }
     }
 
     guest_accelerator {

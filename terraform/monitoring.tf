@@ -3,7 +3,8 @@
 
 # A request still unacknowledged after its own timeout has been abandoned by the client: the
 # workers for this model are not keeping up (too few nodes, GPU quota, or crashing workers). One
-# policy per model and priority, so a starved normal queue behind a busy high one shows up too.
+# policy per model and priority, so a starved normal queue behind a busy high one shows up too; a batch
+# line waits for idle capacity by design, so its queue alerts only past a day.
 resource "google_monitoring_alert_policy" "request_queue_backlog" {
   for_each = local.request_queues
 
@@ -13,11 +14,11 @@ resource "google_monitoring_alert_policy" "request_queue_backlog" {
   user_labels           = merge(local.labels, { maas-model = each.value.model, maas-priority = each.value.priority })
 
   conditions {
-    display_name = "Oldest unacked request on ${local.worker_subscription_names[each.key]} older than ${local.models[each.value.model].request_timeout_seconds}s"
+    display_name = "Oldest unacked request on ${local.worker_subscription_names[each.key]} older than ${each.value.priority == "batch" ? var.batch_backlog_alert_seconds : local.models[each.value.model].request_timeout_seconds}s"
     condition_threshold {
       filter          = "resource.type = \"pubsub_subscription\" AND resource.labels.subscription_id = \"${local.worker_subscription_names[each.key]}\" AND metric.type = \"pubsub.googleapis.com/subscription/oldest_unacked_message_age\""
       comparison      = "COMPARISON_GT"
-      threshold_value = local.models[each.value.model].request_timeout_seconds
+      threshold_value = each.value.priority == "batch" ? var.batch_backlog_alert_seconds : local.models[each.value.model].request_timeout_seconds
       duration        = "${var.alert_duration_seconds}s"
 
       aggregations {

@@ -1,5 +1,5 @@
-# Pub/Sub: per catalog model, one request queue per priority (competing workers, retries) and one
-# dead-letter queue both priorities park failing requests on; the shared replies topic. Per-request
+# Pub/Sub: per catalog model, one request queue per priority (high, normal, and batch for batch jobs' lines:
+# competing workers, retries) and one dead-letter queue every priority parks failing requests on; the shared replies topic. Per-request
 # reply subscriptions are created at runtime by the API.
 
 resource "google_pubsub_topic" "requests" {
@@ -35,8 +35,8 @@ resource "google_pubsub_subscription" "workers" {
   ack_deadline_seconds = local.models[each.value.model].ack_deadline_seconds
 
   # A request older than this is long past its own deadline; keeping it longer only makes workers
-  # reply "expired" to it.
-  message_retention_duration = "${var.request_retention_seconds}s"
+  # reply "expired" to it. A batch line waits for idle capacity, up to its batch's completion window.
+  message_retention_duration = each.value.priority == "batch" ? "${var.batch_request_retention_seconds}s" : "${var.request_retention_seconds}s"
   retain_acked_messages      = false
 
   # Back off on nacks and expired leases so a failing request does not spin on the GPUs.

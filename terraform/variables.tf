@@ -97,7 +97,9 @@ variable "gpu_node_pools" {
     GPU node pools keyed by pool name. `hardware` is a catalog hardware class (l4 or a100).
     `max_shared_clients_per_gpu` above 1 turns on GPU time-sharing with that many pods per GPU
     (for catalog models with gpu_sharing: true); 1 gives every pod a whole GPU. Node counts are
-    totals across var.gke_zones. `spot` uses Spot VMs (cheaper, preemptible).
+    totals across var.gke_zones. `spot` uses Spot VMs (cheaper, preemptible): such a pool is tainted for
+    the batch workers only (infra/k8s/render.py renders a `model-batch-*` Deployment per catalog deployment,
+    scaled from zero on its batch backlog); keep its minimum at 0 so it costs nothing without a batch.
   EOT
   type = map(object({
     hardware                   = string
@@ -123,6 +125,19 @@ variable "gpu_node_pools" {
       hardware       = "a100"
       min_node_count = 0
       max_node_count = 8
+    }
+    # Batch jobs (issue 35) on Spot capacity, from zero nodes.
+    l4-spot = {
+      hardware       = "l4"
+      min_node_count = 0
+      max_node_count = 40
+      spot           = true
+    }
+    a100-spot = {
+      hardware       = "a100"
+      min_node_count = 0
+      max_node_count = 4
+      spot           = true
     }
   }
 
@@ -257,6 +272,23 @@ variable "request_retention_seconds" {
   description = "How long an unacknowledged request stays on a worker subscription (600 to 604800)."
   type        = number
   default     = 3600
+}
+
+variable "batch_request_retention_seconds" {
+  description = "How long an unacknowledged batch line stays on a `-batch` worker subscription (600 to 604800): longer than a batch's completion window (24 h by default), since batch lines wait for idle capacity."
+  type        = number
+  default     = 172800
+
+  validation {
+    condition     = var.batch_request_retention_seconds >= 600 && var.batch_request_retention_seconds <= 604800
+    error_message = "batch_request_retention_seconds must be between 600 and 604800."
+  }
+}
+
+variable "batch_backlog_alert_seconds" {
+  description = "Alert when a batch line has waited unacknowledged this long: past the default 24 h completion window, batch work is stuck (no idle or Spot capacity)."
+  type        = number
+  default     = 86400
 }
 
 variable "request_retry_minimum_backoff_seconds" {

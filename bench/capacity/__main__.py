@@ -3,6 +3,7 @@
 .venv/bin/python -m bench.capacity                                   # the seed's day on L4s, both schedulings
 .venv/bin/python -m bench.capacity --trace day.csv --profile l4-sd15 # a recorded day (traffic.TRACE_SQL)
 .venv/bin/python -m bench.capacity --profile h100-sd15 --batching-gain profile  # as deployed on an H100
+.venv/bin/python -m bench.capacity --batch-images 200000 --batch-hour 20 # a batch submitted at 20:00 (issue 35)
 .venv/bin/python -m bench.capacity measure --model-dir DIR           # the CPU tiny pipeline's cost points
 .venv/bin/python -m bench.capacity validate --model-dir DIR          # against bench/open_loop.py, measured
 """
@@ -18,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.capacity.profiles import load_profiles
-from bench.capacity.report import hourly_table, plot, summarize, summary_table
+from bench.capacity.report import batch_table, hourly_table, plot, summarize, summary_table
 from bench.capacity.scenario import (
     SEED_MIX,
     SEED_REQUESTS,
@@ -28,12 +29,15 @@ from bench.capacity.scenario import (
     profile_gain,
     with_backlog_target,
 )
-from bench.capacity.simulator import ModelDeployment, PodTiming, Simulation
+from bench.capacity.simulator import BatchBacklog, ModelDeployment, PodTiming, Simulation
 from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, trace_arrivals
+from infra.k8s.render import BATCH_BACKLOG_CALLS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 SEED_GPUS = 150
+# More than the seed's day can absorb: what it does absorb by its end is the answer (README "Capacity").
+BATCH_IMAGES = 10_000_000
 
 
 def parse_mix(values: list[str] | None) -> list[RequestClass]:
@@ -102,18 +106,76 @@ def day_runs(args: argparse.Namespace) -> None:
             print(f"  {scheduling}-level, {name}: {run['gpu_hours']:,.0f} GPU-hours, peak {run['peak_gpus']:.0f}, "
                   f"p95 {model['p95_s']:.1f} s, SLO {model['slo_attainment']:.1%}, expired {model['expired']:,} "
                   f"({run['seconds']:.0f} s to simulate)", flush=True)  # fmt: skip
+    batch_runs = batch_day_runs(args, arrivals, settings, profile, timing, slo, runs)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"{len(arrivals):,} requests ({', '.join(c.label for c in arrivals.mix)}), profile {profile.name}"
     meta = {"title": title, "profile": profile.name, "profile_source": profile.source, "timing": vars(timing),
             "overhead_s": args.overhead, "metric_delay_s": args.metric_delay, "buffer_nodes": args.buffer_nodes,
             "seed": args.seed, "trace": str(args.trace) if args.trace else None, "load_average": os.getloadavg()}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=_jsonable))
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "runs": runs, "batch_runs": batch_runs}, indent=1, default=_jsonable)
+    )
     text = f"## {title}\n\n{summary_table(runs)}\n\nGPUs held, mean / peak / busy, and p95 latency, per hour:\n\n{hourly_table(runs)}\n"
+    if batch_runs:
+        text += f"\n### Batch backlog (issue 35)\n\n{batch_table(batch_runs)}\n"
     out.with_suffix(".md").write_text(text)
     plot(runs, out.with_suffix(".png"), title)
     print("\n" + summary_table(runs))
+    if batch_runs:
+        print("\n" + batch_table(batch_runs))
     print(f"\nwritten: {out.with_suffix('.md')}, .json, .png")
+
+
+def batch_day_runs(args, arrivals, settings, profile, timing, slo, runs) -> list[dict]:
+    """Issue 35: the same day with `--batch-images` lines submitted at `--batch-hour`, on the deployed autoscaler:
+    idle on-demand workers only, then with Spot workers too; each compared with the day without it."""
+    if not args.batch_images:
+        return []
+    deployed = next((deps for name, deps, autoscale in settings if name == "deployed"), None)
+    if deployed is None:
+        raise SystemExit("--batch-images needs the 'deployed' backlog target among --backlog-targets")
+    batch_runs = []
+    for scheduling in args.batch_schedulings:
+        baseline = next((r for r in runs if r["scheduling"] == scheduling and r["autoscaler"] == "deployed"), None)
+        if baseline is None:
+            raise SystemExit(f"--batch-schedulings {scheduling}: not among --schedulings")
+        for images in args.batch_images:
+            for spot in sorted({0, args.batch_spot_replicas}):
+                backlog = BatchBacklog(images, args.batch_hour, spot_max_replicas=spot, fill_images=args.batch_fill_images,
+                                       spot_backlog_per_replica=BATCH_BACKLOG_CALLS * deployed[0].max_batch_size)  # fmt: skip
+                began = time.perf_counter()
+                initial = {d.model: d.scaler.min_replicas for d in deployed}
+                result = Simulation(arrivals, deployed, profile, scheduling, timing, args.overhead, initial, True,
+                                    batch=backlog).run()  # fmt: skip
+                run = summarize(result, slo)
+                run["autoscaler"] = "deployed"
+                run["seconds"] = time.perf_counter() - began
+                outcome = result.batch
+                run["batch"] = {**vars(backlog), "done": outcome.done, "done_on_demand": outcome.done_on_demand,
+                                "done_spot": outcome.done_spot, "restarted": outcome.restarted,
+                                "on_demand_busy_gpu_hours": outcome.on_demand_busy_seconds / 3600,
+                                "spot_gpu_hours": outcome.spot_seconds / 3600, "spot_peak": outcome.spot_peak,
+                                "finished_hour": (outcome.last_done - result.start) / 3600
+                                if outcome.done == images else None,
+                                "baseline": {"gpu_hours": _total(baseline, "gpu_hours"),
+                                             "slo_attainment": _first(baseline, "slo_attainment"),
+                                             "p95_s": _first(baseline, "p95_s")}}  # fmt: skip
+                batch_runs.append(run)
+                print(f"  {scheduling}-level, {images:,} batch images at {args.batch_hour:g}:00, Spot <= {spot}: "
+                      f"{outcome.done:,} done by the day's end ({outcome.done_spot:,} on Spot), GPU-hours "
+                      f"{_total(run, 'gpu_hours'):,.0f} (without: {_total(baseline, 'gpu_hours'):,.0f}) + Spot "
+                      f"{outcome.spot_seconds / 3600:,.0f}, SLO {_first(run, 'slo_attainment'):.2%} (without: "
+                      f"{_first(baseline, 'slo_attainment'):.2%}) ({run['seconds']:.0f} s to simulate)", flush=True)  # fmt: skip
+    return batch_runs
+
+
+def _total(run: dict, field: str) -> float:
+    return sum(m[field] for m in run["models"].values())
+
+
+def _first(run: dict, field: str) -> float:
+    return next(iter(run["models"].values()))[field]
 
 
 def _jsonable(value):
@@ -179,6 +241,15 @@ def main() -> None:
     parser.add_argument("--slo", type=float, help="SLO seconds (default: slo-factor x a lone request's latency)")
     parser.add_argument("--slo-factor", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "capacity")
+    parser.add_argument("--batch-images", nargs="*", type=int, default=[BATCH_IMAGES],
+                        help="batch lines submitted at --batch-hour (issue 35), one run per value; none: no batch runs")  # fmt: skip
+    parser.add_argument("--batch-hour", type=float, default=0.0, help="hour of the day the batch is submitted")
+    parser.add_argument("--batch-spot-replicas", type=int, default=40,
+                        help="Spot batch workers at most, for the runs with Spot (Terraform's l4-spot pool: 40)")  # fmt: skip
+    parser.add_argument("--batch-fill-images", type=int, default=1,
+                        help="batch lines an on-demand worker runs at once (the worker's MAAS_BATCH_IMAGES)")  # fmt: skip
+    parser.add_argument("--batch-schedulings", nargs="+", default=["step"],
+                        help="schedulings to run the batch days on (each also in --schedulings)")  # fmt: skip
     measure_parser = sub.add_parser("measure", help="time the CPU tiny pipeline; rewrite profiles.json")
     measure_parser.add_argument("--model-dir", type=Path, required=True)
     validate_parser = sub.add_parser("validate", help="simulate bench/open_loop.py's sweep and compare")

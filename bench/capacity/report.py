@@ -143,3 +143,26 @@ def plot(runs: list[dict], path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def batch_table(runs: list[dict]) -> str:
+    """Issue 35: what a day absorbs of a batch backlog, and what it costs the interactive traffic."""
+    lines = [
+        "| scheduling | batch images (at hour) | Spot workers ≤ | done by the day's end (on Spot) | finished at hour "
+        "| GPU-hours on-demand (without the batch) | Spot GPU-hours | on-demand GPU-hours on batch lines "
+        "| SLO attainment (without) | p95 s (without) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        batch, base = run["batch"], run["batch"]["baseline"]
+        model = next(iter(run["models"].values()))
+        gpu_hours = sum(m["gpu_hours"] for m in run["models"].values())
+        finished = "–" if batch["finished_hour"] is None else f"{batch['finished_hour']:.1f}"
+        lines.append(
+            f"| {run['scheduling']}-level | {batch['images']:,} ({batch['hour']:g}:00) | {batch['spot_max_replicas']} | "
+            f"{batch['done']:,} ({batch['done_spot']:,}) | {finished} | {gpu_hours:,.0f} ({base['gpu_hours']:,.0f}) | "
+            f"{batch['spot_gpu_hours']:,.0f} | {batch['on_demand_busy_gpu_hours']:,.0f} | "
+            f"{model['slo_attainment']:.2%} ({base['slo_attainment']:.2%}) | {_seconds(model['p95_s'])} "
+            f"({_seconds(base['p95_s'])}) |"
+        )
+    return "\n".join(lines)

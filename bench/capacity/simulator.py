@@ -18,6 +18,16 @@ The rules are the worker's (model_worker/pool.py, device.py, stepping.py), appli
   and a node takes `node_provision_seconds` unless a warm buffer node (the capacity reservation) is free,
   which is then replaced; a removed pod hands its held requests back and finishes what it runs.
 
+Batch lines (issue 35, `BatchBacklog`): one-image lines of the deployment's first request class, submitted
+at once at an hour of the day. An on-demand worker takes them only when it is idle (nothing held, nothing
+interactive running), a full batch at a time; an interactive request delivered to it starts at the batch
+call's next step boundary: request-level, the call's lines go back to the backlog and start over; step-level,
+they pause where they are and resume once the worker is idle again. The on-demand autoscaler does not see them
+(it scales on the interactive subscriptions only), and a removed pod hands its lines back. Spot workers, if
+any, run batch calls back to back, scaled from zero on the batch backlog Pub/Sub holds (the feeder keeps at
+most `in_flight` lines there), `backlog_per_replica` lines each; Spot preemptions are not simulated. Batch work
+stops at the day's end: what is done by then is what the day absorbed.
+
 The event loop is a heap of (time, sequence, event); a running set's steps are not events one by one: a
 segment of identical steps runs to the next join, leave or deadline, and is cut short when a request that can
 join arrives. Costs come from a `CostProfile` (profiles.py).
@@ -82,6 +92,37 @@ class ModelDeployment:
     gpu_share: float = 1.0  # a time-shared pod holds this much of a GPU and runs at this share of its speed
 
 
+@dataclass(frozen=True)
+class BatchBacklog:
+    """`images` batch lines submitted at `hour` of the day; Spot workers (0: none) as the renderer deploys them."""
+
+    images: int
+    hour: float = 0.0
+    spot_max_replicas: int = 0
+    spot_backlog_per_replica: float = 32.0  # infra/k8s/render.py: BATCH_BACKLOG_CALLS full calls
+    in_flight: int = 1000  # lines the feeder keeps published per model: all the Spot autoscaler sees
+    fill_images: int = 1  # lines an on-demand worker runs at once (MAAS_BATCH_IMAGES); Spot workers run full batches
+    spot_cooldown_seconds: float = 300.0
+
+
+@dataclass
+class BatchOutcome:
+    """What a day did with its batch lines."""
+
+    submitted: int = 0
+    done_on_demand: int = 0  # on idle on-demand workers
+    done_spot: int = 0
+    restarted: int = 0  # lines whose request-level call an interactive request (or a scale-down) cut short
+    on_demand_busy_seconds: float = 0.0  # GPU seconds on-demand workers spent on batch lines (incl. cut calls)
+    spot_seconds: float = 0.0  # Spot GPU-seconds held (from the pod's creation: node and start included)
+    spot_peak: int = 0
+    last_done: float = math.nan
+
+    @property
+    def done(self) -> int:
+        return self.done_on_demand + self.done_spot
+
+
 @dataclass
 class SimulationResult:
     scheduling: str
@@ -101,11 +142,13 @@ class SimulationResult:
     busy_seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # per hour of the day
     buffer_nodes: int = 0
     max_replicas_seen: dict[str, int] = field(default_factory=dict)
+    batch: BatchOutcome | None = None
 
 
 class _Worker:
     __slots__ = ("id", "dep", "ready_at", "created_at", "removed", "pool", "pool_images", "running", "images",
-                 "key", "seg_start", "seg_step", "seg_steps", "seg_end", "version", "busy_until")  # fmt: skip
+                 "key", "seg_start", "seg_step", "seg_steps", "seg_end", "version", "busy_until",
+                 "lines", "paused", "fill_start", "fill_step", "fill_steps", "fill_end", "fill_version")  # fmt: skip
 
     def __init__(self, wid: int, dep: _Deployment, created_at: float, ready_at: float) -> None:
         self.id, self.dep = wid, dep
@@ -120,6 +163,13 @@ class _Worker:
         self.seg_steps = 0
         self.version = 0
         self.busy_until: float | None = None  # set while the device runs something
+        # Batch lines: those running (calls left each), those paused (step-level), the running call or segment.
+        self.lines: list[int] = []
+        self.paused: list[int] = []
+        self.fill_start = self.fill_step = 0.0
+        self.fill_steps = 0
+        self.fill_end: float | None = None
+        self.fill_version = 0
 
 
 class _Deployment:
@@ -148,6 +198,7 @@ class Simulation:
         overhead_seconds: float = 0.0,
         initial_replicas: dict[str, int] | None = None,
         autoscale: bool = True,
+        batch: BatchBacklog | None = None,
     ) -> None:
         if scheduling not in ("request", "step"):
             raise ValueError(f"scheduling must be request or step, not {scheduling!r}")
@@ -188,6 +239,17 @@ class Simulation:
             self.deadline, np.array(self.class_dep, dtype=np.int32)[self.cls] if n else np.zeros(0, np.int32),
             [d.model for d in deployments], arrivals.start, buffer_nodes=self._buffer_total,
         )  # fmt: skip
+        self.batch = batch
+        self.batch_left = 0  # lines submitted and not taken by a worker
+        self._day_end = arrivals.start + arrivals.span
+        self._spot: dict[int, _Worker] = {}
+        self._spot_history: deque[tuple[float, int]] = deque()
+        self._spot_quiet_since: float | None = None
+        if batch is not None:
+            self.result.batch = BatchOutcome(submitted=batch.images)
+            first = next(i for i, c in enumerate(mix) if by_model[c.model] == 0)
+            self._batch_calls = self.class_calls[first]
+            self._push(arrivals.start + batch.hour * 3600, _SUBMIT, None)
         for dep in self.deps:
             name = dep.spec.model
             self.result.held[name], self.result.serving[name], self.result.desired[name] = [], [], []
@@ -213,7 +275,8 @@ class Simulation:
             self._push(first, _TICK, dep)
         heap, index = self._heap, 0
         handlers = {_READY: self._on_ready, _SEGMENT: self._on_segment, _TICK: self._on_tick,
-                    _BUFFER: self._on_buffer}  # fmt: skip
+                    _BUFFER: self._on_buffer, _SUBMIT: self._on_submit, _FILL: self._on_fill,
+                    _SPOT_TICK: self._on_spot_tick, _SPOT_READY: self._on_spot_ready, _SPOT_CALL: self._on_spot_call}  # fmt: skip
         last = max(float(times[-1]) if n else 0.0, self.arrivals.start + self.arrivals.span)
         while index < n or heap:
             if index < n and (not heap or times[index] <= heap[0][0]):
@@ -224,6 +287,7 @@ class Simulation:
             if kind == _TICK and index >= n and at > last and self._settled():
                 continue  # nothing left to serve: the autoscaler's ticks stop
             handlers[kind](obj, at, version)
+        self.batch_settle()
         return self.result
 
     def _settled(self) -> bool:
@@ -324,6 +388,7 @@ class Simulation:
 
     def _next_turn(self, worker: _Worker, now: float) -> None:
         """The device is free: starts the next batch (request-level) or the running set's next segment (step)."""
+        now = self._interrupt_lines(worker, now)  # batch lines give way at their next step boundary
         if self.scheduling == "request":
             self._start_batch(worker, now)
         else:
@@ -340,6 +405,7 @@ class Simulation:
         if not batch:
             worker.busy_until = None
             self._maybe_leave(worker, now)
+            self._fill(worker, now)
             return
         cls = self.cls[batch[0]]
         images = sum(self.class_images[self.cls[r]] for r in batch)
@@ -384,6 +450,7 @@ class Simulation:
                 self._start_segment(worker, begin)
                 return
             self._maybe_leave(worker, now)
+            self._fill(worker, now)
             return
         step = self.profile.denoise(worker.images) * self._speed(worker)
         steps = min(left for _, left in worker.running)
@@ -493,6 +560,7 @@ class Simulation:
             return
         self._refresh(worker)
         self._deliver(dep, now)
+        self._fill(worker, now)
 
     def _on_buffer(self, _obj, now: float, _version: int) -> None:
         self._buffer_warm += 1
@@ -507,6 +575,7 @@ class Simulation:
         wid = next(reversed(dep.idle)) if dep.idle else next(reversed(dep.workers))
         worker = dep.workers.pop(wid)
         worker.removed = True
+        self._hand_back_lines(worker, now)
         dep.idle.pop(wid, None)
         dep.open.pop(wid, None)
         # SIGTERM: the pool goes back to the queue (oldest first), the running work is finished (the drain).
@@ -525,6 +594,9 @@ class Simulation:
 
     def _on_tick(self, dep: _Deployment, now: float, _version: int) -> None:
         scaler = dep.spec.scaler
+        if self.batch_left and dep.index == 0:  # lines handed back meanwhile: idle workers pull them
+            for wid in list(dep.idle):
+                self._fill(dep.workers[wid], now)
         backlog, oldest = self._unacked(dep, now)
         dep.history.append((now, backlog, now - oldest))
         self._record(dep, now)
@@ -600,5 +672,165 @@ class Simulation:
         self.result.desired[name].append(dep.replicas)
         self.result.max_replicas_seen[name] = max(self.result.max_replicas_seen[name], dep.replicas, len(dep.workers))
 
+    # -- batch lines (issue 35) -----------------------------------------------------------------------------
 
-_READY, _SEGMENT, _TICK, _BUFFER = 0, 1, 2, 3
+    def _on_submit(self, _obj, now: float, _version: int) -> None:
+        self.batch_left = self.batch.images
+        for worker in list(self.deps[0].workers.values()):
+            self._fill(worker, now)
+        if self.batch.spot_max_replicas:
+            self._push(now, _SPOT_TICK, None)
+
+    def _fill(self, worker: _Worker, now: float) -> None:
+        """An idle on-demand worker takes batch lines: its paused ones first (step-level), then new ones, a batch."""
+        if (self.batch is None or worker.removed or worker.dep.index != 0 or worker.id in worker.dep.starting
+                or worker.busy_until is not None or worker.pool or worker.running or worker.fill_end is not None
+                or now >= self._day_end):  # fmt: skip
+            return
+        spec = worker.dep.spec
+        lines, worker.paused = worker.paused, []
+        take = max(0, min(min(spec.max_batch_size, self.batch.fill_images) - len(lines), self.batch_left))
+        self.batch_left -= take
+        lines += [self._batch_calls] * take
+        if not lines:
+            return
+        # Three phases, as in the worker: the new lines' start (prompt and image encoding) and the finishing lines'
+        # decode cannot be cut short; the denoising steps between them give way at a step boundary.
+        speed = self._speed(worker)
+        begin = now + (self.profile.start(take, spec.image_input) * speed if take else 0.0)
+        step = self.profile.denoise(len(lines)) * speed
+        steps = min(lines)
+        end = begin + steps * step + self.profile.decode(lines.count(steps)) * speed
+        worker.lines, worker.fill_start, worker.fill_step, worker.fill_steps, worker.fill_end = (
+            lines, begin, step, steps, end)  # fmt: skip
+        worker.fill_version += 1
+        self.result.batch.on_demand_busy_seconds += (end - now) * spec.gpu_share
+        self._push(end, _FILL, worker, worker.fill_version)
+
+    def _on_fill(self, worker: _Worker, now: float, version: int) -> None:
+        if version != worker.fill_version:
+            return
+        self._finish_lines(worker, now)
+        self._fill(worker, now)
+
+    def _finish_lines(self, worker: _Worker, now: float) -> None:
+        done = [calls for calls in worker.lines if calls <= worker.fill_steps]
+        worker.paused = [calls - worker.fill_steps for calls in worker.lines if calls > worker.fill_steps]
+        self._lines_done(len(done), now, spot=False)
+        worker.lines, worker.fill_end = [], None
+        worker.fill_version += 1
+
+    def _lines_done(self, count: int, now: float, spot: bool) -> None:
+        if not count or now > self._day_end:
+            return  # the day absorbed what was done by its end
+        outcome = self.result.batch
+        if spot:
+            outcome.done_spot += count
+        else:
+            outcome.done_on_demand += count
+        outcome.last_done = now
+
+    def _interrupt_lines(self, worker: _Worker, now: float) -> float:
+        """An interactive request for a worker running batch lines: they stop at the next step boundary (returned);
+        request-level their call starts over later, step-level they pause with their progress."""
+        if worker.fill_end is None:
+            return now
+        done = max(0, math.ceil((now - worker.fill_start) / worker.fill_step)) if worker.fill_step else 0
+        if done >= worker.fill_steps:  # its last step is under way: it finishes
+            end = worker.fill_end
+            self._finish_lines(worker, end)
+            return max(now, end)
+        boundary = max(now, worker.fill_start + done * worker.fill_step)
+        self.result.batch.on_demand_busy_seconds -= (worker.fill_end - boundary) * worker.dep.spec.gpu_share
+        if self.scheduling == "step":
+            worker.paused = [calls - done for calls in worker.lines]
+        else:
+            self.batch_left += len(worker.lines)
+            self.result.batch.restarted += len(worker.lines)
+        worker.lines, worker.fill_end = [], None
+        worker.fill_version += 1
+        return boundary
+
+    def _hand_back_lines(self, worker: _Worker, now: float) -> None:
+        """A pod removed (SIGTERM): its batch lines go back to Pub/Sub unanswered, progress lost."""
+        if self.batch is None:
+            return
+        if worker.fill_end is not None:
+            self.result.batch.on_demand_busy_seconds -= max(0.0, worker.fill_end - now) * worker.dep.spec.gpu_share
+            self.result.batch.restarted += len(worker.lines)
+        self.batch_left += len(worker.lines) + len(worker.paused)
+        worker.lines, worker.paused, worker.fill_end = [], [], None
+        worker.fill_version += 1
+
+    # -- Spot batch workers ----------------------------------------------------------------------------------
+
+    def _on_spot_tick(self, _obj, now: float, _version: int) -> None:
+        """KEDA on the batch subscription's backlog (as Cloud Monitoring shows it, late): from zero, back to zero."""
+        batch, scaler = self.batch, self.deps[0].spec.scaler
+        outcome = self.result.batch
+        remaining = outcome.submitted - outcome.done if now <= self._day_end else 0
+        self._spot_history.append((now, min(batch.in_flight, remaining)))
+        seen = self._spot_history[0][1]
+        while self._spot_history and self._spot_history[0][0] <= now - scaler.metric_delay_seconds:
+            seen = self._spot_history.popleft()[1]
+        desired = min(batch.spot_max_replicas, math.ceil(seen / batch.spot_backlog_per_replica))
+        if now > self._day_end:
+            desired = 0
+        elif desired == 0:
+            self._spot_quiet_since = self._spot_quiet_since or now
+            if now - self._spot_quiet_since < batch.spot_cooldown_seconds:
+                desired = len(self._spot)
+        else:
+            self._spot_quiet_since = None
+        while len(self._spot) < desired:
+            self._next_worker += 1
+            ready = now + self.timing.node_provision_seconds + self.timing.pod_start_seconds
+            worker = _Worker(self._next_worker, self.deps[0], now, ready)
+            self._spot[worker.id] = worker
+            self._push(ready, _SPOT_READY, worker)
+        while len(self._spot) > desired:
+            worker = self._spot.pop(next(reversed(self._spot)))
+            worker.removed = True
+            outcome.spot_seconds += now - worker.created_at
+            self.batch_left += len(worker.lines)  # handed back unanswered
+            worker.lines, worker.fill_end = [], None
+            worker.fill_version += 1
+        outcome.spot_peak = max(outcome.spot_peak, len(self._spot))
+        for worker in self._spot.values():  # ready and out of lines: lines handed back meanwhile
+            if worker.ready_at <= now and not worker.lines:
+                self._spot_call(worker, now)
+        if self._spot or now <= self._day_end:
+            self._push(now + scaler.sync_seconds, _SPOT_TICK, None)
+
+    def _on_spot_ready(self, worker: _Worker, now: float, _version: int) -> None:
+        if not worker.removed:
+            self._spot_call(worker, now)
+
+    def _spot_call(self, worker: _Worker, now: float) -> None:
+        """Full batch calls back to back while there are lines (a stepped set of batch lines only runs as one)."""
+        spec = worker.dep.spec
+        take = min(spec.max_batch_size, self.batch_left)
+        if not take or now >= self._day_end:
+            return
+        self.batch_left -= take
+        worker.lines = [self._batch_calls] * take
+        worker.fill_version += 1
+        end = now + self.profile.pipeline_call(take, self._batch_calls, spec.image_input)
+        self._push(end, _SPOT_CALL, worker, worker.fill_version)
+
+    def _on_spot_call(self, worker: _Worker, now: float, version: int) -> None:
+        if worker.removed or version != worker.fill_version:
+            return
+        self._lines_done(len(worker.lines), now, spot=True)
+        worker.lines = []
+        self._spot_call(worker, now)
+
+    def batch_settle(self) -> None:
+        """Spot pods still held at the end count their GPU time to the day's end."""
+        if self.result.batch is not None:
+            for worker in self._spot.values():
+                self.result.batch.spot_seconds += max(0.0, self._day_end - worker.created_at)
+            self._spot.clear()
+
+
+_READY, _SEGMENT, _TICK, _BUFFER, _SUBMIT, _FILL, _SPOT_TICK, _SPOT_READY, _SPOT_CALL = range(9)

@@ -1,8 +1,10 @@
 """Renders the Kubernetes manifests for the model workers from the model catalog and the base templates.
 
 One worker Deployment (with its disruption budget, autoscaler and metrics scrape) per catalog
-deployment: a `worker_group` shared by several models, or a model of its own. Only
-contract/models.yaml is read; the local overlay's synthetic models never reach a cluster.
+deployment: a `worker_group` shared by several models, or a model of its own. Beside it, a batch Deployment
+(`model-batch-*`, issue 35) on the Spot node pool, pulling only its models' batch subscriptions, scaled from
+zero by KEDA on their backlog. Only contract/models.yaml is read; the local overlay's synthetic models never
+reach a cluster.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
-from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
+from contract.naming import INTERACTIVE_PRIORITIES, PRIORITIES, worker_subscription  # noqa: E402
 from contract.settings import ADAPTER_HOST_CACHE_BYTES  # noqa: E402
 
 BASE_DIR = Path(__file__).resolve().with_name("base")
@@ -66,6 +68,18 @@ BACKLOG_TARGET_UTILIZATION = 0.6
 GPU_SHARING_STRATEGY_LABEL = "cloud.google.com/gke-gpu-sharing-strategy"
 MAX_SHARED_CLIENTS_LABEL = "cloud.google.com/gke-max-shared-clients-per-gpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+# Batch workers (issue 35): GKE labels Spot nodes with this; Terraform's Spot pools carry the taint below, so only
+# batch workers land there and no interactive worker runs on capacity that can vanish with 30 s notice.
+SPOT_LABEL = "cloud.google.com/gke-spot"
+SPOT_TAINT_KEY = "maas-capacity"
+SPOT_TAINT_VALUE = "spot"
+# GKE gives a preempted Spot node's (non-system) pods 15 s; a larger grace period has no effect there.
+SPOT_TERMINATION_GRACE_SECONDS = 15
+# A batch worker's KEDA target: unacked batch lines per worker, this many full calls of its models. The feeder
+# bounds a batch's lines in flight per model, so that bound over this target is about the most Spot workers a
+# batch brings up; a line's window is hours, so there is no age trigger.
+BATCH_BACKLOG_CALLS = 4
+BATCH_COOLDOWN_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,8 @@ class RenderSettings:
     buffer_replicas: dict[str, int] = field(default_factory=dict)
     # Every worker's host cache of LoRA adapters, in bytes (its MAAS_ADAPTER_HOST_CACHE_BYTES), counted in its memory.
     adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
+    # Spot batch workers per deployment at most (None: the catalog's max_replicas; 0: no batch Deployments).
+    batch_max_replicas: int | None = None
 
     @property
     def image(self) -> str:
@@ -207,6 +223,7 @@ class WorkerDeployment:
 
     name: str
     models: tuple[ModelSpec, ...]
+    batch: bool = False  # the Spot batch Deployment of these models (pulls and scales on `-batch` only)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -265,9 +282,31 @@ class WorkerDeployment:
         return max((spec.adapters.max_bytes for spec in self.models if spec.adapters), default=0)
 
     @property
+    def resource_name(self) -> str:
+        """Its Deployment's (and budget's, autoscaler's, scrape's) name."""
+        return batch_worker_name(self.name) if self.batch else worker_name(self.name)
+
+    @property
+    def priorities(self) -> tuple[str, ...]:
+        """What its workers pull (MAAS_WORKER_PRIORITIES): every priority on-demand, batch lines only on Spot."""
+        return ("batch",) if self.batch else PRIORITIES
+
+    @property
     def subscriptions(self) -> list[str]:
-        """Every worker subscription the Deployment pulls: each model's, at each priority."""
-        return [worker_subscription(model, priority) for model in self.model_names for priority in PRIORITIES]
+        """Every worker subscription the Deployment pulls: each model's, at each of its priorities."""
+        return [worker_subscription(model, priority) for model in self.model_names for priority in self.priorities]
+
+    @property
+    def scaled_subscriptions(self) -> list[str]:
+        """The subscriptions whose backlog scales it. On-demand: the interactive ones only, so a batch backlog
+        (which on-demand workers take only when idle) never adds on-demand GPU-hours; Spot: the batch ones."""
+        priorities = ("batch",) if self.batch else INTERACTIVE_PRIORITIES
+        return [worker_subscription(model, priority) for model in self.model_names for priority in priorities]
+
+    @property
+    def batch_backlog_per_worker(self) -> int:
+        """Unacked batch lines per Spot worker that call for another: `BATCH_BACKLOG_CALLS` full calls."""
+        return BATCH_BACKLOG_CALLS * min(spec.max_batch_size for spec in self.models)
 
     @property
     def version(self) -> str | None:
@@ -289,33 +328,45 @@ def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
 
 def worker_labels(deployment: WorkerDeployment) -> dict[str, str]:
     labels = {
-        "app.kubernetes.io/name": "model-worker",
-        "app.kubernetes.io/instance": worker_name(deployment.name),
+        "app.kubernetes.io/name": app_name(deployment),
+        "app.kubernetes.io/instance": deployment.resource_name,
         "app.kubernetes.io/part-of": "maas",
         "maas/deployment": deployment.name,
         "maas/gpu-pool": deployment.hardware,
     }
     if deployment.version:
         labels["app.kubernetes.io/version"] = deployment.version
+    if deployment.batch:
+        labels["maas/capacity"] = SPOT_TAINT_VALUE
     return labels
 
 
+def app_name(deployment: WorkerDeployment) -> str:
+    """The pods' app label: distinct for batch workers, so neither Deployment's selector picks the other's pods."""
+    return "model-batch" if deployment.batch else "model-worker"
+
+
 def worker_selector(deployment: WorkerDeployment) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "model-worker", "maas/deployment": deployment.name}
+    return {"app.kubernetes.io/name": app_name(deployment), "maas/deployment": deployment.name}
 
 
 def worker_name(deployment: str) -> str:
     return f"model-worker-{deployment}"
 
 
+def batch_worker_name(deployment: str) -> str:
+    """Shorter than `worker_name`, so every name that fits a DNS label there fits here too."""
+    return f"model-batch-{deployment}"
+
+
 def subscription_matcher(deployment: WorkerDeployment, project_id: str) -> str:
-    """PromQL label matchers selecting the Deployment's worker subscriptions (an anchored regex of names)."""
+    """PromQL label matchers selecting the subscriptions that scale the Deployment (an anchored regex of names)."""
     # Names are joined into a regex inside a PromQL string literal: only characters that mean nothing to
     # either are allowed, so nothing needs escaping (PromQL strings reject Python's `\-`).
-    unsafe = [name for name in deployment.subscriptions if not SUBSCRIPTION_NAME.fullmatch(name)]
+    unsafe = [name for name in deployment.scaled_subscriptions if not SUBSCRIPTION_NAME.fullmatch(name)]
     if unsafe:
         raise ValueError(f"subscription names must be lower-case letters, digits and '-' for PromQL: {unsafe}")
-    names = "|".join(deployment.subscriptions)
+    names = "|".join(deployment.scaled_subscriptions)
     return f'{{monitored_resource="pubsub_subscription",project_id="{project_id}",subscription_id=~"{names}"}}'
 
 
@@ -347,7 +398,14 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
     node_selector = {ACCELERATOR_LABEL: pool.accelerator}
     clients_per_node = 1
     affinity: dict[str, Any] = dedicated_gpu_affinity()
-    if deployment.gpu_sharing:
+    tolerations = gpu_toleration()
+    if deployment.batch:
+        # Whole Spot GPUs (the Spot pool is not time-shared), whatever the on-demand placement.
+        node_selector[SPOT_LABEL] = "true"
+        tolerations.append(
+            {"key": SPOT_TAINT_KEY, "operator": "Equal", "value": SPOT_TAINT_VALUE, "effect": "NoSchedule"}
+        )
+    elif deployment.gpu_sharing:
         clients_per_node = settings.max_shared_clients_per_gpu
         node_selector[GPU_SHARING_STRATEGY_LABEL] = "time-sharing"
         node_selector[MAX_SHARED_CLIENTS_LABEL] = str(clients_per_node)
@@ -369,20 +427,41 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
     # The startup probe keeps counting from the container's start, so a rounded-up threshold still
     # covers the whole budget.
     startup_failure_threshold = math.ceil(WORKER_STARTUP_BUDGET_SECONDS / WORKER_STARTUP_PERIOD_SECONDS)
-    return render_template(
+    if deployment.batch:
+        grace, priority_class, cooldown = (
+            SPOT_TERMINATION_GRACE_SECONDS,
+            "maas-default-priority",
+            BATCH_COOLDOWN_SECONDS,
+        )
+        min_replicas = 0
+        max_replicas = deployment.max_replicas if settings.batch_max_replicas is None else settings.batch_max_replicas
+        backlog_per_worker: float = deployment.batch_backlog_per_worker
+    else:
+        grace, priority_class, cooldown = (
+            deployment.drain_seconds + WORKER_EXIT_MARGIN_SECONDS,
+            "maas-high-priority",
+            600,
+        )
+        min_replicas, max_replicas = deployment.min_replicas, deployment.max_replicas
+        backlog_per_worker = deployment.backlog_per_worker
+    manifests = render_template(
         "model-worker.yaml",
         {
-            "name": worker_name(deployment.name),
+            "name": deployment.resource_name,
             "namespace": settings.namespace,
             "models": ",".join(deployment.model_names),
             "labels": worker_labels(deployment),
             "annotations": {"maas/models": ",".join(deployment.model_names)},
             "selector": worker_selector(deployment),
             "image": settings.image,
-            "termination_grace_period_seconds": deployment.drain_seconds + WORKER_EXIT_MARGIN_SECONDS,
+            "termination_grace_period_seconds": grace,
+            "priority_class_name": priority_class,
+            "worker_priorities": ",".join(deployment.priorities),
+            "batch_images": "0" if deployment.batch else "1",
+            "cooldown_seconds": cooldown,
             "node_selector": node_selector,
             "affinity": affinity,
-            "tolerations": gpu_toleration(),
+            "tolerations": tolerations,
             "health_port": WORKER_HEALTH_PORT,
             "health_port_text": str(WORKER_HEALTH_PORT),
             "resources": resources(
@@ -394,18 +473,32 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "startup_period_seconds": WORKER_STARTUP_PERIOD_SECONDS,
             "startup_failure_threshold": startup_failure_threshold,
             "model_cache_size": MODEL_CACHE_SIZE,
-            "min_replicas": deployment.min_replicas,
-            "max_replicas": deployment.max_replicas,
+            "min_replicas": min_replicas,
+            "max_replicas": max_replicas,
             "trigger_authentication": TRIGGER_AUTHENTICATION,
             "prometheus_server_address": PROMETHEUS_SERVER_ADDRESS.format(project_id=settings.project_id),
             "backlog_query": backlog_query(deployment, settings.project_id),
             "oldest_request_age_query": oldest_request_age_query(deployment, settings.project_id),
             # KEDA requires trigger metadata values to be strings.
-            "backlog_per_worker": format(deployment.backlog_per_worker, "g"),
+            "backlog_per_worker": format(backlog_per_worker, "g"),
             "oldest_request_age_seconds": str(deployment.oldest_request_age_seconds),
             "metrics_scrape_interval": METRICS_SCRAPE_INTERVAL,
         },
     )
+    if deployment.batch:
+        # A batch line waits hours by design: only the backlog scales Spot workers, not the oldest line's age.
+        for manifest in manifests:
+            if manifest["kind"] == "ScaledObject":
+                triggers = manifest["spec"]["triggers"]
+                manifest["spec"]["triggers"] = [t for t in triggers if t["name"] == "backlog-per-worker"]
+    return manifests
+
+
+def batch_worker_manifests(deployment: WorkerDeployment, settings: RenderSettings) -> list[Manifest]:
+    """The Spot batch Deployment of a worker deployment's models (none when `batch_max_replicas` is 0)."""
+    if settings.batch_max_replicas == 0:
+        return []
+    return model_worker_manifests(WorkerDeployment(deployment.name, deployment.models, batch=True), settings)
 
 
 def render_all(settings: RenderSettings, catalog: ModelCatalog | None = None) -> dict[str, list[Manifest]]:
@@ -417,6 +510,8 @@ def render_all(settings: RenderSettings, catalog: ModelCatalog | None = None) ->
     }
     for deployment in worker_deployments(catalog):
         files[f"20-{worker_name(deployment.name)}.yaml"] = model_worker_manifests(deployment, settings)
+        if batch := batch_worker_manifests(deployment, settings):
+            files[f"30-{batch_worker_name(deployment.name)}.yaml"] = batch
     return files
 
 
@@ -463,6 +558,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=ADAPTER_HOST_CACHE_BYTES,
         help="each worker's host cache of LoRA adapters, counted in its pod's memory (MAAS_ADAPTER_HOST_CACHE_BYTES)",
     )
+    parser.add_argument(
+        "--batch-max-replicas",
+        type=int,
+        default=None,
+        help="Spot batch workers per deployment at most (default: the catalog's max_replicas; 0: no batch Deployments)",
+    )
     parser.add_argument("--catalog", help="model catalog file (default: contract/models.yaml; never the local overlay)")
     return parser.parse_args(argv)
 
@@ -479,6 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_shared_clients_per_gpu=args.max_shared_clients_per_gpu,
         buffer_replicas=dict(args.buffer_replicas),
         adapter_host_cache_bytes=args.adapter_host_cache_bytes,
+        batch_max_replicas=args.batch_max_replicas,
     )
     files = render_all(settings, load_catalog(args.catalog))
     if args.out is None:

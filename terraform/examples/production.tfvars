@@ -22,12 +22,24 @@ gpu_node_pools = {
     hardware       = "l4"
     min_node_count = 4
     max_node_count = 160
-    spot           = true
   }
   a100 = {
     hardware       = "a100"
     min_node_count = 0
     max_node_count = 8
+  }
+  # Batch jobs only (a Spot pool is tainted for the `model-batch-*` workers), from zero nodes.
+  l4-spot = {
+    hardware       = "l4"
+    min_node_count = 0
+    max_node_count = 80
+    spot           = true
+  }
+  a100-spot = {
+    hardware       = "a100"
+    min_node_count = 0
+    max_node_count = 4
+    spot           = true
   }
 }
 

@@ -18,7 +18,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, ModelSpec, load_catalog  # noqa: E402
-from contract.naming import PRIORITIES, worker_subscription  # noqa: E402
+from contract.naming import INTERACTIVE_PRIORITIES, PRIORITIES, worker_subscription  # noqa: E402
 
 # GKE's stable and regular release channels; kubernetes-validate bundles these schemas offline.
 GKE_KUBERNETES_VERSIONS = ("1.32", "1.33", "1.34")
@@ -365,7 +365,12 @@ def queried_subscriptions(query: str) -> set[str]:
 def test_scaled_object_queries_every_subscription_of_the_deployment_in_managed_prometheus(
     manifests: list[Manifest], deployment: str
 ) -> None:
-    expected = {worker_subscription(model.name, priority) for model in members(deployment) for priority in PRIORITIES}
+    # The interactive queues only: a batch backlog never scales on-demand GPUs (the Spot batch Deployment's job).
+    expected = {
+        worker_subscription(model.name, priority)
+        for model in members(deployment)
+        for priority in INTERACTIVE_PRIORITIES
+    }
     triggers = scaled_object_triggers(manifests, deployment)
     assert set(triggers) == {"backlog-per-worker", "oldest-request-age"}
     for trigger in triggers.values():
@@ -433,7 +438,7 @@ def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
     deployment = worker_deployment(group, "synthetic")
     assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep,sleep-long-ack"
     models = ("noop", "sleep", "sleep-long-ack")
-    expected = {worker_subscription(model, priority) for model in models for priority in PRIORITIES}
+    expected = {worker_subscription(model, priority) for model in models for priority in INTERACTIVE_PRIORITIES}
     for trigger in scaled_object_triggers(group, "synthetic").values():
         assert queried_subscriptions(trigger["metadata"]["query"]) == expected
 
@@ -611,7 +616,12 @@ def test_render_cli_writes_one_file_per_deployment_and_removes_stale_ones(tmp_pa
     assert render.main(["--out", str(tmp_path), "--project-id", PROJECT_ID, "--buffer-replicas", "l4=3"]) == 0
     written = sorted(path.name for path in tmp_path.glob("*.yaml"))
     assert written == sorted(
-        ["00-cluster.yaml", "10-capacity-reservation.yaml", *(f"20-model-worker-{name}.yaml" for name in DEPLOYMENTS)]
+        [
+            "00-cluster.yaml",
+            "10-capacity-reservation.yaml",
+            *(f"20-model-worker-{name}.yaml" for name in DEPLOYMENTS),
+            *(f"30-model-batch-{name}.yaml" for name in DEPLOYMENTS),
+        ]
     )
     buffers = list(yaml.safe_load_all((tmp_path / "10-capacity-reservation.yaml").read_text()))
     assert find(buffers, "Deployment", "capacity-reservation-l4")["spec"]["replicas"] == 3
@@ -620,9 +630,12 @@ def test_render_cli_writes_one_file_per_deployment_and_removes_stale_ones(tmp_pa
 def test_render_cli_prints_every_manifest_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     budget = str(3 * 1024**3)
     assert render.main(["--project-id", PROJECT_ID, "--image", "example.com/worker:1",
-                        "--adapter-host-cache-bytes", budget]) == 0  # fmt: skip
+                        "--adapter-host-cache-bytes", budget, "--batch-max-replicas", "2"]) == 0  # fmt: skip
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert len(of_kind(printed, "ScaledObject")) == len(DEPLOYMENTS)
+    assert len(of_kind(printed, "ScaledObject")) == 2 * len(DEPLOYMENTS)  # on-demand and Spot batch
+    assert {
+        m["spec"]["maxReplicaCount"] for m in of_kind(printed, "ScaledObject") if "batch" in m["metadata"]["name"]
+    } == {2}
     assert {worker_container(printed, name)["image"] for name in DEPLOYMENTS} == {"example.com/worker:1"}
     assert {worker_env(printed, name)["MAAS_ADAPTER_HOST_CACHE_BYTES"]["value"] for name in DEPLOYMENTS} == {budget}
 
@@ -671,9 +684,72 @@ def test_each_version_gets_its_own_deployment_subscriptions_and_scaling(tmp_path
         assert worker_env(group, name)["MAAS_MODELS"]["value"] == name
         assert worker_deployment(group, name)["metadata"]["labels"]["app.kubernetes.io/version"] == version
         assert find(group, "ScaledObject", f"model-worker-{name}")["spec"]["maxReplicaCount"] == max_replicas
-        expected = {worker_subscription(name, priority) for priority in PRIORITIES}
+        expected = {worker_subscription(name, priority) for priority in INTERACTIVE_PRIORITIES}
         for trigger in scaled_object_triggers(group, name).values():
             assert queried_subscriptions(trigger["metadata"]["query"]) == expected
         for manifest in group:
             if manifest["kind"] in ("Deployment", "PodDisruptionBudget"):
                 kubernetes_validate.validate(manifest, GKE_KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# --- batch workers on Spot (issue 35) --------------------------------------------------------------
+
+
+def batch_group(manifests: list[Manifest], deployment: str) -> dict[str, Manifest]:
+    name = f"model-batch-{deployment}"
+    return {kind: find(manifests, kind, name) for kind in ("Deployment", "PodDisruptionBudget", "ScaledObject")}
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_each_deployment_gets_a_spot_batch_deployment_pulling_only_its_batch_subscriptions(
+    manifests: list[Manifest], deployment: str
+) -> None:
+    batch = batch_group(manifests, deployment)
+    spec = pod_spec(batch["Deployment"])
+    (container,) = spec["containers"]
+    env = {entry["name"]: entry for entry in container["env"]}
+    assert env["MAAS_WORKER_PRIORITIES"]["value"] == "batch"
+    assert env["MAAS_MODELS"] == worker_env(manifests, deployment)["MAAS_MODELS"]
+    assert worker_env(manifests, deployment)["MAAS_WORKER_PRIORITIES"]["value"] == ",".join(PRIORITIES)
+    # Full batches on Spot; one batch image at a time beside interactive traffic.
+    assert (
+        env["MAAS_BATCH_IMAGES"]["value"] == "0"
+        and worker_env(manifests, deployment)["MAAS_BATCH_IMAGES"]["value"] == "1"
+    )
+    # Spot nodes only, which carry a taint no interactive worker tolerates.
+    assert spec["nodeSelector"][render.SPOT_LABEL] == "true"
+    spot_toleration = {"key": "maas-capacity", "operator": "Equal", "value": "spot", "effect": "NoSchedule"}
+    assert spot_toleration in spec["tolerations"]
+    assert spot_toleration not in pod_spec(worker_deployment(manifests, deployment))["tolerations"]
+    assert render.SPOT_LABEL not in pod_spec(worker_deployment(manifests, deployment))["nodeSelector"]
+    # GKE gives a preempted Spot node's pods 15 s: the worker hands its batch lines back within it.
+    assert spec["terminationGracePeriodSeconds"] == 15
+    assert spec["priorityClassName"] == "maas-default-priority"
+    # Neither Deployment's selector (nor its budget's, nor its scrape's) picks the other's pods.
+    batch_labels = batch["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    interactive_selector = worker_deployment(manifests, deployment)["spec"]["selector"]["matchLabels"]
+    assert not interactive_selector.items() <= batch_labels.items()
+    assert batch["Deployment"]["spec"]["selector"]["matchLabels"].items() <= batch_labels.items()
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_a_batch_deployment_scales_from_zero_on_its_batch_backlog_only(manifests: list[Manifest], deployment: str):
+    scaled = batch_group(manifests, deployment)["ScaledObject"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == f"model-batch-{deployment}"
+    assert scaled["minReplicaCount"] == 0
+    assert scaled["maxReplicaCount"] == max(model.replicas.max for model in members(deployment))
+    (trigger,) = scaled["triggers"]  # no age trigger: a batch line waits hours by design
+    assert trigger["name"] == "backlog-per-worker" and trigger["metadata"]["activationThreshold"] == "0"
+    expected = {worker_subscription(model.name, "batch") for model in members(deployment)}
+    assert queried_subscriptions(trigger["metadata"]["query"]) == expected
+    batch_size = min(model.max_batch_size for model in members(deployment))
+    assert trigger["metadata"]["threshold"] == str(render.BATCH_BACKLOG_CALLS * batch_size)
+
+
+def test_batch_deployments_follow_the_batch_replica_setting() -> None:
+    none = render.render_all(render.RenderSettings(project_id=PROJECT_ID, batch_max_replicas=0))
+    assert not [name for name in none if name.startswith("30-")]
+    three = render.render_all(render.RenderSettings(project_id=PROJECT_ID, batch_max_replicas=3))
+    for deployment in DEPLOYMENTS:
+        scaled = find(three[f"30-model-batch-{deployment}.yaml"], "ScaledObject", f"model-batch-{deployment}")
+        assert scaled["spec"]["maxReplicaCount"] == 3

@@ -697,7 +697,12 @@ def test_each_request_queue_has_a_backlog_alert_and_each_model_a_dead_letter_ale
     backlog_condition = block(block(backlog, "conditions"), "condition_threshold")
     assert "local.worker_subscription_names[each.key]" in backlog_condition["filter"]
     assert "oldest_unacked_message_age" in backlog_condition["filter"]
-    assert expression(backlog_condition["threshold_value"]) == "local.models[each.value.model].request_timeout_seconds"
+    # Interactive queues alert past the model's timeout; a batch line waits for idle capacity, so a day.
+    assert expression(backlog_condition["threshold_value"]) == (
+        'each.value.priority == "batch" ? var.batch_backlog_alert_seconds : '
+        "local.models[each.value.model].request_timeout_seconds"
+    )
+    assert variables()["batch_backlog_alert_seconds"]["default"] >= 24 * 3600
     filters = [block(condition, "condition_threshold")["filter"] for condition in dead_letter["conditions"]]
     moved, unanswered = filters
     assert "dead_letter_message_count" in moved and "local.worker_subscription_names" in moved
@@ -798,3 +803,39 @@ def test_each_catalog_version_is_a_unit_named_as_the_code_names_it():
     assert f'"${{name}}{naming.VERSION_SEPARATOR}${{version}}"' in units
     assert "merge(entry, override)" in units
     assert naming.version_queue("m", "2") == "m--2"
+
+
+# --- Batch jobs on Spot (issue 35) ---------------------------------------------------------------
+
+
+def test_spot_pools_are_tainted_for_the_batch_workers_the_renderer_tolerates():
+    render_module = _manifest_renderer()
+    node_config = block(resource("google_container_node_pool", "gpu"), "node_config")
+    spot_taint = block(node_config, "dynamic")["taint"]
+    assert expression(spot_taint["for_each"]) == 'each.value.spot ? toset(["spot"]) : toset([])'
+    content = block(spot_taint, "content")
+    assert content["key"] == render_module.SPOT_TAINT_KEY and content["effect"] == "NO_SCHEDULE"
+    assert expression(content["value"]) == "taint.value" and render_module.SPOT_TAINT_VALUE == "spot"
+    assert "each.value.spot" in expression(node_config["labels"]["maas-capacity"])
+
+
+@pytest.mark.parametrize("pools", ["default", "example"])
+def test_every_catalog_hardware_has_an_on_demand_pool_and_a_spot_pool_from_zero(pools):
+    configured = (
+        variables()["gpu_node_pools"]["default"] if pools == "default" else _load(EXAMPLE_TFVARS)["gpu_node_pools"]
+    )
+    for hardware in {spec.hardware for spec in CATALOG.units()}:
+        of_hardware = [pool for pool in configured.values() if pool["hardware"] == hardware]
+        assert [pool for pool in of_hardware if not pool.get("spot", False)], f"{hardware}: no on-demand pool"
+        spot = [pool for pool in of_hardware if pool.get("spot", False)]
+        assert spot, f"{hardware}: no Spot pool for its batch workers"
+        assert all(pool["min_node_count"] == 0 for pool in spot), "a Spot pool costs nothing without a batch"
+
+
+def test_batch_queues_keep_their_lines_for_longer_than_a_batch_window():
+    workers = resource("google_pubsub_subscription", "workers")
+    assert expression(workers["message_retention_duration"]) == (
+        'each.value.priority == "batch" ? "${var.batch_request_retention_seconds}s" : "${var.request_retention_seconds}s"'
+    )
+    assert 24 * 3600 < variables()["batch_request_retention_seconds"]["default"] <= 604800
+    assert locals_()["priority_suffixes"]["batch"] == "-batch"

@@ -103,3 +103,20 @@ def test_worker_metrics_count_requests_and_batches(stack):
     assert 'maas_worker_requests_total{model="sleep",status="ok"}' in body
     assert 'maas_worker_batch_images_count{model="sleep"}' in body
     assert "maas_worker_device_idle_seconds_total" in body
+
+
+def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(worker_client):
+    """Issue 35: batch lines run on what interactive traffic leaves; an interactive request overtakes their backlog."""
+    lines = [worker_client.send("sleep", f"line {i}", priority="batch", timeout=120) for i in range(24)]
+    worker_client.wait(lines[:1], timeout=30)  # the worker is busy with the backlog now
+    interactive = worker_client.send("sleep", "interactive")
+    replies = worker_client.wait([*lines, interactive], timeout=120)
+    assert {reply.status for reply in replies.values()} == {"ok"}
+    assert all(len(worker_client.replies[request_id]) == 1 for request_id in lines), "a batch line answered twice"
+    reply = replies[interactive]
+    # Pulled at once (held batch lines take no interactive room) and started at the batch call's next step (20 ms),
+    # not after the backlog: 24 calls of one line (MAAS_BATCH_IMAGES=1 beside interactive traffic) take 4.8 s.
+    assert reply.queue_ms < 500, reply.queue_ms
+    assert reply.batch_size == 1, "an interactive request never shares a call with batch lines"
+    later = [request_id for request_id in lines if replies[request_id].worker_started_ms > reply.worker_finished_ms]
+    assert len(later) >= 12, f"only {len(later)} of 24 batch lines were left to run after the interactive request"
