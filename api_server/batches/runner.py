@@ -61,6 +61,9 @@ INVALID_PER_ROUND_TRIP = 200
 # How often each process looks for running batches whose Redis record is gone (GCS markers).
 RESTORE_EVERY_SECONDS = 10.0
 IO_THREADS = 16
+# A step never waits longer than this on its publishes, or on its answers' image copies (it fails, and the next
+# step does it again: every part of it is resumable).
+PUBLISH_WAIT_SECONDS, ANSWER_WAIT_SECONDS = 30.0, 120.0
 
 
 @dataclass
@@ -235,9 +238,9 @@ class BatchRunner:
         try:
             return self._feed_lines(batch)
         finally:
-            for future in self._publishes:
-                future.result()
-            self._publishes.clear()
+            publishes, self._publishes = self._publishes, []
+            for future in publishes:  # each bounded by its publish timeout; a line not known published is retried
+                future.result(timeout=PUBLISH_WAIT_SECONDS)
 
     def _feed_lines(self, batch: Batch) -> bool:
         batch_id = batch.batch_id
@@ -421,7 +424,9 @@ class BatchRunner:
                 self._results.cancel(request_id)  # a worker that still gets it skips it (or stops it)
             ended.append((request_id, pending[request_id], reply))
         # Images are copied under the batch's prefix from the I/O pool; each line is then moved once, in order.
-        answers = self._pool.map(lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended)
+        answers = self._pool.map(
+            lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended, timeout=ANSWER_WAIT_SECONDS
+        )
         collected = 0
         for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True):
             if self._store.collect(batch_id, self._token, request_id, entry["queue"], kind, item, counter) < 0:

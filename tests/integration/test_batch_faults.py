@@ -68,25 +68,3 @@ def _held_by(client: redis.Redis, batch_id: str, worker: str, timeout: float = 3
             return held
         time.sleep(0.02)
     raise AssertionError(f"{worker} held none of the batch's lines in {timeout}s")
-
-
-def test_a_batch_redis_lost_in_a_restart_is_restored_from_gcs_and_answers_every_custom_id_once(
-    stack, settings, bigquery, auth_headers
-):
-    from emulators.stack import restart
-
-    prefix = f"redis-{uuid.uuid4().hex[:6]}"
-    lines = [line(f"{prefix}-{index}", model="sleep", seed=index) for index in range(LINES // 2)]
-    batch = create(stack, auth_headers, requests=lines)
-    wait(stack, auth_headers, batch["id"], until=lambda view: view["request_counts"]["succeeded"] >= 40)
-    restart(stack, "redis")  # no persistence: every batch key is gone, the GCS copy and part files are not
-    final = wait(stack, auth_headers, batch["id"], timeout=120)
-    assert final["status"] == "completed", final
-    counts = final["request_counts"]
-    assert counts == {"total": len(lines), "succeeded": len(lines), "failed": 0, "cancelled": 0, "expired": 0}
-    results = output(stack, auth_headers, batch["id"], "results")
-    assert sorted(item["custom_id"] for item in results) == sorted(item["custom_id"] for item in lines)
-    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
-    sql = f"SELECT custom_id FROM {table} WHERE batch_job_id = '{batch['id']}'"
-    rows = query_rows(bigquery, sql, expected=len(lines), timeout=30)
-    assert sorted(row["custom_id"] for row in rows) == sorted(item["custom_id"] for item in lines)
