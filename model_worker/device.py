@@ -6,8 +6,9 @@ next without a gap. A batch nobody waits for any more (every request past its de
 stopped at the next denoising step. A step-scheduled model runs in a running set instead (`stepping.py`):
 between its steps the loop lets held requests join, and runs nothing else until the set is empty.
 
-Batch lines (issue 35) never make an interactive request wait more than one step: a call of batch lines is
-stopped at its next step when an interactive request is held (its lines go back to the pool, still leased,
+Batch lines (issue 35) make an interactive request wait no longer than the step under way (or a batch line's
+encode or decode under way, which cannot be cut short): a call of batch lines is stopped at its next step when
+an interactive request is held (its lines go back to the pool, still leased,
 and start over later), and in a running set batch lines are paused (`RunningSet.pause_batch`) while an
 interactive request waits or runs, and resumed after. Neither shares a call with an interactive request.
 """

@@ -112,11 +112,14 @@ def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(worke
     interactive = worker_client.send("sleep", "interactive")
     replies = worker_client.wait([*lines, interactive], timeout=120)
     assert {reply.status for reply in replies.values()} == {"ok"}
-    assert all(len(worker_client.replies[request_id]) == 1 for request_id in lines), "a batch line answered twice"
+    for request_id in lines:  # run once: a redelivery may publish the stored reply again, never a second run
+        runs = {(r.reply.batch_id, r.reply.worker_started_ms) for r in worker_client.replies[request_id]}
+        assert len(runs) == 1, f"batch line {request_id} ran {len(runs)} times"
     reply = replies[interactive]
     # Pulled at once (held batch lines take no interactive room) and started at the batch call's next step (20 ms),
     # not after the backlog: 24 calls of one line (MAAS_BATCH_IMAGES=1 beside interactive traffic) take 4.8 s.
-    assert reply.queue_ms < 500, reply.queue_ms
+    # (The bound leaves room for a loaded machine's slower pulls; quiet, it is about 50 ms.)
+    assert reply.queue_ms < 1500, reply.queue_ms
     assert reply.batch_size == 1, "an interactive request never shares a call with batch lines"
     later = [request_id for request_id in lines if replies[request_id].worker_started_ms > reply.worker_finished_ms]
     assert len(later) >= 12, f"only {len(later)} of 24 batch lines were left to run after the interactive request"
