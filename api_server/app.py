@@ -11,7 +11,7 @@ from werkzeug.routing import BaseConverter
 from api_server import records
 from api_server.chunked import ChunkedBodyReader
 from api_server.errors import register_error_handlers
-from api_server.routes import adapters, docs, events, health, jobs, models, playground, predict, usage
+from api_server.routes import adapters, batches, docs, events, health, jobs, models, playground, predict, usage
 from api_server.routes import metrics as metrics_routes
 from api_server.state import AppState, build_app_state, install
 from api_server.wsgi_bridge import EVERY_RESPONSE_HEADERS
@@ -31,6 +31,7 @@ BLUEPRINTS = (
     adapters.bp,
     predict.bp,
     jobs.bp,
+    batches.bp,
     events.bp,
     usage.bp,
     playground.bp,

@@ -96,10 +96,13 @@ class InferenceDispatcher:
         deadline_ms: int,
         priority: naming.Priority,
         log_row: dict | None = None,
+        reply_to: str | None = None,
     ) -> bool:
         """Publish only (a job): nobody waits for the reply message; the worker's stored reply is read later.
-        True when `log_row` was kept with the request (see `run`)."""
-        attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
+        True when `log_row` was kept with the request (see `run`). `reply_to`: a reply topic other than the
+        API's (a batch line's, `naming.BATCH_REPLIES_TOPIC`)."""
+        reply_topic = self._publisher.topic_path(self._project_id, reply_to) if reply_to else self._replies_topic
+        attributes = _traced(request_attributes(request, reply_topic, deadline_ms, priority))
         return self._publish(request, spec, attributes, priority, log_row)
 
     def _publish(

@@ -148,10 +148,12 @@ class InferenceService:
         deadline_ms: int,
         priority: naming.Priority,
         log_row: dict | None = None,
+        reply_to: str | None = None,
     ) -> bool:
         """Publishes a request message (`message`) and returns at once (a job); raises 503 if the queue is
-        unreachable. True when its partial log row (`log_row`) was kept with it (see `run`)."""
-        return self._dispatcher.submit(message, spec, deadline_ms, priority, log_row)
+        unreachable. True when its partial log row (`log_row`) was kept with it (see `run`). `reply_to`: a reply
+        topic of its own (a batch line's)."""
+        return self._dispatcher.submit(message, spec, deadline_ms, priority, log_row, reply_to)
 
     def run(
         self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int, wait_seconds: float | None = None

@@ -82,6 +82,8 @@ class InferenceLogRow:
     stage_index: int | None = None
     flow_request_id: str | None = None
     gpu_seconds: float | None = None
+    batch_job_id: str | None = None
+    custom_id: str | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:

@@ -100,7 +100,7 @@ class JobLogFinisher:
             if ended.fallback_from is not None:
                 row.model_version = self._stable_version(row.model) or row.model_version
                 row.fallback_from, row.fallback_error = ended.fallback_from, ended.fallback_error
-            row, outcome = _ended(row, reply)
+            row, outcome = ended_row(row, reply)
             for each in rows_of(row, reply):
                 self._log.write(each)
             if ended.observe:
@@ -125,7 +125,7 @@ class JobLogFinisher:
             row_json = self._inflight.claim_row(item.request_id)
             if row_json is None:
                 continue  # another process adopted it (or its owner wrote it) meanwhile
-            row, _ = _ended(InferenceLogRow.from_json(row_json), reply)
+            row, _ = ended_row(InferenceLogRow.from_json(row_json), reply)
             row.http_status = NO_ANSWER_HTTP_STATUS
             if row.endpoint != "job":
                 row.total_ms = None  # no response was sent: nothing to time
@@ -187,7 +187,7 @@ class JobLogFinisher:
             self._thread.join(timeout=5)
 
 
-def _ended(row: InferenceLogRow, reply: InferenceReply | None) -> tuple[InferenceLogRow, Outcome]:
+def ended_row(row: InferenceLogRow, reply: InferenceReply | None) -> tuple[InferenceLogRow, Outcome]:
     """A kept row completed with the request's end: the worker's reply, or none by the deadline (expired)."""
     outcome = Outcome.EXPIRED if reply is None else reply_outcome(reply)
     if reply is None:

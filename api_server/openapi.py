@@ -326,7 +326,14 @@ CACHE_HEADERS = {
     "Idempotent-Replayed": {"description": "`true` for an Idempotency-Key replay", "schema": {"type": "string"}},
 }
 
-TEXT_BODIES = {"/metrics": "text/plain", "/docs": "text/html", "/v1/jobs/{job_id}/events": "text/event-stream"}
+TEXT_BODIES = {
+    "/metrics": "text/plain",
+    "/docs": "text/html",
+    "/v1/jobs/{job_id}/events": "text/event-stream",
+    # A batch's results and errors files so far, one JSON object per line.
+    "/v1/batches/{batch_id}/results": "application/jsonl",
+    "/v1/batches/{batch_id}/errors": "application/jsonl",
+}
 # A text/event-stream schema describes one parsed event (OpenAPI 3.2's `itemSchema`, `schema` before 3.2):
 # its `data` is a JSON document, the job as `GET /v1/jobs/{id}` shows it (or the reason a stream closed).
 SSE_EVENT = {

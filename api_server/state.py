@@ -15,6 +15,9 @@ from google.cloud import pubsub_v1
 
 from api_server.adapters import AdapterService
 from api_server.auth import ApiKeyAuth
+from api_server.batches.runner import BatchRunner
+from api_server.batches.service import BatchService
+from api_server.batches.store import BatchStore
 from api_server.bigquery_write import StorageWriteSink, write_client
 from api_server.dispatch import InferenceDispatcher
 from api_server.flights import SharedFlights
@@ -73,6 +76,8 @@ class AppState:
     rollback_guard: RollbackGuard
     shadow: ShadowTraffic
     liveness: ProcessLiveness
+    batches: BatchService
+    batch_runner: BatchRunner | None = None
     cache_redis: redis.Redis | None = None
     adapters: AdapterService | None = None
     # The catalog's flows, called like models (api_server/flows.py); built with `serving`, which picks each
@@ -91,9 +96,13 @@ class AppState:
             self.janitor.start()
         self.rollouts.splits.start()
         self.rollback_guard.start()
+        if self.batch_runner is not None:
+            self.batch_runner.start()
 
     def close(self) -> None:
         """SIGTERM (gunicorn's worker_exit) and tests: stop every thread, flush the log rows, close the clients."""
+        if self.batch_runner is not None:
+            self.batch_runner.stop()  # first: its last parts' rows go to the log before it closes
         self.job_log.stop()
         if self.webhooks is not None:
             self.webhooks.stop()
@@ -187,6 +196,14 @@ def build_app_state(settings: Settings) -> AppState:
         settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow,
         inflight,
     )  # fmt: skip
+    batch_store = BatchStore(redis_client, storage.bucket(settings.payload_bucket))
+    batch_runner = None
+    if settings.batch_runner:
+        batch_runner = BatchRunner(
+            settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
+            storage, webhooks, subscriber,
+        )  # fmt: skip
+    batches = BatchService(batch_store, redis_state, storage, targets, settings.batch_inline_max_lines, batch_runner)
     return AppState(
         settings=settings,
         catalog=catalog,
@@ -205,6 +222,8 @@ def build_app_state(settings: Settings) -> AppState:
         limiter=limiter,
         serving=serving,
         flows=FlowService(catalog, serving.model),
+        batches=batches,
+        batch_runner=batch_runner,
         records=RequestRecords(
             inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations, inflight
         ),

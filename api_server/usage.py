@@ -13,6 +13,7 @@ from contract import google_clients
 from contract.settings import Settings
 
 BILLING_VIEW = "billing_by_api_key_daily"
+BATCH_VIEW = "gpu_seconds_by_batch"
 COUNTS = ("requests", "succeeded", "images", "cache_hits")
 
 
@@ -58,4 +59,27 @@ class UsageReader:
         ]
         totals: dict = {name: sum(day[name] for day in days) for name in COUNTS}
         totals["gpu_seconds"] = round(sum(day["gpu_seconds"] for day in days), 3)
-        return {"api_key_id": key_id, "since": since.isoformat(), "days": days, "totals": totals}
+        batches = self._batches(key_id, since, config)
+        return {"api_key_id": key_id, "since": since.isoformat(), "days": days, "totals": totals, "batches": batches}
+
+    def _batches(self, key_id: str, since: date, config: bigquery.QueryJobConfig) -> list[dict]:
+        """GPU-seconds per batch job (its lines' inferences), for batches begun since `since`."""
+        settings = self._settings
+        sql = (
+            "SELECT batch_job_id, model, lines, succeeded, images, gpu_seconds "
+            f"FROM `{settings.project_id}.{settings.dataset}.{BATCH_VIEW}` "
+            "WHERE api_key_id = @key AND day >= @since ORDER BY batch_job_id, model"
+        )
+        try:
+            rows = [dict(row) for row in self._bigquery().query(sql, job_config=config).result(timeout=20)]
+        except (google_exceptions.GoogleAPICallError, google_exceptions.RetryError, TimeoutError) as exc:
+            raise ApiError(503, "usage is unavailable right now, retry later", headers={"Retry-After": "10"}) from exc
+        return [
+            {
+                "batch_job_id": row["batch_job_id"],
+                "model": row["model"],
+                **{name: int(row[name] or 0) for name in ("lines", "succeeded", "images")},
+                "gpu_seconds": round(float(row["gpu_seconds"] or 0), 3),
+            }
+            for row in rows
+        ]

@@ -134,8 +134,17 @@ class WebhookNotifier:
         except Exception:  # noqa: BLE001 - e.g. the result's payload object is gone
             log.exception("webhook body for job %s could not be built", job.job_id, extra={"fields": fields})
             return False
+        return self.send(url, body, job.job_id)
+
+    def send_later(self, url: str, body: bytes, resource_id: str, id_header: str) -> None:
+        """`send` from the delivery pool (a batch's end: `batches/runner.py`, claimed once by its caller)."""
+        self._pool.submit(self.send, url, body, resource_id, id_header)
+
+    def send(self, url: str, body: bytes, resource_id: str, id_header: str = "X-MaaS-Job-Id") -> bool:
+        """Posts `body`, signed, until a 2xx, a final refusal or the attempts run out."""
+        fields = {"job_id": resource_id, "webhook_host": urlsplit(url).hostname}
         for attempt in range(1, self._attempts + 1):
-            outcome = self._attempt(url, body, job.job_id)
+            outcome = self._attempt(url, body, resource_id, id_header)
             if outcome == "delivered":
                 log.info("webhook delivered", extra={"fields": {**fields, "attempt": attempt}})
                 return True
@@ -145,7 +154,7 @@ class WebhookNotifier:
         log.warning("webhook not delivered after %d attempts", attempt, extra={"fields": fields})
         return False
 
-    def _attempt(self, url: str, body: bytes, job_id: str) -> str:
+    def _attempt(self, url: str, body: bytes, job_id: str, id_header: str = "X-MaaS-Job-Id") -> str:
         try:
             self._policy.check(url)  # the name may resolve elsewhere since the job was submitted
         except ApiError as exc:
@@ -155,7 +164,7 @@ class WebhookNotifier:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "maas-webhooks/1",
-            "X-MaaS-Job-Id": job_id,
+            id_header: job_id,
             "X-MaaS-Timestamp": str(timestamp),
             "X-MaaS-Signature": sign(self._secret, timestamp, body),
         }

@@ -77,8 +77,8 @@ class Suite:
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
         # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
-        # streams
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1
+        # streams, batch jobs
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -275,6 +275,11 @@ class Suite:
                             ["--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"],
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
+    def batch_jobs(self) -> dict | None:
+        """Batch jobs against predicts at C=32, and the API's memory reading a 1,000,000-line file (bench/batches.py)."""
+        return self._module("batch jobs", "bench.batches", "batches.json", 2400, ["--quick"] if self.quick else [],
+                            {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
+
 
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -304,7 +309,7 @@ def main() -> None:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = flow_result = None
+    direct = event_streams = adapters = flow_result = batch_jobs = None
     sweeps: dict[str, dict] = {}
     try:
         if args.flows_only:
@@ -322,6 +327,7 @@ def main() -> None:
             direct = suite.direct()
             adapters = suite.adapters()
             event_streams = suite.event_streams()
+            batch_jobs = suite.batch_jobs()
         for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
                            ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
             if (result := run()) is not None:
@@ -349,6 +355,7 @@ def main() -> None:
         "direct": direct,
         "open_loop": sweeps,
         "event_streams": event_streams,
+        "batches": batch_jobs,
         "adapters": adapters,
         "flows": flow_result,
     }

@@ -11,6 +11,10 @@ from typing import Literal
 
 PREFIX = "maas"
 REPLIES_TOPIC = f"{PREFIX}-replies"
+# Batch lines' replies (issue 35): the batch collector drains this topic's one subscription; the worker's stored
+# reply (`result_key`) is what it reads, the message only wakes it.
+BATCH_REPLIES_TOPIC = f"{PREFIX}-batch-replies"
+BATCH_REPLIES_SUBSCRIPTION = f"{PREFIX}-batch-replies-collector"
 DATASET = "maas"
 LOG_TABLE = "inference_log"
 REPLY_SUBSCRIPTION_LABEL = {"maas-purpose": "reply-wait"}
@@ -115,6 +119,16 @@ def flow_stage_prefix(request_id: str) -> str:
 def input_object(request_id: str, index: int) -> str:
     """Payload-bucket object for input image `index` of a request (above the inline limit)."""
     return f"inputs/{request_id}/{index}"
+
+
+def batch_prefix(batch_id: str) -> str:
+    """Payload-bucket prefix of one batch (issue 35): its record, inline input, results and errors parts, images."""
+    return f"batches/{batch_id}/"
+
+
+# Payload-bucket prefix of an empty marker object per running batch: what a process finds batches by after Redis
+# lost them (a Redis restart without persistence), to restore them from their GCS copies.
+BATCHES_ACTIVE_PREFIX = "batches-active/"
 
 
 def compile_cache_object(weights_path: str, key: str) -> str:

@@ -139,6 +139,15 @@ class Settings:
     # (0: the longest catalog request timeout plus ten minutes).
     janitor_interval_seconds: int = 0
     janitor_older_than_seconds: int = 0
+    # Batch jobs (issue 35): at most this many of one batch's lines in flight per model; a batch whose first
+    # `batch_fail_fast_lines` lines are all invalid fails; an inline batch holds at most this many lines; the
+    # feeder's Redis lease (another API process resumes a batch whose feeder stops renewing it); whether this
+    # process feeds and collects batches at all (CPU always allocated: README "Batch jobs").
+    batch_max_in_flight: int = 64
+    batch_fail_fast_lines: int = 100
+    batch_inline_max_lines: int = 1000
+    batch_lease_seconds: float = 10.0
+    batch_runner: bool = True
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -254,6 +263,11 @@ class Settings:
             webhook_allow_loopback=_flag(env.get("MAAS_WEBHOOK_ALLOW_LOOPBACK")),
             janitor_interval_seconds=int(env.get("MAAS_JANITOR_INTERVAL_SECONDS") or 0),
             janitor_older_than_seconds=int(env.get("MAAS_JANITOR_OLDER_THAN_SECONDS") or 0),
+            batch_max_in_flight=int(env.get("MAAS_BATCH_MAX_IN_FLIGHT") or cls.batch_max_in_flight),
+            batch_fail_fast_lines=int(env.get("MAAS_BATCH_FAIL_FAST_LINES") or cls.batch_fail_fast_lines),
+            batch_inline_max_lines=int(env.get("MAAS_BATCH_INLINE_MAX_LINES") or cls.batch_inline_max_lines),
+            batch_lease_seconds=float(env.get("MAAS_BATCH_LEASE_SECONDS") or cls.batch_lease_seconds),
+            batch_runner=env.get("MAAS_BATCH_RUNNER", "1").strip() == "" or _flag(env.get("MAAS_BATCH_RUNNER", "1")),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             weights_retry_seconds=float(env.get("MAAS_WEIGHTS_RETRY_SECONDS", cls.weights_retry_seconds)),

@@ -40,6 +40,15 @@ def bootstrap_pubsub(settings: Settings, catalog: ModelCatalog) -> list[str]:
 
     with subscriber:
         topic(publisher.topic_path(project, naming.REPLIES_TOPIC))
+        batch_replies = publisher.topic_path(project, naming.BATCH_REPLIES_TOPIC)
+        topic(batch_replies)
+        subscription(
+            {
+                "name": subscriber.subscription_path(project, naming.BATCH_REPLIES_SUBSCRIPTION),
+                "topic": batch_replies,
+                "ack_deadline_seconds": 30,
+            }
+        )
         for spec in catalog.units():
             dead_letter = publisher.topic_path(project, naming.dead_letter_topic(spec.queue))
             topic(dead_letter)

@@ -45,7 +45,10 @@ resource "google_cloud_run_v2_service" "api" {
           cpu    = var.api_cpu
           memory = var.api_memory
         }
-        # Reply subscriptions stream in the background between requests.
+        # Reply subscriptions stream in the background between requests, and the batch runner (issue 35: the
+        # feeder reading batch files and publishing their lines, and the collector writing their results) runs
+        # in every instance between requests too, one instance per batch under a Redis lease: CPU is always
+        # allocated, and min_instance_count keeps one instance to feed running batches with no traffic.
         cpu_idle = false
       }
 
@@ -79,6 +82,10 @@ resource "google_cloud_run_v2_service" "api" {
       env {
         name  = "MAAS_REPLY_MODE"
         value = var.api_reply_mode
+      }
+      env {
+        name  = "MAAS_BATCH_MAX_IN_FLIGHT"
+        value = tostring(var.batch_max_in_flight)
       }
       env {
         name = "MAAS_API_KEY_SHA256"

@@ -165,6 +165,20 @@ resource "google_pubsub_topic_iam_member" "worker_forwards_flow_stages" {
   member = google_service_account.worker.member
 }
 
+resource "google_pubsub_topic_iam_member" "worker_publishes_batch_replies" {
+  topic  = google_pubsub_topic.batch_replies.name
+  role   = "roles/pubsub.publisher"
+  member = google_service_account.worker.member
+}
+
+# The batch runner (in the API: cloud_run.tf) drains the batch replies subscription. A batch's input file is
+# read with the API's service account: a caller grants it roles/storage.objectViewer on their own bucket.
+resource "google_pubsub_subscription_iam_member" "api_collects_batch_replies" {
+  subscription = google_pubsub_subscription.batch_replies.name
+  role         = "roles/pubsub.subscriber"
+  member       = google_service_account.api.member
+}
+
 resource "google_storage_bucket_iam_member" "worker_reads_weights" {
   bucket = google_storage_bucket.models.name
   role   = "roles/storage.objectViewer"

@@ -70,6 +70,8 @@ locals {
   dead_letter_topic_names        = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter" }
   dead_letter_subscription_names = { for model in keys(local.models) : model => "maas-requests-${model}-dead-letter-sub" }
   replies_topic_name             = "maas-replies"
+  batch_replies_topic_name       = "maas-batch-replies"
+  batch_replies_subscription     = "maas-batch-replies-collector"
 
   model_bucket_name   = "${var.project_id}-maas-models"
   payload_bucket_name = "${var.project_id}-maas-payloads"

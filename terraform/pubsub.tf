@@ -87,6 +87,28 @@ resource "google_pubsub_topic" "replies" {
   depends_on = [google_project_service.enabled]
 }
 
+# Batch lines' replies (issue 35): the API's batch runner drains the one subscription to wake its collector;
+# the worker's stored answer in Redis is what it reads, so a message lost or expired here loses nothing.
+resource "google_pubsub_topic" "batch_replies" {
+  #checkov:skip=CKV_GCP_83:Google-managed encryption; replies carry results or GCS URIs, no secrets.
+  name   = local.batch_replies_topic_name
+  labels = local.labels
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_pubsub_subscription" "batch_replies" {
+  name                       = local.batch_replies_subscription
+  topic                      = google_pubsub_topic.batch_replies.id
+  labels                     = local.labels
+  ack_deadline_seconds       = 30
+  message_retention_duration = "3600s"
+
+  expiration_policy {
+    ttl = ""
+  }
+}
+
 # Dead-lettering is done by the Pub/Sub service agent: it must publish to the dead-letter topic and
 # acknowledge (subscribe to) every source subscription, the high-priority one included.
 resource "google_pubsub_topic_iam_member" "dead_letter_publisher" {

@@ -334,3 +334,9 @@ variable "api_p99_latency_threshold_ms" {
   type        = number
   default     = 30000
 }
+
+variable "batch_max_in_flight" {
+  description = "Lines of one batch job in flight per model at most (MAAS_BATCH_MAX_IN_FLIGHT): the batch feeder in the API publishes no more until answers come back, so a million-line file never crowds Pub/Sub or Redis."
+  type        = number
+  default     = 64
+}

@@ -29,6 +29,8 @@ def stack_config(stack_dir) -> StackConfig:
             **configuring_variables(os.environ),
             "MAAS_ADMIN_KEYS": TEST_ADMIN_KEY,
             "MAAS_ADAPTER_LOAD_DELAY": f"{SLOW_ADAPTER}={SLOW_ADAPTER_LOAD_SECONDS}",
+            # A dead API process's batches are resumed by another within seconds (the batch fault tests).
+            "MAAS_BATCH_LEASE_SECONDS": "3",
         },
     )
 

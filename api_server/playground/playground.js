@@ -228,6 +228,32 @@ async function cancel() {
   }
 }
 
+async function loadBatches() {
+  $("batches-error").textContent = "";
+  if (!$("key").value.trim()) return;
+  let listed;
+  try {
+    listed = (await api("GET", "/v1/batches?limit=20")).data.batches;
+  } catch (failure) {
+    $("batches-error").textContent = failure.detail ? failure.detail.message : "cannot reach the API";
+    return;
+  }
+  const rows = listed.map((batch) => {
+    const counts = batch.request_counts;
+    const done = counts.succeeded + counts.failed + counts.cancelled + counts.expired;
+    const cells = [batch.id, batch.status, done + "/" + counts.total, counts.succeeded, counts.failed, batch.created_at];
+    const row = document.createElement("tr");
+    row.dataset.batch = batch.id;
+    for (const value of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = String(value);
+      row.appendChild(cell);
+    }
+    return row;
+  });
+  $("batches").tBodies[0].replaceChildren(...rows);
+}
+
 function rerun() {
   $("seed").value = $("rerun").dataset.seed || "";
   submit();
@@ -235,10 +261,12 @@ function rerun() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("key").value = sessionStorage.getItem(KEY_STORAGE) || "";
-  $("key").addEventListener("change", () => { sessionStorage.setItem(KEY_STORAGE, $("key").value.trim()); loadModels(); });
+  $("key").addEventListener("change", () => { sessionStorage.setItem(KEY_STORAGE, $("key").value.trim()); loadModels(); loadBatches(); });
+  $("batches-refresh").addEventListener("click", loadBatches);
   $("model").addEventListener("change", modelChanged);
   $("form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
   $("rerun").addEventListener("click", rerun);
   loadModels();
+  loadBatches();
 });

@@ -44,11 +44,21 @@ class UsageTotals(BaseModel):
     gpu_seconds: float
 
 
+class BatchUsage(BaseModel):
+    batch_job_id: str
+    model: str
+    lines: int = Field(description="lines that reached a model (invalid lines are not counted)")
+    succeeded: int
+    images: int
+    gpu_seconds: float
+
+
 class Usage(BaseModel):
     api_key_id: str = Field(description="the caller's key id (a digest prefix), the only key shown")
     since: str
     days: list[UsageRow]
     totals: UsageTotals
+    batches: list[BatchUsage] = Field(description="GPU-seconds per batch job (POST /v1/batches) begun since then")
 
 
 def parse_since(value: str | None, today: date) -> date:
@@ -70,7 +80,7 @@ def parse_since(value: str | None, today: date) -> date:
 @bp.get("/v1/usage")
 @documented(Response(HTTP_200=Usage, **errors(401, 422, 503)), query=UsageQuery, tags=["usage"])
 def usage():
-    """The caller's usage: requests, images, cache hits and GPU-seconds per day and model
+    """The caller's usage: requests, images, cache hits and GPU-seconds per day and model, and per batch
 
     From the billing view (the BigQuery inference log); rows arrive there a few seconds after the requests."""
     since = parse_since(request.args.get("since"), datetime.now(UTC).date())

@@ -565,6 +565,8 @@ def test_worker_grants_cover_exactly_what_the_worker_touches():
         ("google_pubsub_topic.replies.name", "roles/pubsub.publisher"),
         # A flow's later stages' request topics only (local.flow_forwarded_queues): a worker forwards a flow.
         ("google_pubsub_topic.requests[each.key].name", "roles/pubsub.publisher"),
+        # A batch line's reply goes to the batch collector's topic (issue 35).
+        ("google_pubsub_topic.batch_replies.name", "roles/pubsub.publisher"),
     }
     bucket_grants = _grants("google_storage_bucket_iam_member", member).values()
     buckets = {(expression(b["bucket"]), b["role"]) for b in bucket_grants}

@@ -197,3 +197,18 @@ def test_without_a_signing_secret_webhooks_are_refused(stack, auth_headers):
         timeout=10,
     )
     assert refused.status_code == 422 and "not enabled" in refused.json()["error"]["message"]
+
+
+def test_an_ended_batch_calls_its_webhook_once_signed(webhook_app, receiver, auth_headers):
+    lines = [{"custom_id": f"w-{index}", "model": "noop", "instances": [{"prompt": f"batch webhook {index}"}]}
+             for index in range(3)]  # fmt: skip
+    created = webhook_app.test_client().post(
+        "/v1/batches", json={"requests": lines, "webhook_url": f"{receiver.url}/batch"}, headers=auth_headers
+    )
+    assert created.status_code == 200, created.get_json()
+    batch_id = created.get_json()["id"]
+    (headers, body), *more = receiver.calls_to("/batch", 1)
+    assert verify(SECRET, headers["X-MaaS-Timestamp"], body, headers["X-MaaS-Signature"])
+    delivered = json.loads(body)
+    assert (delivered["id"], delivered["status"], headers["X-MaaS-Batch-Id"]) == (batch_id, "completed", batch_id)
+    assert delivered["request_counts"]["succeeded"] == 3 and not more

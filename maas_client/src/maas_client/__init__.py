@@ -1,6 +1,7 @@
 """Python SDK for the Model-as-a-Service image API: sync `Client` and asyncio `AsyncClient`, same surface."""
 
 from maas_client.aio import AsyncClient, AsyncJob
+from maas_client.batches import Batches
 from maas_client.client import Client, Job
 from maas_client.errors import (
     BadRequest,
@@ -20,10 +21,10 @@ from maas_client.errors import (
     Unauthorized,
     ValidationError,
 )
-from maas_client.types import JobList, JobView, ModelInfo, Result, Usage
+from maas_client.types import BatchView, JobList, JobView, ModelInfo, Result, Usage
 
 __all__ = [
-    "AsyncClient", "AsyncJob", "BadRequest", "Client", "Conflict", "ConnectionFailed", "Forbidden", "InputError",
+    "AsyncClient", "AsyncJob", "BadRequest", "Batches", "BatchView", "Client", "Conflict", "ConnectionFailed", "Forbidden", "InputError",
     "Job", "JobCancelled", "JobFailed", "JobList", "JobView", "MaasError", "ModelInfo", "NotFound", "PayloadTooLarge",
     "RateLimited", "Result", "ServerError", "ServiceUnavailable", "Timeout", "Unauthorized", "Usage",
     "ValidationError",

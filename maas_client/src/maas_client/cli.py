@@ -32,7 +32,7 @@ from maas_client.errors import (
     Timeout,
     Unauthorized,
 )
-from maas_client.types import JobStatus, JobView, ModelInfo, Result
+from maas_client.types import BatchView, JobStatus, JobView, ModelInfo, Result
 
 EXIT_USAGE, EXIT_AUTH, EXIT_RATE_LIMITED, EXIT_SERVER = 2, 3, 4, 5
 JOB_STATES = typing.get_args(JobStatus)
@@ -40,6 +40,8 @@ JOB_STATES = typing.get_args(JobStatus)
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model-as-a-Service from the command line.")
 jobs_app = typer.Typer(no_args_is_help=True, help="Jobs: submit, status, wait (live progress), cancel, list.")
 app.add_typer(jobs_app, name="jobs")
+batches_app = typer.Typer(no_args_is_help=True, help="Batch jobs: create, get, list, cancel, wait (a progress bar).")
+app.add_typer(batches_app, name="batches")
 out = Console()
 err = Console(stderr=True)
 STATE: dict[str, Any] = {}
@@ -389,6 +391,115 @@ def usage(since: Annotated[str, typer.Option(help="7d, 30d or a date YYYY-MM-DD"
         print_table(("day", "model", "requests", "succeeded", "images", "cache hits", "GPU s"), cells, whole=2)
 
     _emit(report.model_dump(), table)
+
+
+def _batch_line(view: BatchView) -> str:
+    counts = view.request_counts
+    error = f": {view.error.message}" if view.error else ""
+    return (f"{view.id} {view.status}: {counts.succeeded} succeeded, {counts.failed} failed, {counts.cancelled} "
+            f"cancelled, {counts.expired} expired of {counts.total} read{error}")  # fmt: skip
+
+
+def _emit_batch(view: BatchView) -> None:
+    _emit(view.model_dump(), lambda: out.print(_batch_line(view), highlight=False, markup=False))
+
+
+@batches_app.command("create")
+def batches_create(
+    source: Annotated[str, typer.Argument(help="gs://bucket/file.jsonl, or a local .jsonl file sent inline")],
+    window: Annotated[str, typer.Option("--window", help="completion window: 24h, 30m, 90s")] = "24h",
+    webhook: Annotated[str | None, typer.Option(help="https URL called once when the batch ends")] = None,
+    metadata: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
+) -> None:
+    """Submit a batch: one JSON line per request, {"custom_id", "model", "instances", "parameters"}."""
+    pairs = [item.partition("=") for item in metadata or []]
+    if any(not key or not sep for key, sep, _ in pairs):
+        _fail(InputError("--metadata: KEY=VALUE"))
+    options: dict[str, Any] = {"completion_window": window, "webhook_url": webhook,
+                               "metadata": {key: value for key, _, value in pairs}}  # fmt: skip
+    if source.startswith("gs://"):
+        options["input_file"] = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            _fail(InputError(f"{source}: neither gs://... nor a file here"))
+        try:
+            options["requests"] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except ValueError as exc:
+            _fail(InputError(f"{source}: not JSON lines ({exc})"))
+    with _client() as client:
+        try:
+            view = client.batches.create(**options)
+        except MaasError as exc:
+            _fail(exc)
+    _emit_batch(view)
+
+
+@batches_app.command("get")
+def batches_get(batch_id: str) -> None:
+    """A batch's status, request counts and output locations."""
+    with _client() as client:
+        try:
+            view = client.batches.get(batch_id)
+        except MaasError as exc:
+            _fail(exc)
+    _emit_batch(view)
+
+
+@batches_app.command("list")
+def batches_list(limit: Annotated[int, typer.Option(help="the newest N, 1 to 1000")] = 20) -> None:
+    """Your batches, newest first."""
+    if not 1 <= limit <= 1000:
+        _fail(InputError(f"--limit {limit}: from 1 to 1000"))
+    with _client() as client:
+        try:
+            views = list(client.batches.list(limit=limit))
+        except MaasError as exc:
+            _fail(exc)
+
+    def table() -> None:
+        cells = [
+            (v.id, v.status, f"{v.request_counts.done}/{v.request_counts.total}", str(v.request_counts.succeeded),
+             str(v.request_counts.failed), v.created_at)
+            for v in views
+        ]  # fmt: skip
+        print_table(("batch", "status", "done", "succeeded", "failed", "created"), cells)
+
+    _emit([view.model_dump() for view in views], table)
+
+
+@batches_app.command("cancel")
+def batches_cancel(batch_id: str) -> None:
+    """Cancel a batch: nothing more runs, what finished stays in its results."""
+    with _client() as client:
+        try:
+            view = client.batches.cancel(batch_id)
+        except MaasError as exc:
+            _fail(exc)
+    _emit_batch(view)
+
+
+@batches_app.command("wait")
+def batches_wait(batch_id: str) -> None:
+    """Follow a batch to its end with a progress bar (lines done of lines read); exit 1 unless it completed."""
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("lines"),
+        TimeElapsedColumn(), console=err, disable=bool(STATE.get("json")),
+    )  # fmt: skip
+    with _client() as client, bar:
+        task = bar.add_task(f"batch {batch_id[:18]}", total=None)
+
+        def show(view: BatchView) -> None:
+            counts = view.request_counts
+            bar.update(task, completed=counts.done, total=counts.total or None, description=view.status)
+
+        try:
+            view = client.batches.wait(batch_id, on_progress=show)
+        except MaasError as exc:
+            _fail(exc)
+    _emit_batch(view)
+    if view.status != "completed":
+        raise typer.Exit(1)
 
 
 def main() -> None:

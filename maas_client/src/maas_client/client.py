@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from maas_client import _core
+from maas_client.batches import Batches
 from maas_client.errors import NotFound, ServerError, Timeout
 from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
 
@@ -38,6 +39,7 @@ class Client:
             deadline_seconds=_core.retry_deadline_from_env(retry_deadline), max_retries=max_retries
         )
         self._http = httpx.Client(transport=transport, **options)
+        self.batches = Batches(self)
 
     def __enter__(self) -> Client:
         return self

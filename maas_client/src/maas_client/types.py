@@ -169,11 +169,77 @@ class UsageTotals(_Body):
     gpu_seconds: float
 
 
+class BatchUsage(_Body):
+    batch_job_id: str
+    model: str
+    lines: int
+    succeeded: int
+    images: int
+    gpu_seconds: float
+
+
 class Usage(_Body):
     api_key_id: str
     since: str
     days: list[UsageRow]
     totals: UsageTotals
+    batches: list[BatchUsage]
+
+
+BatchStatus = Literal[
+    "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"
+]
+BATCH_ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+class RequestCounts(_Body):
+    total: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    expired: int
+
+    @property
+    def done(self) -> int:
+        return self.succeeded + self.failed + self.cancelled + self.expired
+
+
+class BatchError(_Body):
+    code: int
+    message: str
+
+
+class BatchView(_Body):
+    """A batch job (`POST /v1/batches`) as `GET /v1/batches/{id}` shows it."""
+
+    id: str
+    object: Literal["batch"]
+    status: BatchStatus
+    input_file: str
+    completion_window: str
+    request_counts: RequestCounts
+    created_at: str
+    expires_at: str
+    in_progress_at: str | None = None
+    finalizing_at: str | None = None
+    cancelling_at: str | None = None
+    completed_at: str | None = None
+    failed_at: str | None = None
+    cancelled_at: str | None = None
+    expired_at: str | None = None
+    output: dict[str, str]
+    links: dict[str, str]
+    metadata: dict[str, str]
+    error: BatchError | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in BATCH_ENDED
+
+
+class BatchList(_Body):
+    batches: list[BatchView]
+    next_before: str | None
 
 
 class Result(BaseModel):

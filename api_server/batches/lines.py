@@ -1,0 +1,120 @@
+"""The input file as a stream of lines, and a line's validation: exactly the predict route's.
+
+`read_lines` reads a binary stream in fixed chunks from a byte offset, yielding each line with the offset just
+past it (the resume point recorded in Redis), so memory stays at one chunk plus one line whatever the file's
+size; a line longer than the limit is skipped to its end and reported, never held whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import BinaryIO
+
+from api_server.auth import Caller
+from api_server.errors import ApiError
+from api_server.inference import PreparedRequest
+from api_server.serving import ServingStage
+
+CHUNK_BYTES = 256 * 1024
+MAX_CUSTOM_ID_LENGTH = 256
+LINE_FIELDS = ("custom_id", "model", "instances", "parameters")
+
+
+@dataclass(frozen=True)
+class Line:
+    number: int  # 1-based
+    end_offset: int  # the byte just past this line's newline: where a resumed feeder starts
+    data: bytes | None  # None: longer than the limit (skipped)
+    start_offset: int = 0  # where the line's bytes begin (the blank lines before it skipped)
+
+
+def read_lines(stream: BinaryIO, start_offset: int, start_number: int, max_line_bytes: int) -> Iterator[Line]:
+    """Lines from `start_offset` (the stream is positioned there by the caller), numbered after `start_number`;
+    blank lines are skipped but counted in the offsets."""
+    partial, offset, number, too_long = b"", start_offset, start_number, False  # `offset`: where `partial` begins
+    long_began = start_offset
+    while chunk := stream.read(CHUNK_BYTES):
+        data, start = partial + chunk, 0
+        while (newline := data.find(b"\n", start)) >= 0:
+            raw, began, end = data[start:newline], offset + start, offset + newline + 1
+            start = newline + 1
+            if too_long:
+                too_long, number = False, number + 1
+                yield Line(number, end, None, long_began)
+            elif raw.strip():
+                number += 1
+                yield Line(number, end, raw if len(raw) <= max_line_bytes else None, began)
+        offset, partial = offset + start, data[start:]
+        if len(partial) > max_line_bytes:
+            if not too_long:
+                long_began = offset
+            offset, partial, too_long = offset + len(partial), b"", True  # refused as it comes, never held whole
+    if too_long or partial.strip():
+        number += 1
+        began = long_began if too_long else offset
+        yield Line(number, offset + len(partial), None if too_long or len(partial) > max_line_bytes else partial, began)
+
+
+def line_request_id(batch_id: str, custom_id: str) -> str:
+    """Deterministic per (batch, custom_id): a line published again is the same request, answered once by the
+    worker's result store."""
+    return f"{batch_id}-{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
+
+
+def custom_id_digest(custom_id: str) -> str:
+    return hashlib.sha256(custom_id.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class InvalidLine:
+    custom_id: str | None
+    error: ApiError
+
+
+def custom_id_of(data: bytes | None) -> str | None:
+    """The line's custom_id when it has a usable one (for its error line), else None."""
+    if data is None:
+        return None
+    try:
+        value = json.loads(data).get("custom_id")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_CUSTOM_ID_LENGTH else None
+
+
+def validate_line(
+    serving: ServingStage, batch_id: str, line: Line, caller: Caller, max_line_bytes: int
+) -> PreparedRequest | InvalidLine:
+    """The line as the predict route would take its body: the same checks in the same order (model, then body),
+    the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first."""
+    if line.data is None:
+        return InvalidLine(None, ApiError(413, f"request body exceeds {max_line_bytes} bytes"))
+    try:
+        payload = json.loads(line.data)
+    except (ValueError, RecursionError):
+        return InvalidLine(None, ApiError(400, "body must be a JSON object (Content-Type: application/json)"))
+    if not isinstance(payload, dict):
+        return InvalidLine(None, ApiError(400, "body must be a JSON object (Content-Type: application/json)"))
+    custom_id = payload.get("custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_LENGTH:
+        message = f"custom_id: a string of 1 to {MAX_CUSTOM_ID_LENGTH} characters, unique in the batch"
+        return InvalidLine(None, ApiError(422, message, "custom_id"))
+    try:
+        unknown = sorted(set(payload) - set(LINE_FIELDS))
+        if unknown:
+            raise ApiError(422, f"{unknown[0]}: not a batch line field; expected {', '.join(LINE_FIELDS)}", unknown[0])
+        if not isinstance(payload.get("model"), str):
+            raise ApiError(422, "model: a model of GET /v1/models", "model")
+        parameters = payload.get("parameters", {})
+        if isinstance(parameters, dict) and "priority" in parameters:
+            raise ApiError(422, "parameters.priority: a batch line runs at batch priority", "parameters.priority")
+        request_id = line_request_id(batch_id, custom_id)
+        spec = serving.model(payload["model"], request_id, caller)
+        body = {key: payload[key] for key in ("instances", "parameters") if key in payload}
+        prepared = serving.prepare(spec, body, request_id, caller)
+    except ApiError as error:
+        return InvalidLine(custom_id, error)
+    return replace(prepared, priority="batch", payload=None)
