@@ -1,6 +1,8 @@
 # Everyday commands. `make run` and `make test` install what they need first.
 PYTHON ?= python3
 VENV := .venv
+# The test files run on two processes (pytest-xdist), each with its own stack; `make test PYTEST_PARALLEL=` runs them on one.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 VENV_BQ := .venv-bq
 VENV_CHECKOV := .venv-checkov
 PY := $(VENV)/bin/python
@@ -73,7 +75,7 @@ browser-deps:
 
 # The infrastructure tests run checkov from its own virtualenv.
 test: install browser-deps $(VENV_CHECKOV)/.installed
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 # The layering contracts ([tool.importlinter] in pyproject.toml) also run in `make test` (tests/unit/test_layering.py).
 lint: $(VENV)/.installed

@@ -11,6 +11,14 @@ import pytest
 
 from emulators.stack import StackConfig, configuring_variables, down, up
 
+# `make test` runs the files on parallel pytest-xdist workers (`-n`, `--dist loadfile`), each with a whole stack
+# of its own: every port the tests use is derived from MAAS_TEST_PORT_OFFSET, so each worker gets its own
+# offset before any test module reads it (500 apart keeps every stack's port set disjoint).
+if (_xdist_worker := os.environ.get("PYTEST_XDIST_WORKER", "")).startswith("gw"):
+    os.environ["MAAS_TEST_PORT_OFFSET"] = str(
+        int(os.environ.get("MAAS_TEST_PORT_OFFSET", "10000")) + 500 * int(_xdist_worker.removeprefix("gw"))
+    )
+
 TEST_API_KEYS = ("test-key-primary", "test-key-secondary")
 TEST_ADMIN_KEY = "test-admin-key"
 # An adapter the tests register whose first load the stack's workers delay on purpose (a test hook).
