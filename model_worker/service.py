@@ -232,6 +232,7 @@ class WorkerService:
         if (
             isinstance(shared, DiffusionRunner)
             and shared.spec.family == spec.family
+            and shared.spec.quantization == spec.quantization  # the shared components are quantized as loaded
             and not self.settings.torch_compile
         ):
             # The same weights as a unit loaded already (SD 1.5's image-to-image beside its text-to-image): one copy

@@ -337,7 +337,7 @@ def backlog_target(spec: ModelSpec) -> float:
 
 def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
     return [
-        WorkerDeployment(name, tuple(specs), flows_served_by(catalog, name))
+        WorkerDeployment(name, tuple(specs), flows=flows_served_by(catalog, name))
         for name, specs in catalog.deployments().items()
     ]
 

@@ -296,7 +296,8 @@ def test_an_oversized_adapter_is_refused(stack, bucket):
 
 
 def held_requests(stack) -> float:
-    index = list(local_catalog(test_fixtures=True).deployments()).index(MODEL)
+    catalog = local_catalog(test_fixtures=True)
+    index = list(catalog.deployments()).index(catalog.get(MODEL).deployment)
     body = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/metrics", timeout=5).text
     line = next(line for line in body.splitlines() if line.startswith("maas_worker_held_requests "))
     return float(line.split()[1])

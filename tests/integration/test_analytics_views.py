@@ -121,7 +121,7 @@ def no_gpu(row: dict) -> bool:
 def test_every_sql_file_is_covered_here():
     tested = {"daily_usage_by_model", "hourly_usage_by_model", "latency_by_model_hourly", "cache_and_coalescing_daily",
               "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours",
-              "version_comparison", "rollouts", "flows_by_stage_daily"}  # fmt: skip
+              "version_comparison", "rollouts", "flows_by_stage_daily", "gpu_seconds_by_batch"}  # fmt: skip
     assert {path.stem for path in ANALYTICS_SQL_DIR.glob("*.sql")} == tested
 
 
@@ -406,3 +406,22 @@ def test_zz_flows_share_latency_and_gpu_seconds_by_stage_and_bill_the_flow_once(
     billed = [r for r in views("billing_by_api_key_daily", "day") if r["api_key_id"] == "key-flow"]
     assert [(r["model"], r["requests"], r["images"]) for r in billed] == [("two-stage", 2, 2)]
     assert billed[0]["gpu_seconds"] == pytest.approx(1.8)  # the flow's row, never its stages' rows again
+
+
+def test_zz_a_batch_jobs_gpu_seconds_sum_its_lines_shares_once_each(views, settings):
+    client = google_clients.bigquery_client(dataclasses.replace(settings, dataset=views.dataset))
+    hour, rows = DAY2.replace(minute=40).isoformat(), []
+    # Three lines of one batch: two ok (one alone in its call, one sharing a call of four images), one failed; the
+    # first line's row written twice (a retried insert): inference_log_unique counts it once.
+    for custom_id, status, ms, batch in [("a", "ok", 800.0, 1), ("b", "ok", 1200.0, 4), ("c", "error", 0.0, 0)]:
+        rows.append({"request_id": f"batch-1-{custom_id}", "created_at": hour, "replied_at": hour,
+                     "api_key_id": "key-batch", "model": "sd15-txt2img", "model_version": "1", "endpoint": "batch",
+                     "priority": "batch", "status": status, "http_status": 200 if status == "ok" else 500,
+                     "num_images": 1, "inference_ms": ms, "batch_size": batch, "batch_job_id": "batch-1",
+                     "custom_id": custom_id})  # fmt: skip
+    rows.append(dict(rows[0]))
+    assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.log_table}", rows) == []
+    (got,) = [r for r in views("gpu_seconds_by_batch", "batch_job_id") if r["batch_job_id"] == "batch-1"]
+    assert (got["lines"], got["succeeded"], got["not_succeeded"], got["images"]) == (3, 2, 1, 2)
+    assert got["gpu_seconds"] == pytest.approx(0.8 + 1.2 / 4)
+    assert (got["api_key_id"], got["model"]) == ("key-batch", "sd15-txt2img")

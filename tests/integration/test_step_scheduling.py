@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from emulators.processes import ProcessRegistry
+from emulators.stack import local_catalog
 
 pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"  # `scheduling: step` in the catalog
@@ -23,7 +24,7 @@ def running_images(port: int) -> float:
 
 
 def test_sigterm_finishes_the_running_set_and_hands_the_rest_back(stack, worker_client, extra_worker):
-    name = extra_worker(TXT2IMG)
+    name = extra_worker(local_catalog(test_fixtures=True).get(TXT2IMG).deployment)  # its worker group locally
     registry = ProcessRegistry(stack.stack_dir)
     pid = registry.pid(name)
     # Its probe port, from its own environment (the fixture picks it).

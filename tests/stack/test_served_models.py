@@ -33,8 +33,9 @@ FIXTURES = {
 USER_WORKERS = {"worker-sd15", "worker-sdxl", "worker-flux-schnell", "worker-sd35-txt2img", "worker-synthetic",
                 "worker-flux-versions", "worker-sd15-lcm"}  # fmt: skip
 # What the local overlay changes beside the defaults: the flows' worker groups (one pod's placement) and SD 1.5's
-# image-to-image on the text-to-image weights (one set of components).
-LOCAL_GROUPING = {"worker_group", "gpu_sharing", "weights_path"}
+# image-to-image on the text-to-image weights (one set of components); the hardware the memory plan wants for a
+# group, and FLUX.1 and SD 3.5 unquantized (compared with diffusers' own pipeline on the CPU).
+LOCAL_GROUPING = {"worker_group", "gpu_sharing", "weights_path", "hardware", "quantization"}
 
 
 def make_up_config(tmp_path) -> StackConfig:

@@ -167,7 +167,7 @@ def test_float8_dynamic_on_the_cpu_is_refused_before_loading_with_the_reason(pip
         DiffusionRunner(spec, pipelines["sd15"][0], torch_threads=1)
     # The worker checks before downloading the weights, and the error is not taken for unloadable weights.
     with pytest.raises(QuantizationUnsupportedError, match="sd15-quantized: quantization float8_dynamic"):
-        WorkerService._load_diffusers(SimpleNamespace(), spec)
+        WorkerService._download_and_load(SimpleNamespace(), spec)
 
 
 @pytest.mark.parametrize(
