@@ -196,12 +196,13 @@ def build_app_state(settings: Settings) -> AppState:
         settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow,
         inflight,
     )  # fmt: skip
+    flows = FlowService(catalog, serving.model)
     batch_store = BatchStore(redis_client, storage.bucket(settings.payload_bucket))
     batch_runner = None
     if settings.batch_runner:
         batch_runner = BatchRunner(
             settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
-            storage, webhooks, subscriber,
+            storage, webhooks, subscriber, flows,
         )  # fmt: skip
     batches = BatchService(batch_store, redis_state, storage, targets, settings.batch_inline_max_lines, batch_runner)
     return AppState(
@@ -221,7 +222,7 @@ def build_app_state(settings: Settings) -> AppState:
         flights=flights,
         limiter=limiter,
         serving=serving,
-        flows=FlowService(catalog, serving.model),
+        flows=flows,
         batches=batches,
         batch_runner=batch_runner,
         records=RequestRecords(

@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 from api_server.auth import Caller
 from api_server.errors import ApiError
+from api_server.flows import FlowService
 from api_server.inference import PreparedRequest
 from api_server.serving import ServingStage
 
@@ -86,10 +87,10 @@ def custom_id_of(data: bytes | None) -> str | None:
 
 
 def validate_line(
-    serving: ServingStage, batch_id: str, line: Line, caller: Caller, max_line_bytes: int
+    serving: ServingStage, flows: FlowService | None, batch_id: str, line: Line, caller: Caller, max_line_bytes: int
 ) -> PreparedRequest | InvalidLine:
-    """The line as the predict route would take its body: the same checks in the same order (model, then body),
-    the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first."""
+    """The line as the predict route would take its body: the same checks in the same order (model or flow, then
+    body), the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first."""
     if line.data is None:
         return InvalidLine(None, ApiError(413, f"request body exceeds {max_line_bytes} bytes"))
     try:
@@ -112,9 +113,14 @@ def validate_line(
         if isinstance(parameters, dict) and "priority" in parameters:
             raise ApiError(422, "parameters.priority: a batch line runs at batch priority", "parameters.priority")
         request_id = line_request_id(batch_id, custom_id)
-        spec = serving.model(payload["model"], request_id, caller)
         body = {key: payload[key] for key in ("instances", "parameters") if key in payload}
-        prepared = serving.prepare(spec, body, request_id, caller)
+        if flows is not None and (flow := flows.get(payload["model"])) is not None:
+            # A flow: each stage's unit chosen as the predict route chooses it (api_server/flows.py).
+            call = flows.call(flow, request_id, caller)
+            prepared = serving.prepare(call.spec, body, request_id, caller, flow=call)
+        else:
+            spec = serving.model(payload["model"], request_id, caller)
+            prepared = serving.prepare(spec, body, request_id, caller)
     except ApiError as error:
         return InvalidLine(custom_id, error)
     return replace(prepared, priority="batch", payload=None)

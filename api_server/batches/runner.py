@@ -37,6 +37,7 @@ from api_server.auth import Caller
 from api_server.batches.lines import InvalidLine, Line, custom_id_digest, custom_id_of, read_lines, validate_line
 from api_server.batches.store import KINDS, Batch, BatchStore, view
 from api_server.errors import ApiError
+from api_server.flows import FlowService
 from api_server.inference import InferenceService, PreparedRequest
 from api_server.inference_log import InferenceLogRow, InferenceLogWriter
 from api_server.job_log import ended_row
@@ -91,8 +92,10 @@ class BatchRunner:
         storage_client,
         webhooks: WebhookNotifier | None = None,
         subscriber: pubsub_v1.SubscriberClient | None = None,
+        flows: FlowService | None = None,
     ) -> None:
         self._settings = settings
+        self._flows = flows
         self._store = store
         self._serving = serving
         self._inference = inference
@@ -201,10 +204,13 @@ class BatchRunner:
             if self._redis.exists(naming.inflight_key(request_id), naming.result_key(request_id)):
                 self._store.published(batch.batch_id, request_id)  # it was published: the worker has it
                 continue
-            spec = self._catalog.version(entry["model"], entry["version"])
+            message = InferenceRequest.model_validate_json(entry["request"])
+            # A flow's line goes to its first stage's unit: the message names it (the entry names the flow).
+            spec = self._catalog.version(entry["model"], entry["version"]) or self._catalog.version(
+                message.model, message.model_version
+            )
             if spec is None:
                 continue
-            message = InferenceRequest.model_validate_json(entry["request"])
             try:
                 self._inference.publish(message, spec, batch.expires_ms, "batch", reply_to=naming.BATCH_REPLIES_TOPIC)
             except ApiError:
@@ -262,7 +268,7 @@ class BatchRunner:
                         return True
                     return self._fed_all(batch_id) or worked
                 max_bytes = self._settings.max_request_bytes
-                reader.held = (line, validate_line(self._serving, batch_id, line, caller, max_bytes))
+                reader.held = (line, validate_line(self._serving, self._flows, batch_id, line, caller, max_bytes))
             line, checked = reader.held
             if isinstance(checked, InvalidLine):
                 invalid.append((line, checked))  # written in one round trip with the invalid lines after it

@@ -239,3 +239,19 @@ def test_the_sdk_and_the_cli_create_wait_list_and_read_a_batch(stack, tmp_path):
     assert final["status"] == "completed" and final["request_counts"]["failed"] == 1, final
     listed = run_cli(stack, "batches", "list", "--limit", "3")
     assert listed.returncode == 0 and batch_id in listed.stdout, listed.stdout
+
+
+def test_a_flow_is_a_batch_line_like_a_model(stack, auth_headers):
+    # relay-across (tests/models.fixtures.yaml): its draft in the relay group, its polish in another deployment.
+    ok, refused = line("flow-ok", model="relay-across", seed=7), line("flow-bad", model="relay-across", strength=0.5)
+    batch = create(stack, auth_headers, requests=[ok, refused])
+    final = wait(stack, auth_headers, batch["id"])
+    assert final["status"] == "completed" and final["request_counts"]["succeeded"] == 1, final
+    [result] = output(stack, auth_headers, batch["id"], "results")
+    assert (result["custom_id"], result["status"], result["model"]) == ("flow-ok", "succeeded", "relay-across")
+    assert result["images"][0]["seed"] == 7
+    [error] = output(stack, auth_headers, batch["id"], "errors")
+    code, message = predict_error(stack, auth_headers, refused)
+    assert code == 422 and (error["custom_id"], error["error"]["code"], error["error"]["message"]) == (
+        "flow-bad", code, message,
+    )  # fmt: skip

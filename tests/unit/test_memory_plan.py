@@ -277,5 +277,6 @@ def test_make_status_prints_each_models_plan_under_the_components(tmp_path):
     table, _ = status(StackConfig(stack_dir=tmp_path, port_offset=0))
     plan = table.split("Memory plan (each model on its catalog hardware; here the tiny pipelines run on the CPU):\n")[1]
     rows = {line.split()[0]: line.split() for line in plan.splitlines()[1:]}
-    assert rows["flux-schnell"][:4] == ["flux-schnell", "flux.1-schnell", "l4", "float8_weight_only"]
+    # `make status` shows what the local stack serves: FLUX.1 unquantized (contract/models.local.yaml).
+    assert rows["flux-schnell"][:4] == ["flux-schnell", "flux.1-schnell", "a100-80", "-"]
     assert rows["flux-schnell"][-1] == "yes" and "noop" not in rows
