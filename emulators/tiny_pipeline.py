@@ -186,10 +186,11 @@ def _sd15(out_dir: Path) -> dict:
     }  # fmt: skip
 
 
-def _sdxl(out_dir: Path) -> dict:
-    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+def _sdxl_unet(projection_class_embeddings_input_dim: int, cross_attention_dim: int):
+    """The tiny SDXL UNet, base or refiner: they differ in their conditioning widths only."""
+    from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         block_out_channels=(32, 64),
         layers_per_block=2,
         sample_size=128,
@@ -202,10 +203,17 @@ def _sdxl(out_dir: Path) -> dict:
         addition_embed_type="text_time",
         addition_time_embed_dim=8,
         transformer_layers_per_block=(1, 2),
-        projection_class_embeddings_input_dim=80,  # 6 time ids x 8 + the second encoder's 32-wide projection
-        cross_attention_dim=64,  # the two encoders' hidden states side by side
+        projection_class_embeddings_input_dim=projection_class_embeddings_input_dim,
+        cross_attention_dim=cross_attention_dim,
         norm_num_groups=32,
     )
+
+
+def _sdxl(out_dir: Path) -> dict:
+    from diffusers import EulerDiscreteScheduler
+
+    # 6 time ids x 8 + the second encoder's 32-wide projection; the two encoders' hidden states side by side.
+    unet = _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64)
     text_encoder, tokenizer = _clip(out_dir, "tokenizer")
     text_encoder_2, tokenizer_2 = _clip(out_dir, "tokenizer_2", with_projection=True)
     scheduler = EulerDiscreteScheduler(
@@ -224,27 +232,10 @@ def _sdxl_refiner(out_dir: Path) -> dict:
     as the real refiner shares the base's."""
     import shutil
 
-    from diffusers import UNet2DConditionModel
-
     base = _sdxl(out_dir)
     shutil.rmtree(out_dir / "tokenizer", ignore_errors=True)  # the first encoder's: the refiner has none
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=128,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2),
-        projection_class_embeddings_input_dim=72,  # 5 time ids (with the aesthetic score) x 8 + the 32-wide pooled
-        cross_attention_dim=32,  # the second encoder's hidden states alone
-        norm_num_groups=32,
-    )
+    # 5 time ids (with the aesthetic score) x 8 + the 32-wide pooled; the second encoder's hidden states alone.
+    unet = _sdxl_unet(projection_class_embeddings_input_dim=72, cross_attention_dim=32)
     return {
         "unet": unet, "vae": base["vae"], "text_encoder": None, "tokenizer": None,
         "text_encoder_2": base["text_encoder_2"], "tokenizer_2": base["tokenizer_2"], "scheduler": base["scheduler"],
