@@ -10,7 +10,7 @@ import json
 import re
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -404,6 +404,16 @@ def _emit_batch(view: BatchView) -> None:
     _emit(view.model_dump(), lambda: out.print(_batch_line(view), highlight=False, markup=False))
 
 
+def _batch_call(call: Callable[[Client], BatchView]) -> None:
+    """One batch call (create, get, cancel): its view printed, or its error with the CLI's exit code."""
+    with _client() as client:
+        try:
+            view = call(client)
+        except MaasError as exc:
+            _fail(exc)
+    _emit_batch(view)
+
+
 @batches_app.command("create")
 def batches_create(
     source: Annotated[str, typer.Argument(help="gs://bucket/file.jsonl, or a local .jsonl file sent inline")],
@@ -427,23 +437,13 @@ def batches_create(
             options["requests"] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except ValueError as exc:
             _fail(InputError(f"{source}: not JSON lines ({exc})"))
-    with _client() as client:
-        try:
-            view = client.batches.create(**options)
-        except MaasError as exc:
-            _fail(exc)
-    _emit_batch(view)
+    _batch_call(lambda client: client.batches.create(**options))
 
 
 @batches_app.command("get")
 def batches_get(batch_id: str) -> None:
     """A batch's status, request counts and output locations."""
-    with _client() as client:
-        try:
-            view = client.batches.get(batch_id)
-        except MaasError as exc:
-            _fail(exc)
-    _emit_batch(view)
+    _batch_call(lambda client: client.batches.get(batch_id))
 
 
 @batches_app.command("list")
@@ -471,12 +471,7 @@ def batches_list(limit: Annotated[int, typer.Option(help="the newest N, 1 to 100
 @batches_app.command("cancel")
 def batches_cancel(batch_id: str) -> None:
     """Cancel a batch: nothing more runs, what finished stays in its results."""
-    with _client() as client:
-        try:
-            view = client.batches.cancel(batch_id)
-        except MaasError as exc:
-            _fail(exc)
-    _emit_batch(view)
+    _batch_call(lambda client: client.batches.cancel(batch_id))
 
 
 @batches_app.command("wait")
