@@ -69,9 +69,9 @@ def publish(bucket, registry, spec, model_dir: Path, scratch: Path) -> dict[str,
 
 
 def bench_family(family: str, model_dir: Path, bucket, registry, args, scratch: Path) -> dict:
-    from model_worker.adapters import AdapterLoader
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.runners import GenerationItem
+    from model_worker.adapters.loader import AdapterLoader
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
 
     catalog = local_catalog()
     policy = catalog.get("sd15-txt2img").adapters

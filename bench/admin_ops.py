@@ -1,7 +1,7 @@
 """Pub/Sub admin operations against the project quota: counted per request, turned into a sustainable rate.
 
 The counts come from `bench.counted_api`, which the benchmark's API process runs instead of
-`api_server.wsgi`: it wraps the Google clients' admin methods and counts every call in Redis.
+`api_server.process.wsgi`: it wraps the Google clients' admin methods and counts every call in Redis.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def running_stack() -> StackConfig:
 
 
 class BenchApiProcess:
-    """The real API under gunicorn (`api_server.asgi:app`), on its own port, with the settings asked for."""
+    """The real API under gunicorn (`api_server.process.asgi:app`), on its own port, with the settings asked for."""
 
     def __init__(self, config: StackConfig, port: int, name: str = "bench-api-feature") -> None:
         self._config = config
@@ -53,7 +53,14 @@ class BenchApiProcess:
             "MAAS_LOG_SPOOL_DIR": str(self._config.stack_dir / f"{self.name}-spool"),
             **env,
         }
-        argv = [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app"]
+        argv = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--config",
+            "api_server/process/gunicorn_conf.py",
+            "api_server.process.asgi:app",
+        ]
         self._registry.start(self.name, argv, full, cwd=ROOT)
         self._registry.wait_until(self.name, lambda: http_ok(f"{self.url}/readyz"), timeout=90)
 

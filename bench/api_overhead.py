@@ -20,8 +20,8 @@ import time
 import uuid
 from collections import defaultdict
 
-from api_server.app import create_app
-from api_server.state import app_state
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from bench.api_common import KEY, running_stack
 from bench.loadgen import percentile
 from contract.jsonlog import JsonFormatter, bind_context, unbind_context

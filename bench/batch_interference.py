@@ -40,7 +40,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from bench.worker_harness import interactive_latencies
-    from model_worker.runners import SyntheticRunner
+    from model_worker.model.runners import SyntheticRunner
 
     base = local_catalog().get(args.model)
     params = GenerationParameters(seed=0, num_inference_steps=args.steps, guidance_scale=base.defaults.guidance_scale,
@@ -51,7 +51,7 @@ def main() -> None:
         if args.model_dir:
             import torch
 
-            from model_worker.pipeline import DiffusionRunner
+            from model_worker.model.pipeline import DiffusionRunner
 
             torch.set_num_threads(args.threads)
             runner = DiffusionRunner(spec, args.model_dir, torch_threads=args.threads)

@@ -1,6 +1,6 @@
 """The API's own app for gunicorn, with every Pub/Sub admin operation it makes counted in Redis.
 
-    gunicorn --config api_server/gunicorn_conf.py bench.counted_api:app
+    gunicorn --config api_server/process/gunicorn_conf.py bench.counted_api:app
 
 Pub/Sub's admin quota (6,000 a minute per project) covers get, list, create, update and delete of topics,
 subscriptions and snapshots. This module wraps those methods on the Google client classes before the app
@@ -65,6 +65,6 @@ def install() -> None:
 
 
 install()
-from api_server.asgi import app  # noqa: E402 - the wrappers must be in place before the clients are built
+from api_server.process.asgi import app  # noqa: E402 - the wrappers must be in place before the clients are built
 
 __all__ = ["app"]

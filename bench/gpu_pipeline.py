@@ -210,7 +210,7 @@ def worker_rate(runner, spec, params, seconds_hint: float, direct_guess: float |
 
 def compile_cache(workdir: Path, spec):
     from contract import naming
-    from model_worker.compiled import CompileCache, compile_cache_key
+    from model_worker.model.compiled import CompileCache, compile_cache_key
 
     name = naming.compile_cache_object(spec.weights_path, compile_cache_key(spec))
     return CompileCache(LocalBucket(workdir / "compile-cache"), name)
@@ -245,8 +245,8 @@ def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls:
     from contract import naming
     from contract.generation import AdapterRef
     from emulators.tiny_pipeline import build_adapter
-    from model_worker.adapters import AdapterLoader
-    from model_worker.runners import GenerationItem
+    from model_worker.adapters.loader import AdapterLoader
+    from model_worker.model.runners import GenerationItem
 
     bucket = LocalBucket(workdir / "adapter-bucket")
     refs = {}
@@ -289,8 +289,8 @@ def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls:
 
 def warm_start_child(weights: Path, workdir: Path, launched: float, steps: int, size: int) -> None:
     """In a fresh process: load, compile from saved artifacts only, warm up, answer one request."""
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.runners import GenerationItem
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
 
     spec = sd15_spec()
     runner = DiffusionRunner(spec, weights, compile_unet=True, compile_cache=compile_cache(workdir, spec))
@@ -337,7 +337,7 @@ def main() -> int:
 
     import diffusers
 
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     device = torch.cuda.get_device_name(0)
     print(f"{device}, torch {torch.__version__}, diffusers {diffusers.__version__}", flush=True)

@@ -22,8 +22,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.log_spool import LogSpool
+from api_server.inference_log.spool import LogSpool
+from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 
 THREADS = 32
 
@@ -112,7 +112,7 @@ def main() -> None:
 
 
 def drain(stack_dir: Path, spool_dir: Path, rows: int) -> dict:
-    from api_server.state import build_inference_log
+    from api_server.process.state import build_inference_log
     from contract.settings import Settings
 
     record = json.loads((stack_dir / "stack.json").read_text())

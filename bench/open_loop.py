@@ -144,12 +144,12 @@ class InProcessWorker:
         from bench.worker_harness import MemoryRedis, MemoryStorage, NoLeases
         from contract.payloads import PayloadCodec
         from contract.stores.results import ResultStore
-        from model_worker.device import DeviceLoop, ProgressReporter
-        from model_worker.finisher import ReplyFinisher
-        from model_worker.health import WorkerHealth
-        from model_worker.intake import ReplyFactory
-        from model_worker.metrics import WorkerMetrics
-        from model_worker.pool import RequestPool
+        from model_worker.held.pool import RequestPool
+        from model_worker.serving.device import DeviceLoop, ProgressReporter
+        from model_worker.serving.finisher import ReplyFinisher
+        from model_worker.serving.health import WorkerHealth
+        from model_worker.serving.intake import ReplyFactory
+        from model_worker.serving.metrics import WorkerMetrics
 
         self.spec, self.size = spec, size
         self.answered: dict[str, float] = {}
@@ -216,8 +216,8 @@ class InProcessWorker:
 
 def pending_request(spec, steps: int, seed: int, size: int = 64):
     from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
-    from model_worker.pool import HeldMessage, PendingRequest
-    from model_worker.runners import GenerationItem
+    from model_worker.held.pool import HeldMessage, PendingRequest
+    from model_worker.model.runners import GenerationItem
 
     request_id = uuid.uuid4().hex
     params = GenerationParameters(seed=seed, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale,
@@ -395,7 +395,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from emulators.stack import local_catalog
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     spec = local_catalog().get(args.model)
     runner = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), args.model_dir, torch_threads=args.threads)

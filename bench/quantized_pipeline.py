@@ -115,9 +115,9 @@ def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: 
     import torch
 
     from contract.messages import GenerationParameters
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.quantization import QuantizationUnsupportedError
-    from model_worker.runners import GenerationItem
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.quantization import QuantizationUnsupportedError
+    from model_worker.model.runners import GenerationItem
 
     cuda = torch.cuda.is_available()
     spec = variant_spec(family, kind, size)

@@ -1,7 +1,7 @@
 """Reply waiting, measured side by side against the Pub/Sub emulator: the bare echo floor, per-request and per-instance.
 
 An echo responder stands in for the model, so the numbers isolate the messaging: each mode publishes a
-request and waits for its reply through the same code the API uses (`api_server.reply_waiter`).
+request and waits for its reply through the same code the API uses (`api_server.predict.reply_waiter`).
 
     .venv/bin/python -m bench.reply_modes --requests 200 --concurrency 1 32
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from api_server.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
+from api_server.predict.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter
 from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.stores.results import ResultStore

@@ -136,7 +136,14 @@ class BenchApi:
             "PORT": str(self.port),
             "MAAS_API_WORKERS": str(self._config.api_workers),
         }
-        argv = [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "bench.counted_api:app"]
+        argv = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--config",
+            "api_server/process/gunicorn_conf.py",
+            "bench.counted_api:app",
+        ]
         self._registry.start("bench-api", argv, env, cwd=ROOT)
         self._registry.wait_until("bench-api", lambda: http_ok(f"{self.url}/readyz"), timeout=60)
         with bench_client(self.url, "readyz-needs-no-key", timeout=5.0) as client:

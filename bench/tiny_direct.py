@@ -64,7 +64,7 @@ def main() -> None:
     import torch
 
     from bench.worker_harness import worker_images_per_second
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     torch.set_num_threads(args.threads)
     spec = local_catalog().get(args.model)

@@ -20,13 +20,13 @@ from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.payloads import PayloadCodec
 from contract.stores.results import ResultStore
-from model_worker.device import DeviceLoop, ProgressReporter
-from model_worker.finisher import ReplyFinisher
-from model_worker.health import WorkerHealth
-from model_worker.intake import ReplyFactory
-from model_worker.metrics import WorkerMetrics
-from model_worker.pool import HeldMessage, PendingRequest, RequestPool
-from model_worker.runners import GenerationItem, Runner
+from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.model.runners import GenerationItem, Runner
+from model_worker.serving.device import DeviceLoop, ProgressReporter
+from model_worker.serving.finisher import ReplyFinisher
+from model_worker.serving.health import WorkerHealth
+from model_worker.serving.intake import ReplyFactory
+from model_worker.serving.metrics import WorkerMetrics
 
 
 class MemoryRedis:

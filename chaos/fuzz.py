@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHECKS = "not_a_server_error,response_schema_conformance"
-# The operations the document marks admin-only (`ADMIN_ONLY` in api_server/openapi.py), as schemathesis selects
+# The operations the document marks admin-only (`ADMIN_ONLY` in api_server/process/openapi.py), as schemathesis selects
 # them: a JSON pointer into each operation and the value it must have.
 ADMIN_OPERATIONS = "/security/0/admin_key == []"
 # schemathesis's output sections kept in the report; the rest (progress, capabilities, help links) is not.

@@ -383,7 +383,7 @@ def split_problem(
     return None
 
 
-# What decides whether a request is accepted and what it means once resolved (api_server/schemas.py and
+# What decides whether a request is accepted and what it means once resolved (api_server/predict/schemas.py and
 # adapters.py read these): the same for every version of a model, so the split never changes a request's fate,
 # and the stable version can take any request a canary failed. The adapter caches are the worker's business.
 REQUEST_CONTRACT = ("task", "max_instances_per_request", "defaults", "limits", "adapters")

@@ -4,7 +4,7 @@ Each stage is a served model with the parameters it fixes, the request parameter
 goes on to the next stage: a `latent` the next stage starts from (diffusers' SDXL base `denoising_end` ->
 refiner `denoising_start`, or a clean latent into image-to-image) or an `image`, with an optional resize
 between the two (the hires fix). The catalog refuses at load what cannot run (`build_flows`); the API resolves a
-request into each stage's plan (`plan_stages`) and the worker runs the plans (model_worker/flows.py).
+request into each stage's plan (`plan_stages`) and the worker runs the plans (model_worker/flows/stages.py).
 """
 
 from __future__ import annotations

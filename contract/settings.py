@@ -167,7 +167,7 @@ class Settings:
     # renderer counts both in the pod's memory and sets this for each worker (infra/k8s/render.py).
     adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
     # Local-stack fault hook: adapter name -> seconds added to its first read from the bucket (a slow load, on
-    # purpose; model_worker/fault_hooks.py). MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; refused in production.
+    # purpose; model_worker/serving/fault_hooks.py). MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; refused in production.
     adapter_load_delay: dict[str, float] = field(default_factory=dict)
     # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
     # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.

@@ -353,7 +353,14 @@ def api_component(config: StackConfig) -> Component:
         "MAAS_API_HOST": LOCAL_HOST,
         "MAAS_API_WORKERS": str(config.api_workers),
     }
-    argv = (sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app")
+    argv = (
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--config",
+        "api_server/process/gunicorn_conf.py",
+        "api_server.process.asgi:app",
+    )
     return Component(
         "api",
         argv,

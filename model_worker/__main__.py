@@ -10,7 +10,7 @@ import threading
 
 from contract.jsonlog import configure_logging
 from contract.settings import Settings
-from model_worker.service import WorkerService, served_specs
+from model_worker.serving.service import WorkerService, served_specs
 
 log = logging.getLogger("model_worker")
 

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
-from api_server.auth import Caller
-from api_server.errors import ApiError
-from api_server.flows import FlowService
-from api_server.inference import PreparedRequest
-from api_server.serving import ServingStage
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.flows.serving import FlowService
+from api_server.predict.inference import PreparedRequest
+from api_server.predict.serving import ServingStage
 
 CHUNK_BYTES = 256 * 1024
 MAX_CUSTOM_ID_LENGTH = 256
@@ -115,7 +115,7 @@ def validate_line(
         request_id = line_request_id(batch_id, custom_id)
         body = {key: payload[key] for key in ("instances", "parameters") if key in payload}
         if flows is not None and (flow := flows.get(payload["model"])) is not None:
-            # A flow: each stage's unit chosen as the predict route chooses it (api_server/flows.py).
+            # A flow: each stage's unit chosen as the predict route chooses it (api_server/flows/serving.py).
             call = flows.call(flow, request_id, caller)
             prepared = serving.prepare(call.spec, body, request_id, caller, flow=call)
         else:

@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 import redis
 from google.cloud import pubsub_v1
 
-from api_server.auth import Caller
 from api_server.batches.lines import InvalidLine, Line, custom_id_digest, custom_id_of, read_lines, validate_line
 from api_server.batches.store import KINDS, Batch, BatchStore, view
-from api_server.errors import ApiError
-from api_server.flows import FlowService
-from api_server.inference import InferenceService, PreparedRequest
-from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.job_log import ended_row
-from api_server.records import now_to_the_millisecond
-from api_server.serving import ServingStage
-from api_server.webhooks import WebhookNotifier
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.flows.serving import FlowService
+from api_server.inference_log.job_rows import ended_row
+from api_server.inference_log.records import now_to_the_millisecond
+from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
+from api_server.jobs.webhooks import WebhookNotifier
+from api_server.predict.inference import InferenceService, PreparedRequest
+from api_server.predict.serving import ServingStage
 from contract import naming
 from contract.catalog import ModelCatalog
 from contract.generation import LOGGED_PARAMETERS

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import redis
 
-from api_server.auth import Caller
 from api_server.batches.runner import BatchRunner
 from api_server.batches.store import ENDED, Batch, BatchStore, view
-from api_server.errors import ApiError
-from api_server.redis_state import RedisState
-from api_server.webhooks import WebhookTargetPolicy
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.core.redis_state import RedisState
+from api_server.jobs.webhooks import WebhookTargetPolicy
 
 DEFAULT_WINDOW = "24h"
 WINDOW = re.compile(r"(\d{1,6})([smh])")

@@ -202,8 +202,8 @@ def measure_cpu_tiny(model_dir: Path, batches: tuple[int, ...] = (1, 2, 4, 8), r
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from contract.messages import GenerationParameters
     from emulators.stack import local_catalog
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.runners import GenerationItem
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
 
     spec = local_catalog().get("sd15-txt2img").model_copy(update={"scheduling": "step"})
     runner = DiffusionRunner(spec, model_dir, torch_threads=threads)

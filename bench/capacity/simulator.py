@@ -1,6 +1,6 @@
 """A discrete-event simulation of arrivals through per-model queues, batching workers and the deployed autoscaler.
 
-The rules are the worker's (model_worker/pool.py, device.py, stepping.py), applied to simulated time:
+The rules are the worker's (model_worker/held/pool.py, device.py, stepping.py), applied to simulated time:
 
 - each model has one queue (its Pub/Sub subscription), oldest first; a worker holds at most `max_batch_size`
   images it has not started (its pool) and pulls whenever it has room, an idle worker before a busy one;

@@ -31,7 +31,7 @@ def measure_open_loop(model_dir: Path, requests: int) -> dict:
     """`open_loop.py`'s full sweep, in process, as its `main` runs it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from emulators.stack import local_catalog
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     spec = local_catalog().get(MODEL)
     runner = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), model_dir, torch_threads=1)

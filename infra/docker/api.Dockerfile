@@ -28,4 +28,4 @@ EXPOSE 8080
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PORT', '8080') + '/healthz', timeout=3)"
 # Exec form: gunicorn is PID 1 and receives SIGTERM directly.
-CMD ["gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app"]
+CMD ["gunicorn", "--config", "api_server/process/gunicorn_conf.py", "api_server.process.asgi:app"]

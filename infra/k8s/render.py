@@ -403,7 +403,7 @@ def oldest_request_age_query(deployment: WorkerDeployment, project_id: str) -> s
 
 def adapter_memory_mib(deployment: WorkerDeployment, settings: RenderSettings) -> int:
     """Host memory a worker's LoRA adapters may take: the cache's budget, and beside it one load holding about twice
-    its file (the download, then the file and its parsed tensors: model_worker/adapters.py)."""
+    its file (the download, then the file and its parsed tensors: model_worker/adapters/loader.py)."""
     if not deployment.largest_adapter_bytes:
         return 0
     return math.ceil((settings.adapter_host_cache_bytes + 2 * deployment.largest_adapter_bytes) / MIB)

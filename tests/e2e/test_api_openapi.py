@@ -18,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from api_server.openapi import ADMIN_ONLY
+from api_server.process.openapi import ADMIN_ONLY
 from tests.conftest import TEST_ADMIN_KEY
 
 pytestmark = pytest.mark.stack

@@ -23,7 +23,7 @@ import requests
 import yaml
 from PIL import Image
 
-from api_server.traffic import choose_version
+from api_server.versions.traffic import choose_version
 from contract.catalog import load_catalog
 from emulators.processes import ProcessRegistry, http_ok, wait_port_free
 from emulators.stack import LOCAL_CATALOG_OVERLAY, ROOT
@@ -95,8 +95,8 @@ def served(stack, byom):
     names = ("worker-byom", "api-byom")
     try:
         registry.start(names[0], [sys.executable, "-m", "model_worker"], worker, cwd=ROOT)
-        registry.start(names[1], [sys.executable, "-m", "gunicorn", "--config", "api_server/gunicorn_conf.py",
-                                  "api_server.asgi:app"], api, cwd=ROOT)  # fmt: skip
+        registry.start(names[1], [sys.executable, "-m", "gunicorn", "--config", "api_server/process/gunicorn_conf.py",
+                                  "api_server.process.asgi:app"], api, cwd=ROOT)  # fmt: skip
         url = f"http://127.0.0.1:{api_port}"
         registry.wait_until(names[0], lambda: http_ok(health), timeout=180)
         registry.wait_until(names[1], lambda: http_ok(f"{url}/healthz"), timeout=60)
@@ -122,9 +122,9 @@ def answer(url, auth_headers, version: str | None = None, body: dict | None = No
 
 def rendered(folder, version: str, body: dict) -> np.ndarray:
     """The image the worker's runner makes from the weights in `folder` for `body`, in this process (uint8)."""
-    from api_server.schemas import PredictBody, resolve_parameters
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.runners import GenerationItem
+    from api_server.predict.schemas import PredictBody, resolve_parameters
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
 
     spec = load_catalog(None, str(catalog_with_the_new_version(folder.parent / "render.yaml"))).unit(
         f"{MODEL}--{version}"

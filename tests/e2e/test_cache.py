@@ -84,8 +84,8 @@ def test_identical_concurrent_requests_run_one_inference(stack, auth_headers):
 
 def test_identical_requests_in_two_api_processes_run_one_inference(stack, auth_headers):
     """The stack's gunicorn process and an app in this test process coordinate through Redis alone."""
-    from api_server.app import create_app
-    from api_server.state import app_state
+    from api_server.process.app import create_app
+    from api_server.process.state import app_state
     from contract.settings import Settings
 
     app = create_app(Settings.from_env(stack.service_env()))

@@ -15,9 +15,9 @@ import pytest
 import redis
 import requests
 
-from api_server.auth import Caller
-from api_server.flows import FlowService
-from api_server.inference import InferenceService
+from api_server.core.auth import Caller
+from api_server.flows.serving import FlowService
+from api_server.predict.inference import InferenceService
 from contract import google_clients, naming
 from contract.messages import request_attributes
 from contract.stores.results import ResultStore

@@ -79,7 +79,12 @@ IMAGES = {"api": API, "worker": WORKER}
 
 
 def test_api_image_runs_gunicorn_with_the_projects_config_and_app() -> None:
-    assert command(API) == ["gunicorn", "--config", "api_server/gunicorn_conf.py", "api_server.asgi:app"]
+    assert command(API) == [
+        "gunicorn",
+        "--config",
+        "api_server/process/gunicorn_conf.py",
+        "api_server.process.asgi:app",
+    ]
     assert (REPO_ROOT / "api_server" / "gunicorn_conf.py").is_file()
     assert (REPO_ROOT / "api_server" / "asgi.py").is_file()
 

@@ -342,9 +342,9 @@ def test_alternating_two_adapters_through_a_cache_of_one(stack, bucket):
 
     from contract.generation import AdapterRef
     from contract.messages import GenerationParameters
-    from model_worker.adapters import AdapterLoader
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.runners import GenerationItem
+    from model_worker.adapters.loader import AdapterLoader
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
 
     torch.set_num_threads(1)
     policy = SPEC.adapters.model_copy(update={"host_cache": 1, "device_cache": 1})

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from api_server.flights import (
+from api_server.core.redis_state import RedisState, api_redis_client
+from api_server.predict.flights import (
     CoordinationUnavailableError,
     FingerprintMismatchError,
     FlightPolicy,
@@ -19,7 +20,6 @@ from api_server.flights import (
     SharedFlights,
     StillRunningError,
 )
-from api_server.redis_state import RedisState, api_redis_client
 
 pytestmark = pytest.mark.stack
 

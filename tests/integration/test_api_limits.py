@@ -8,11 +8,11 @@ import uuid
 import pytest
 import redis
 
-from api_server import metrics
-from api_server.app import create_app
-from api_server.limits import KeyLimits, RequestLimiter
-from api_server.redis_state import RedisState, api_redis_client
-from api_server.state import app_state
+from api_server.core import metrics
+from api_server.core.redis_state import RedisState, api_redis_client
+from api_server.predict.limits import KeyLimits, RequestLimiter
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from contract.settings import Settings, api_key_digest
 from tests.conftest import query_rows
 

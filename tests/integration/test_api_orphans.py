@@ -23,14 +23,14 @@ import redis
 import yaml
 from google.api_core import exceptions
 
-from api_server.app import create_app
-from api_server.auth import Caller
-from api_server.cache import cache_key
-from api_server.flights import FlightPolicy, ResponseRecord, Role, SharedFlights, StillRunningError
-from api_server.inference_log import InferenceLogRow
-from api_server.job_log import NO_ANSWER_HTTP_STATUS, JobLogFinisher
-from api_server.jobs import JobStore
-from api_server.redis_state import RedisState
+from api_server.core.auth import Caller
+from api_server.core.redis_state import RedisState
+from api_server.inference_log.job_rows import NO_ANSWER_HTTP_STATUS, JobLogFinisher
+from api_server.inference_log.writer import InferenceLogRow
+from api_server.jobs.service import JobStore
+from api_server.predict.cache import cache_key
+from api_server.predict.flights import FlightPolicy, ResponseRecord, Role, SharedFlights, StillRunningError
+from api_server.process.app import create_app
 from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import Attr, InferenceReply, Payload, Prediction

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from google.api_core import exceptions
 
-from api_server.app import create_app
-from api_server.state import app_state
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from contract import google_clients, naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.messages import InferenceReply

@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from api_server.app import create_app
-from api_server.errors import ApiError
-from api_server.state import app_state
-from api_server.webhooks import WebhookTargetPolicy, verify
+from api_server.core.errors import ApiError
+from api_server.jobs.webhooks import WebhookTargetPolicy, verify
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from contract.settings import Settings
 
 pytestmark = pytest.mark.stack

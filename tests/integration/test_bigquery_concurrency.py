@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import pytest
 from google.cloud import bigquery as bq
 
-from api_server.bigquery_write import StorageWriteSink, write_client
+from api_server.inference_log.bigquery_write import StorageWriteSink, write_client
 from contract.log_schema import bigquery_schema
 
 pytestmark = pytest.mark.stack

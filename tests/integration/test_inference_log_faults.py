@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 import pytest
 import requests
 
-from api_server.bigquery_write import StorageWriteSink, write_client
-from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.log_spool import LogSpool
+from api_server.inference_log.bigquery_write import StorageWriteSink, write_client
+from api_server.inference_log.spool import LogSpool
+from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from chaos.verdict import row_copies
 from contract.log_schema import bigquery_schema
 from emulators.processes import ProcessRegistry, http_ok

@@ -12,14 +12,14 @@ import pytest
 import redis
 from google.api_core import exceptions
 
-from api_server.janitor import (
+from api_server.jobs.janitor import (
     JanitorTask,
     ReplySubscriptionJanitor,
     default_age,
     janitor_age,
     minimum_age,
 )
-from api_server.reply_waiter import CREATED_LABEL, PerRequestReplyWaiter, reply_subscription_request
+from api_server.predict.reply_waiter import CREATED_LABEL, PerRequestReplyWaiter, reply_subscription_request
 from contract import google_clients, naming
 from contract.stores.results import ResultStore
 from emulators.stack import ROOT
@@ -115,7 +115,7 @@ def test_a_live_wait_is_never_old_enough_to_be_deleted(subscriber, settings):
 def test_command_deletes_leaked_subscriptions_and_dry_run_only_lists_them(subscriber, settings, created):
     age = default_age(settings.catalog())
     leaked = created(naming.reply_subscription(uuid.uuid4().hex), age_seconds=age + 60)
-    command = [sys.executable, "-m", "api_server.janitor"]
+    command = [sys.executable, "-m", "api_server.jobs.janitor"]
 
     dry = subprocess.run([*command, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr

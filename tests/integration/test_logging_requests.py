@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from api_server.app import create_app
-from api_server.state import app_state
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from contract.jsonlog import JsonFormatter
 from contract.settings import Settings
 

@@ -20,9 +20,9 @@ import redis
 import requests
 import yaml
 
-from api_server.app import create_app
-from api_server.state import app_state
-from api_server.traffic import choose_version
+from api_server.process.app import create_app
+from api_server.process.state import app_state
+from api_server.versions.traffic import choose_version
 from contract import naming
 from contract.settings import Settings, api_key_digest
 from emulators.processes import ProcessRegistry, redis_ok

@@ -6,8 +6,8 @@ import base64
 
 import pytest
 
-from api_server.app import create_app
-from api_server.state import app_state
+from api_server.process.app import create_app
+from api_server.process.state import app_state
 from contract.settings import Settings
 
 pytestmark = pytest.mark.stack

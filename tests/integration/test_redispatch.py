@@ -13,7 +13,7 @@ import pytest
 import redis
 import yaml
 
-from api_server.app import create_app
+from api_server.process.app import create_app
 from chaos.scenarios import ChaosContext, run_scenario
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.settings import Settings

@@ -9,7 +9,7 @@ import pytest
 import redis
 from google.api_core import exceptions
 
-from api_server.reply_waiter import CREATED_LABEL, PerInstanceReplyWaiter, PerRequestReplyWaiter
+from api_server.predict.reply_waiter import CREATED_LABEL, PerInstanceReplyWaiter, PerRequestReplyWaiter
 from contract import google_clients, naming
 from contract.messages import Attr, InferenceReply
 from contract.stores.results import ResultStore

@@ -2,7 +2,7 @@
 
 Under gunicorn's gthread worker a connection that sent a request line and one header held a thread until its
 headers were complete; some forty of them held every thread. The API now reads headers and bodies on its
-event loop (`api_server/asgi.py`), and closes a connection whose headers do not arrive in time.
+event loop (`api_server/process/asgi.py`), and closes a connection whose headers do not arrive in time.
 """
 
 from __future__ import annotations

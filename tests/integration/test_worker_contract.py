@@ -9,7 +9,7 @@ import uuid
 import pytest
 import redis
 
-from api_server.reply_waiter import PerRequestReplyWaiter
+from api_server.predict.reply_waiter import PerRequestReplyWaiter
 from chaos.malformed_images import MALFORMED_IMAGES
 from contract import google_clients, naming
 from contract.messages import (

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from google.api_core import exceptions
 
-from api_server.routes.health import READINESS_CACHE_SECONDS, Readiness
+from api_server.process.routes.health import READINESS_CACHE_SECONDS, Readiness
 from contract import naming
 from contract.settings import Settings
 

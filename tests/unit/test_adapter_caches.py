@@ -50,7 +50,7 @@ class Loader:
     """The worker's loader on a dict bucket, started and stopped around a test."""
 
     def __init__(self, bucket: FakeBucket, weights_dirs: dict[str, Path], **options) -> None:
-        from model_worker.adapters import AdapterLoader
+        from model_worker.adapters.loader import AdapterLoader
 
         self.bucket = bucket
         self.loader = AdapterLoader(bucket, weights_dirs, lambda: None, **options)

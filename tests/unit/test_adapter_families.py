@@ -130,7 +130,7 @@ def kohya_file(directory: Path, family: str, seed: int, conv: bool = False, sgm:
 
 def loaded(family: str, pipelines, files: dict[str, bytes], scales: dict[str, float]):
     """The request's AdapterSet as the worker's loader makes it: digest, header check against the base weights."""
-    from model_worker.adapters import AdapterLoader
+    from model_worker.adapters.loader import AdapterLoader
 
     spec = FAMILIES[family]
     objects = {naming.adapter_prefix(spec.name, name, "1") + naming.ADAPTER_FILE: data for name, data in files.items()}
@@ -163,7 +163,7 @@ def reference_with(pipelines, family: str, pending, files: dict[str, bytes], sca
 
 def served(pipelines, family: str, scheduling: str, runner=None, adapters=None, seed: int = 7, images: int = 2):
     """A request of `images` images through the worker's device loop, and the runner (reused across calls)."""
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     spec = FAMILIES[family].model_copy(update={"scheduling": scheduling})
     runner = runner or DiffusionRunner(spec, pipelines[family][0], torch_threads=1)
@@ -265,7 +265,7 @@ def params():
 
 
 def served_items(adapters) -> list:
-    from model_worker.runners import GenerationItem
+    from model_worker.model.runners import GenerationItem
 
     return [GenerationItem("a lighthouse", 5, adapters=adapters)]
 
@@ -302,7 +302,7 @@ def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipe
     import torch
     from peft.utils import hotswap
 
-    from model_worker.lora import LoraSets, Slots
+    from model_worker.adapters.lora import LoraSets, Slots
 
     directory, _ = pipelines["sd15"]
     files = {name: denoiser_only(peft_file(directory, seed, rank)) for name, seed, rank in (("ink", 1, 4), ("neon", 2, 8),
@@ -376,7 +376,7 @@ def test_every_familys_slots_leave_the_base_image_and_swap_adapters_as_diffusers
     import torch
     from safetensors.torch import load
 
-    from model_worker.lora import LoraSets, Slots
+    from model_worker.adapters.lora import LoraSets, Slots
 
     directory, reference = pipelines[family]
     spec = FAMILIES[family]
@@ -416,7 +416,7 @@ def test_a_compiled_model_serves_adapters_without_compiling_after_its_warm_up(pi
     import torch
     from torch._dynamo.utils import counters
 
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory = pipelines["sd15"][0]
     files = {"ink": denoiser_only(peft_file(directory, 1, 4)), "neon": denoiser_only(peft_file(directory, 2, 8))}

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from api_server.schemas import parse_body
+from api_server.predict.schemas import parse_body
 from contract.generation import AdapterRef
 from contract.lora_files import (
     AdapterFileError,
@@ -23,8 +23,8 @@ from contract.lora_files import (
     read_header,
 )
 from contract.settings import Settings
-from model_worker.adapters import AdapterLoader, AdapterSet
-from model_worker.pool import RequestPool
+from model_worker.adapters.loader import AdapterLoader, AdapterSet
+from model_worker.held.pool import RequestPool
 from tests.unit.test_worker_stages import pending
 
 REF = AdapterRef(name="ink", version="1", scale=0.8, sha256="0" * 64)
@@ -201,13 +201,13 @@ def test_the_load_delay_hook_is_read_per_adapter_name_and_refused_in_production(
 
 
 def test_the_local_stacks_slow_adapter_reads_delay_only_the_first_read_of_the_named_adapters_file(monkeypatch):
-    """The fault hook wraps the bucket (model_worker/fault_hooks.py): the worker's loader has no test hook of its
+    """The fault hook wraps the bucket (model_worker/serving/fault_hooks.py): the worker's loader has no test hook of its
     own."""
     import inspect
 
     from contract import naming
-    from model_worker import fault_hooks as faults
-    from model_worker.adapters import AdapterLoader
+    from model_worker.adapters.loader import AdapterLoader
+    from model_worker.serving import fault_hooks as faults
 
     assert "delay" not in inspect.signature(AdapterLoader).parameters
     slept: list[float] = []
@@ -398,7 +398,7 @@ def test_a_sharded_base_component_is_read_from_every_shard_its_index_names(tmp_p
     from contract.lora_files import base_headers
     from contract.stores.adapter_registry import AdapterRegistry
     from emulators.stack import local_catalog
-    from model_worker.adapters import _file_opener
+    from model_worker.adapters.loader import _file_opener
 
     shards = {
         "diffusion_pytorch_model-00001-of-00002.safetensors": {"transformer_blocks.0.attn.to_q.weight": [32, 32]},

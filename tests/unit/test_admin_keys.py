@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from flask import Flask, g
 
-from api_server.auth import ApiKeyAuth
-from api_server.errors import ApiError
-from api_server.routes.access import require_admin
+from api_server.core.auth import ApiKeyAuth
+from api_server.core.errors import ApiError
+from api_server.process.routes.access import require_admin
 from contract.settings import LOCAL_DEFAULT_ADMIN_KEY, Settings, api_key_digest
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from api_server.auth import Caller
-from api_server.errors import ApiError
-from api_server.inference import InferenceService
-from api_server.schemas import decode_input_image
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.predict.inference import InferenceService
+from api_server.predict.schemas import decode_input_image
 from contract.catalog import load_catalog
 from contract.settings import Settings, api_key_digest
 from tests.conftest import png_b64

@@ -27,7 +27,7 @@ def test_limits_default_to_unlimited_locally_and_to_a_guard_in_production():
 
 
 def test_janitor_is_off_by_default_and_its_age_defaults_past_the_longest_request_timeout():
-    from api_server.janitor import janitor_age, longest_request_timeout
+    from api_server.jobs.janitor import janitor_age, longest_request_timeout
 
     settings = Settings.from_env({})
     catalog = settings.catalog()

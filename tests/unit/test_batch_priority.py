@@ -9,8 +9,8 @@ import pytest
 
 from contract import naming
 from contract.settings import Settings
-from model_worker.pool import RequestPool
-from model_worker.runners import SyntheticRunner
+from model_worker.held.pool import RequestPool
+from model_worker.model.runners import SyntheticRunner
 from tests.unit.test_step_scheduler import CATALOG, SLEEP_STEP, Worker, request
 
 SLEEP = CATALOG.get("sleep")  # request-scheduled, max_batch_size 8

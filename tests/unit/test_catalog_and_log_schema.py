@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from api_server.inference_log import InferenceLogRow
+from api_server.inference_log.writer import InferenceLogRow
 from contract.catalog import ModelCatalog, load_catalog
 from contract.log_schema import log_schema_fields, validate_row
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from api_server.errors import ApiError
-from api_server.schemas import parse_body, resolve_parameters
+from api_server.core.errors import ApiError
+from api_server.predict.schemas import parse_body, resolve_parameters
 from contract.catalog import ModelCatalog, ModelSpec, load_catalog
 from contract.families import PIPELINES
 

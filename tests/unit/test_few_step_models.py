@@ -67,7 +67,7 @@ def requests(name: str, spec) -> tuple:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_few_step_model_equals_its_pipeline_in_both_schedulings(pipelines, name):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory = pipelines[name][0]
     step_runner = DiffusionRunner(CASES[name].model_copy(update={"scheduling": "step"}), directory, torch_threads=1)
@@ -99,7 +99,7 @@ def test_a_few_step_model_equals_its_pipeline_in_both_schedulings(pipelines, nam
 
 def test_the_trailing_spacing_is_what_makes_the_images(pipelines):
     """Without the override (the saved `leading` spacing) the same requests give other images: the oracle sees it."""
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     spec = CASES["lightning"].model_copy(update={"scheduler_config": SchedulerConfig(), "scheduling": "request"})
     runner = DiffusionRunner(spec, pipelines["lightning"][0], torch_threads=1)

@@ -17,10 +17,10 @@ import pytest
 from contract.flows import plan_stages
 from contract.messages import FlowContext, InferenceRequest, RequestInstance
 from emulators.stack import local_catalog
-from model_worker.flow_state import resize_image
-from model_worker.flows import FlowStages
-from model_worker.intake import Triage
-from model_worker.pool import HeldMessage
+from model_worker.flows.stages import FlowStages
+from model_worker.flows.state import resize_image
+from model_worker.held.pool import HeldMessage
+from model_worker.serving.intake import Triage
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_step_scheduler import Hooked, Worker, request
 
@@ -48,7 +48,7 @@ def pipelines(tmp_path_factory) -> dict:
 
 def runners(pipelines, scheduling: str, names) -> dict:
     """The worker's runners for the units (SD 1.5's image-to-image sharing the text-to-image's components)."""
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     made = {}
     for name in names:
@@ -207,10 +207,10 @@ def test_a_handoff_one_step_off_fails_the_oracle_by_far(pipelines, references, m
 
 @pytest.mark.parametrize("scheduling", ["step", "request"])
 def test_a_skipped_resize_fails_the_oracle_by_far(pipelines, references, monkeypatch, scheduling):
-    import model_worker.flow_state
+    import model_worker.flows.state
 
     monkeypatch.setattr(
-        model_worker.flow_state, "resize_image", lambda image, width, height: resize_image(image, SIZE, SIZE)
+        model_worker.flows.state, "resize_image", lambda image, width, height: resize_image(image, SIZE, SIZE)
     )
     outcomes, _ = run_flow(runners(pipelines, scheduling, FLOW_UNITS["sd15-hires"]), "sd15-hires")
     off = difference(outcomes.images["flow"][0], references("sd15-hires"))

@@ -1,4 +1,4 @@
-"""A flow on the API's request path (api_server/flows.py) and the rows it leaves (api_server/flow_rows.py): the
+"""A flow on the API's request path (api_server/flows/serving.py) and the rows it leaves (api_server/flows/rows.py): the
 flow as a model for the serving stage, its request validated and planned, one message to its first stage's unit,
 a unit chosen per stage, and one row per stage that ran linked to the flow's row."""
 
@@ -10,13 +10,13 @@ from datetime import UTC, datetime
 import pytest
 import yaml
 
-from api_server.auth import Caller
-from api_server.cache import cache_key
-from api_server.errors import ApiError
-from api_server.flow_rows import rows_of
-from api_server.flows import FlowService
-from api_server.inference import InferenceService
-from api_server.inference_log import InferenceLogRow
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.flows.rows import rows_of
+from api_server.flows.serving import FlowService
+from api_server.inference_log.writer import InferenceLogRow
+from api_server.predict.cache import cache_key
+from api_server.predict.inference import InferenceService
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.generation import AdapterRef
 from contract.messages import InferenceReply, StageReport

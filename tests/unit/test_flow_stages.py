@@ -8,10 +8,10 @@ import time
 from contract.flows import plan_stages
 from contract.messages import FlowContext, InferenceRequest, RequestInstance
 from emulators.stack import local_catalog
-from model_worker.flows import FlowStages, flow_progress
-from model_worker.intake import Triage
-from model_worker.pool import HeldMessage
-from model_worker.runners import SyntheticRunner
+from model_worker.flows.stages import FlowStages, flow_progress
+from model_worker.held.pool import HeldMessage
+from model_worker.model.runners import SyntheticRunner
+from model_worker.serving.intake import Triage
 from tests.unit.test_step_scheduler import Worker
 
 CATALOG = local_catalog(test_fixtures=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from api_server.inference_log import InferenceLogRow
-from api_server.schemas import ParametersIn
+from api_server.inference_log.writer import InferenceLogRow
+from api_server.predict.schemas import ParametersIn
 from contract.catalog import GenerationDefaults
 from contract.generation import LOGGED_PARAMETERS, PER_CALL_PARAMETERS, ROLES, AdapterRef, GenerationParameters
 from contract.log_schema import log_schema_fields
-from model_worker.runners import batch_key
+from model_worker.model.runners import batch_key
 
 BIGQUERY_TYPES = {int: "INTEGER", float: "FLOAT", str: "STRING"}
 PARAMS = GenerationParameters(seed=1, num_inference_steps=4, guidance_scale=7.5, width=64, height=64)

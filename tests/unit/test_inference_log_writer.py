@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from api_server.bigquery_write import RowsRejectedError, StreamLostError, row_descriptor
-from api_server.inference_log import InferenceLogRow, InferenceLogWriter
-from api_server.log_spool import LogSpool, SpoolFullError
+from api_server.inference_log.bigquery_write import RowsRejectedError, StreamLostError, row_descriptor
+from api_server.inference_log.spool import LogSpool, SpoolFullError
+from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from contract.log_schema import log_schema_fields
 
 
@@ -154,7 +154,7 @@ def test_a_lost_streams_segment_sends_only_the_rows_the_table_lacks(tmp_path):
 def test_rows_spooled_by_a_process_that_died_are_sent_by_the_next_one(tmp_path):
     # A child process spools a row and is killed before sending it: its lock is released with it.
     code = (
-        "import os, sys; from pathlib import Path; from api_server.log_spool import LogSpool;"
+        "import os, sys; from pathlib import Path; from api_server.inference_log.spool import LogSpool;"
         "LogSpool(Path(sys.argv[1]), 1 << 20).append([{'request_id': 'orphan'}]); os._exit(0)"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=os.getcwd())

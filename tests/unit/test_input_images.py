@@ -9,11 +9,11 @@ import contextlib
 
 import pytest
 
-from api_server.errors import ApiError
-from api_server.schemas import decode_input_image
+from api_server.core.errors import ApiError
+from api_server.predict.schemas import decode_input_image
 from chaos.malformed_images import MALFORMED_IMAGES, MAY_BE_ACCEPTED
 from contract.payloads import PayloadError
-from model_worker.intake import decode_image
+from model_worker.serving.intake import decode_image
 
 FIELD = "instances.0.image"
 MAX_PIXELS = 4_194_304

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api_server.job_events import (
+from api_server.jobs.events import (
     EXPIRY_GRACE_MS,
     InvalidLastEventIdError,
     JobEventStream,
@@ -17,7 +17,7 @@ from api_server.job_events import (
     events_for,
     job_event_stream,
 )
-from api_server.jobs import JobState
+from api_server.jobs.service import JobState
 from contract.messages import Progress
 
 

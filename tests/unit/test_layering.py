@@ -17,11 +17,11 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 # One import per contract that breaks it and no other: (module, the line it gains).
 BREAKS = {
-    "api-not-worker": ("api_server/serving.py", "import model_worker.pool"),
-    "worker-not-api": ("model_worker/pool.py", "import api_server.serving"),
-    "contract-not-services": ("contract/outcomes.py", "import api_server.serving"),
-    "services-not-emulators": ("model_worker/pool.py", "import emulators.stack"),
-    "routes-not-clients": ("api_server/routes/predict.py", "import redis"),
+    "api-not-worker": ("api_server/predict/serving.py", "import model_worker.held.pool"),
+    "worker-not-api": ("model_worker/held/pool.py", "import api_server.predict.serving"),
+    "contract-not-services": ("contract/outcomes.py", "import api_server.predict.serving"),
+    "services-not-emulators": ("model_worker/held/pool.py", "import emulators.stack"),
+    "routes-not-clients": ("api_server/process/routes/predict.py", "import redis"),
     "weights-one-way": ("model_worker/weights/store.py", "import model_worker.weights.importer"),
 }
 # The layers of the weights room, each a stand-in module in the throwaway project (a layers contract needs them).

@@ -224,14 +224,14 @@ class FakeCuda:
 def test_the_worker_refuses_to_load_a_unit_the_devices_free_memory_cannot_hold(caplog):
     from types import SimpleNamespace
 
-    from model_worker.device_memory import DeviceMemoryError, check_device_memory
+    from model_worker.model.device_memory import DeviceMemoryError, check_device_memory
 
     spec = load_catalog().get("flux-schnell")
     with pytest.raises(
         DeviceMemoryError, match=r"flux-schnell: its memory plan needs 20\.84 GiB .* has 20\.00 GiB free"
     ):
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(20 * GIB)))
-    with caplog.at_level("INFO", logger="model_worker.device_memory"):
+    with caplog.at_level("INFO", logger="model_worker.model.device_memory"):
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(22 * GIB)))
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(None)))
     assert "within 22.00 GiB free of 24.00 GiB on NVIDIA L4" in caplog.text
@@ -254,7 +254,7 @@ def test_the_worker_refuses_weights_larger_than_the_architecture_the_plan_counte
     import torch
     from safetensors.torch import save_file
 
-    from model_worker.device_memory import DeviceMemoryError, check_device_memory, file_parameters
+    from model_worker.model.device_memory import DeviceMemoryError, check_device_memory, file_parameters
 
     (tmp_path / "vae").mkdir()
     save_file(

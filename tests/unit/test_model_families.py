@@ -45,7 +45,7 @@ def pipelines(tmp_path_factory) -> dict:
 
 
 def runner_for(pipelines, name: str, scheduling: str):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     spec = FAMILIES[name].model_copy(update={"scheduling": scheduling})
     return spec, DiffusionRunner(spec, pipelines[name][0], torch_threads=1)
@@ -245,7 +245,7 @@ def wrong_shift(monkeypatch, runner) -> None:
     SD 3.5's static shift doubled."""
     import functools
 
-    from model_worker.families.base import Denoiser
+    from model_worker.model.families.base import Denoiser
 
     new_scheduler = Denoiser.new_scheduler
 
@@ -384,7 +384,7 @@ def test_flux_schnell_runs_256_t5_tokens_and_dev_512_as_their_references_do(pipe
 
 
 def test_a_flux_catalog_entry_whose_guidance_contradicts_the_weights_is_refused_at_load(pipelines):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     wrong = SCHNELL.model_copy(update={"guidance": "embedded"})
     with pytest.raises(ValueError, match="guidance 'embedded'.*'none'"):

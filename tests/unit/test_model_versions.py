@@ -12,17 +12,17 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from api_server.auth import Caller
-from api_server.errors import ApiError
-from api_server.inference import PreparedRequest
-from api_server.inference_log import InferenceLogRow
-from api_server.job_log import JobLogFinisher
-from api_server.jobs import EndedJob, FallbackRequest, JobStore, fallback_request_id, job_key
-from api_server.records import InferenceCall, RequestRecords
-from api_server.rollouts import Window, breach, window_of
-from api_server.schemas import PredictBody
-from api_server.serving import Mode, ServingStage
-from api_server.traffic import InvalidSplitError, choose_version, shadowed, validated_split
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.inference_log.job_rows import JobLogFinisher
+from api_server.inference_log.records import InferenceCall, RequestRecords
+from api_server.inference_log.writer import InferenceLogRow
+from api_server.jobs.service import EndedJob, FallbackRequest, JobStore, fallback_request_id, job_key
+from api_server.predict.inference import PreparedRequest
+from api_server.predict.schemas import PredictBody
+from api_server.predict.serving import Mode, ServingStage
+from api_server.versions.rollouts import Window, breach, window_of
+from api_server.versions.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract import naming
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, RollbackPolicy, Shadow
 from contract.generation import GenerationParameters

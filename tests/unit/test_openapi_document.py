@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from flask import Flask
 
-from api_server.app import BLUEPRINTS, ModelNameConverter
-from api_server.openapi import ADMIN_ONLY, openapi_document
+from api_server.process.app import BLUEPRINTS, ModelNameConverter
+from api_server.process.openapi import ADMIN_ONLY, openapi_document
 
 
 def documented_operations() -> dict[str, dict]:

@@ -9,9 +9,9 @@ import pytest
 
 from contract.catalog import load_catalog
 from contract.messages import GenerationParameters
-from model_worker.device import ProgressReporter
-from model_worker.pipeline import _step_callback
-from model_worker.runners import GenerationItem, SyntheticRunner
+from model_worker.model.pipeline import _step_callback
+from model_worker.model.runners import GenerationItem, SyntheticRunner
+from model_worker.serving.device import ProgressReporter
 
 SLEEP = load_catalog(overlay="contract/models.local.yaml").get("sleep")
 
@@ -45,7 +45,7 @@ def requested_steps(pipeline: str, parameters: GenerationParameters) -> int:
     """The family's count for `pipeline`, over an instance of the diffusers class without weights."""
     import diffusers
 
-    from model_worker.families import denoiser_class
+    from model_worker.model.families import denoiser_class
 
     task = "image-to-image" if "Img2Img" in pipeline else "text-to-image"
     spec = load_catalog().get("flux-schnell" if "Flux" in pipeline else "sdxl-txt2img")

@@ -71,7 +71,7 @@ def assert_within(kind: str, got: list, expected: list) -> float:
 
 
 def test_int8_weight_only_stays_within_the_tolerance_in_both_schedulings_with_an_adapter(pipelines):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory, _ = pipelines["sd15"]
     data = peft_file(directory, 1, 4)  # the UNet's and the text encoder's attention projections
@@ -94,7 +94,7 @@ def test_int8_weight_only_stays_within_the_tolerance_in_both_schedulings_with_an
 
 
 def test_flux_with_its_transformer_and_t5_in_int8_stays_within_the_tolerance_with_an_adapter(pipelines):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory, _ = pipelines["flux-dev"]
     quantization = Quantization(type="int8_weight_only", components=["transformer", "text_encoder_2"])
@@ -115,7 +115,7 @@ def test_flux_with_its_transformer_and_t5_in_int8_stays_within_the_tolerance_wit
 
 
 def test_float8_weight_only_runs_on_the_cpu_within_its_tolerance(pipelines):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory, _ = pipelines["sd15"]
     spec = quantized("float8_weight_only", "request")
@@ -132,7 +132,7 @@ def test_a_compiled_quantized_model_serves_the_base_and_an_adapter_without_compi
     import torch
     from torch._dynamo.utils import counters
 
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     directory, _ = pipelines["sd15"]
     defaults = SPEC.defaults.model_copy(update={"width": SIZE, "height": SIZE})
@@ -157,9 +157,9 @@ def test_a_compiled_quantized_model_serves_the_base_and_an_adapter_without_compi
 
 
 def test_float8_dynamic_on_the_cpu_is_refused_before_loading_with_the_reason(pipelines):
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.quantization import QuantizationUnsupportedError
-    from model_worker.service import WorkerService
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.quantization import QuantizationUnsupportedError
+    from model_worker.serving.service import WorkerService
 
     spec = quantized("float8_dynamic")
     with pytest.raises(QuantizationUnsupportedError, match=r"float8_dynamic runs only on a CUDA device of compute "
@@ -184,7 +184,7 @@ def test_float8_dynamic_on_the_cpu_is_refused_before_loading_with_the_reason(pip
     ],
 )
 def test_which_device_runs_which_quantization(kind, device, capability, refused):
-    from model_worker.quantization import device_problem
+    from model_worker.model.quantization import device_problem
 
     problem = device_problem(Quantization(type=kind, components=["transformer"]), device, capability)
     assert (problem is None) == (refused is None), problem
@@ -193,8 +193,8 @@ def test_which_device_runs_which_quantization(kind, device, capability, refused)
 
 
 def test_a_component_the_weights_do_not_have_is_refused_naming_the_ones_they_have(pipelines):
-    from model_worker.pipeline import DiffusionRunner
-    from model_worker.quantization import QuantizationUnsupportedError
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.quantization import QuantizationUnsupportedError
 
     spec = SPEC.model_copy(update={"quantization": Quantization(type="int8_weight_only", components=["transformer"])})
     with pytest.raises(QuantizationUnsupportedError, match=r"'transformer'.*quantizable: text_encoder, unet, vae"):
@@ -202,7 +202,7 @@ def test_a_component_the_weights_do_not_have_is_refused_naming_the_ones_they_hav
 
 
 def test_a_quantized_model_keeps_its_compile_artifacts_apart_from_the_unquantized_ones():
-    from model_worker.compiled import compile_cache_key
+    from model_worker.model.compiled import compile_cache_key
 
     int8, fp8 = quantized("int8_weight_only"), quantized("float8_weight_only")
     keys = {compile_cache_key(SPEC), compile_cache_key(int8), compile_cache_key(fp8)}

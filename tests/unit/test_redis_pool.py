@@ -7,8 +7,8 @@ import os
 import pytest
 from flask import Flask
 
-from api_server.errors import register_error_handlers
-from api_server.redis_state import BoundedWaitConnectionPool, RedisPoolExhaustedError
+from api_server.core.errors import register_error_handlers
+from api_server.core.redis_state import BoundedWaitConnectionPool, RedisPoolExhaustedError
 from contract.settings import Settings
 
 

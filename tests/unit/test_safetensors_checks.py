@@ -368,8 +368,8 @@ def test_fields_safetensors_ignores_are_dropped_and_null_metadata_is_none():
 
 def refusal_at_registration(file: bytes) -> str:
     """The API's registration (`PUT /v1/models/{model}/adapters/{name}`): its service and the registry's check."""
-    from api_server.adapters import AdapterService
-    from api_server.errors import ApiError
+    from api_server.core.errors import ApiError
+    from api_server.predict.adapters import AdapterService
     from contract import naming
     from contract.stores.adapter_registry import AdapterRegistry
     from emulators.stack import local_catalog
@@ -528,8 +528,8 @@ class NoRegistry:
 @pytest.mark.parametrize(("name", "version", "field"), [("ink\n", "1", "name"), ("ink", "1\n", "version"),
                                                         ("Ink", "1", "name"), ("ink", "1..2", "version")])  # fmt: skip
 def test_an_adapter_name_or_version_with_a_trailing_newline_is_refused(name, version, field):
-    from api_server.adapters import AdapterService
-    from api_server.errors import ApiError
+    from api_server.core.errors import ApiError
+    from api_server.predict.adapters import AdapterService
     from emulators.stack import local_catalog
 
     with pytest.raises(ApiError) as refused:

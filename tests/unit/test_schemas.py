@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from api_server.errors import ApiError
-from api_server.schemas import MAX_SEED, decode_input_image, parse_body, resolve_parameters
+from api_server.core.errors import ApiError
+from api_server.predict.schemas import MAX_SEED, decode_input_image, parse_body, resolve_parameters
 from contract.catalog import load_catalog
 from tests.conftest import png_b64
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from flask import Flask, request
 
-from api_server.auth import ApiKeyAuth
-from api_server.errors import ApiError
+from api_server.core.auth import ApiKeyAuth
+from api_server.core.errors import ApiError
 from contract import naming
 from contract.settings import LOCAL_DEFAULT_API_KEY, Settings, api_key_digest
 

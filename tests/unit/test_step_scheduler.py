@@ -17,12 +17,12 @@ import pytest
 
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from emulators.stack import local_catalog
-from model_worker.device import DeviceLoop
-from model_worker.health import WorkerHealth
-from model_worker.intake import ReplyFactory
-from model_worker.metrics import WorkerMetrics
-from model_worker.pool import HeldMessage, PendingRequest, RequestPool
-from model_worker.runners import GenerationItem, SyntheticRunner
+from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.model.runners import GenerationItem, SyntheticRunner
+from model_worker.serving.device import DeviceLoop
+from model_worker.serving.health import WorkerHealth
+from model_worker.serving.intake import ReplyFactory
+from model_worker.serving.metrics import WorkerMetrics
 
 CATALOG = local_catalog(test_fixtures=True)
 TXT2IMG = CATALOG.get("sd15-txt2img").model_copy(update={"scheduling": "step"})
@@ -38,7 +38,7 @@ def runners(tmp_path_factory) -> dict:
     import torch
 
     from emulators.tiny_pipeline import build_pipeline
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     torch.set_num_threads(1)
     root: Path = tmp_path_factory.mktemp("tiny")
@@ -322,7 +322,7 @@ def test_priority_decides_who_joins_a_full_running_set_first():
 
 
 def test_a_pipeline_whose_scheduler_cannot_step_per_item_is_refused_at_load(runners):
-    from model_worker.pipeline import DiffusionRunner
+    from model_worker.model.pipeline import DiffusionRunner
 
     # Allowed by the catalog with `request`; a step-scheduled model with such a scheduler never serves.
     heun = TXT2IMG.model_copy(update={"scheduling": "request", "scheduler": "HeunDiscreteScheduler"})

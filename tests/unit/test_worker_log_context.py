@@ -7,8 +7,8 @@ import logging
 
 from contract.jsonlog import JsonFormatter
 from contract.messages import Attr
-from model_worker.log_context import request_log_context
-from model_worker.pool import HeldMessage
+from model_worker.held.log_context import request_log_context
+from model_worker.held.pool import HeldMessage
 
 TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 SUBSCRIPTION = "projects/maas-test/subscriptions/maas-requests-noop-workers"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from model_worker.health import WorkerHealth
-from model_worker.intake import deadline_of
+from model_worker.serving.health import WorkerHealth
+from model_worker.serving.intake import deadline_of
 
 
 def test_probes_follow_the_worker_lifecycle():
@@ -40,7 +40,7 @@ def test_a_problem_found_while_loading_ends_start_up_and_says_why_in_readiness()
 def test_the_probes_answer_utf8_text_saying_so():
     import requests
 
-    from model_worker.health import serve_health
+    from model_worker.serving.health import serve_health
 
     health = WorkerHealth(stall_seconds=60)
     health.report_problem("weights of m v1", "gs://b/m/1: x — not served")

@@ -13,13 +13,13 @@ from contract.catalog import ModelCatalog, load_catalog
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.payloads import PayloadError
 from emulators.stack import local_catalog
-from model_worker.device import DeviceLoop
-from model_worker.finisher import ReplyFinisher
-from model_worker.health import WorkerHealth
-from model_worker.intake import ReplyFactory, decode_image
-from model_worker.metrics import WorkerMetrics
-from model_worker.pool import HeldMessage, PendingRequest, RequestPool
-from model_worker.runners import GenerationItem, SyntheticRunner
+from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.model.runners import GenerationItem, SyntheticRunner
+from model_worker.serving.device import DeviceLoop
+from model_worker.serving.finisher import ReplyFinisher
+from model_worker.serving.health import WorkerHealth
+from model_worker.serving.intake import ReplyFactory, decode_image
+from model_worker.serving.metrics import WorkerMetrics
 
 CATALOG = local_catalog(test_fixtures=True)
 SLEEP = CATALOG.get("sleep")
@@ -299,7 +299,7 @@ def test_synthetic_models_share_one_deployment_and_production_has_none():
 
 
 def test_compiled_batches_are_padded_to_a_fixed_bucket():
-    from model_worker.pipeline import batch_buckets, pad_to_bucket
+    from model_worker.model.pipeline import batch_buckets, pad_to_bucket
 
     assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
     assert pad_to_bucket(["a", "b", "c"], 8) == ["a", "b", "c", "c"]

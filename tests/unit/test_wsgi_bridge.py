@@ -1,4 +1,4 @@
-"""The WSGI bridge (api_server/wsgi_bridge.py): the request is read whole before the app runs, within a deadline."""
+"""The WSGI bridge (api_server/process/wsgi_bridge.py): the request is read whole before the app runs, within a deadline."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from flask import Flask, Response, request
 
-from api_server.wsgi_bridge import ASYNC_BODY, WsgiBridge
+from api_server.process.wsgi_bridge import ASYNC_BODY, WsgiBridge
 
 
 def flask_app(max_bytes: int = 100) -> Flask:

@@ -1,0 +1,195 @@
+"""Flows on the request path: a flow is called like a model (`POST /v1/models/{flow}:predict`, jobs, events,
+cancel, deadlines, idempotency, cache and coalescing, priority), and the serving stage never knows it is one.
+
+A call to a flow resolves each stage's unit as a single call to that model would (the traffic split and its
+canary, per stage), then goes on as a `FlowModel`: a `ModelSpec` named for the flow whose queue is the first
+stage's unit, whose version names every stage's unit (so the cache never answers one version's image for
+another's) and whose timeout covers every stage. Its request is validated against the flow's request contract
+(contract/flows.py), adapters resolved for the stages that take them, each stage planned with the contract's
+`plan_stages`, and the message published once, to the first stage's unit, carrying the `FlowContext`; the
+workers run the stages (in one process when one worker group serves them all, else queue to queue) and only
+the last stage answers. The log rows it leaves are `flow_rows.py`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.predict.adapters import AdapterService
+from api_server.predict.schemas import PredictBody
+from contract.catalog import ModelCatalog, ModelSpec
+from contract.flows import FlowError, FlowSpec, plan_stages
+from contract.generation import ROLES, AdapterRef, GenerationParameters
+from contract.messages import FlowContext, FlowStagePlan, InferenceRequest
+
+# How a flow's version names its stages' units: `base=1,refiner=2`.
+VERSION_SEPARATOR = ","
+
+
+class FlowModel(ModelSpec):
+    """A flow as the request path sees a model: published to its first stage's unit, timed over all stages."""
+
+    first_queue: str = ""
+    first_deployment: str = ""
+
+    @property
+    def queue(self) -> str:
+        return self.first_queue
+
+    @property
+    def deployment(self) -> str:
+        return self.first_deployment
+
+
+@dataclass
+class FlowCall:
+    """One request to a flow: the units chosen for its stages, then (once its body is validated) their plans."""
+
+    flow: FlowSpec
+    units: list[ModelSpec]
+    spec: FlowModel
+    plans: list[FlowStagePlan] = field(default_factory=list)
+
+    def check(self, body: PredictBody, params: GenerationParameters, adapters: AdapterService | None) -> None:
+        """Refuses (422, naming the field) what no stage takes, then plans every stage."""
+        contract = self.flow.request_contract
+        given = body.parameters.model_dump(exclude_none=True, exclude={"priority"})
+        for name in given:
+            if name not in contract.takes:
+                raise ApiError(422, f"parameters.{name}: flow {self.flow.name} does not take it ({_fixed_by(self.flow, name)})",
+                               f"parameters.{name}")  # fmt: skip
+        for axis in ("width", "height"):
+            if getattr(params, axis) % contract.size_multiple:
+                raise ApiError(422, f"parameters.{axis}: must be a multiple of {contract.size_multiple} for flow "
+                               f"{self.flow.name} (every stage's size after its resizes must fit its model)",
+                               f"parameters.{axis}")  # fmt: skip
+        asked: dict[str, Any] = {name: value for name, value in given.items() if name in ROLES and name != "adapters"}
+        asked["seed"] = params.seed
+        resolved = self._adapters(body, adapters)
+        try:
+            self.plans = plan_stages(self.flow, self.units, asked, resolved)
+        except FlowError as exc:
+            raise ApiError(422, f"parameters: {exc}", "parameters") from exc
+
+    def _adapters(self, body: PredictBody, adapters: AdapterService | None) -> dict[str, tuple[AdapterRef, ...]]:
+        """The request's adapters, resolved for each stage that takes them (they are registered per model)."""
+        requested = body.parameters.adapters
+        if not requested:
+            return {}
+        if adapters is None:
+            raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
+        taking = {stage.name: unit for stage, unit in zip(self.flow.stages, self.units, strict=True)
+                  if "adapters" in self.flow.takes(stage.name)}  # fmt: skip
+        return {name: adapters.resolve(unit, requested) for name, unit in taking.items()}
+
+    def message(self, request: InferenceRequest) -> InferenceRequest:
+        """The flow's request as its first stage's unit takes it, with every stage's plan on it."""
+        first = self.plans[0]
+        return request.model_copy(
+            update={
+                "model": first.model,
+                "model_version": first.model_version,
+                "parameters": first.parameters,
+                "flow": FlowContext(flow=self.flow.name, stages=self.plans),
+            }
+        )
+
+
+class FlowService:
+    def __init__(self, catalog: ModelCatalog, choose: Callable[[str, str, Caller], ModelSpec]) -> None:
+        """`choose(model, request_id, caller)`: the unit a single call to `model` would get (split, canary)."""
+        self._catalog = catalog
+        self._choose = choose
+
+    def names(self) -> list[str]:
+        return sorted(self._catalog.flows)
+
+    def get(self, name: str) -> FlowSpec | None:
+        return self._catalog.flow(name)
+
+    def call(self, flow: FlowSpec, request_id: str, caller: Caller) -> FlowCall:
+        """A request to `flow`: each stage's unit chosen as for a single call to its model."""
+        units = [self._choose(stage.model, request_id, caller) for stage in flow.stages]
+        return FlowCall(flow, units, flow_model(flow, units))
+
+    def stable(self, flow: FlowSpec) -> FlowModel:
+        """The flow as its stages' stable versions make it (what the catalog listing shows)."""
+        return flow_model(flow, [self._stable_unit(stage.model) for stage in flow.stages])
+
+    def _stable_unit(self, model: str) -> ModelSpec:
+        spec = self._catalog.get(model)
+        assert spec is not None, f"flow stage model {model} is checked at catalog load"
+        return spec
+
+    def view(self, flow: FlowSpec) -> dict:
+        """A flow as `GET /v1/models` lists it: called like a model, with its stages in order."""
+        spec, contract = self.stable(flow), flow.request_contract
+        return {
+            "name": flow.name,
+            "version": spec.version,
+            "versions": [spec.version],
+            "task": contract.task,
+            "family": None,
+            "guidance": _guidance(flow, self._stable_unit),
+            "size_multiple": contract.size_multiple,
+            "max_instances_per_request": contract.max_instances_per_request,
+            "request_timeout_seconds": spec.request_timeout_seconds,
+            "defaults": contract.defaults.model_dump(exclude_none=True),
+            "limits": contract.limits.model_dump(),
+            "kind": "flow",
+            "stages": [
+                {
+                    "name": stage.name,
+                    "model": stage.model,
+                    "output": stage.output,
+                    "resize": stage.resize.model_dump() if stage.resize else None,
+                    "takes": list(flow.takes(stage.name)),
+                    "fixes": dict(stage.fixes) or None,
+                }
+                for stage in flow.stages
+            ],
+        }
+
+
+def flow_model(flow: FlowSpec, units: list[ModelSpec]) -> FlowModel:
+    """The flow as the request path's `ModelSpec`, for these units (not validated: a flow has no pipeline)."""
+    contract, first = flow.request_contract, units[0]
+    version = VERSION_SEPARATOR.join(
+        f"{stage.name}={unit.version}" for stage, unit in zip(flow.stages, units, strict=True)
+    )
+    values = {name: getattr(first, name) for name in ModelSpec.model_fields}
+    values.update(
+        name=flow.name,
+        version=version,
+        versioned=False,
+        task=contract.task,
+        pipeline=None,
+        weights_path="",
+        defaults=contract.defaults,
+        limits=contract.limits,
+        max_instances_per_request=contract.max_instances_per_request,
+        # The caller waits for every stage (each within its own model's timeout) before a sync call becomes a job.
+        request_timeout_seconds=sum(unit.request_timeout_seconds for unit in units),
+        adapters=None,
+        first_queue=first.queue,
+        first_deployment=first.deployment,
+    )
+    return FlowModel.model_construct(**values)
+
+
+def _fixed_by(flow: FlowSpec, name: str) -> str:
+    fixing = [stage.name for stage in flow.stages if name in stage.fixes]
+    if fixing:
+        return f"stage {', '.join(fixing)} fixes it"
+    return "no stage takes it"
+
+
+def _guidance(flow: FlowSpec, unit: Callable[[str], ModelSpec]) -> str:
+    """`cfg` when a stage takes a negative prompt, else the first stage's guidance."""
+    if "negative_prompt" in flow.request_contract.takes:
+        return "cfg"
+    return unit(flow.stages[0].model).guidance_mode

@@ -1,0 +1,206 @@
+"""The inference service: validates a predict body, submits it to its model's queue and awaits the reply.
+
+Its refusals are `ApiError`s (a status and a message naming the field), the API's one error type; the
+serving stage (`serving.py`) builds the cache, coalescing, idempotency and jobs on `prepare`, `submit` and
+`run` as separate steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from api_server.core.auth import Caller
+from api_server.core.errors import ApiError
+from api_server.jobs.webhooks import WebhookTargetPolicy
+from api_server.predict.adapters import AdapterService
+from api_server.predict.dispatch import DispatchTimings, InferenceDispatcher
+from api_server.predict.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
+from contract import naming
+from contract.catalog import ModelSpec
+from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
+from contract.payloads import PayloadCodec, PayloadError
+
+if TYPE_CHECKING:
+    from api_server.flows.serving import FlowCall
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: parameters resolved, input images decoded, nothing uploaded or published yet."""
+
+    request_id: str
+    spec: ModelSpec
+    body: PredictBody
+    params: GenerationParameters
+    images: list[bytes | None]
+    priority: naming.Priority
+    caller: Caller
+    # The body as sent: what an Idempotency-Key's fingerprint covers.
+    payload: object = None
+    webhook_url: str | None = None
+    idempotency_key: str | None = None
+    # `Cache-Control: no-cache`: run the model again and refresh the cache entry.
+    fresh: bool = False
+    # perf_counter() when the request arrived (the answer's `timings_ms.total`).
+    received: float = field(default_factory=time.perf_counter)
+    # Asked for one version by name (POST .../versions/{v}:predict): no shadow copy.
+    pinned: bool = False
+    # Its partial inference log row (the records stage's), kept in Redis with the published request so that
+    # another API process writes it if this one dies before answering.
+    log_row: Callable[[], dict] | None = None
+    # A call to a flow (api_server/flows/serving.py): its stages' units and plans; published to its first stage's unit.
+    flow: FlowCall | None = None
+
+    def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
+        """This request asked of another version under an id of its own (a fallback, a shadow copy): no
+        Idempotency-Key, no webhook and no kept row of its own, which all belong to the caller's request."""
+        return replace(
+            self, request_id=request_id, spec=spec, idempotency_key=None, webhook_url=None, log_row=None, **changes
+        )
+
+    @property
+    def deterministic(self) -> bool:
+        """An explicit seed makes the output a function of the request: cacheable and coalescible."""
+        return self.body.parameters.seed is not None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [instance.prompt for instance in self.body.instances]
+
+
+class InferenceService:
+    def __init__(
+        self,
+        dispatcher: InferenceDispatcher,
+        payloads: PayloadCodec,
+        job_deadline_seconds: int,
+        high_priority_keys: frozenset[str] = frozenset(),
+        webhook_targets: WebhookTargetPolicy | None = None,
+        adapters: AdapterService | None = None,
+    ) -> None:
+        self._adapters = adapters
+        self._webhook_targets = webhook_targets or WebhookTargetPolicy(enabled=False)
+        self._dispatcher = dispatcher
+        self._payloads = payloads
+        self._job_deadline_seconds = job_deadline_seconds
+        self._high_priority_keys = high_priority_keys
+
+    def prepare(
+        self,
+        spec: ModelSpec,
+        payload: object,
+        request_id: str,
+        caller: Caller,
+        idempotency_key: str | None = None,
+        fresh: bool = False,
+        received: float | None = None,
+        pinned: bool = False,
+        log_row: Callable[[], dict] | None = None,
+        flow: FlowCall | None = None,
+    ) -> PreparedRequest:
+        body = parse_body(payload)
+        params = resolve_parameters(body, spec)
+        if flow is not None:  # its adapters are each stage's that takes them, planned with its stages
+            flow.check(body, params, self._adapters)
+        elif body.parameters.adapters:
+            if self._adapters is None:
+                raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
+            params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
+        priority = body.parameters.priority or "normal"
+        if priority == "high" and caller.digest not in self._high_priority_keys:
+            raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")
+        images = [
+            decode_input_image(instance.image, f"instances.{index}.image", spec.limits.max_input_pixels)
+            if instance.image
+            else None
+            for index, instance in enumerate(body.instances)
+        ]
+        webhook_url = self._webhook_targets.check(body.webhook_url) if body.webhook_url is not None else None
+        return PreparedRequest(
+            request_id,
+            spec,
+            body,
+            params,
+            images,
+            priority,
+            caller,
+            payload,
+            webhook_url,
+            idempotency_key,
+            fresh,
+            time.perf_counter() if received is None else received,
+            pinned,
+            log_row,
+            flow,
+        )
+
+    def job_deadline_ms(self) -> int:
+        return int((time.time() + self._job_deadline_seconds) * 1000)
+
+    def publish(
+        self,
+        message: InferenceRequest,
+        spec: ModelSpec,
+        deadline_ms: int,
+        priority: naming.Priority,
+        log_row: dict | None = None,
+        reply_to: str | None = None,
+    ) -> bool:
+        """Publishes a request message (`message`) and returns at once (a job); raises 503 if the queue is
+        unreachable. True when its partial log row (`log_row`) was kept with it (see `run`). `reply_to`: a reply
+        topic of its own (a batch line's)."""
+        return self._dispatcher.submit(message, spec, deadline_ms, priority, log_row, reply_to)
+
+    def run(
+        self, prepared: PreparedRequest, timings: DispatchTimings, deadline_ms: int, wait_seconds: float | None = None
+    ) -> InferenceReply | None:
+        """Publishes and waits up to the model's request timeout (or `wait_seconds`); None if no reply came by then.
+        The request's partial log row is kept with it, so that its row is written even if this process dies."""
+        log_row = prepared.log_row() if prepared.log_row is not None else None
+        return self._dispatcher.run(
+            self.message(prepared), prepared.spec, timings, prepared.priority, deadline_ms, wait_seconds, log_row
+        )
+
+    def predictions(self, reply: InferenceReply) -> list[dict]:
+        return [self._prediction_json(prediction) for prediction in reply.predictions]
+
+    def message(self, prepared: PreparedRequest) -> InferenceRequest:
+        """The request as its model's queue takes it (input images packed: inline, or uploaded to GCS)."""
+        instances = [
+            RequestInstance(
+                prompt=prompt,
+                image=None
+                if image is None
+                else self._payloads.pack(
+                    image,
+                    naming.input_object(prepared.request_id, index),
+                    content_type="application/octet-stream",
+                ),
+            )
+            for index, (prompt, image) in enumerate(zip(prepared.prompts, prepared.images, strict=True))
+        ]
+        request = InferenceRequest(
+            request_id=prepared.request_id,
+            model=prepared.spec.name,
+            model_version=prepared.spec.version,
+            instances=instances,
+            parameters=prepared.params,
+        )
+        return request if prepared.flow is None else prepared.flow.message(request)
+
+    def _prediction_json(self, prediction) -> dict:
+        try:
+            png = self._payloads.unpack(prediction.image)
+        except PayloadError as exc:
+            raise ApiError(500, f"result unavailable: {exc}") from exc
+        return {
+            "image_b64": base64.b64encode(png).decode("ascii"),
+            "mime_type": "image/png",
+            "seed": prediction.seed,
+            "width": prediction.width,
+            "height": prediction.height,
+        }

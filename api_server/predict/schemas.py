@@ -1,0 +1,158 @@
+"""The predict body (Vertex AI / KServe v1: `instances` and `parameters`), validated and resolved against the catalog."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api_server.core.errors import ApiError
+from contract.catalog import ModelSpec
+from contract.generation import MAX_SEED, ROLES, GenerationParameters, optional_parameters_model
+from contract.images import InputImageError
+from contract.images import decode_input_image as decode_image
+
+__all__ = ["MAX_SEED", "ParametersIn", "PredictBody", "decode_input_image", "parse_body", "resolve_parameters"]
+
+
+# Strict: `"4"` or `true` for a number is refused, not coerced; NaN and infinities are refused by name.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class InstanceIn(BaseModel):
+    model_config = STRICT
+    prompt: str = Field(min_length=1, max_length=2000)
+    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image only")
+
+
+# Every generation parameter, optional (contract/generation.py), and one that is not: `priority` picks the
+# queue (only for API keys configured for it), not the image.
+ParametersIn = optional_parameters_model(
+    "ParametersIn",
+    STRICT,
+    priority=(
+        Literal["high", "normal"] | None,
+        Field(default=None, description="high: the high-priority queue (API keys configured for it)"),
+    ),
+)
+
+
+class PredictBody(BaseModel):
+    model_config = STRICT
+    instances: list[InstanceIn] = Field(min_length=1)
+    parameters: ParametersIn = Field(default_factory=ParametersIn)
+    webhook_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="https URL called once when the request ends as a job (signed: X-MaaS-Signature)",
+    )
+
+
+def parse_body(payload: object) -> PredictBody:
+    try:
+        return PredictBody.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(422, f"{field}: {_message(first)}", field=field) from exc
+
+
+def _message(error: dict) -> str:
+    """pydantic's message, without the internal class names its type errors carry."""
+    if error["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        return "must be a JSON object"
+    if error["type"] == "finite_number":
+        return "must be a finite number"
+    return error["msg"]
+
+
+def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParameters:
+    """Applies the catalog's defaults and enforces its limits; a seed is chosen when none is given."""
+    given, defaults, limits = body.parameters, spec.defaults, spec.limits
+    if len(body.instances) > spec.max_instances_per_request:
+        raise ApiError(
+            422, f"instances: at most {spec.max_instances_per_request} per request for {spec.name}", "instances"
+        )
+    values = {}
+    for name, role in ROLES.items():
+        if role.sent_as is not None:
+            continue  # resolved by its own stage (adapters: api_server/predict/adapters.py)
+        value = getattr(given, name)
+        values[name] = value if value is not None else getattr(defaults, name, None)
+    if values["seed"] is None:
+        values["seed"] = secrets.randbelow(MAX_SEED - 64)
+    params = GenerationParameters(**values)
+    checks = [
+        ("parameters.num_inference_steps", params.num_inference_steps, limits.max_inference_steps),
+        ("parameters.width", params.width, limits.max_width),
+        ("parameters.height", params.height, limits.max_height),
+    ]
+    for field, value, limit in checks:
+        if value > limit:
+            raise ApiError(422, f"{field}: at most {limit} for {spec.name}", field)
+    _check_family_rules(given, params, spec)
+    if params.seed + len(body.instances) - 1 > MAX_SEED:
+        raise ApiError(422, f"parameters.seed: seed + instances must stay below {MAX_SEED}", "parameters.seed")
+    if spec.task == "image-to-image":
+        if params.strength is None or params.strength * params.num_inference_steps < 1:
+            raise ApiError(
+                422, "parameters.strength: strength x num_inference_steps must be at least 1", "parameters.strength"
+            )
+    elif given.strength is not None:
+        raise ApiError(
+            422, f"parameters.strength: only for image-to-image models, not {spec.name}", "parameters.strength"
+        )
+    for index, instance in enumerate(body.instances):
+        if spec.task == "image-to-image" and not instance.image:
+            raise ApiError(
+                422,
+                f"instances.{index}.image: required by image-to-image model {spec.name}",
+                f"instances.{index}.image",
+            )
+        if spec.task == "text-to-image" and instance.image:
+            raise ApiError(
+                422,
+                f"instances.{index}.image: not accepted by text-to-image model {spec.name}",
+                f"instances.{index}.image",
+            )
+    return params
+
+
+def _check_family_rules(given, params: GenerationParameters, spec: ModelSpec) -> None:
+    """The model family's own rules (contract/families.py): sizes, and guidance or negative prompts it would ignore."""
+    family = spec.family
+    if family is None:
+        return
+    for field, value in (("parameters.width", params.width), ("parameters.height", params.height)):
+        if value % family.size_multiple:
+            raise ApiError(422, f"{field}: must be a multiple of {family.size_multiple} for {spec.name}", field)
+    mode = spec.guidance_mode
+    if mode == "none" and given.guidance_scale is not None:
+        raise ApiError(
+            422,
+            f"parameters.guidance_scale: {spec.name} takes no guidance (a distilled model)",
+            "parameters.guidance_scale",
+        )
+    if mode != "cfg" and given.negative_prompt is not None:
+        raise ApiError(
+            422,
+            f"parameters.negative_prompt: {spec.name} has no classifier-free guidance, so it would ignore a negative prompt",
+            "parameters.negative_prompt",
+        )
+
+
+def decode_input_image(data: str, field: str, max_pixels: int | None = None) -> bytes:
+    """Base64 PNG/JPEG/WebP to bytes, decoded once here so an image any decoder refuses is a 422 naming
+    `field`, never a 500 or a worker error (`contract.images`: header size first, so a bomb costs nothing)."""
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(422, f"{field}: not valid base64", field) from exc
+    try:
+        decode_image(raw, max_pixels)
+    except InputImageError as exc:
+        raise ApiError(422, f"{field}: {exc}", field) from exc
+    return raw

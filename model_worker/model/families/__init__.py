@@ -1,0 +1,27 @@
+"""The worker's model families: one denoiser per family (`base.Denoiser`), picked by the catalog's pipeline class.
+
+A new family is a new module here and a line in `denoiser_for`; the runner and the step scheduler stay as
+they are.
+"""
+
+from __future__ import annotations
+
+from contract.catalog import ModelSpec
+from model_worker.model.families.base import Denoiser
+
+
+def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
+    """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
+    from model_worker.model.families.flow import FluxDenoiser, SD3Denoiser
+    from model_worker.model.families.unet import SDXLDenoiser, UNetDenoiser
+
+    denoisers: dict[str, type[Denoiser]] = {
+        "sd15": UNetDenoiser, "sdxl": SDXLDenoiser, "flux": FluxDenoiser, "sd3": SD3Denoiser,
+    }  # fmt: skip
+    family = spec.family
+    if family is None or family.name not in denoisers:
+        raise ValueError(f"{spec.name}: no denoiser for pipeline {spec.pipeline}")
+    return denoisers[family.name]
+
+
+__all__ = ["Denoiser", "denoiser_class"]

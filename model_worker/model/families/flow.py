@@ -1,0 +1,224 @@
+"""The flow-matching transformer families: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`), and SD 3.5
+(`SD3Transformer2DModel`, an MMDiT with classifier-free guidance).
+
+FLUX: latents are packed 2x2 into tokens; the schedule's shift `mu` depends on the token count, so each image gets
+its own `FlowMatchEulerDiscreteScheduler` with its own sigmas, and images of different sizes never share a
+call (the pool's batch key has the size). One transformer call takes `timestep / 1000` and, for [dev], the
+embedded guidance as per-sample [B] tensors; the text and image position ids have no batch axis and are the
+same for every image of one size, so they are shared. Image-to-image starts each image at its own step of its
+own schedule (the pipeline's `get_timesteps` on the image's scheduler) from the noised input's latents.
+
+SD 3.5: unpacked latents, `timestep` as the scheduler gives it, classifier-free guidance and the shared call as
+the UNet families have them (`base.GuidedDenoiser`), and the T5 encoder optional (`without: [text_encoder_3]`).
+Both decode their latents alike (`from_flow_latents`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contract.messages import GenerationParameters
+from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
+from model_worker.model.runners import GenerationItem, RunningItem
+
+# The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
+# with 256, the length its reference code and model card use (512 would double the text tokens of every step);
+# SD 3.5's pipeline default of 256.
+FLUX_DEV_MAX_SEQUENCE_LENGTH = 512
+FLUX_SCHNELL_MAX_SEQUENCE_LENGTH = 256
+SD3_MAX_SEQUENCE_LENGTH = 256
+
+
+class FluxDenoiser(Denoiser):
+    model_attribute = "transformer"
+
+    @property
+    def guidance_embedded(self) -> bool:
+        return bool(self.pipeline.transformer.config.guidance_embeds)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return FLUX_DEV_MAX_SEQUENCE_LENGTH if self.guidance_embedded else FLUX_SCHNELL_MAX_SEQUENCE_LENGTH
+
+    def check_loaded(self) -> None:
+        """The catalog's guidance mode must be the model's: [dev] embeds guidance, [schnell] takes none."""
+        mode = self.spec.guidance_mode
+        if (mode == "embedded") != self.guidance_embedded:
+            actual = "embedded" if self.guidance_embedded else "none"
+            raise ValueError(
+                f"{self.spec.name}: the catalog says guidance {mode!r} but the transformer's is {actual!r} "
+                f"(set `guidance: {actual}` in the catalog entry)"
+            )
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": self.max_sequence_length}
+        if self.spec.needs_image:
+            kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
+        return kwargs
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        with torch.inference_mode():
+            prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
+            channels = pipe.transformer.config.in_channels // 4
+            steps = params.num_inference_steps
+            requested = self.requested_steps(params)
+            config = pipe.scheduler.config
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                tokens = (params.height // pipe.vae_scale_factor // 2) * (params.width // pipe.vae_scale_factor // 2)
+                sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+                mu = calculate_shift(
+                    tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                    config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+                )  # fmt: skip
+                scheduler = self.new_scheduler()
+                timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+                if self.spec.needs_image:
+                    with self.using(scheduler):
+                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
+                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
+                        latents, image_ids = pipe.prepare_latents(
+                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
+                            params.width, prompt_embeds.dtype, device, [generator],
+                        )  # fmt: skip
+                else:
+                    latents, image_ids = pipe.prepare_latents(
+                        1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
+                    )
+                    scheduler.set_begin_index(0)
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "image_ids": image_ids,
+                    "text_ids": text_ids,
+                    "context": prompt_embeds[index : index + 1],
+                    "pooled": pooled[index : index + 1],
+                    "guidance": params.guidance_scale,
+                    "size": (params.height, params.width),
+                    "mu": mu,
+                    "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
+                }
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
+        return running
+
+    def denoise(self, running: list[RunningItem]) -> None:
+        torch = self._torch
+        sizes = {r.state["size"] for r in running}
+        if len(sizes) > 1:
+            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        with torch.inference_mode():
+            latents = torch.cat([r.state["latents"] for r in running])
+            timestep = torch.cat(
+                [r.state["timesteps"][r.done].expand(1).to(latents.dtype) for r in running]
+            )  # fmt: skip
+            context = torch.cat([r.state["context"] for r in running])
+            pooled = torch.cat([r.state["pooled"] for r in running])
+            guidance = None
+            if self.guidance_embedded:
+                guidance = torch.tensor([r.state["guidance"] for r in running], device=latents.device,
+                                        dtype=torch.float32)  # fmt: skip
+            rows = latents.shape[0]
+            size = self.padded_rows(rows)
+            if size != rows:
+                latents, timestep, context, pooled, guidance = (
+                    pad_rows(tensor, size) for tensor in (latents, timestep, context, pooled, guidance)
+                )
+            first = running[0].state
+            predicted = self.pipeline.transformer(
+                hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=pooled,
+                encoder_hidden_states=context, txt_ids=first["text_ids"], img_ids=first["image_ids"],
+                return_dict=False,
+            )[0][:rows]  # fmt: skip
+            self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
+
+    def decode_latents(self, latents, running: list[RunningItem]):
+        pipe = self.pipeline
+        height, width = running[0].state["size"]
+        return from_flow_latents(pipe.vae, pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor))
+
+
+class SD3Denoiser(GuidedDenoiser):
+    """SD 3.5: two CLIPs and T5 (or zeros in its place), classifier-free guidance with negative prompts."""
+
+    model_attribute = "transformer"
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "width": params.width, "height": params.height, "max_sequence_length": SD3_MAX_SEQUENCE_LENGTH,
+        }  # fmt: skip
+        if any(item.negative_prompt for item in items):
+            kwargs["negative_prompt"] = [item.negative_prompt or "" for item in items]
+        return kwargs
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        guided = params.guidance_scale > 1
+        requested = self.requested_steps(params)
+        config = pipe.scheduler.config
+        with torch.inference_mode():
+            prompt_embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, prompt_3=None, device=device,
+                num_images_per_prompt=1, do_classifier_free_guidance=guided,
+                negative_prompt=[item.negative_prompt or "" for item in items],
+                max_sequence_length=SD3_MAX_SEQUENCE_LENGTH,
+            )  # fmt: skip
+            positive = {"context": prompt_embeds, "pooled": pooled}
+            negative = {"context": negative_embeds, "pooled": negative_pooled} if guided else None
+            running = []
+            for item, condition in zip(items, conditions(positive, negative), strict=True):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                latents = pipe.prepare_latents(
+                    1, pipe.transformer.config.in_channels, params.height, params.width, prompt_embeds.dtype, device,
+                    [generator],
+                )  # fmt: skip
+                kwargs = {}
+                if config.get("use_dynamic_shifting", None):
+                    patch = pipe.transformer.config.patch_size
+                    tokens = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
+                    kwargs["mu"] = calculate_shift(
+                        tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                        config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+                    )  # fmt: skip
+                scheduler = self.new_scheduler()
+                timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, device, **kwargs)
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "condition": condition,
+                    "guidance": params.guidance_scale if guided else None,
+                    "size": (params.height, params.width),
+                    "step_kwargs": {},
+                }
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
+        return running
+
+    def call_model(self, sample, timestep, condition: dict):
+        return self.pipeline.transformer(
+            hidden_states=sample, timestep=timestep, encoder_hidden_states=condition["context"],
+            pooled_projections=condition["pooled"], return_dict=False,
+        )[0]  # fmt: skip
+
+    def decode_latents(self, latents, running: list[RunningItem]):
+        return from_flow_latents(self.pipeline.vae, latents)
+
+
+def from_flow_latents(vae, latents):
+    """The flow-matching families' VAE decode: latents unscaled and shifted back, as FLUX's and SD 3's pipelines do."""
+    return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]

@@ -1,0 +1,181 @@
+"""The UNet families with classifier-free guidance: SD 1.5 (one CLIP) and SDXL (two CLIPs, pooled embeddings and
+size conditioning through `added_cond_kwargs`, a VAE decoded in float32 when its config asks).
+
+Guidance and the shared model call are `base.GuidedDenoiser`'s; latents, timesteps, image-to-image's start and
+the scheduler step's extra arguments are the pipeline's own helpers, run on each image's own scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contract.messages import GenerationParameters
+from model_worker.model.families.base import GuidedDenoiser, conditions
+from model_worker.model.runners import GenerationItem, RunningItem, is_latent
+
+
+class UNetDenoiser(GuidedDenoiser):
+    """SD 1.5: `unet(sample, t, encoder_hidden_states)`; its conditioning is the CLIP context alone."""
+
+    model_attribute = "unet"
+
+    extra_load_kwargs = {"safety_checker": None, "requires_safety_checker": False}
+
+    def check_steppable(self) -> None:
+        super().check_steppable()
+        if self.pipeline.unet.config.time_cond_proj_dim is not None:
+            raise ValueError(
+                f"{self.spec.name}: scheduling: step does not support guidance-embedding UNets; use request"
+            )
+
+    def compile(self) -> None:
+        self.pipeline.unet.to(memory_format=self._torch.channels_last)
+        super().compile()
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if any(item.negative_prompt for item in items):
+            kwargs["negative_prompt"] = [item.negative_prompt or "" for item in items]
+        first = items[0]
+        if self.spec.needs_image:
+            # Decoded and resized off this thread, at intake; a flow's latents stay one tensor on the device.
+            images = [item.image for item in items]
+            kwargs["image"] = self._torch.cat(images) if is_latent(first.image) else images
+            kwargs["strength"] = params.strength
+        else:
+            kwargs["width"], kwargs["height"] = params.width, params.height
+        if first.denoising_start is not None:
+            kwargs["denoising_start"] = float(first.denoising_start)
+        if first.denoising_end is not None:
+            kwargs["denoising_end"] = float(first.denoising_end)
+        return kwargs
+
+    # --- the family's conditioning (SDXL overrides) --------------------------------------------------------
+
+    def encode(self, items: list[GenerationItem], guided: bool, params: GenerationParameters) -> list[dict]:
+        """Each image's conditioning tensors, rows in UNet order (negative first when guided)."""
+        prompt_embeds, negative_embeds = self.pipeline.encode_prompt(
+            [item.prompt for item in items], self.pipeline._execution_device, 1, guided,
+            [item.negative_prompt or "" for item in items],
+        )  # fmt: skip
+        return conditions({"context": prompt_embeds}, {"context": negative_embeds} if guided else None)
+
+    def call_model(self, sample, timestep, condition: dict):
+        return self.pipeline.unet(sample, timestep, encoder_hidden_states=condition["context"], return_dict=False)[0]
+
+    def model_input(self, scheduler, sample, timestep):
+        return scheduler.scale_model_input(sample, timestep)
+
+    def decode_latents(self, latents, running: list[RunningItem]):
+        return self.pipeline.vae.decode(latents / self.pipeline.vae.config.scaling_factor, return_dict=False)[0]
+
+    # --- stepping ------------------------------------------------------------------------------------------
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        guided = params.guidance_scale > 1
+        requested = self.requested_steps(params)
+        running = []
+        with torch.inference_mode():
+            for item, condition in zip(items, self.encode(items, guided, params), strict=True):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                scheduler = self.new_scheduler()
+                scheduler.set_timesteps(params.num_inference_steps, device=device)
+                timesteps, dtype = scheduler.timesteps, condition["context"].dtype
+                with self.using(scheduler):  # the pipeline's own helpers, on this image's scheduler
+                    if self.spec.needs_image:
+                        # A flow's refiner starts at `denoising_start` from the base's latents, adding no noise.
+                        start = {} if item.denoising_start is None else {"denoising_start": item.denoising_start}
+                        timesteps, _ = pipe.get_timesteps(params.num_inference_steps, params.strength, device, **start)
+                        image = pipe.image_processor.preprocess(item.image)  # a flow's latents pass through
+                        latents = pipe.prepare_latents(image, timesteps[:1].repeat(1), 1, 1, dtype, device, [generator],
+                                                       **({"add_noise": False} if start else {}))  # fmt: skip
+                    else:
+                        if hasattr(scheduler, "set_begin_index"):
+                            scheduler.set_begin_index(0)
+                        latents = pipe.prepare_latents(
+                            1, pipe.unet.config.in_channels, params.height, params.width, dtype, device, [generator]
+                        )
+                    step_kwargs = pipe.prepare_extra_step_kwargs([generator], 0.0)
+                if item.denoising_end is not None:  # the base stops where the refiner starts (diffusers' cut)
+                    cut = self.schedule_cut(scheduler, item.denoising_end)
+                    timesteps = timesteps[: int((timesteps >= cut).sum())]
+                handoff = item.denoising_start is not None or item.denoising_end is not None
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "condition": condition,
+                    "guidance": params.guidance_scale if guided else None,
+                    "step_kwargs": step_kwargs,
+                }
+                steps = len(timesteps) if handoff else requested
+                running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
+        return running
+
+
+class SDXLDenoiser(UNetDenoiser):
+    """SDXL: the context is both encoders' hidden states side by side; `added_cond_kwargs` carry the second
+    encoder's pooled embedding and the size conditioning (original size, crop, target size; image-to-image's
+    with the aesthetic score when the weights ask for it)."""
+
+    extra_load_kwargs: dict[str, Any] = {}
+
+    def encode(self, items: list[GenerationItem], guided: bool, params: GenerationParameters) -> list[dict]:
+        pipe = self.pipeline
+        negatives = [item.negative_prompt or "" for item in items]
+        prompt_embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=[item.prompt for item in items], device=pipe._execution_device, num_images_per_prompt=1,
+            do_classifier_free_guidance=guided, negative_prompt=negatives,
+        )  # fmt: skip
+        if guided and pipe.config.force_zeros_for_empty_prompt:
+            # The pipeline zeroes the negative embeddings when no negative prompt is given (not the embedding of
+            # ""): an image without one gets zeros, as it would alone.
+            for index, item in enumerate(items):
+                if item.negative_prompt is None:
+                    negative_embeds[index].zero_()
+                    negative_pooled[index].zero_()
+        projection = (
+            pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else int(pooled.shape[-1])
+        )
+        size, dtype = (params.height, params.width), prompt_embeds.dtype
+        if self.spec.needs_image:  # the img2img pipeline's time ids: with aesthetic scores (its defaults) when asked
+            time_ids, negative_time_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection
+            )
+        else:
+            time_ids = negative_time_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection
+            )
+        count, device = len(items), prompt_embeds.device
+        positive = {"context": prompt_embeds, "text_embeds": pooled, "time_ids": time_ids.to(device).repeat(count, 1)}
+        negative = {"context": negative_embeds, "text_embeds": negative_pooled,
+                    "time_ids": negative_time_ids.to(device).repeat(count, 1)}  # fmt: skip
+        return conditions(positive, negative if guided else None)
+
+    def call_model(self, sample, timestep, condition: dict):
+        added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
+        return self.pipeline.unet(
+            sample, timestep, encoder_hidden_states=condition["context"], added_cond_kwargs=added, return_dict=False
+        )[0]
+
+    def decode_latents(self, latents, running: list[RunningItem]):
+        """As the pipeline decodes: in float32 when the VAE is half precision and its config says it overflows."""
+        torch, vae = self._torch, self.pipeline.vae
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if upcast:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(torch.float32)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        try:
+            return vae.decode(latents, return_dict=False)[0]
+        finally:
+            if upcast:
+                vae.to(dtype=torch.float16)

@@ -1,0 +1,355 @@
+"""Pulls requests only when the worker has room for them, and answers at once what needs no GPU.
+
+One puller per subscription (each model's high, normal and batch queues, or those MAAS_WORKER_PRIORITIES names),
+each a waiting pull so a request
+reaching an idle worker starts about one pull round trip after it is published. Before a request is
+held for the device it is triaged: a redelivery with a stored reply gets that reply again, a request past
+its deadline or cancelled gets `expired`/`cancelled`, a malformed one or one with an unreadable or
+oversized input image gets an error; none of these reach the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from google.api_core import exceptions
+from google.cloud import pubsub_v1
+from pydantic import ValidationError
+
+from contract.catalog import ModelSpec
+from contract.images import InputImageError, decode_input_image
+from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
+from contract.payloads import PayloadCodec, PayloadError
+from contract.stores.results import ResultStore
+from model_worker.adapters.loader import AdapterLoader
+from model_worker.flows.stages import FlowStages
+from model_worker.held.leases import LeaseKeeper
+from model_worker.held.log_context import request_log_context
+from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
+from model_worker.model.runners import GenerationItem
+from model_worker.serving.finisher import ReplyFinisher
+from model_worker.serving.health import WorkerHealth
+
+log = logging.getLogger(__name__)
+# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
+PULL_WAIT_SECONDS = 2.0
+PULL_ERROR_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+class ReplyFactory:
+    """Replies stamped with this worker's identity and the model's version."""
+
+    def __init__(self, worker_id: str, accelerator: dict[str, str]) -> None:
+        self.worker_id = worker_id
+        self._accelerator = accelerator
+
+    def make(self, spec: ModelSpec, request_id: str, message: HeldMessage | None = None, **fields) -> InferenceReply:
+        fields.setdefault("accelerator", self._accelerator.get(spec.queue))
+        if message is not None:
+            fields.setdefault("attempt", message.delivery_attempt)
+        return InferenceReply(
+            request_id=request_id, model=spec.name, model_version=spec.version, worker_id=self.worker_id, **fields
+        )
+
+
+def deadline_of(attributes: dict[str, str]) -> int | None:
+    """A missing or unreadable deadline runs the request: better late work than a dropped request."""
+    try:
+        return int(attributes[Attr.DEADLINE_MS])
+    except (KeyError, ValueError):
+        return None
+
+
+def redispatches_of(attributes: dict[str, str]) -> int:
+    """How many times the watchdog published this request again (0 for the API's own publish)."""
+    try:
+        return max(0, int(attributes.get(Attr.REDISPATCHES, 0)))
+    except ValueError:
+        return 0
+
+
+def decode_image(data: bytes, max_pixels: int):
+    """Opens an input image as the API checked it (`contract.images`); any refusal fails this request alone."""
+    try:
+        return decode_input_image(data, max_pixels)
+    except InputImageError as exc:
+        raise PayloadError(f"input image: {exc}") from exc
+
+
+class Triage:
+    """Decides what a pulled message needs: an answer now, or a place in the pool."""
+
+    def __init__(
+        self,
+        results: ResultStore,
+        payloads: PayloadCodec,
+        finisher: ReplyFinisher,
+        replies: ReplyFactory,
+        adapters: AdapterLoader | None = None,
+        flows: FlowStages | None = None,
+    ) -> None:
+        self._adapters = adapters
+        self._flows = flows
+        self._results = results
+        self._payloads = payloads
+        self._finisher = finisher
+        self._replies = replies
+
+    def _stored(self, request_id: str) -> tuple[InferenceReply | None, bool]:
+        try:
+            stored = self._results.get(request_id)
+            cancelled = bool(self._results.cancelled([request_id]))
+        except Exception as exc:  # noqa: BLE001 - Redis down: run the request, the reply is the answer
+            self._finisher.redis_trouble.warn("lookup", exc)
+            return None, False
+        return stored, cancelled
+
+    def __call__(self, spec: ModelSpec, message: HeldMessage, priority: str) -> PendingRequest | None:
+        request_id = message.attributes.get(Attr.REQUEST_ID, "")
+        stored, cancelled = self._stored(request_id) if request_id else (None, False)
+        if stored is not None:
+            # At-least-once delivery: a redelivered request gets the first answer again, not a second run.
+            log.info("request %s already answered; republishing the stored reply", request_id)
+            self._finisher.answer(message, stored, store=False)
+            return None
+        deadline_ms = deadline_of(message.attributes)
+        now_ms = time.time() * 1000
+        if deadline_ms is not None and deadline_ms < now_ms:
+            self._answer(spec, message, request_id, "expired", "expired", "deadline passed before a worker was free")
+            return None
+        if cancelled:
+            self._answer(spec, message, request_id, "cancelled", "cancelled", "cancelled before it started")
+            return None
+        try:
+            request = InferenceRequest.model_validate_json(message.data)
+        except ValidationError as exc:
+            detail = exc.errors()[0]["msg"]
+            self._answer(spec, message, request_id, "error", "malformed", f"malformed request: {detail}")
+            return None
+        try:
+            if (
+                request.flow is not None
+            ):  # a flow's stage: model_worker/flows/stages.py makes it a request like this one
+                if self._flows is None:
+                    raise PayloadError("this worker runs no flows")
+                return self._flows.intake(spec, message, request, priority, deadline_ms, self.items)
+            items = self.items(spec, request)
+        except PayloadError as exc:
+            self._answer(spec, message, request.request_id, "error", "bad_input", str(exc))
+            return None
+        return PendingRequest(
+            message=message, spec=spec, request=request, items=items, priority=priority, deadline_ms=deadline_ms
+        )
+
+    def items(self, spec: ModelSpec, request: InferenceRequest, inputs: list | None = None) -> list[GenerationItem]:
+        """The request's images to generate; `inputs`: a flow's later stage's, one per instance (the previous
+        stage's latents, or its images already at this stage's size), in place of the instances' images."""
+        params = request.parameters
+        adapters = None
+        if params.adapters:
+            if self._adapters is None:
+                raise PayloadError("this worker serves no adapters")
+            adapters = self._adapters.request(spec, params.adapters)  # loads in the background if not cached
+        items = []
+        for index, instance in enumerate(request.instances):
+            image = None
+            if inputs is not None:
+                image = inputs[index]
+            elif spec.needs_image:
+                # Resized here, on the puller's thread, so the device thread only runs the model.
+                image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
+            items.append(
+                GenerationItem(
+                    prompt=instance.prompt,
+                    seed=params.seed + index,
+                    negative_prompt=params.negative_prompt,
+                    image=image,
+                    adapters=adapters,
+                )
+            )
+        if not items:
+            raise PayloadError("request has no instances")
+        if len(items) > spec.max_batch_size:
+            raise PayloadError(f"{len(items)} images exceed the model's batch limit of {spec.max_batch_size}")
+        return items
+
+    def _image(self, payload: Payload | None, max_pixels: int):
+        if payload is None:
+            raise PayloadError("image-to-image needs an input image")
+        return decode_image(self._payloads.unpack(payload), max_pixels)
+
+    def _answer(
+        self, spec: ModelSpec, message: HeldMessage, request_id: str, status: str, kind: str, error: str
+    ) -> None:
+        reply = self._replies.make(spec, request_id, message, status=status, error_kind=kind, error=error)
+        self._finisher.answer(message, reply)
+
+
+class SubscriptionLoop:
+    """A thread pulling one subscription: the error handling, readiness reports and backoff both loops share."""
+
+    def __init__(self, subscriber: pubsub_v1.SubscriberClient, subscription: str, health: WorkerHealth, name: str):
+        self.subscription = subscription
+        self._subscriber = subscriber
+        self._health = health
+        self._failures = 0
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _pull(self, max_messages: int) -> list:
+        """One waiting pull; [] when nothing came or it failed (reported to readiness, then backed off)."""
+        try:
+            response = self._subscriber.pull(
+                request={"subscription": self.subscription, "max_messages": max_messages}, timeout=PULL_WAIT_SECONDS
+            )
+        except (exceptions.DeadlineExceeded, exceptions.RetryError):
+            response = None
+        except exceptions.NotFound:
+            self._failed("subscription does not exist (run the bootstrap)")
+            return []
+        except exceptions.GoogleAPICallError as exc:
+            self._failed(f"pull failed: {type(exc).__name__}")
+            return []
+        self._health.clear_problem(self.subscription)
+        self._failures = 0
+        return list(response.received_messages) if response is not None else []
+
+    def _failed(self, reason: str) -> None:
+        self._health.report_problem(self.subscription, reason)
+        self.stopping.wait(PULL_ERROR_BACKOFF_SECONDS[min(self._failures, len(PULL_ERROR_BACKOFF_SECONDS) - 1)])
+        self._failures += 1
+
+
+class SubscriptionPuller(SubscriptionLoop):
+    """Pulls one subscription into the pool, never more than the pool has room for (a batch subscription: only
+    into an empty pool, `RequestPool.room`)."""
+
+    def __init__(
+        self,
+        subscriber: pubsub_v1.SubscriberClient,
+        subscription: str,
+        spec: ModelSpec,
+        priority: str,
+        pool: RequestPool,
+        leases: LeaseKeeper,
+        triage: Triage,
+        health: WorkerHealth,
+    ) -> None:
+        super().__init__(subscriber, subscription, health, f"pull-{spec.queue}-{priority}")
+        self._spec = spec
+        self._priority = priority
+        self._pool = pool
+        self._leases = leases
+        self._triage = triage
+
+    def _run(self) -> None:
+        log.info("pulling %s", self.subscription)
+        while not self.stopping.is_set():
+            room = self._pool.wait_for_room(self._priority, timeout=1.0)
+            if room <= 0 or self.stopping.is_set():
+                continue
+            for received in self._pull(room):
+                self._take(received)
+        log.info("stopped pulling %s", self.subscription)
+
+    def _take(self, received) -> None:
+        attributes = dict(received.message.attributes)
+        message = HeldMessage(
+            subscription=self.subscription,
+            ack_id=received.ack_id,
+            attributes=attributes,
+            data=bytes(received.message.data),
+            # A request the watchdog re-dispatched is a new message: its earlier deliveries count too.
+            delivery_attempt=(received.delivery_attempt or 1) + redispatches_of(attributes),
+            received_at=time.time(),
+        )
+        self._leases.hold(message)
+        if self.stopping.is_set():
+            self._leases.release(message)
+            return
+        try:
+            with request_log_context(message):
+                pending = self._triage(self._spec, message, self._priority)
+        except Exception:
+            log.exception("could not triage a request on %s; handing it back", self.subscription)
+            self._leases.release(message)
+            return
+        if pending is None:
+            return
+        if not self._leases.take(message, pending.request_id):
+            # Another live worker holds this request (the broker redelivered it, or the watchdog re-dispatched
+            # it, while its holder only stalled): that one answers it, so this copy is dropped, not run twice.
+            log.info("request %s is held by another worker; dropping this copy", pending.request_id)
+            self._leases.ack(message, answered=False)
+            return
+        self._pool.add(pending)
+
+
+class DeadLetterResponder(SubscriptionLoop):
+    """Answers requests that exhausted their delivery attempts, so their clients hear `failed`, not a timeout."""
+
+    def __init__(
+        self,
+        subscriber: pubsub_v1.SubscriberClient,
+        subscription: str,
+        spec: ModelSpec,
+        leases: LeaseKeeper,
+        results: ResultStore,
+        finisher: ReplyFinisher,
+        replies: ReplyFactory,
+        health: WorkerHealth,
+    ) -> None:
+        super().__init__(subscriber, subscription, health, f"dead-letter-{spec.queue}")
+        self._spec = spec
+        self._leases = leases
+        self._results = results
+        self._finisher = finisher
+        self._replies = replies
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            for received in self._pull(10):
+                self._answer(received)
+
+    def _answer(self, received) -> None:
+        attributes = dict(received.message.attributes)
+        request_id = attributes.get(Attr.REQUEST_ID, "")
+        message = HeldMessage(
+            subscription=self.subscription,
+            ack_id=received.ack_id,
+            attributes=attributes,
+            data=b"",
+            delivery_attempt=self._spec.max_delivery_attempts,
+            received_at=time.time(),
+        )
+        self._leases.hold(message)
+        try:
+            stored = self._results.get(request_id) if request_id else None
+        except Exception as exc:  # noqa: BLE001 - Redis down: answer with the failure instead
+            self._finisher.redis_trouble.warn("lookup", exc)
+            stored = None
+        if stored is not None:
+            self._finisher.answer(message, stored, store=False)
+            return
+        attempts = attributes.get("CloudPubSubDeadLetterSourceDeliveryCount") or str(self._spec.max_delivery_attempts)
+        log.error("request %s dead-lettered after %s attempts", request_id, attempts)
+        reply = self._replies.make(
+            self._spec,
+            request_id,
+            message,
+            status="error",
+            error_kind="dead_lettered",
+            error=f"failed after {attempts} delivery attempts",
+        )
+        self._finisher.answer(message, reply)

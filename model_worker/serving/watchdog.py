@@ -1,0 +1,155 @@
+"""Re-dispatches a dead worker's requests within seconds, and ends every request nobody ran at its deadline.
+
+It runs in every worker process, but only one at a time across the fleet sweeps: the one holding the
+watchdog lease in Redis (renewed every sweep, as long as a holder lease, so a dead leader is replaced as
+fast as a dead worker's requests lapse). A sweep looks at two things the API and the workers keep in Redis
+(`contract.stores.inflight`):
+
+- requests whose holder lease lapsed with no stored result: the holder died (or stalled). The kept message is
+  published again, its re-dispatch counted (the worker adds it to the delivery attempt); after the model's
+  `max_delivery_attempts` it is answered `failed` instead, as the dead-letter responder would. Whoever takes
+  the new copy takes a new holder lease; a stalled holder that wakes up finds the answer stored and only acks.
+- requests past their deadline that nobody holds and nobody answered: answered `expired` (stored, published),
+  so a waiting client, a job and its log row end at the deadline, not at a client's timeout.
+
+Why in the workers and not the API: workers run all the time on GKE, where the API on Cloud Run may scale to
+zero or have its CPU throttled between requests; they already hold the catalog and a reply publisher. If Redis
+is down nothing is swept (logged once): a dead worker's requests then come back by the broker's redelivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+from google.cloud import pubsub_v1
+
+from contract.catalog import ModelCatalog
+from contract.messages import Attr, InferenceReply
+from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage
+from contract.stores.results import ResultStore
+from model_worker.serving.finisher import ReplyFinisher
+from model_worker.serving.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+PUBLISH_TIMEOUT_SECONDS = 10
+# Models missing from this worker's catalog (another deployment's newer entry) get the catalog's usual limit.
+DEFAULT_MAX_ATTEMPTS = 5
+
+
+class Watchdog:
+    def __init__(
+        self,
+        inflight: InflightStore,
+        results: ResultStore,
+        publisher: pubsub_v1.PublisherClient,
+        finisher: ReplyFinisher,
+        catalog: ModelCatalog,
+        worker_id: str,
+        lease_seconds: float,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self._inflight = inflight
+        self._results = results
+        self._publisher = publisher
+        self._finisher = finisher
+        self._catalog = catalog
+        self.worker_id = worker_id
+        self._lease_seconds = lease_seconds
+        self._metrics = metrics
+        # Several sweeps per holder lease: a lapse is found well within a second of it.
+        self._interval = min(0.5, lease_seconds / 6)
+        self._outage = RedisOutage("the watchdog")
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                if self._inflight.lead(self.worker_id, self._lease_seconds):
+                    self.sweep()
+                self._outage.succeeded()
+            except redis.RedisError as exc:
+                self._outage.failed(exc)
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                log.exception("watchdog sweep failed")
+
+    def sweep(self) -> tuple[int, int]:
+        """One pass; returns (re-dispatched, ended) counts."""
+        redispatched = ended = 0
+        now_ms = int(time.time() * 1000)
+        for state in self._inflight.lapsed():
+            if state.held:
+                continue  # its holder's heartbeat came in since the index was read
+            if self._settled(state):
+                continue
+            if state.kept.deadline_ms <= now_ms:
+                ended += self._expire(state.kept)
+            else:
+                redispatched += self._redispatch(state.kept)
+        for state in self._inflight.overdue(now_ms):
+            # A live holder answers its own request at the deadline (the device loop abandons it).
+            if not state.held and not self._settled(state):
+                ended += self._expire(state.kept)
+        return redispatched, ended
+
+    def _settled(self, state: InflightState) -> bool:
+        """True (and the record ended) when there is nothing to do: answered, or no message kept to publish."""
+        if state.answered or state.kept is None:
+            self._inflight.forget(state.request_id)
+            return True
+        return False
+
+    def _redispatch(self, kept: KeptRequest) -> int:
+        count = self._inflight.count_redispatch(kept.request_id)
+        spec = self._catalog.get(kept.attributes.get(Attr.MODEL, ""))
+        attempts = spec.max_delivery_attempts if spec is not None else DEFAULT_MAX_ATTEMPTS
+        if count >= attempts:
+            # Every worker that held it died: a request that kills its worker must not take down the fleet.
+            log.error("request %s: its holder died %d times; answering failed", kept.request_id, count)
+            error = f"failed after {count} delivery attempts (each worker holding it stopped)"
+            return self._answer(kept, "error", "dead_lettered", error, "failed")
+        attributes = {**kept.attributes, Attr.REDISPATCHES: str(count)}
+        try:
+            self._publisher.publish(kept.topic, kept.data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - publish futures raise transport and timeout errors alike
+            log.warning("could not re-dispatch %s (%s); trying again at the next sweep", kept.request_id, exc)
+            self._inflight.mark_lapsed(kept.request_id)
+            return 0
+        log.warning("request %s re-dispatched (attempt %d): its holder's lease lapsed", kept.request_id, count + 1)
+        self._metrics.watchdog.labels(action="redispatched").inc()
+        return 1
+
+    def _expire(self, kept: KeptRequest) -> int:
+        return self._answer(kept, "expired", "expired", "deadline passed before any worker ran it", "expired")
+
+    def _answer(self, kept: KeptRequest, status: str, kind: str, error: str, action: str) -> int:
+        reply = InferenceReply(
+            request_id=kept.request_id,
+            model=kept.attributes.get(Attr.MODEL, ""),
+            model_version=kept.attributes.get(Attr.MODEL_VERSION, ""),
+            status=status,  # type: ignore[arg-type]
+            error_kind=kind,
+            error=error,
+            worker_id=self.worker_id,
+            attempt=kept.redispatches + 1,
+        )
+        if self._results.put(reply):
+            try:
+                self._finisher.publish_reply(reply, kept.attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - stored: waiters and jobs read it from the result store
+                log.warning("answer for %s stored but not published: %s", kept.request_id, exc)
+            log.info("request %s answered %s by the watchdog", kept.request_id, status)
+            self._metrics.watchdog.labels(action=action).inc()
+        self._inflight.forget(kept.request_id)
+        return 1
