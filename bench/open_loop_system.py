@@ -125,8 +125,7 @@ class SystemBackend:
 
 def main() -> None:
     from bench import open_loop
-    from bench.scenarios import BenchApi
-    from bench.suite import bench_config
+    from bench.scenarios import BenchApi, bench_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--multiples", type=float, nargs="+", default=list(open_loop.SYSTEM_RATE_MULTIPLES["quick"]))

@@ -91,7 +91,7 @@ def weights_for(family: str, tiny: bool, workdir: Path) -> Path:
         return directory
     if family == "flux":
         return build_flux_sized(workdir / "flux-sized")
-    from bench.gpu_pipeline import build_sd15_sized
+    from bench.gpu_models import build_sd15_sized
 
     return build_sd15_sized(workdir / "sd15-sized")
 

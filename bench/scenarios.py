@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import re
 import sys
@@ -181,3 +182,11 @@ def worker_batches(config: StackConfig, model: str) -> tuple[float, float]:
 
 def tiny_model_dir(config: StackConfig, model: str) -> Path:
     return config.tiny_model_dir / model
+
+
+def bench_config() -> StackConfig:
+    """The bench's own stack: its ports and directory, unless the environment names others."""
+    env = dict(os.environ)
+    env.setdefault("MAAS_STACK_PORT_OFFSET", "12000")  # below 32768, where ephemeral ports begin
+    env.setdefault("MAAS_STACK_DIR", str(ROOT / ".stack-bench"))
+    return StackConfig.from_env(env)

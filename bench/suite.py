@@ -29,6 +29,7 @@ from bench.loadgen import run_closed_loop, summarize
 from bench.pubsub_floor import PubSubRoundTrips
 from bench.scenarios import (
     BenchApi,
+    bench_config,
     cache_available,
     fresh_seed,
     job_caller,
@@ -54,13 +55,6 @@ def plan(quick: bool) -> dict:
         }
     full = [("noop", 1), ("noop", 8), ("noop", 32), ("sleep", 1), ("sleep", 16), ("sd15-txt2img", 4)]
     return {"per-instance": full, "per-request": full}
-
-
-def bench_config() -> StackConfig:
-    env = dict(os.environ)
-    env.setdefault("MAAS_STACK_PORT_OFFSET", "12000")  # below 32768, where ephemeral ports begin
-    env.setdefault("MAAS_STACK_DIR", str(ROOT / ".stack-bench"))
-    return StackConfig.from_env(env)
 
 
 class Suite:

@@ -16,8 +16,8 @@ import time
 import uuid
 from concurrent.futures import Future
 
-from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
+from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec
 from contract.stores.results import ResultStore
 from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool

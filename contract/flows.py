@@ -22,7 +22,7 @@ from contract.generation import ROLES, AdapterRef, GenerationParameters, optiona
 from contract.messages import FlowStagePlan, Handoff, Resize, StageOutput
 
 if TYPE_CHECKING:
-    from contract.catalog import AdapterPolicy, GenerationDefaults, GenerationLimits, ModelSpec
+    from contract.model_spec import AdapterPolicy, GenerationDefaults, GenerationLimits, ModelSpec
 
 # What a request to a flow may carry, and so what a stage may take: the generation parameters, the prompt
 # (every stage gets the instance's prompt) and the input image (a first stage that is image-to-image).
@@ -329,7 +329,7 @@ def _request_contract(flow: FlowSpec, specs: list[ModelSpec]) -> FlowRequestCont
          if "num_inference_steps" in flow.takes(stage.name)),
         default=first.limits.max_inference_steps,
     )  # fmt: skip
-    from contract.catalog import GenerationDefaults, GenerationLimits
+    from contract.model_spec import GenerationDefaults, GenerationLimits
 
     return FlowRequestContract(
         task=first.task,

@@ -22,12 +22,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from contract.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE, Architecture
+from contract.architectures import Architecture
 from contract.hardware import GIB, HARDWARE, MAX_SHARED_CLIENTS_PER_GPU, RESERVE_BYTES
+from contract.model_spec import architecture_of
 from contract.quantization import QUANTIZED_BYTES_PER_PARAMETER
 
 if TYPE_CHECKING:
-    from contract.catalog import ModelSpec
+    from contract.model_spec import ModelSpec
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # torchao keeps one float32 scale per output row of a quantized Linear (per-row fp8, per-channel int8).
@@ -166,34 +167,6 @@ class DeploymentPlan:
 
 def gib(count: int) -> str:
     return f"{count / GIB:.2f} GiB"
-
-
-def architecture_of(spec: ModelSpec) -> Architecture | None:
-    """The architecture a diffusers unit serves (its `architecture:`, or its family's usual one); None for the
-    synthetic runners, which hold no weights."""
-    family = spec.family
-    if spec.runner != "diffusers" or family is None:
-        return None
-    name = spec.architecture or DEFAULT_ARCHITECTURE[family.name]
-    if family.name == "flux" and spec.architecture is None and spec.guidance_mode == "none":
-        name = "flux.1-schnell"
-    return ARCHITECTURES[name]
-
-
-def architecture_problem(spec: ModelSpec) -> str | None:
-    """Why a unit's `architecture:` or `quantization.components` are wrong, or None (checked by the catalog)."""
-    if spec.architecture is not None:
-        known = ARCHITECTURES.get(spec.architecture)
-        if known is None:
-            return f"{spec.name}: architecture {spec.architecture!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
-        if spec.family is None or known.family != spec.family.name:
-            return f"{spec.name}: architecture {spec.architecture!r} is a {known.family} model, not {spec.pipeline}'s"
-    architecture = architecture_of(spec)
-    if spec.quantization is not None and architecture is not None:
-        loaded = [name for name in architecture.components if name not in spec.without]
-        if unknown := sorted(set(spec.quantization.components) - set(loaded)):
-            return f"{spec.name}: quantization.components names {unknown}; its pipeline loads {', '.join(loaded)}"
-    return None
 
 
 def component_plans(spec: ModelSpec, architecture: Architecture) -> tuple[ComponentPlan, ...]:

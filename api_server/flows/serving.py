@@ -21,10 +21,11 @@ from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from api_server.predict.adapters import AdapterService
 from api_server.predict.schemas import PredictBody
-from contract.catalog import ModelCatalog, ModelSpec
+from contract.catalog import ModelCatalog
 from contract.flows import FlowError, FlowSpec, plan_stages
 from contract.generation import ROLES, AdapterRef, GenerationParameters
 from contract.messages import FlowContext, FlowStagePlan, InferenceRequest
+from contract.model_spec import ModelSpec
 
 # How a flow's version names its stages' units: `base=1,refiner=2`.
 VERSION_SEPARATOR = ","

@@ -28,8 +28,8 @@ from api_server.predict.inference import PreparedRequest
 from api_server.predict.limits import NO_LEASE, Lease
 from api_server.predict.serving import Answer, JobMade, Mode
 from api_server.versions.rollouts import RolloutObservations
-from contract.catalog import ModelSpec
 from contract.generation import LOGGED_PARAMETERS
+from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
 from contract.stores.inflight import InflightStore
 

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 import redis
 
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.messages import InferenceReply, Progress
+from contract.model_spec import ModelSpec
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.stores.results import ResultStore
 

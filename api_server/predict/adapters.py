@@ -9,7 +9,6 @@ import re
 from google.api_core import exceptions
 
 from api_server.core.errors import ApiError
-from contract.catalog import ModelSpec
 from contract.generation import (
     ADAPTER_NAME_LENGTH,
     ADAPTER_NAME_PATTERN,
@@ -19,6 +18,7 @@ from contract.generation import (
     AdapterRef,
 )
 from contract.lora_files import AdapterFileError
+from contract.model_spec import ModelSpec
 from contract.stores.adapter_registry import AdapterNotFoundError, AdapterRecord, AdapterRegistry
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import hashlib
 import json
 
 from api_server.predict.flights import FlightPolicy, ResponseRecord
-from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
+from contract.model_spec import ModelSpec
 
 CACHE_KEY_VERSION = "v1"
 

@@ -14,8 +14,8 @@ from api_server.core import metrics
 from api_server.core.errors import ApiError
 from api_server.predict.reply_waiter import ReplyWaiter
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.messages import Attr, InferenceReply, InferenceRequest, request_attributes
+from contract.model_spec import ModelSpec
 from contract.stores.inflight import RequestKeeper
 from contract.tracing import current_trace
 

@@ -20,8 +20,8 @@ from api_server.predict.adapters import AdapterService
 from api_server.predict.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.predict.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
+from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec, PayloadError
 
 if TYPE_CHECKING:

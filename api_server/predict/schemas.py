@@ -10,10 +10,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.core.errors import ApiError
-from contract.catalog import ModelSpec
 from contract.generation import MAX_SEED, ROLES, GenerationParameters, optional_parameters_model
 from contract.images import InputImageError
 from contract.images import decode_input_image as decode_image
+from contract.model_spec import ModelSpec
 
 __all__ = ["MAX_SEED", "ParametersIn", "PredictBody", "decode_input_image", "parse_body", "resolve_parameters"]
 

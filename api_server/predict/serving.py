@@ -49,8 +49,9 @@ from api_server.predict.limits import Lease, RequestLimiter
 from api_server.versions.rollouts import Rollouts
 from api_server.versions.shadow import ShadowTraffic
 from api_server.versions.traffic import InvalidSplitError, choose_version, shadowed, validated_split
-from contract.catalog import ModelCatalog, ModelSpec, Rollout
+from contract.catalog import ModelCatalog, Rollout
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload, Prediction
+from contract.model_spec import ModelSpec
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.settings import Settings
 from contract.stores.inflight import InflightStore

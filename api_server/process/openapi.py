@@ -17,7 +17,7 @@ from pydantic.json_schema import SkipJsonSchema
 from spectree import Response, SecurityScheme, SpecTree
 from spectree.models import SecuritySchemeData
 
-from contract.catalog import GenerationDefaults, GenerationLimits
+from contract.model_spec import GenerationDefaults, GenerationLimits
 from contract.stores.adapter_registry import AdapterRecord
 
 # Model names in this document follow the class names; the error shape and the bodies stay public words.

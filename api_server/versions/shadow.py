@@ -20,8 +20,8 @@ from api_server.core.errors import ApiError
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from api_server.predict.dispatch import DispatchTimings
 from api_server.predict.inference import InferenceService, PreparedRequest
-from contract.catalog import ModelSpec
 from contract.generation import LOGGED_PARAMETERS
+from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
 
 log = logging.getLogger(__name__)

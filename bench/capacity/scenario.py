@@ -8,7 +8,8 @@ from dataclasses import replace
 from bench.capacity.profiles import CostProfile
 from bench.capacity.simulator import ModelDeployment, ScalerSettings
 from bench.capacity.traffic import RequestClass
-from contract.catalog import ModelCatalog, ModelSpec, load_catalog
+from contract.catalog import ModelCatalog, load_catalog
+from contract.model_spec import ModelSpec
 from infra.k8s.render import (
     DEFAULT_MAX_SHARED_CLIENTS_PER_GPU,
     RenderSettings,

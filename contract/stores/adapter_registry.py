@@ -20,7 +20,6 @@ from google.api_core import exceptions
 from pydantic import BaseModel, ConfigDict
 
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.lora_files import (
     AdapterFileError,
     base_headers,
@@ -31,6 +30,7 @@ from contract.lora_files import (
     lora_targets,
     read_header,
 )
+from contract.model_spec import ModelSpec
 
 REFRESH_SECONDS = 10.0
 UNKNOWN_SECONDS = 2.0

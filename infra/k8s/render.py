@@ -26,9 +26,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from contract.catalog import ModelCatalog, ModelSpec, load_catalog  # noqa: E402
+from contract.catalog import ModelCatalog, load_catalog  # noqa: E402
 from contract.hardware import MAX_SHARED_CLIENTS_PER_GPU  # noqa: E402
 from contract.memory_plan import deployment_plan  # noqa: E402
+from contract.model_spec import ModelSpec  # noqa: E402
 from contract.naming import INTERACTIVE_PRIORITIES, PRIORITIES, worker_subscription  # noqa: E402
 from contract.settings import ADAPTER_HOST_CACHE_BYTES  # noqa: E402
 

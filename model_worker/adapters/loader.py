@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.generation import AdapterRef
 from contract.lora_files import (
     AdapterFileError,
@@ -41,6 +40,7 @@ from contract.lora_files import (
     lora_targets,
     read_header,
 )
+from contract.model_spec import ModelSpec
 from contract.settings import ADAPTER_HOST_CACHE_BYTES
 
 log = logging.getLogger(__name__)

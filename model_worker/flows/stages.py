@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from google.cloud import pubsub_v1
 
 from contract import naming
-from contract.catalog import ModelSpec
 from contract.messages import (
     Attr,
     FlowContext,
@@ -37,6 +36,7 @@ from contract.messages import (
     Payload,
     StageReport,
 )
+from contract.model_spec import ModelSpec
 from contract.payloads import PayloadError
 from model_worker.flows.state import FlowCheckpoints, Intermediate, stage_output
 from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool

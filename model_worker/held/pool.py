@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.catalog import ModelSpec
 from contract.messages import InferenceRequest
+from contract.model_spec import ModelSpec
 from contract.naming import PRIORITIES
 from model_worker.model.runners import GenerationItem, batch_key
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from contract.catalog import ModelSpec
+from contract.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

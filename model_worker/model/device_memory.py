@@ -8,8 +8,8 @@ import logging
 import math
 from pathlib import Path
 
-from contract.catalog import ModelSpec
 from contract.memory_plan import gib, unit_plan
+from contract.model_spec import ModelSpec
 from contract.safetensors_checks import read_file_header
 
 log = logging.getLogger(__name__)

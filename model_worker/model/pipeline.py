@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from contract.catalog import ModelSpec
 from contract.messages import GenerationParameters
+from contract.model_spec import ModelSpec
 from model_worker.adapters.lora import LoraSets, Slots
 from model_worker.model.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
 from model_worker.model.device_memory import check_device_memory

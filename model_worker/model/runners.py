@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from contract.catalog import ModelSpec
 from contract.generation import PER_CALL_PARAMETERS
 from contract.messages import GenerationParameters
+from contract.model_spec import ModelSpec
 
 # Called after each denoising step with (step, total); raising from it stops the pipeline call.
 StepCallback = Callable[[int, int], None]

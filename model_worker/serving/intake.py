@@ -18,9 +18,9 @@ from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from pydantic import ValidationError
 
-from contract.catalog import ModelSpec
 from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
+from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec, PayloadError
 from contract.stores.results import ResultStore
 from model_worker.adapters.loader import AdapterLoader

@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 
 from contract import google_clients, naming
-from contract.catalog import ModelSpec
+from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec
 from contract.settings import Settings
 from contract.stores.inflight import InflightStore

@@ -17,7 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, ModelSpec, load_catalog  # noqa: E402
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, load_catalog  # noqa: E402
+from contract.model_spec import ModelSpec  # noqa: E402
 from contract.naming import INTERACTIVE_PRIORITIES, PRIORITIES, worker_subscription  # noqa: E402
 
 # GKE's stable and regular release channels; kubernetes-validate bundles these schemas offline.

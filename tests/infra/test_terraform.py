@@ -23,7 +23,8 @@ import hcl2
 import pytest
 
 from contract import naming
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelSpec, load_catalog
+from contract.catalog import DEFAULT_CATALOG_PATH, load_catalog
+from contract.model_spec import ModelSpec
 from tests.infra.tool_runs import run_bounded_by_cpu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

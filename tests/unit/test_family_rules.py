@@ -8,8 +8,9 @@ import yaml
 
 from api_server.core.errors import ApiError
 from api_server.predict.schemas import parse_body, resolve_parameters
-from contract.catalog import ModelCatalog, ModelSpec, load_catalog
+from contract.catalog import ModelCatalog, load_catalog
 from contract.families import PIPELINES
+from contract.model_spec import ModelSpec
 
 CATALOG = load_catalog()
 SD15, SDXL, SCHNELL = CATALOG.get("sd15-txt2img"), CATALOG.get("sdxl-txt2img"), CATALOG.get("flux-schnell")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from contract.catalog import SchedulerConfig
+from contract.model_spec import SchedulerConfig
 from emulators.stack import local_catalog
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_model_families import PIXEL_TOLERANCE, SD15, differences, reference_images

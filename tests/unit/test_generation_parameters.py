@@ -7,9 +7,9 @@ from dataclasses import fields
 
 from api_server.inference_log.writer import InferenceLogRow
 from api_server.predict.schemas import ParametersIn
-from contract.catalog import GenerationDefaults
 from contract.generation import LOGGED_PARAMETERS, PER_CALL_PARAMETERS, ROLES, AdapterRef, GenerationParameters
 from contract.log_schema import log_schema_fields
+from contract.model_spec import GenerationDefaults
 from model_worker.model.runners import batch_key
 
 BIGQUERY_TYPES = {int: "INTEGER", float: "FLOAT", str: "STRING"}

@@ -14,9 +14,10 @@ from contract.architectures import (
     transformer_elements_per_token,
     unet_elements_per_token,
 )
-from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, ModelSpec, load_catalog
+from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, load_catalog
 from contract.hardware import GIB, HARDWARE
 from contract.memory_plan import deployment_plan, unit_plan
+from contract.model_spec import ModelSpec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 GB = 1000**3

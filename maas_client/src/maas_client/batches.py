@@ -5,23 +5,28 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import httpx
 
 from maas_client import _core
 from maas_client.errors import Timeout
 from maas_client.types import BatchList, BatchView
 
-if TYPE_CHECKING:
-    from maas_client.client import Client
-
 BatchProgress = Callable[[BatchView], None]
 POLL_SECONDS = 1.0
+
+
+class _Requester(Protocol):
+    """What batches need of the client: one authenticated, retried request (`Client.request`)."""
+
+    def request(self, method: str, path: str, *, safe: bool, **kwargs: Any) -> httpx.Response: ...
 
 
 class Batches:
     """create, get, list, cancel, wait; results and errors read the output files back line by line."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: _Requester) -> None:
         self._client = client
 
     def create(

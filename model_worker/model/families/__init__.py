@@ -6,7 +6,7 @@ they are.
 
 from __future__ import annotations
 
-from contract.catalog import ModelSpec
+from contract.model_spec import ModelSpec
 from model_worker.model.families.base import Denoiser
 
 

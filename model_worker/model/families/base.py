@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from contract.catalog import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
 from contract.messages import GenerationParameters
+from contract.model_spec import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
 from model_worker.model.compiled import batch_buckets
 from model_worker.model.runners import GenerationItem, RunningItem
 
