@@ -5,7 +5,7 @@ with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-pac
 in the model for [dev] and absent for [schnell]) and SD 3.5 (a flow-matching MMDiT with classifier-free
 guidance, its T5 encoder optional). The API enforces each family's rules from this table (sizes,
 which guidance a request may ask for, negative prompts, the components adapters change); the worker picks its denoiser by the same
-pipeline class (`model_worker/families`).
+pipeline class (`model_worker/model/families`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The diffusers runner: loads a model's pipeline once, warms it up, and runs batches of per-item prompts and seeds.
 
 It runs either one pipeline call per batch (`scheduling: request`) or step by step (`scheduling: step`),
-through the model family's denoiser (`model_worker/families`): each image gets its own scheduler instance,
+through the model family's denoiser (`model_worker/model/families`): each image gets its own scheduler instance,
 generator and guidance, and any set of images of one latent size shares one model call per step with
 per-sample timesteps, whatever their step counts, strengths and starting points; the same image as alone,
 up to float rounding.
