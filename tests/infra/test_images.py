@@ -85,8 +85,8 @@ def test_api_image_runs_gunicorn_with_the_projects_config_and_app() -> None:
         "api_server/process/gunicorn_conf.py",
         "api_server.process.asgi:app",
     ]
-    assert (REPO_ROOT / "api_server" / "gunicorn_conf.py").is_file()
-    assert (REPO_ROOT / "api_server" / "asgi.py").is_file()
+    assert (REPO_ROOT / "api_server" / "process" / "gunicorn_conf.py").is_file()
+    assert (REPO_ROOT / "api_server" / "process" / "asgi.py").is_file()
 
 
 def test_worker_image_runs_the_model_worker_module() -> None:

@@ -9,7 +9,7 @@ from flask import Blueprint, Response
 from api_server.core.errors import ApiError
 
 bp = Blueprint("playground", __name__)
-FILES = Path(__file__).resolve().parent.parent / "playground"
+FILES = Path(__file__).resolve().parents[2] / "playground"
 TYPES = {
     "index.html": "text/html; charset=utf-8",
     "playground.js": "text/javascript; charset=utf-8",
