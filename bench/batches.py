@@ -30,12 +30,16 @@ import redis
 
 from bench.api_common import BenchApiProcess, load_client, rss_mib, running_stack
 from bench.scenarios import TINY_PARAMETERS, fresh_seed
-from contract import google_clients
-from contract.settings import Settings
+from contract import google_clients, naming
+from contract.settings import LOCAL_DEFAULT_API_KEY, Settings, api_key_digest
 from emulators.processes import ProcessRegistry
 from maas_client import Client
 
 INSTANCE = "bench-batches"
+# The key the benchmark submits with, and its own prefix of the local stack's batch inputs bucket (the only place
+# the local stack lets it name an input_file: MAAS_BATCH_INPUTS).
+BENCH_KEY = LOCAL_DEFAULT_API_KEY
+KEY_PREFIX = f"{api_key_digest(BENCH_KEY)[:12]}/"
 
 
 def bodies(model: str, count: int) -> list[dict]:
@@ -98,8 +102,8 @@ def compare(api: BenchApiProcess, bucket, model: str, count: int, timeout: float
     lines = [
         {"custom_id": f"{model}-{index}", "model": model, **body} for index, body in enumerate(bodies(model, count))
     ]
-    uri = upload_lines(bucket, f"bench-inputs/{model}-{count}-{fresh_seed()}.jsonl", lines)
-    with Client(api.url, "local-dev-key", timeout=60) as client:
+    uri = upload_lines(bucket, f"{KEY_PREFIX}bench-inputs/{model}-{count}-{fresh_seed()}.jsonl", lines)
+    with Client(api.url, BENCH_KEY, timeout=60) as client:
         batch_seconds, view = run_batch(client, uri, timeout)
     print(f"  {model}: {count} lines as a batch in {batch_seconds:.1f} s ({view['status']}, "
           f"{view['request_counts']})", flush=True)  # fmt: skip
@@ -126,7 +130,7 @@ def million(api: BenchApiProcess, bucket, lines: int, timeout: float, redis_url:
     invalid = ({"custom_id": f"m{index}", "model": "noop", "instances": [{"prompt": "x"}], "parameters": {"width": "64"}}
                for index in range(lines))  # fmt: skip
     began = time.perf_counter()
-    uri = upload_lines(bucket, f"bench-inputs/million-{lines}-{fresh_seed()}.jsonl", invalid)
+    uri = upload_lines(bucket, f"{KEY_PREFIX}bench-inputs/million-{lines}-{fresh_seed()}.jsonl", invalid)
     upload_seconds = time.perf_counter() - began
     # Both API processes that may feed it: the benchmark's, and the stack's own (if it runs one).
     workers = {INSTANCE: api.pids()[-1]}
@@ -154,7 +158,7 @@ def million(api: BenchApiProcess, bucket, lines: int, timeout: float, redis_url:
         if holder:
             holders.add(INSTANCE if holder.decode().startswith(INSTANCE) else "stack-api")
 
-    with Client(api.url, "local-dev-key", timeout=60) as client:
+    with Client(api.url, BENCH_KEY, timeout=60) as client:
         seconds, view = run_batch(client, uri, timeout, seen)
     stop.set()
     sampler.join()
@@ -202,7 +206,7 @@ def main() -> None:
     config = running_stack()
     os.environ.update(config.client_env())
     settings = Settings.from_env({**os.environ, **config.client_env()})
-    bucket = google_clients.storage_client(settings).bucket(settings.payload_bucket)
+    bucket = google_clients.storage_client(settings).bucket(naming.batch_input_bucket(settings.project_id))
     api = BenchApiProcess(config, config.api_port + 120, name="bench-api-batches")
     api.start(MAAS_API_WORKERS="1", MAAS_BATCH_FAIL_FAST_LINES="0", MAAS_INSTANCE_ID=INSTANCE)
     noop, sd, big = (2_000, 100, 100_000) if args.quick else (10_000, 500, 1_000_000)

@@ -168,10 +168,37 @@ def overlay_paths(overlay: Path | str | Sequence[Path | str] | None) -> list[Pat
     return [Path(str(item).strip()) for item in items if str(item).strip()]
 
 
+# The keys of a model entry (ModelSpec's fields, and a versioned entry's), to tell one that landed under `flows:`.
+MODEL_ENTRY_KEYS = frozenset(ModelSpec.model_fields) - {"name", "versioned"} | {"versions", *VERSIONED_ONLY}
+
+
+def _misplaced_models(path: Path, raw: dict, models: dict) -> None:
+    """A model entry in a file's `flows:` section (lines appended at the end of a file whose last section is
+    `flows:` land there) is refused naming the section and what a model entry needs, rather than as a flow
+    without `stages`."""
+    for name, entry in (raw.get("flows") or {}).items():
+        model_keys = sorted(set(entry) & MODEL_ENTRY_KEYS) if isinstance(entry, dict) else []
+        if not model_keys or "stages" in entry:
+            continue
+        needed = [key for key, field in ModelSpec.model_fields.items() if field.is_required() and key != "name"
+                  and not (key == "version" and "versions" in entry)]  # fmt: skip
+        missing = [key for key in needed if key not in entry]
+        lacks = f"it lacks {', '.join(missing)}" if len(missing) < len(needed) else "it has none of them"
+        override = f"; or, to change the listed model {name!r}, under `overrides:`" if name in models else ""
+        raise ValueError(
+            f"{path}: {name!r} sits in the `flows:` section (the file's last section: lines appended at the end of "
+            f"the file land in it), but it is a model entry ({', '.join(model_keys)}), and a flow needs `stages`. "
+            f"Move it under `models:`, where a model entry needs {', '.join(needed)}"
+            + (f" ({lacks}: a YAML merge `<<: *anchor` of another entry gives them)" if missing else "")
+            + override
+        )  # fmt: skip
+
+
 def _apply_overlay(entries: dict, flows: dict, path: Path) -> None:
     raw = yaml.safe_load(path.read_text()) or {}
     if unknown := sorted(set(raw) - set(OVERLAY_KEYS)):
         raise ValueError(f"{path}: unknown keys {unknown}; an overlay holds {', '.join(OVERLAY_KEYS)}")
+    _misplaced_models(path, raw, {**entries, **(raw.get("models") or {})})
     entries.update(raw.get("models") or {})
     flows.update(raw.get("flows") or {})
     for name, changes in (raw.get("overrides") or {}).items():
@@ -206,6 +233,7 @@ class ModelCatalog(BaseModel):
         """The catalog, plus overlay files (the local stack's) applied in order, when given (`overlay_paths`)."""
         raw = yaml.safe_load(Path(path).read_text())
         entries = dict(raw.get("models") or {})
+        _misplaced_models(Path(path), raw, entries)
         flows = dict(raw.get("flows") or {})
         for overlay_path in overlay_paths(overlay):
             _apply_overlay(entries, flows, overlay_path)

@@ -61,6 +61,9 @@ class UnitPlan:
     width: int
     height: int
     serving_dtype: str = "float16"
+    # Its loaded components' identity (`ModelSpec.loaded_components`): units of a deployment with the same one are
+    # built from one copy of the components, which the deployment counts once.
+    loaded_as: tuple | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -94,7 +97,9 @@ class UnitPlan:
 @dataclass(frozen=True)
 class DeploymentPlan:
     """A worker deployment (a worker group or a unit alone): one process loads every unit's weights once, and its
-    device runs one call at a time, so weights add up and the largest activation counts once."""
+    device runs one call at a time, so weights add up and the largest activation counts once. Units whose loaded
+    components are the same (`loaded_as`: SD 1.5's image-to-image beside its text-to-image) share one copy: it
+    counts once."""
 
     name: str
     hardware: str
@@ -103,8 +108,26 @@ class DeploymentPlan:
     clients_per_gpu: int = MAX_SHARED_CLIENTS_PER_GPU
 
     @property
+    def loading_units(self) -> tuple[UnitPlan, ...]:
+        """The units that load components: the first of each `loaded_as`; the others are built from its."""
+        seen: set[tuple] = set()
+        loading = []
+        for unit in self.units:
+            if unit.loaded_as is None or unit.loaded_as not in seen:
+                loading.append(unit)
+                seen.add(unit.loaded_as)
+        return tuple(loading)
+
+    def sharing(self, unit: UnitPlan) -> UnitPlan | None:
+        """The unit whose loaded components `unit` is built from; None when it loads its own."""
+        if unit.loaded_as is None:
+            return None
+        loader = next(other for other in self.units if other.loaded_as == unit.loaded_as)
+        return None if loader is unit else loader
+
+    @property
     def weights_bytes(self) -> int:
-        return sum(unit.weights_bytes for unit in self.units)
+        return sum(unit.weights_bytes for unit in self.loading_units)
 
     @property
     def activation_bytes(self) -> int:
@@ -152,7 +175,8 @@ class DeploymentPlan:
             f"{unit.queue} {gib(unit.weights_bytes)} ("
             + ", ".join(f"{c.name} {gib(c.bytes)} {c.dtype}" for c in unit.components)
             + ")"
-            for unit in self.units
+            + "".join(f", shared by {other.queue}" for other in self.units if self.sharing(other) is unit)
+            for unit in self.loading_units
         )
         peak = max(self.units, key=lambda unit: unit.activation_bytes)
         what = "worker_group" if len(self.units) > 1 else "model"
@@ -213,7 +237,7 @@ def unit_plan(spec: ModelSpec) -> UnitPlan | None:
     count, phase = activation(spec, architecture, spec.max_batch_size, width, height)
     return UnitPlan(
         spec.queue, architecture.name, spec.hardware, component_plans(spec, architecture), count, phase,
-        spec.max_batch_size, width, height, spec.family.gpu_dtype,
+        spec.max_batch_size, width, height, spec.family.gpu_dtype, spec.loaded_components,
     )  # fmt: skip
 
 
@@ -230,8 +254,10 @@ def plan_rows(plans: dict[str, DeploymentPlan]) -> list[tuple[str, ...]]:
     for plan in plans.values():
         for unit in plan.units:
             quantized = sorted({c.dtype for c in unit.components} - set(DTYPE_BYTES))
+            loader = plan.sharing(unit)
+            weights = gib(unit.weights_bytes) + (f" (shares {loader.queue}'s)" if loader is not None else "")
             rows.append((
-                unit.queue, unit.architecture, unit.hardware, ", ".join(quantized) or "-", gib(unit.weights_bytes),
+                unit.queue, unit.architecture, unit.hardware, ", ".join(quantized) or "-", weights,
                 f"{gib(unit.activation_bytes)} ({unit.activation_phase}, {unit.batch} x {unit.width}x{unit.height})",
                 gib(unit.total_bytes), f"{gib(plan.total_bytes)} / {gib(plan.room_bytes)}", "yes" if plan.fits else "NO",
             ))  # fmt: skip

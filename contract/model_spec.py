@@ -190,6 +190,24 @@ class ModelSpec(BaseModel):
         return {**data, "defaults": {**defaults, **(data.get("defaults") or {})}}
 
     @property
+    def loaded_components(self) -> tuple | None:
+        """What makes two units' loaded components interchangeable, the same objects in one worker: the same weights,
+        family, quantization, left-out components (`without:`) and adapter layers (how many slots, of what rank, and
+        how many adapters the device keeps: the LoRA layers live in the shared components). The worker loads a key's
+        components once and builds every unit with that key from them (model_worker/serving/service.py); the memory
+        plan counts them once (contract/memory_plan.py). None for the synthetic runners, which load nothing."""
+        if self.runner != "diffusers":
+            return None
+        adapters = self.adapters
+        return (
+            self.weights_path,
+            self.pipeline and self.family.name,
+            self.quantization.model_dump_json() if self.quantization is not None else None,
+            tuple(sorted(self.without)),
+            (adapters.max_adapters_per_request, adapters.max_rank, adapters.device_cache) if adapters else None,
+        )
+
+    @property
     def deployment(self) -> str:
         """The worker deployment that serves this model (a version: its own, so a canary scales alone)."""
         return self.worker_group or self.queue

@@ -102,6 +102,12 @@ def payload_bucket(project_id: str) -> str:
     return f"{project_id}-{PREFIX}-payloads"
 
 
+def batch_input_bucket(project_id: str) -> str:
+    """The local stack's bucket of batch input files, each key under its own prefix (production: the callers'
+    own buckets, named per key in MAAS_BATCH_INPUTS)."""
+    return f"{project_id}-{PREFIX}-batch-inputs"
+
+
 def result_object(request_id: str, index: int) -> str:
     """Payload-bucket object for output image `index` of a request (above the inline limit)."""
     return f"results/{request_id}/{index}.png"
@@ -123,8 +129,19 @@ def input_object(request_id: str, index: int) -> str:
 
 def batch_prefix(batch_id: str) -> str:
     """Payload-bucket prefix of one batch (issue 35): its record, inline input, results and errors parts, images."""
-    return f"batches/{batch_id}/"
+    return f"{BATCHES_PREFIX}{batch_id}/"
 
+
+# A batch's longest `completion_window`, and how long its files stay readable after it ends (its Redis record lives
+# as long: it is listed for that time). The payload bucket keeps `batches/` objects for both together at least
+# (terraform/storage.tf's `batch_retention_days`, checked by tests/infra/test_terraform.py).
+BATCH_MAX_WINDOW_SECONDS = 7 * 24 * 3600
+BATCH_DOWNLOAD_SECONDS = 7 * 24 * 3600
+
+# Payload-bucket prefixes of one request's objects (inputs, results, a flow's stage outputs): deleted after
+# `payload_retention_days`. `batches/` has a longer rule of its own and `batches-active/` none.
+REQUEST_PAYLOAD_PREFIXES = ("inputs/", "results/", "flows/")
+BATCHES_PREFIX = "batches/"
 
 # Payload-bucket prefix of an empty marker object per running batch: what a process finds batches by after Redis
 # lost them (a Redis restart without persistence), to restore them from their GCS copies.

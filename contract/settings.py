@@ -61,6 +61,29 @@ def _key_limits(value: str | None) -> dict[str, tuple[int, int]]:
     return limits
 
 
+# Where a key may point a batch's `input_file` (MAAS_BATCH_INPUTS): `WHO=gs://bucket/prefix` entries, WHO a key's
+# SHA-256 digest or `*` (every key); `{key_id}` in a prefix is the key's id (its digest's first 12 characters).
+BATCH_INPUT_KEY_ID = "{key_id}"
+EVERY_KEY = "*"
+
+
+def _batch_inputs(value: str | None, default: str, service_buckets: set[str]) -> dict[str, tuple[str, ...]]:
+    """`WHO=gs://bucket[/prefix],...` into {digest or `*`: (gs:// locations)}; never one of the service's buckets."""
+    inputs: dict[str, list[str]] = {}
+    for entry in _csv(value if value is not None else default):
+        who, _, location = entry.partition("=")
+        who, location = who.strip().lower(), location.strip()
+        bucket = location.removeprefix("gs://").partition("/")[0]
+        if (who != EVERY_KEY and len(who) != 64) or not location.startswith("gs://") or not bucket:
+            raise ValueError(f"MAAS_BATCH_INPUTS: expected SHA256=gs://bucket/prefix or *=gs://..., got {entry[:40]!r}")
+        if bucket in service_buckets:
+            raise ValueError(
+                f"MAAS_BATCH_INPUTS: {bucket} is the service's own bucket; batch inputs never come from it"
+            )
+        inputs.setdefault(who, []).append(location)
+    return {who: tuple(locations) for who, locations in inputs.items()}
+
+
 def api_key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -148,6 +171,10 @@ class Settings:
     batch_inline_max_lines: int = 1000
     batch_lease_seconds: float = 10.0
     batch_runner: bool = True
+    # Where each key may point a batch's `input_file`: {SHA-256 digest or `*`: gs:// prefixes} (MAAS_BATCH_INPUTS;
+    # `{key_id}` in a prefix is the caller's key id). Never the model or payload bucket. Unset: none in production
+    # (inline `requests` only), each key's own prefix of the local stack's batch-inputs bucket locally.
+    batch_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -208,6 +235,9 @@ class Settings:
         unknown = [p for p in worker_priorities if p not in naming.PRIORITIES]
         if unknown:
             raise ValueError(f"MAAS_WORKER_PRIORITIES: {unknown} not among {list(naming.PRIORITIES)}")
+        model_bucket = env.get("MAAS_MODEL_BUCKET") or naming.model_bucket(project_id)
+        payload_bucket = env.get("MAAS_PAYLOAD_BUCKET") or naming.payload_bucket(project_id)
+        local_inputs = f"*=gs://{naming.batch_input_bucket(project_id)}/{BATCH_INPUT_KEY_ID}/"
         instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
         return cls(
             env=stage,  # type: ignore[arg-type]
@@ -215,8 +245,8 @@ class Settings:
             catalog_path=env.get("MAAS_CATALOG_PATH") or None,
             catalog_overlay=env.get("MAAS_CATALOG_OVERLAY") or None,
             redis_url=env.get("MAAS_REDIS_URL", cls.redis_url),
-            model_bucket=env.get("MAAS_MODEL_BUCKET") or naming.model_bucket(project_id),
-            payload_bucket=env.get("MAAS_PAYLOAD_BUCKET") or naming.payload_bucket(project_id),
+            model_bucket=model_bucket,
+            payload_bucket=payload_bucket,
             dataset=env.get("MAAS_DATASET", naming.DATASET),
             bigquery_endpoint=env.get("MAAS_BIGQUERY_ENDPOINT") or None,
             log_table=env.get("MAAS_LOG_TABLE", naming.LOG_TABLE),
@@ -268,6 +298,9 @@ class Settings:
             batch_inline_max_lines=int(env.get("MAAS_BATCH_INLINE_MAX_LINES") or cls.batch_inline_max_lines),
             batch_lease_seconds=float(env.get("MAAS_BATCH_LEASE_SECONDS") or cls.batch_lease_seconds),
             batch_runner=env.get("MAAS_BATCH_RUNNER", "1").strip() == "" or _flag(env.get("MAAS_BATCH_RUNNER", "1")),
+            batch_inputs=_batch_inputs(
+                env.get("MAAS_BATCH_INPUTS"), local_inputs if stage == "local" else "", {model_bucket, payload_bucket}
+            ),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),
             weights_retry_seconds=float(env.get("MAAS_WEIGHTS_RETRY_SECONDS", cls.weights_retry_seconds)),

@@ -101,7 +101,8 @@ def ensure_subscription(subscriber: pubsub_v1.SubscriberClient, request: dict) -
 def bootstrap_storage(settings: Settings) -> list[str]:
     client = google_clients.storage_client(settings)
     created = []
-    for name in (settings.model_bucket, settings.payload_bucket):
+    # The local stack's batch inputs bucket: each key uploads under its own prefix (MAAS_BATCH_INPUTS's default).
+    for name in (settings.model_bucket, settings.payload_bucket, naming.batch_input_bucket(settings.project_id)):
         try:
             client.create_bucket(name)
         except exceptions.Conflict:

@@ -256,13 +256,24 @@ variable "inference_log_retention_days" {
 }
 
 variable "payload_retention_days" {
-  description = "Days after which objects in the payload bucket are deleted."
+  description = "Days after which one request's objects in the payload bucket (inputs/, results/, flows/) are deleted. Batch jobs' files follow batch_retention_days; the running-batch markers (batches-active/) never expire."
   type        = number
   default     = 1
 
   validation {
     condition     = var.payload_retention_days >= 1
     error_message = "payload_retention_days must be at least 1."
+  }
+}
+
+variable "batch_retention_days" {
+  description = "Days after which a batch job's objects in the payload bucket (batches/{id}/: its input, results and errors parts, images and batch.json) are deleted: at least the longest completion_window (7 days) plus the download period after the batch ends (7 days, as long as GET /v1/batches lists it), so nothing of a running or listed batch is deleted."
+  type        = number
+  default     = 14
+
+  validation {
+    condition     = var.batch_retention_days >= 14
+    error_message = "batch_retention_days must be at least 14: the longest batch window (7 days) plus the download period (7 days)."
   }
 }
 
@@ -333,6 +344,17 @@ variable "api_p99_latency_threshold_ms" {
   description = "API p99 request latency, in milliseconds, above which to alert."
   type        = number
   default     = 30000
+}
+
+variable "batch_inputs" {
+  description = "Where each API key may point a batch's input_file (MAAS_BATCH_INPUTS): key SHA-256 digest (or \"*\" for every key) -> gs://bucket/prefix locations; {key_id} in a prefix is the key's id (its digest's first 12 characters). The API's service account must be granted read access to those buckets by their owners. Never the service's own model or payload bucket (the API refuses to start). Empty: batches take their lines inline only. A refusal reads the same whether the object is missing or not the key's."
+  type        = map(list(string))
+  default     = {}
+
+  validation {
+    condition     = alltrue([for locations in values(var.batch_inputs) : alltrue([for location in locations : startswith(location, "gs://")])])
+    error_message = "batch_inputs: every location is a gs://bucket/prefix."
+  }
 }
 
 variable "batch_max_in_flight" {

@@ -11,16 +11,18 @@ from collections.abc import Iterator
 
 import redis
 
+from api_server.batches.inputs import BatchInputPolicy
 from api_server.batches.runner import BatchRunner
 from api_server.batches.store import ENDED, Batch, BatchStore, view
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from api_server.core.redis_state import RedisState
 from api_server.jobs.webhooks import WebhookTargetPolicy
+from contract import naming
 
 DEFAULT_WINDOW = "24h"
 WINDOW = re.compile(r"(\d{1,6})([smh])")
-MIN_WINDOW_SECONDS, MAX_WINDOW_SECONDS = 5, 7 * 24 * 3600
+MIN_WINDOW_SECONDS, MAX_WINDOW_SECONDS = 5, naming.BATCH_MAX_WINDOW_SECONDS
 MAX_METADATA_KEYS, MAX_METADATA_VALUE = 16, 512
 BODY_FIELDS = ("input_file", "requests", "input_table", "completion_window", "webhook_url", "metadata")
 BATCH_ID = re.compile(r"batch-[0-9a-f]{20}")
@@ -42,14 +44,14 @@ class BatchService:
         self,
         store: BatchStore,
         redis_state: RedisState,
-        storage_client,
+        inputs: BatchInputPolicy,
         webhook_targets: WebhookTargetPolicy,
         inline_max_lines: int,
         runner: BatchRunner | None = None,
     ) -> None:
         self._store = store
         self._redis = redis_state
-        self._storage = storage_client
+        self._inputs = inputs
         self._targets = webhook_targets
         self._inline_max_lines = inline_max_lines
         self._runner = runner
@@ -84,7 +86,7 @@ class BatchService:
         if "requests" in body:
             input_file = self._inline(batch_id, body["requests"])
         else:
-            input_file = self._input_file(body["input_file"])
+            input_file = self._inputs.check(body["input_file"], caller)
         now_ms = int(time.time() * 1000)
         fields = {
             "owner": caller.key_id,
@@ -129,20 +131,6 @@ class BatchService:
         text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in requests)
         self._store.bucket.blob(name).upload_from_string(text, content_type="application/jsonl")
         return f"gs://{self._store.bucket.name}/{name}"
-
-    def _input_file(self, uri: object) -> str:
-        if not isinstance(uri, str) or not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,220}/.{1,1024}", uri):
-            raise ApiError(422, "input_file: a gs://bucket/object URI of a JSONL file", "input_file")
-        bucket, _, name = uri.removeprefix("gs://").partition("/")
-        try:
-            blob = self._storage.bucket(bucket).get_blob(name)
-        except Exception as exc:  # noqa: BLE001 - forbidden or unreachable: the caller's file cannot be read
-            raise ApiError(
-                422, f"input_file: {uri} cannot be read by the service ({type(exc).__name__})", "input_file"
-            ) from exc
-        if blob is None:
-            raise ApiError(422, f"input_file: {uri} does not exist", "input_file")
-        return uri
 
     def get(self, batch_id: str, caller: Caller) -> Batch:
         """The caller's batch, or a 404 (another key's batch is as absent as one that never existed)."""

@@ -41,8 +41,8 @@ STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "c
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
 COUNTS = ("total", "succeeded", "failed", "cancelled", "expired")
 KINDS = ("results", "errors")
-# An ended batch's Redis record lives this long (its GCS copy stays).
-ENDED_TTL_SECONDS = 7 * 24 * 3600
+# An ended batch's Redis record lives this long, its files in GCS at least as long (its download period).
+ENDED_TTL_SECONDS = naming.BATCH_DOWNLOAD_SECONDS
 TIME_FIELDS = ("created", "in_progress", "finalizing", "cancelling", "completed", "failed", "cancelled", "expired")
 
 LEASED = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"

@@ -3,7 +3,11 @@
 - **Refused targets (SSRF).** Only `https://` URLs whose host resolves, every address of it, to a public
   address: private, loopback, link-local (the metadata server is 169.254.169.254), multicast, reserved
   and unspecified addresses are a 422 when the job is submitted, and checked again before each delivery
-  (a name that re-resolves to a private address since is not called).
+  (a name that re-resolves to a private address since is not called). IPv6 forms that carry an IPv4 address
+  (mapped, 6to4 `2002::/16`) are judged by that address; NAT64 and Teredo, whose translator reaches addresses
+  we cannot see, never pass. Each delivery connects to the address it just checked (TLS still verifies the
+  URL's host name, sent as SNI and `Host`): the name is not resolved a second time, so a DNS answer that changes
+  between the check and the connection (rebinding) cannot point the call at an internal address.
 - **Once.** Like the job log rows (`job_log.py`), every API process looks at the jobs with a webhook once
   a second; an ended job is claimed with ZREM, which succeeds in exactly one process, and delivered from
   a small thread pool. A process that dies mid-retry loses that delivery: at most once, never twice.
@@ -24,10 +28,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import certifi
 import redis
-import requests
+import urllib3
 
 from api_server.core.errors import ApiError
 from api_server.jobs.service import JobState, JobStore, job_view
@@ -37,6 +43,23 @@ MAX_URL_LENGTH = 2048
 RETRYABLE = {408, 429}
 MAX_BACKOFF_SECONDS = 60.0
 TIMEOUT_SECONDS = 10.0
+# IPv6 ranges whose traffic a translator or tunnel sends on to an IPv4 address the check cannot judge: NAT64's
+# well-known and local-use prefixes (RFC 6052, 8215), Teredo (RFC 4380) and the deprecated IPv4-compatible form.
+TRANSLATED = tuple(
+    ipaddress.ip_network(network) for network in ("64:ff9b::/96", "64:ff9b:1::/48", "2001::/32", "::/96")
+)
+
+
+@dataclass(frozen=True)
+class WebhookTarget:
+    """A checked URL and the one address it is called at: the delivery connects there and nowhere else."""
+
+    url: str
+    host: str
+    port: int
+    address: str
+    path: str
+    host_header: str
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -60,6 +83,10 @@ class WebhookTargetPolicy:
 
     def check(self, url: str, field: str = "webhook_url") -> str:
         """The URL, or a 422 naming why it is refused."""
+        return self.resolve(url, field).url
+
+    def resolve(self, url: str, field: str = "webhook_url") -> WebhookTarget:
+        """The URL and the address to call it at (every address of its host checked), or a 422 naming why not."""
         if not self._enabled:
             raise ApiError(422, f"{field}: webhooks are not enabled on this server", field)
         parts = urlsplit(url) if len(url) <= MAX_URL_LENGTH else None
@@ -69,17 +96,25 @@ class WebhookTargetPolicy:
             raise ApiError(422, f"{field}: must not carry credentials", field)
         try:
             port = parts.port or 443
-            addresses = {info[4][0] for info in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)}
+            addresses = sorted(
+                {info[4][0] for info in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)}
+            )
         except (OSError, ValueError, UnicodeError) as exc:
             raise ApiError(422, f"{field}: host {parts.hostname!r} does not resolve", field) from exc
         for address in addresses:
             if not self._public(ipaddress.ip_address(address.split("%")[0])):
                 raise ApiError(422, f"{field}: {parts.hostname!r} resolves to a non-public address", field)
-        return url
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return WebhookTarget(url, parts.hostname, port, addresses[0], path, parts.netloc)
 
     def _public(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-            address = address.ipv4_mapped
+        if isinstance(address, ipaddress.IPv6Address):
+            if address.ipv4_mapped:
+                return self._public(address.ipv4_mapped)
+            if address.sixtofour:  # 6to4 relays deliver to the IPv4 address inside: judged as that one, never loopback
+                return not address.sixtofour.is_loopback and self._public(address.sixtofour)
+            if any(address in network for network in TRANSLATED):
+                return False
         if address.is_loopback:
             return self._allow_loopback
         return address.is_global and not (address.is_multicast or address.is_reserved or address.is_link_local)
@@ -105,11 +140,10 @@ class WebhookNotifier:
         self._secret = secret
         self._attempts = attempts
         self._backoff = backoff_seconds
-        self._verify: str | bool = ca_file or True
+        self._ca_file = ca_file or certifi.where()
         self._interval = interval
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="webhook")
-        self._session = requests.Session()
         self._thread = threading.Thread(target=self._run, name="webhooks", daemon=True)
 
     def start(self) -> None:
@@ -156,12 +190,13 @@ class WebhookNotifier:
 
     def _attempt(self, url: str, body: bytes, job_id: str, id_header: str = "X-MaaS-Job-Id") -> str:
         try:
-            self._policy.check(url)  # the name may resolve elsewhere since the job was submitted
+            target = self._policy.resolve(url)  # the name may resolve elsewhere since the job was submitted
         except ApiError as exc:
             log.warning("webhook refused: %s", exc.message, extra={"fields": {"job_id": job_id}})
             return "final"
         timestamp = int(time.time())
         headers = {
+            "Host": target.host_header,
             "Content-Type": "application/json",
             "User-Agent": "maas-webhooks/1",
             id_header: job_id,
@@ -169,15 +204,29 @@ class WebhookNotifier:
             "X-MaaS-Signature": sign(self._secret, timestamp, body),
         }
         try:
-            response = self._session.post(
-                url, data=body, headers=headers, timeout=TIMEOUT_SECONDS, verify=self._verify, allow_redirects=False
-            )
-        except requests.RequestException as exc:
+            status = self._post(target, body, headers)
+        except urllib3.exceptions.HTTPError as exc:
             log.info("webhook attempt failed: %s", type(exc).__name__, extra={"fields": {"job_id": job_id}})
             return "retry"
-        if 200 <= response.status_code < 300:
+        if 200 <= status < 300:
             return "delivered"
-        return "retry" if response.status_code >= 500 or response.status_code in RETRYABLE else "final"
+        return "retry" if status >= 500 or status in RETRYABLE else "final"
+
+    def _post(self, target: WebhookTarget, body: bytes, headers: dict[str, str]) -> int:
+        """POSTs to the checked address itself; TLS sends and verifies the URL's host name (SNI, certificate)."""
+        with urllib3.HTTPSConnectionPool(
+            target.address,
+            target.port,
+            server_hostname=target.host,
+            assert_hostname=target.host,
+            cert_reqs="CERT_REQUIRED",
+            ca_certs=self._ca_file,
+            timeout=urllib3.Timeout(TIMEOUT_SECONDS),
+            retries=False,
+            maxsize=1,
+        ) as pool:
+            response = pool.urlopen("POST", target.path, body=body, headers=headers, redirect=False, retries=False)
+            return response.status
 
     def stop(self) -> None:
         self._stopped.set()

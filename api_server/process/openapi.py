@@ -123,7 +123,9 @@ class PlannedComponent(BaseModel):
 class PlannedDeployment(BaseModel):
     name: str = Field(description="the worker deployment (a worker_group, or the model alone)")
     models: list[str]
-    weights_bytes: int = Field(description="every model's weights: one process loads them all")
+    weights_bytes: int = Field(
+        description="every model's weights: one process loads them all, a copy models share once"
+    )
     activation_bytes: int = Field(description="the largest model's activation peak: one call runs at a time")
     total_bytes: int
     room_bytes: int = Field(description="the GPU's memory less the reserve, shared between time-sharing pods")

@@ -13,6 +13,7 @@ import redis
 from flask import Flask, current_app
 from google.cloud import pubsub_v1
 
+from api_server.batches.inputs import BatchInputPolicy
 from api_server.batches.runner import BatchRunner
 from api_server.batches.service import BatchService
 from api_server.batches.store import BatchStore
@@ -204,7 +205,8 @@ def build_app_state(settings: Settings) -> AppState:
             settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
             storage, webhooks, subscriber, flows,
         )  # fmt: skip
-    batches = BatchService(batch_store, redis_state, storage, targets, settings.batch_inline_max_lines, batch_runner)
+    inputs = BatchInputPolicy(storage, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket})
+    batches = BatchService(batch_store, redis_state, inputs, targets, settings.batch_inline_max_lines, batch_runner)
     return AppState(
         settings=settings,
         catalog=catalog,

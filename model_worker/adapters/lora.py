@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -276,29 +277,16 @@ class LoraSets:
 
 
 class _Swaps:
-    """What diffusers' hotswap did: each component's swap (its model, the state dict in PEFT's names, the LoRA config
-    diffusers made from the file), and the first error of a check or swap."""
+    """What diffusers' hotswap did in one `_hotswaps()` context: each component's swap (its model, the state dict in
+    PEFT's names, the LoRA config diffusers made from the file), and the first error of a check or swap."""
 
     def __init__(self) -> None:
         self.done: list[tuple] = []
         self.error: Exception | None = None
 
+    def compatible(self, check, config0, config1) -> None:
+        from peft.utils import hotswap
 
-@contextmanager
-def _hotswaps():
-    """While diffusers hotswaps, records each component's swap and keeps its error instead of raising it: diffusers
-    answers an error inside its hotswap by deleting the adapter's layers from every module (a compiled model's
-    slot would be gone, and the model recompiled), so the caller raises it once diffusers has returned. An adapter
-    whose alphas differ per layer passes PEFT's config check (every other key it checks must still match): PEFT's
-    swap writes the config's default alpha / rank into every layer, and `_layer_scalings` then gives each its own.
-    diffusers imports both functions from `peft.utils.hotswap` when it hotswaps, so they are replaced there for the
-    call (the device thread is the only one that loads adapters)."""
-    from peft.utils import hotswap
-
-    check, swap = hotswap.check_hotswap_configs_compatible, hotswap.hotswap_adapter_from_state_dict
-    swaps = _Swaps()
-
-    def compatible(config0, config1) -> None:
         keys = hotswap.CONFIG_KEYS_TO_CHECK.get(config0.peft_type)
         try:
             if keys is None or config0.peft_type != config1.peft_type:
@@ -307,22 +295,82 @@ def _hotswaps():
                 if key != "alpha_pattern" and getattr(config0, key, None) != getattr(config1, key, None):
                     raise ValueError(f"a compiled model's slots take no adapter with {key} {getattr(config1, key)!r}")
         except Exception as exc:  # noqa: BLE001 - raised by the caller, after diffusers returns
-            swaps.error = swaps.error or exc
+            self.error = self.error or exc
 
-    def swapped(model, state_dict, adapter_name, config, *args, **kwargs) -> None:
-        if swaps.error is not None:
+    def swapped(self, swap, model, state_dict, adapter_name, config, *args, **kwargs) -> None:
+        if self.error is not None:
             return
         try:
             swap(model, state_dict, adapter_name, config, *args, **kwargs)
-            swaps.done.append((model, state_dict, config))
+            self.done.append((model, state_dict, config))
         except Exception as exc:  # noqa: BLE001 - raised by the caller, after diffusers returns
-            swaps.error = exc
+            self.error = exc
 
-    hotswap.check_hotswap_configs_compatible, hotswap.hotswap_adapter_from_state_dict = compatible, swapped
-    try:
-        yield swaps
-    finally:
-        hotswap.check_hotswap_configs_compatible, hotswap.hotswap_adapter_from_state_dict = check, swap
+
+class _HotswapHooks:
+    """PEFT's two hotswap functions, replaced in `peft.utils.hotswap` while at least one `_hotswaps()` context is
+    open anywhere, by hooks that hand each call to the innermost context of the calling thread (or to PEFT's own
+    function on a thread without one). Counted under a lock: the first context in installs them, the last one out
+    puts PEFT's back, so overlapping contexts on one or several threads neither lose a call nor leave a dead
+    context's hook behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._originals: tuple | None = None
+        self._local = threading.local()
+
+    @contextmanager
+    def recording(self):
+        from peft.utils import hotswap
+
+        swaps = _Swaps()
+        with self._lock:
+            if self._open == 0:
+                self._originals = (hotswap.check_hotswap_configs_compatible, hotswap.hotswap_adapter_from_state_dict)
+                hotswap.check_hotswap_configs_compatible = self._compatible
+                hotswap.hotswap_adapter_from_state_dict = self._swapped
+            self._open += 1
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(swaps)
+        try:
+            yield swaps
+        finally:
+            stack.remove(swaps)
+            with self._lock:
+                self._open -= 1
+                if self._open == 0:
+                    hotswap.check_hotswap_configs_compatible, hotswap.hotswap_adapter_from_state_dict = self._originals
+
+    def _innermost(self) -> _Swaps | None:
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else None
+
+    def _compatible(self, config0, config1) -> None:
+        check, _ = self._originals
+        swaps = self._innermost()
+        return check(config0, config1) if swaps is None else swaps.compatible(check, config0, config1)
+
+    def _swapped(self, model, state_dict, adapter_name, config, *args, **kwargs) -> None:
+        _, swap = self._originals
+        swaps = self._innermost()
+        if swaps is None:
+            return swap(model, state_dict, adapter_name, config, *args, **kwargs)
+        return swaps.swapped(swap, model, state_dict, adapter_name, config, *args, **kwargs)
+
+
+_HOOKS = _HotswapHooks()
+
+
+def _hotswaps():
+    """While diffusers hotswaps, records each component's swap and keeps its error instead of raising it: diffusers
+    answers an error inside its hotswap by deleting the adapter's layers from every module (a compiled model's
+    slot would be gone, and the model recompiled), so the caller raises it once diffusers has returned. An adapter
+    whose alphas differ per layer passes PEFT's config check (every other key it checks must still match): PEFT's
+    swap writes the config's default alpha / rank into every layer, and `_layer_scalings` then gives each its own.
+    diffusers imports both functions from `peft.utils.hotswap` when it hotswaps, so they are replaced there while
+    any context is open (`_HotswapHooks`: re-entrant, and each thread's calls reach its own context)."""
+    return _HOOKS.recording()
 
 
 def _layer_scalings(swaps: list[tuple], slot: str) -> dict[int, float]:

@@ -63,13 +63,18 @@ class CompileCache:
 
 
 def compile_cache_key(spec: ModelSpec) -> str:
-    """Artifacts are only valid for the same torch build, GPU model, bucket shapes and quantization (a quantized
-    model's graphs are others: a version that changes `quantization:` on the same weights gets its own)."""
+    """Artifacts are only valid for the same torch build, GPU model, bucket shapes, adapter slots and quantization
+    (a quantized model's graphs are others: a version that changes `quantization:` on the same weights gets its
+    own). A model with adapters is compiled with its hotswap slots in every layer, `max_adapters_per_request` of
+    them at rank `max_rank` (`adapters/lora.py`): other slots are other graphs, so a catalog change of either
+    never loads the artifacts of the old shapes."""
     import torch
 
     device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
     buckets = "-".join(str(size) for size in batch_buckets(spec.max_batch_size))
     key = f"torch-{torch.__version__}-{device}-{spec.defaults.width}x{spec.defaults.height}-b{buckets}"
+    if spec.adapters is not None:
+        key += f"-lora{spec.adapters.max_adapters_per_request}r{spec.adapters.max_rank}"
     if spec.quantization is not None:
         key += f"-{spec.quantization.type}-{'+'.join(sorted(spec.quantization.components))}"
     return key

@@ -49,27 +49,30 @@ def plan_problem(spec: ModelSpec, weights_dir: Path) -> str | None:
     return None
 
 
-def check_device_memory(spec: ModelSpec, torch, weights_dir: Path | None = None) -> None:
+def check_device_memory(spec: ModelSpec, torch, weights_dir: Path | None = None, shared: bool = False) -> None:
     """Raises DeviceMemoryError when the CUDA device's free memory (`torch.cuda.mem_get_info`) is below the unit's
     planned weights and activation peak, or when the weights hold more parameters than the plan counted; on a CPU
-    there is nothing to check (the local stack's tiny pipelines), and the log says so."""
+    there is nothing to check (the local stack's tiny pipelines), and the log says so. `shared`: the unit is built
+    from components another unit loaded (the same `loaded_components`): they are on the device already, out of its
+    free memory, so only the activation peak is checked (as the deployment's plan counts them once)."""
     plan = unit_plan(spec)
     if plan is None:
         return
+    weights_bytes = 0 if shared else plan.weights_bytes
     needed = (
-        f"weights {gib(plan.weights_bytes)} + activation {gib(plan.activation_bytes)} "
-        f"({plan.activation_phase} at batch {plan.batch}, {plan.width}x{plan.height})"
+        f"weights {gib(weights_bytes)}{' (shared, loaded already)' if shared else ''} + activation "
+        f"{gib(plan.activation_bytes)} ({plan.activation_phase} at batch {plan.batch}, {plan.width}x{plan.height})"
     )
     if not torch.cuda.is_available():
         log.info("memory plan of %s: %s; the check against the device is skipped: no CUDA device", spec.queue, needed)
         return
-    if weights_dir is not None and (problem := plan_problem(spec, weights_dir)) is not None:
+    if weights_dir is not None and not shared and (problem := plan_problem(spec, weights_dir)) is not None:
         raise DeviceMemoryError(problem)
     free, total = torch.cuda.mem_get_info()
     device = torch.cuda.get_device_name(0)
-    if plan.total_bytes > free:
+    if weights_bytes + plan.activation_bytes > free:
         raise DeviceMemoryError(
-            f"{spec.queue}: its memory plan needs {gib(plan.total_bytes)} ({needed}) and the GPU ({device}) has "
+            f"{spec.queue}: its memory plan needs {gib(weights_bytes + plan.activation_bytes)} ({needed}) and the GPU ({device}) has "
             f"{gib(free)} free of {gib(total)}: not loaded"
         )
     log.info("memory plan of %s: %s, within %s free of %s on %s", spec.queue, needed, gib(free), gib(total), device)

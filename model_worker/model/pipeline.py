@@ -47,8 +47,8 @@ class DiffusionRunner:
     ) -> None:
         """`compile_backend`: None compiles with inductor (max-autotune) on CUDA only; a named torch.compile
         backend (the tests' `eager`) compiles with it on any device. `share`: a runner loaded from the same
-        weights (another pipeline class of the family): this one is built from its components, not loaded again,
-        and uses its adapter sets (the LoRA layers are in the shared components)."""
+        weights (another pipeline class of the family) with the same `loaded_components`: this one is built from its
+        components, not loaded again, and uses its adapter sets (the LoRA layers are in the shared components)."""
         import diffusers
         import torch
 
@@ -60,7 +60,12 @@ class DiffusionRunner:
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
         dtype = getattr(torch, spec.family.gpu_dtype) if self._device == "cuda" else torch.float32
-        check_device_memory(spec, torch, weights_dir)
+        if share is not None and share.spec.loaded_components != spec.loaded_components:
+            raise ValueError(
+                f"{spec.queue} cannot share {share.spec.queue}'s components: they differ in weights, family, "
+                "quantization, `without:` or adapter layers"
+            )
+        check_device_memory(spec, torch, weights_dir, shared=share is not None)
         started = time.perf_counter()
         pipeline_class = getattr(diffusers, spec.pipeline)
         denoiser = denoiser_class(spec)

@@ -107,8 +107,9 @@ class WorkerService:
         )
         self._storage = google_clients.storage_client(settings)
         self._unloadable: dict[str, str | None] = {}  # weights path -> the upload that did not load
-        # Diffusers runners by weights path: a unit on weights another unit loaded shares its components.
-        self._loaded: dict[str, Runner] = {}
+        # Diffusers runners by their loaded components (`ModelSpec.loaded_components`): a unit with the same ones as a
+        # unit loaded already shares them.
+        self._loaded: dict[tuple, Runner] = {}
         self.runners: dict[str, Runner] = {spec.queue: self._load_verified(spec) for spec in specs}
         for runner in self.runners.values():
             runner.warm_up()
@@ -227,19 +228,17 @@ class WorkerService:
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
         from model_worker.model.pipeline import DiffusionRunner
 
-        shared = self._loaded.get(spec.weights_path)
-        # Not when compiled: the compiled model's static shapes are its own runner's.
-        if (
-            isinstance(shared, DiffusionRunner)
-            and shared.spec.family == spec.family
-            and shared.spec.quantization == spec.quantization  # the shared components are quantized as loaded
-            and not self.settings.torch_compile
-        ):
-            # The same weights as a unit loaded already (SD 1.5's image-to-image beside its text-to-image): one copy
-            # of the components, as diffusers' `Pipeline(**other.components)`.
+        shared = self._loaded.get(spec.loaded_components)
+        # Only identical loaded components are shared (`ModelSpec.loaded_components`: weights, family, quantization,
+        # `without:`, adapter layers), so a unit without adapters never runs on a denoiser that holds another's LoRA
+        # layers, and none gets another's components less one it needs. Not when compiled: the compiled model's
+        # static shapes are its own runner's.
+        if isinstance(shared, DiffusionRunner) and not self.settings.torch_compile:
+            # SD 1.5's image-to-image beside its text-to-image: one copy of the components, as diffusers'
+            # `Pipeline(**other.components)`.
             return DiffusionRunner(spec, shared.weights_dir, self.settings.torch_threads, share=shared)
         runner = self._download_and_load(spec)
-        self._loaded[spec.weights_path] = runner
+        self._loaded[spec.loaded_components] = runner
         return runner
 
     def _download_and_load(self, spec: ModelSpec) -> Runner:

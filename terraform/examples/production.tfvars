@@ -47,6 +47,7 @@ redis_tier           = "STANDARD_HA"
 redis_memory_size_gb = 10
 
 payload_retention_days       = 1
+batch_retention_days         = 14
 inference_log_retention_days = 400
 
 gke_authorized_networks = {

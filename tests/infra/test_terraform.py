@@ -402,15 +402,58 @@ def test_model_bucket_is_private_and_versioned():
     assert block(bucket, "versioning")["enabled"] is True
 
 
-def test_payload_bucket_deletes_objects_after_the_retention_period():
+def _payload_lifecycle_rules() -> dict[str, str]:
+    """The payload bucket's Delete rules: each prefix they match -> the age expression that deletes it."""
+    bucket = resource("google_storage_bucket", "payloads")
+    rules = bucket.get("lifecycle_rule", [])
+    deleted: dict[str, str] = {}
+    for rule in rules if isinstance(rules, list) else [rules]:
+        assert block(rule, "action")["type"] == "Delete"
+        condition = block(rule, "condition")
+        prefixes = condition.get("matches_prefix")
+        assert prefixes, f"a lifecycle rule without matches_prefix deletes every object, batches' too: {condition}"
+        assert set(condition) == {"age", "matches_prefix"}, condition
+        for prefix in prefixes:
+            assert prefix not in deleted, f"{prefix} matched by two rules"
+            deleted[prefix] = expression(condition["age"])
+    return deleted
+
+
+def _validated_minimum(name: str) -> int:
+    """The least value a variable's validation allows (`var.NAME >= N`)."""
+    [validation] = variables()[name]["validation"]
+    match = re.fullmatch(rf"var\.{name} >= (\d+)", expression(validation["condition"]))
+    assert match, validation["condition"]
+    return int(match[1])
+
+
+def test_payload_bucket_is_private_and_deletes_one_requests_objects_after_the_retention_period():
     bucket = resource("google_storage_bucket", "payloads")
     assert expression(bucket["name"]) == "local.payload_bucket_name"
     assert bucket["uniform_bucket_level_access"] is True
     assert bucket["public_access_prevention"] == "enforced"
-    rule = block(bucket, "lifecycle_rule")
-    assert block(rule, "action")["type"] == "Delete"
-    assert expression(block(rule, "condition")["age"]) == "var.payload_retention_days"
+    rules = _payload_lifecycle_rules()
+    assert {prefix: rules.get(prefix) for prefix in naming.REQUEST_PAYLOAD_PREFIXES} == dict.fromkeys(
+        naming.REQUEST_PAYLOAD_PREFIXES, "var.payload_retention_days"
+    )
     assert variables()["payload_retention_days"]["default"] == 1
+    # Every per-request object the code writes lies under one of those prefixes.
+    for name in (naming.input_object("r", 0), naming.result_object("r", 0), naming.flow_stage_object("r", 1)):
+        assert name.startswith(naming.REQUEST_PAYLOAD_PREFIXES), name
+
+
+def test_batch_files_outlive_the_longest_window_and_the_download_period_and_running_markers_never_expire():
+    rules = _payload_lifecycle_rules()
+    assert rules[naming.BATCHES_PREFIX] == "var.batch_retention_days"
+    assert naming.batch_prefix("batch-x").startswith(naming.BATCHES_PREFIX)
+    needed_days = -(-(naming.BATCH_MAX_WINDOW_SECONDS + naming.BATCH_DOWNLOAD_SECONDS) // 86400)
+    assert variables()["batch_retention_days"]["default"] >= needed_days
+    assert _validated_minimum("batch_retention_days") >= needed_days
+    # No rule reaches the markers of running batches (nor anything else by a shorter prefix of theirs).
+    assert not [prefix for prefix in rules if naming.BATCHES_ACTIVE_PREFIX.startswith(prefix)], rules
+    # The example keeps them as long at least.
+    example = _load(EXAMPLE_TFVARS)
+    assert example.get("batch_retention_days", needed_days) >= needed_days
 
 
 def test_inference_log_table_uses_the_code_schema_file():

@@ -27,9 +27,10 @@ pytestmark = pytest.mark.stack
 SECRET = "test-webhook-secret"
 
 
-def self_signed(directory) -> tuple[str, str]:
+def self_signed(directory, host: str = "localhost") -> tuple[str, str]:
+    """A certificate (its own CA) for `host` and 127.0.0.1, and its key: the paths of both."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
     now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
@@ -40,7 +41,7 @@ def self_signed(directory) -> tuple[str, str]:
         .not_valid_before(now - datetime.timedelta(minutes=1))
         .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName([x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)

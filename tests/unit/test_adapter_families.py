@@ -453,3 +453,36 @@ def reference_kwargs(pending) -> dict:
     return {"prompt": item.prompt, "num_inference_steps": params.num_inference_steps,
             "guidance_scale": params.guidance_scale, "width": params.width, "height": params.height,
             "generator": torch.Generator().manual_seed(item.seed), "output_type": "np"}  # fmt: skip
+
+
+def test_a_unit_without_adapters_never_runs_on_another_units_lora_layers(pipelines):
+    """Two units on the same weights, one without adapters (loaded first) and one with: the worker gives the second
+    components of its own (not the first's, which it would fill with LoRA layers), so after the second ran an
+    adapter the first still makes the base image, exactly; units that are alike share one copy."""
+    from types import SimpleNamespace
+
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.serving.service import WorkerService
+
+    directory = pipelines["sd15"][0]
+    with_lora = FAMILIES["sd15"]
+    plain = with_lora.model_copy(update={"name": "sd15-plain", "adapters": None})
+    worker = SimpleNamespace(
+        _loaded={},
+        settings=SimpleNamespace(torch_compile=False, torch_threads=1),
+        _download_and_load=lambda spec: DiffusionRunner(spec, directory, torch_threads=1),
+    )
+    plain_runner = WorkerService._load_diffusers(worker, plain)
+    lora_runner = WorkerService._load_diffusers(worker, with_lora)
+    alike = WorkerService._load_diffusers(worker, plain.model_copy(update={"name": "sd15-plain-2"}))
+    assert alike._pipeline.unet is plain_runner._pipeline.unet  # alike units share one copy
+    base, _, _ = served(pipelines, "sd15", "step", runner=plain_runner)
+    adapters = loaded("sd15", pipelines, {"ink": peft_file(directory, 1, 4)}, {"ink": 1.0})
+    inked, _, _ = served(pipelines, "sd15", "step", runner=lora_runner, adapters=adapters)
+    assert differs(inked, base) > VISIBLE
+    again, _, _ = served(pipelines, "sd15", "step", runner=plain_runner)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(again, base, strict=True)), (
+        "the unit without adapters ran with another unit's adapter"
+    )
+    with pytest.raises(ValueError, match="cannot share sd15-plain's components"):
+        DiffusionRunner(with_lora, directory, torch_threads=1, share=plain_runner)

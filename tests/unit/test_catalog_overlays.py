@@ -46,3 +46,34 @@ def test_an_override_is_validated_like_the_entry(tmp_path):
     overlay = write(tmp_path / "bad.yaml", {"overrides": {"flux-schnell": {"defaults": {"width": 250}}}})
     with pytest.raises(ValueError, match="multiple of 16"):
         ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
+
+
+LOCAL = DEFAULT_CATALOG_PATH.with_name("models.local.yaml")
+
+
+def test_a_model_entry_appended_to_the_local_overlay_is_refused_naming_its_section_and_what_a_model_needs(tmp_path):
+    # What an operator appends to models.local.yaml to add a versioned model: it lands in the last section, flows.
+    appended = tmp_path / "models.local.yaml"
+    appended.write_text(LOCAL.read_text() + """\
+  sd15-versioned:
+    pipeline: StableDiffusionPipeline
+    weights_path: sd15-txt2img/1
+    versions: {"1": {}, "2": {}}
+""")  # fmt: skip
+    with pytest.raises(ValueError) as refused:
+        ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, appended)
+    message = str(refused.value)
+    assert message.startswith(f"{appended}: 'sd15-versioned' sits in the `flows:` section"), message
+    assert "it is a model entry (pipeline, versions, weights_path), and a flow needs `stages`" in message
+    assert "Move it under `models:`, where a model entry needs task, hardware, gpu_sharing, max_batch_size" in message
+    assert "(it has none of them: a YAML merge `<<: *anchor` of another entry gives them)" in message
+    assert "stages: Field required" not in message
+
+
+def test_an_override_appended_under_flows_is_pointed_to_overrides(tmp_path):
+    appended = tmp_path / "models.local.yaml"
+    appended.write_text(LOCAL.read_text() + "  sd15-txt2img:\n    worker_group: sd15-alone\n")
+    with pytest.raises(ValueError, match=r"or, to change the listed model 'sd15-txt2img', under `overrides:`"):
+        ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, appended)
+    # A real flow there still loads.
+    assert ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, LOCAL).flow("sd15-hires") is not None

@@ -18,6 +18,7 @@ from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog, load_catalog
 from contract.hardware import GIB, HARDWARE
 from contract.memory_plan import deployment_plan, unit_plan
 from contract.model_spec import ModelSpec
+from contract.quantization import Quantization
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 GB = 1000**3
@@ -142,7 +143,8 @@ def test_a_flux_unit_is_refused_on_an_l4_in_bf16_and_accepted_in_fp8(tmp_path):
 
 def test_three_sd15_models_and_one_sdxl_sharing_an_l4_worker_are_refused_with_the_numbers(tmp_path):
     group = {"worker_group": "shared", "gpu_sharing": False, "adapters": None}
-    models = {f"sd15-{n}": entry("sd15-img2img", **group) for n in ("a", "b", "c")}
+    # Three fine-tunes (weights of their own: nothing shared), so three copies.
+    models = {f"sd15-{n}": entry("sd15-img2img", **group, weights_path=f"sd15-{n}/1") for n in ("a", "b", "c")}
     models["sdxl"] = entry("sdxl-txt2img", **group)
     alone = catalog(tmp_path, {name: {**spec, "worker_group": None} for name, spec in models.items()})
     assert all(plan.fits for plan in alone.deployment_plans().values())
@@ -281,3 +283,40 @@ def test_make_status_prints_each_models_plan_under_the_components(tmp_path):
     # `make status` shows what the local stack serves: FLUX.1 unquantized (contract/models.local.yaml).
     assert rows["flux-schnell"][:4] == ["flux-schnell", "flux.1-schnell", "a100-80", "-"]
     assert rows["flux-schnell"][-1] == "yes" and "noop" not in rows
+
+
+def test_a_group_counts_the_components_its_units_share_once_and_those_they_do_not_share_twice():
+    from contract.memory_plan import plan_rows
+
+    local = ModelCatalog.from_yaml(overlay="contract/models.local.yaml")
+    txt2img, img2img = local.get("sd15-txt2img"), local.get("sd15-img2img")
+    assert txt2img.loaded_components == img2img.loaded_components  # one copy in the worker
+    one = unit_plan(txt2img).weights_bytes
+    group = local.deployment_plans()["sd15"]
+    assert group.weights_bytes == one and group.total_bytes == one + group.activation_bytes
+    weights = {row[0]: row[4] for row in plan_rows({"sd15": group})}
+    assert weights["sd15-img2img"].endswith("(shares sd15-txt2img's)") and "shares" not in weights["sd15-txt2img"]
+    # What the worker loads twice is counted twice: another adapter configuration, none, another `without:`.
+    policy = img2img.adapters
+    for differing in (
+        img2img.model_copy(update={"adapters": policy.model_copy(update={"max_rank": policy.max_rank // 2})}),
+        img2img.model_copy(update={"adapters": None}),
+        img2img.model_copy(update={"quantization": Quantization(type="int8_weight_only", components=["unet"])}),
+    ):
+        assert differing.loaded_components != txt2img.loaded_components
+        assert deployment_plan("sd15", [txt2img, differing]).weights_bytes == one + unit_plan(differing).weights_bytes
+    large = load_catalog().get("sd35-txt2img")
+    assert large.model_copy(update={"without": ["text_encoder_3"]}).loaded_components != large.loaded_components
+
+
+def test_the_worker_checks_a_unit_built_from_loaded_components_against_its_activation_alone():
+    from types import SimpleNamespace
+
+    from model_worker.model.device_memory import DeviceMemoryError, check_device_memory
+
+    spec = ModelCatalog.from_yaml(overlay="contract/models.local.yaml").get("sd15-img2img")
+    plan = unit_plan(spec)
+    free = plan.activation_bytes + plan.weights_bytes // 2  # room for its activation, not for a second copy
+    with pytest.raises(DeviceMemoryError, match="sd15-img2img: its memory plan needs"):
+        check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(free)))
+    check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(free)), shared=True)

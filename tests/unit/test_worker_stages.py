@@ -304,3 +304,20 @@ def test_compiled_batches_are_padded_to_a_fixed_bucket():
     assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
     assert pad_to_bucket(["a", "b", "c"], 8) == ["a", "b", "c", "c"]
     assert pad_to_bucket(["a"] * 5, 6) == ["a"] * 6
+
+
+def test_the_compile_cache_key_changes_with_the_adapter_slot_count_and_rank():
+    from model_worker.model.compiled import compile_cache_key
+
+    spec = next(spec for spec in load_catalog().units() if spec.adapters is not None)
+    adapters = spec.adapters
+
+    def with_slots(**update):
+        return spec.model_copy(update={"adapters": adapters.model_copy(update=update)})
+
+    more_slots = with_slots(max_adapters_per_request=adapters.max_adapters_per_request + 1)
+    higher_rank = with_slots(max_rank=adapters.max_rank * 2)
+    keys = {compile_cache_key(spec), compile_cache_key(more_slots), compile_cache_key(higher_rank),
+            compile_cache_key(spec.model_copy(update={"adapters": None}))}  # fmt: skip
+    assert len(keys) == 4, keys
+    assert compile_cache_key(with_slots(max_scale=1.0)) == compile_cache_key(spec)  # what compiling does not see

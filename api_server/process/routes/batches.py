@@ -30,7 +30,9 @@ class BatchLine(BaseModel):
 
 class BatchBody(BaseModel):
     input_file: str | SkipJsonSchema[None] = Field(
-        default=None, description="gs://bucket/object of a JSONL file, one BatchLine per line (read as a stream)"
+        default=None,
+        description="gs://bucket/object of a JSONL file, one BatchLine per line (read as a stream), under one of the "
+        "key's batch input locations (MAAS_BATCH_INPUTS); anything else, missing or not, is one 422",
     )
     requests: list[BatchLine] | SkipJsonSchema[None] = Field(
         default=None, description="the lines inline instead: at most MAAS_BATCH_INLINE_MAX_LINES (1,000)"
