@@ -44,6 +44,8 @@ from model_worker.model.runners import GenerationItem
 
 log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_SECONDS = 30
+# How the device loop says a request it let go never ran (model_worker/serving/device.py): no stage report then.
+NOT_STARTED = "before it started"
 # Builds a request's GenerationItems (model_worker.serving.intake.Triage.items): inputs, one per instance, for a later
 # stage (the previous stage's latents or images), None for the first (its instances' own images, if any).
 ItemsOf = Callable[[ModelSpec, InferenceRequest, list | None], list[GenerationItem]]
@@ -101,6 +103,19 @@ def flow_progress(pending: PendingRequest, step: int, total: int) -> dict:
 
 def stage_error(plan: FlowStagePlan, error: str | None) -> str:
     return f"stage {plan.name} ({plan.model}): {error or 'failed'}"
+
+
+def ended_stage_report(run: FlowRun, reply: InferenceReply) -> StageReport:
+    """The report of the stage a flow ended in (failed, expired or cancelled while held here): its unit, the
+    worker's fields of the answer, and how it ended."""
+    plan = run.plan
+    return StageReport(
+        stage=plan.name, index=run.stage, model=plan.model, model_version=plan.model_version, steps=plan.steps,
+        worker_id=reply.worker_id, accelerator=reply.accelerator, attempt=reply.attempt,
+        queue_ms=reply.queue_ms, inference_ms=reply.inference_ms, worker_started_ms=reply.worker_started_ms,
+        worker_finished_ms=reply.worker_finished_ms or int(time.time() * 1000), batch_id=reply.batch_id,
+        batch_size=reply.batch_size, status=reply.status, error_kind=reply.error_kind,
+    )  # fmt: skip
 
 
 class FlowStages:
@@ -344,15 +359,21 @@ class FlowStages:
 
     def answer(self, message: HeldMessage, reply: InferenceReply, store: bool = True):
         """An answer for a request that did not finish (or a stored reply again); a flow's names the flow and the
-        stage it ended in, and carries the reports of the stages that finished."""
+        stage it ended in, and carries the reports of the stages that finished, then the report of the stage it
+        ended in when that stage was taken to run here (its log row; a canary's failure is known by it)."""
         if not store or reply.status == "ok" or reply.stages:
             return self._finisher.answer(message, reply, store)
         run = self._run_of(message)
         if run is None:
             return self._finisher.answer(message, reply, store)
+        reports = list(run.reports)
+        if self._held_run(run.request.request_id) is run and not (reply.error or "").endswith(NOT_STARTED):
+            reports.append(ended_stage_report(run, reply))
         reply = reply.model_copy(update={
             "model": run.context.flow, "model_version": "", "error": stage_error(run.plan, reply.error),
-            "stages": list(run.reports),
+            "stages": reports,
+            # The flow started when its first stage did (a job's `started_at`), whichever stage it ended in.
+            "worker_started_ms": reports[0].worker_started_ms if reports else reply.worker_started_ms,
         })  # fmt: skip
         future = self._finisher.answer(message, reply, store)
         if future is not None:
