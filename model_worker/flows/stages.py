@@ -105,17 +105,45 @@ def stage_error(plan: FlowStagePlan, error: str | None) -> str:
     return f"stage {plan.name} ({plan.model}): {error or 'failed'}"
 
 
-def ended_stage_report(run: FlowRun, reply: InferenceReply) -> StageReport:
-    """The report of the stage a flow ended in (failed, expired or cancelled while held here): its unit, the
-    worker's fields of the answer, and how it ended."""
-    plan = run.plan
+def ended_stage_report(plan: FlowStagePlan, index: int, reply: InferenceReply) -> StageReport:
+    """The report of the stage a flow ended in (failed, expired or cancelled while held here, or dead-lettered):
+    its unit, the worker's fields of the answer, and how it ended."""
     return StageReport(
-        stage=plan.name, index=run.stage, model=plan.model, model_version=plan.model_version, steps=plan.steps,
+        stage=plan.name, index=index, model=plan.model, model_version=plan.model_version, steps=plan.steps,
         worker_id=reply.worker_id, accelerator=reply.accelerator, attempt=reply.attempt,
         queue_ms=reply.queue_ms, inference_ms=reply.inference_ms, worker_started_ms=reply.worker_started_ms,
         worker_finished_ms=reply.worker_finished_ms or int(time.time() * 1000), batch_id=reply.batch_id,
         batch_size=reply.batch_size, status=reply.status, error_kind=reply.error_kind,
     )  # fmt: skip
+
+
+def unanswered_flow_reply(data: bytes, reply: InferenceReply, kept: list[StageReport]) -> InferenceReply:
+    """`reply` (the watchdog's expiry or dead letter of a request nobody holds) for a flow's message (`data`):
+    named for the flow and the stage it was at, with the reports of the stages that finished (the message's and
+    those `kept` in Redis), its start their first's. Past the deadline between two worker groups, the error says
+    so: the flow was waiting in the next stage's queue, not running. Anything else is returned as it is."""
+    try:
+        request = InferenceRequest.model_validate_json(data)
+    except ValueError:
+        return reply
+    if request.flow is None:
+        return reply
+    plans = request.flow.stages
+    known = {report.index: report for report in request.flow.finished} | {report.index: report for report in kept}
+    at = min(request.flow.stage, len(plans) - 1)
+    while at in known and at + 1 < len(plans):
+        at += 1
+    reports = [known[index] for index in range(at) if index in known]
+    plan, error = plans[at], stage_error(plans[at], reply.error)
+    if reply.error_kind == "dead_lettered":  # every worker that held this stage stopped: it ran, and has its row
+        reports.append(ended_stage_report(plan, at, reply))
+    if reply.status == "expired" and at > 0 and plans[at - 1].queue != plan.queue:
+        error = (f"stage {plan.name} ({plan.model}): deadline passed during the handoff from stage "
+                 f"{plans[at - 1].name}, which finished, before a worker of {plan.model} took the flow")  # fmt: skip
+    return reply.model_copy(update={
+        "model": request.flow.flow, "model_version": "", "error": error, "stages": reports,
+        "worker_started_ms": reports[0].worker_started_ms if reports else reply.worker_started_ms,
+    })  # fmt: skip
 
 
 class FlowStages:
@@ -367,8 +395,9 @@ class FlowStages:
         if run is None:
             return self._finisher.answer(message, reply, store)
         reports = list(run.reports)
-        if self._held_run(run.request.request_id) is run and not (reply.error or "").endswith(NOT_STARTED):
-            reports.append(ended_stage_report(run, reply))
+        ran = self._held_run(run.request.request_id) is run and not (reply.error or "").endswith(NOT_STARTED)
+        if ran or reply.error_kind == "dead_lettered":  # held here, or tried by every delivery attempt
+            reports.append(ended_stage_report(run.plan, run.stage, reply))
         reply = reply.model_copy(update={
             "model": run.context.flow, "model_version": "", "error": stage_error(run.plan, reply.error),
             "stages": reports,
