@@ -31,6 +31,7 @@ from api_server.jobs.service import (
     JobStore,
     fallback_request_id,
     job_view,
+    stage_timings,
     version_failed,
 )
 from api_server.predict.cache import cache_key, cache_policy
@@ -562,11 +563,7 @@ class ServingStage:
             },
         }
         if reply.stages:  # a flow's: every stage that ran (api_server/flows/serving.py)
-            body["stages"] = [
-                {"stage": stage.stage, "model": stage.model, "model_version": stage.model_version,
-                 "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2)}
-                for stage in reply.stages
-            ]  # fmt: skip
+            body["stages"] = stage_timings(reply)
         return Answer(
             Outcome.OK,
             ResponseRecord(200, json.dumps(body).encode(), dict(JSON), outcome=Outcome.OK),
