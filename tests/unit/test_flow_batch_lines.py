@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from api_server.batches.runner import BatchRunner
 from api_server.inference_log.writer import InferenceLogRow
+from api_server.jobs.service import JobState, job_view
 from contract.messages import Payload, Prediction
 from tests.unit.test_flow_canaries import flow_call, flow_reply
 
@@ -51,3 +52,13 @@ def test_a_failed_flow_line_has_its_failed_stage_row_and_a_cancelled_one_only_it
     _, status, item = made._answer("b1", "r", line_entry(made), None, "cancelled")
     assert status == "cancelled" and "stage_rows" not in item
     assert InferenceLogRow.from_json(item["row"]).flow == "relay-canary"
+
+
+def test_a_flow_jobs_result_has_its_stages_as_the_sync_answer_has_them():
+    done = flow_reply("1").model_copy(update={"request_id": "j"})
+    job = JobState("j", "relay-canary", "draft=1,polish=1", 1, 2, "succeeded", reply=done)
+    view = job_view(job, lambda reply: [])
+    assert view["result"]["stages"] == [
+        {"stage": "draft", "model": "relay-draft", "model_version": "1", "queue_ms": 4.0, "inference_ms": 6.0},
+        {"stage": "polish", "model": "relay-polish-canary", "model_version": "1", "queue_ms": 4.0, "inference_ms": 6.0},
+    ]
