@@ -21,7 +21,7 @@ from api_server.predict.inference import InferenceService
 from contract import google_clients, naming
 from contract.messages import request_attributes
 from contract.stores.results import ResultStore
-from tests.conftest import query_rows
+from tests.conftest import TEST_ADMIN_KEY, query_rows
 
 pytestmark = pytest.mark.stack
 SMALL = {"width": 64, "height": 64}  # the flows' second stage runs at twice this
@@ -223,3 +223,54 @@ def test_an_idempotency_key_replays_a_flows_answer_without_running_it_again(stac
     assert sorted(row["stage"] or "" for row in rows) == ["", "base", "hires"]
     replay = log_rows(bigquery, settings, again.headers["X-Request-Id"], 1)
     assert [(row["idempotent_replay"], row["stage"]) for row in replay] == [(True, None)]  # no stage rows of its own
+
+
+def test_a_flow_whose_stage_has_a_failing_canary_is_answered_by_the_stable_version_and_the_guard_rolls_it_back(
+    stack, auth_headers, bigquery, settings
+):
+    """relay-canary (tests/models.fixtures.yaml): its polish's model sends half its calls to a version 2 that fails
+    every request. Every flow call is answered (the polish falls back to version 1), and the rollback guard sees the
+    canary's failures through the flow alone and takes it to 0%, as it does for direct calls."""
+    admin = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
+
+    def split() -> dict:
+        response = requests.get(f"{stack.api_url}/v1/models/relay-polish-canary", headers=auth_headers, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()["traffic"]
+
+    started, fell_back = time.monotonic(), []
+    try:
+        while split()["traffic"]["2"] != 0:
+            assert time.monotonic() - started < 90, "the failing canary of a flow's stage was not rolled back"
+            if len(fell_back) >= 40:  # enough calls for the guard's window: wait for its check
+                time.sleep(0.2)
+                continue
+            response = predict(stack, auth_headers, "relay-canary", seed=len(fell_back))
+            assert response.status_code == 200, response.text  # the canary's failure never reaches the caller
+            answer = response.json()
+            assert answer["model_version"] == "draft=1,polish=1", answer
+            assert [(stage["stage"], stage["model_version"]) for stage in answer["stages"]] == [
+                ("draft", "1"), ("polish", "1"),
+            ]  # fmt: skip
+            fell_back.append(response.headers["X-Request-Id"])
+        info = split()
+        assert info["traffic"] == {"1": 100, "2": 0} and info["set_by"] == "rollback-guard"
+        sql = (f"SELECT reason FROM `{settings.project_id}.{settings.dataset}.rollout_audit` "
+               "WHERE model = 'relay-polish-canary' AND action = 'rollback'")  # fmt: skip
+        (audit,) = query_rows(bigquery, sql, 1, timeout=30)
+        assert "error rate" in audit["reason"]
+        # A call the canary failed: its row names the failed run and the stable one, and its stages are the stable
+        # run's (the failed attempt's polish is the fallback's, not a billed stage of its own).
+        table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+        quoted = ", ".join(f"'{request_id}'" for request_id in fell_back)
+        rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id IN ({quoted})", len(fell_back), timeout=60)
+        failed_over = [row for row in rows if row["fallback_from"] is not None]
+        assert failed_over, "no call was sent to the canary"
+        assert all(
+            (row["fallback_from"], row["model_version"], row["status"])
+            == ("draft=1,polish=2", "draft=1,polish=1", "ok")
+            and "configured to fail" in row["fallback_error"]
+            for row in failed_over
+        ), failed_over
+    finally:
+        requests.delete(f"{stack.api_url}/v1/models/relay-polish-canary/traffic", headers=admin, timeout=10)
