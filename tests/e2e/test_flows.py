@@ -19,7 +19,8 @@ from api_server.core.auth import Caller
 from api_server.flows.serving import FlowService
 from api_server.predict.inference import InferenceService
 from contract import google_clients, naming
-from contract.messages import request_attributes
+from contract.messages import StageReport, request_attributes
+from contract.stores.inflight import InflightStore
 from contract.stores.results import ResultStore
 from tests.conftest import TEST_ADMIN_KEY, query_rows
 
@@ -169,6 +170,39 @@ def test_a_flow_past_its_deadline_in_its_second_stage_expires_naming_it(stack, s
     # The finish ran, partly: it has its report (so its row) beside the draft's; the flow started with the draft.
     assert [(stage.stage, stage.status) for stage in reply.stages] == [("draft", "ok"), ("finish", "expired")]
     assert reply.worker_started_ms == reply.stages[0].worker_started_ms is not None
+
+
+def test_a_flow_past_its_deadline_in_a_handoff_between_groups_keeps_the_stage_that_ran_and_says_where(stack, settings):
+    """The state a flow leaves when its deadline passes while it waits in the next group's queue, set as the API and
+    the draft's worker leave it (the API's kept message, the draft's kept report, nobody holding it), with a
+    deadline already past: the stack's watchdog answers it, naming the handoff, with the draft's report (its row;
+    the job's started_at)."""
+    catalog = stack.catalog()
+    flows = FlowService(catalog, lambda model, _request_id, _caller: catalog.get(model))
+    call = flows.call(catalog.flow("relay-across"), uuid.uuid4().hex, Caller("test", "test"))
+    request_id = uuid.uuid4().hex
+    inference = InferenceService(None, None, 900)  # type: ignore[arg-type]
+    body = {"instances": [{"prompt": "handoff"}], "parameters": {"seed": 1}}
+    message = inference.message(inference.prepare(call.spec, body, request_id, Caller("test", "test"), flow=call))
+    client = redis.Redis.from_url(settings.redis_url)
+    started_ms = int(time.time() * 1000) - 2000
+    draft = StageReport(stage="draft", index=0, model="relay-draft", model_version="1", worker_id="w-relay",
+                        inference_ms=300.0, worker_started_ms=started_ms, batch_size=1)  # fmt: skip
+    client.hset(naming.flow_stages_key(request_id), "0", draft.model_dump_json())
+    deadline_ms = int(time.time() * 1000) - 500
+    topic = f"projects/{settings.project_id}/topics/{naming.request_topic(call.spec.queue, 'normal')}"
+    attributes = request_attributes(message, naming.REPLIES_TOPIC, deadline_ms)
+    InflightStore(client).keep(request_id, topic, message.model_dump_json().encode(), attributes, deadline_ms)
+    results = ResultStore(client, 60)
+    reply, give_up = None, time.monotonic() + 30
+    while reply is None and time.monotonic() < give_up:
+        reply = results.get(request_id)
+        time.sleep(0.2)
+    assert reply is not None, "the watchdog never answered the flow"
+    assert (reply.status, reply.model) == ("expired", "relay-across")
+    assert reply.error.startswith("stage polish (relay-polish): deadline passed during the handoff from stage draft")
+    assert [(stage.stage, stage.status) for stage in reply.stages] == [("draft", "ok")]
+    assert reply.worker_started_ms == started_ms
 
 
 def test_a_flow_across_two_deployments_is_published_once_by_the_api(stack, auth_headers, bigquery, settings):
