@@ -59,6 +59,8 @@ class FlowRun:
     stage: int  # the stage running now
     reports: list[StageReport] = field(default_factory=list)  # the stages finished before it, in order
     items_of: ItemsOf | None = None
+    priority: str = "normal"
+    deadline_ms: int | None = None
 
     @property
     def context(self) -> FlowContext:
@@ -274,6 +276,7 @@ class FlowStages:
             )
             for item in items
         ]
+        run.priority, run.deadline_ms = priority, deadline_ms
         with self._lock:
             self._runs[run.request.request_id] = run
         return PendingRequest(message, spec, body, items, priority, deadline_ms, flow=run)
@@ -422,6 +425,21 @@ class FlowStages:
         return held or FlowRun(
             request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished)
         )
+
+    def ahead(self) -> dict[tuple[str, str], int]:
+        """The flows held here (in a stage, before their deadline) by (queue, priority) of each later stage another
+        worker group serves: what will reach that group's queue, counted before it does (its autoscaler adds it to
+        the queue's backlog, so a later stage's group is not scaled one stage late)."""
+        now_ms = time.time() * 1000
+        with self._lock:
+            runs = list(self._runs.values())
+        counts: dict[tuple[str, str], int] = {}
+        for run in runs:
+            if run.deadline_ms is not None and run.deadline_ms < now_ms:
+                continue
+            for queue in {plan.queue for plan in run.plans[run.stage + 1 :] if plan.queue not in self._served}:
+                counts[(queue, run.priority)] = counts.get((queue, run.priority), 0) + 1
+        return counts
 
     def _held_run(self, request_id: str) -> FlowRun | None:
         with self._lock:

@@ -173,6 +173,7 @@ class WorkerService:
             checkpoints,
             self.publisher, project, settings.inline_payload_limit, self.results,
         )  # fmt: skip
+        self.metrics.count_flows_ahead(self.flows.ahead)
         triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows)
         self.pullers = [
             SubscriptionPuller(

@@ -122,3 +122,22 @@ def test_a_dead_lettered_stage_names_the_flow_and_has_its_report():
         ("polish", "error", "dead_lettered"),
     ]
     assert reply.worker_started_ms == STARTED_MS
+
+
+def test_a_flow_held_in_its_first_stage_is_counted_for_the_later_stages_group_until_it_moves_on():
+    """`maas_worker_flows_ahead`: what the later stage's Deployment adds to its backlog (infra/k8s/render.py)."""
+    from model_worker.serving.intake import Triage
+    from model_worker.serving.metrics import WorkerMetrics
+
+    stages = FlowStages(None, None, None, {DRAFT.queue: DRAFT})  # type: ignore[arg-type]
+    items = Triage(None, None, None, None).items
+    for request_id, deadline_ms in (("held", int(time.time() * 1000) + 60_000), ("late", int(time.time() * 1000) - 1)):
+        message = across_message(request_id)
+        held = HeldMessage("sub", f"ack-{request_id}", {}, message.model_dump_json().encode(), 1, time.time())
+        stages.intake(DRAFT, held, message, "high", deadline_ms, items)
+    assert stages.ahead() == {(POLISH.queue, "high"): 1}  # the one past its deadline is not on its way any more
+    metrics = WorkerMetrics()
+    metrics.count_flows_ahead(stages.ahead)
+    assert b'maas_worker_flows_ahead{priority="high",queue="relay-polish"} 1.0' in metrics.render()
+    stages._forget("held")  # noqa: SLF001 - answered: nothing of it is held any more
+    assert stages.ahead() == {}
