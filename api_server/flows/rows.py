@@ -15,8 +15,6 @@ from api_server.inference_log.writer import InferenceLogRow, from_epoch_ms
 from contract.messages import InferenceReply, StageReport
 from contract.outcomes import Outcome
 
-# A failed stage's error names it: "stage <name> (<model>): ..." (contract/messages.py).
-FAILED_STAGE_PREFIX = "stage "
 # A stage row's endpoint: its model's sync and job latencies (the caller's waits) leave it out.
 STAGE_ENDPOINT = "stage"
 

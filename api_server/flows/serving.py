@@ -8,7 +8,10 @@ another's) and whose timeout covers every stage. Its request is validated agains
 (contract/flows.py), adapters resolved for the stages that take them, each stage planned with the contract's
 `plan_stages`, and the message published once, to the first stage's unit, carrying the `FlowContext`; the
 workers run the stages (in one process when one worker group serves them all, else queue to queue) and only
-the last stage answers. The log rows it leaves are `flow_rows.py`'s.
+the last stage answers. The log rows it leaves are `rows.py`'s. A stage the split sent to a canary that fails
+it is asked again on its model's stable version, as a direct call to that model would be (`FlowCall.fallback`
+for a sync call, `FlowCall.all_stable` for a job; predict/serving.py asks), and every stage that ran feeds the
+rollback guard (`observed.py`).
 """
 
 from __future__ import annotations
