@@ -86,6 +86,9 @@ class FlowStagePlan(BaseModel):
     steps: int = Field(ge=0)
 
 
+ReplyStatus = Literal["ok", "error", "expired", "cancelled"]
+
+
 class StageReport(BaseModel):
     """What the worker that ran a flow's stage knows about it: one per stage that ran, on the flow's reply."""
 
@@ -104,6 +107,14 @@ class StageReport(BaseModel):
     batch_size: int = 0
     attempt: int = 0
     steps: int = 0
+    # The stage the flow ended in, when it did not finish (`error_kind` its reply's: inference_failed, expired,
+    # cancelled, dead_lettered...): it still gets its log row, and a canary's failure its fallback. "ok" otherwise.
+    status: ReplyStatus = "ok"
+    error_kind: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "ok"
 
 
 class FlowContext(BaseModel):
@@ -139,9 +150,6 @@ class Prediction(BaseModel):
     seed: int
     width: int
     height: int
-
-
-ReplyStatus = Literal["ok", "error", "expired", "cancelled"]
 
 
 class InferenceReply(BaseModel):

@@ -37,10 +37,12 @@ from api_server.batches.lines import InvalidLine, Line, custom_id_digest, custom
 from api_server.batches.store import KINDS, Batch, BatchStore, view
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
+from api_server.flows.rows import rows_of
 from api_server.flows.serving import FlowService
 from api_server.inference_log.job_rows import ended_row
 from api_server.inference_log.records import now_to_the_millisecond
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
+from api_server.jobs.service import stage_timings
 from api_server.jobs.webhooks import WebhookNotifier
 from api_server.predict.inference import InferenceService, PreparedRequest
 from api_server.predict.serving import ServingStage
@@ -388,6 +390,7 @@ class BatchRunner:
             api_instance=self._settings.instance_id,
             batch_job_id=batch.batch_id,
             custom_id=custom_id,
+            flow=prepared.flow.flow.name if prepared.flow is not None else None,
         )
         for name in LOGGED_PARAMETERS:
             setattr(row, name, getattr(prepared.params, name))
@@ -453,6 +456,8 @@ class BatchRunner:
         else:
             row, outcome = ended_row(row, reply)
         row.http_status = outcome.spec.http_status
+        # A flow's line: its row sums its stages' GPU-seconds, and each stage that ran has its row, as interactively.
+        row, *stage_rows = rows_of(row, reply)
         line: dict = {"custom_id": entry["custom_id"], "line": entry["line"], "request_id": request_id}
         if outcome is Outcome.OK and reply is not None:
             images = self._save_images(batch_id, entry["line"], reply)
@@ -460,7 +465,7 @@ class BatchRunner:
             line.update(
                 status="succeeded",
                 model=reply.model,
-                model_version=reply.model_version,
+                model_version=reply.model_version or row.model_version,  # a flow's: each stage's version
                 images=[
                     {"uri": uri, "seed": p.seed, "width": p.width, "height": p.height}
                     for (uri, _), p in zip(images, reply.predictions, strict=True)
@@ -471,11 +476,13 @@ class BatchRunner:
                     "total": row.total_ms,
                 },
             )
-            return "results", "succeeded", {"line": line, "row": row.to_json(), "start": entry.get("start", 0)}
+            if reply.stages:  # a flow's line, as its sync answer
+                line["stages"] = stage_timings(reply)
+            return "results", "succeeded", _item(line, row, stage_rows, entry)
         status = {Outcome.CANCELLED: "cancelled", Outcome.EXPIRED: "expired"}.get(outcome, "failed")
         message = row.error or (reply.error if reply else None) or outcome.value
         line.update(status=status, error={"code": outcome.spec.http_status, "message": message, "kind": row.error_kind})
-        return "errors", status, {"line": line, "row": row.to_json(), "start": entry.get("start", 0)}
+        return "errors", status, _item(line, row, stage_rows, entry)
 
     def _save_images(self, batch_id: str, line_number: int, reply: InferenceReply) -> list[tuple[str, int]]:
         """Each image under the batch's prefix (idempotent: the same name for the same line)."""
@@ -508,8 +515,9 @@ class BatchRunner:
             name = self._store.object_name(batch_id, f"{kind}/part-{int(seq):06d}.jsonl")
             self._store.bucket.blob(name).upload_from_string(body, content_type="application/jsonl")
             for item in items:
-                if item["row"] is not None:
-                    self._log.write(InferenceLogRow.from_json(item["row"]))
+                for row in [item["row"], *item.get("stage_rows", [])]:
+                    if row is not None:
+                        self._log.write(InferenceLogRow.from_json(row))
             self._log.spool_queued()  # on disk before the part leaves Redis: a kill now loses no row
             self._store.part_written(batch_id, part)
         if parts:
@@ -548,3 +556,11 @@ class BatchRunner:
             if batch is not None and (url := batch.fields.get("webhook_url")):
                 body = json.dumps(view(batch, self._store), separators=(",", ":")).encode()
                 self._webhooks.send_later(url, body, batch_id, "X-MaaS-Batch-Id")
+
+
+def _item(line: dict, row: InferenceLogRow, stage_rows: list[InferenceLogRow], entry: dict) -> dict:
+    """A line's outbox item: its file line, its log row and (a flow's) its stages' rows, written with its part."""
+    item = {"line": line, "row": row.to_json(), "start": entry.get("start", 0)}
+    if stage_rows:
+        item["stage_rows"] = [stage.to_json() for stage in stage_rows]
+    return item

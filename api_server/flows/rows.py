@@ -1,7 +1,8 @@
 """A flow's inference log rows: its own row (what the caller is billed for) and one row per stage that ran.
 
-The worker's final reply to a flow lists every stage that ran, once each (`InferenceReply.stages`); each
-becomes a row of its own, keyed `<flow request id>:<stage>` (so the log's one-row-per-request-id view keeps
+The worker's final reply to a flow lists every stage that ran, once each (`InferenceReply.stages`), the stage
+it ended in included when it did not finish (a failure, a deadline or a cancel inside it); each becomes a row of
+its own, keyed `<flow request id>:<stage>` (so the log's one-row-per-request-id view keeps
 each once), linked to the flow's row by `flow_request_id`, with the stage's unit, timings, batch and
 GPU-seconds. The flow's row sums its stages' GPU-seconds; stage rows are never billed.
 """
@@ -12,9 +13,8 @@ from dataclasses import replace
 
 from api_server.inference_log.writer import InferenceLogRow, from_epoch_ms
 from contract.messages import InferenceReply, StageReport
+from contract.outcomes import Outcome
 
-# A failed stage's error names it: "stage <name> (<model>): ..." (contract/messages.py).
-FAILED_STAGE_PREFIX = "stage "
 # A stage row's endpoint: its model's sync and job latencies (the caller's waits) leave it out.
 STAGE_ENDPOINT = "stage"
 
@@ -41,7 +41,8 @@ def _once_each(reports: list[StageReport]) -> list[StageReport]:
 
 
 def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport) -> InferenceLogRow:
-    failed = reply.status != "ok" and (reply.error or "").startswith(f"{FAILED_STAGE_PREFIX}{report.stage} (")
+    failed = not report.finished
+    outcome = Outcome.for_reply(report.status, report.error_kind)
     images = flow.num_images or 1
     gpu_seconds = round(report.inference_ms / 1000 * images / report.batch_size, 6) if report.batch_size else None
     return replace(
@@ -52,9 +53,9 @@ def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport
         task=None,
         model_family=None,
         endpoint=STAGE_ENDPOINT,
-        status=flow.status if failed else "ok",
-        error=flow.error if failed else None,
-        error_kind=flow.error_kind if failed else None,
+        status=outcome.spec.log_status,
+        error=(reply.error or report.status)[:1024] if failed else None,
+        error_kind=(report.error_kind or outcome.spec.error_kind) if failed else None,
         cache_hit=False,
         coalesced=False,
         idempotent_replay=False,

@@ -8,7 +8,10 @@ another's) and whose timeout covers every stage. Its request is validated agains
 (contract/flows.py), adapters resolved for the stages that take them, each stage planned with the contract's
 `plan_stages`, and the message published once, to the first stage's unit, carrying the `FlowContext`; the
 workers run the stages (in one process when one worker group serves them all, else queue to queue) and only
-the last stage answers. The log rows it leaves are `flow_rows.py`'s.
+the last stage answers. The log rows it leaves are `rows.py`'s. A stage the split sent to a canary that fails
+it is asked again on its model's stable version, as a direct call to that model would be (`FlowCall.fallback`
+for a sync call, `FlowCall.all_stable` for a job; predict/serving.py asks), and every stage that ran feeds the
+rollback guard (`observed.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from api_server.predict.schemas import PredictBody
 from contract.catalog import ModelCatalog
 from contract.flows import FlowError, FlowSpec, plan_stages
 from contract.generation import ROLES, AdapterRef, GenerationParameters
-from contract.messages import FlowContext, FlowStagePlan, InferenceRequest
+from contract.messages import FlowContext, FlowStagePlan, InferenceRequest, StageReport
 from contract.model_spec import ModelSpec
 
 # How a flow's version names its stages' units: `base=1,refiner=2`.
@@ -54,6 +57,36 @@ class FlowCall:
     units: list[ModelSpec]
     spec: FlowModel
     plans: list[FlowStagePlan] = field(default_factory=list)
+    # Per stage, the stable version behind the unit the split chose for it when that unit is another version (a
+    # canary): what the stage falls back to when that version fails it, as a direct call to its model does.
+    stable: list[ModelSpec | None] = field(default_factory=list)
+    # What `plan_stages` planned from (the request's parameters and resolved adapters): a fallback plans again.
+    asked: dict[str, Any] = field(default_factory=dict)
+    adapters: dict[str, tuple[AdapterRef, ...]] = field(default_factory=dict)
+
+    def fallback(self, ended: StageReport) -> FlowCall | None:
+        """This call with the stage it ended in (`ended`, a failed stage's report) on that stage's stable version,
+        planned again; None when that stage already ran on its stable version (nothing to fall back to)."""
+        index = ended.index
+        if index >= len(self.stable) or self.stable[index] is None or ended.model_version != self.units[index].version:
+            return None
+        return self._on_stable({index})
+
+    def all_stable(self) -> FlowCall | None:
+        """This call with every stage the split sent to a canary on its stable version (a job's fallback, asked if
+        one of them fails it: which one is known only then); None when every stage is on its stable version."""
+        return self._on_stable({index for index, stable in enumerate(self.stable) if stable is not None})
+
+    def _on_stable(self, indices: set[int]) -> FlowCall | None:
+        if not indices:
+            return None
+        units = [stable if index in indices and stable is not None else unit
+                 for index, (unit, stable) in enumerate(zip(self.units, self.stable, strict=True))]  # fmt: skip
+        behind = [None if index in indices else stable for index, stable in enumerate(self.stable)]
+        call = FlowCall(self.flow, units, flow_model(self.flow, units), stable=behind, asked=self.asked,
+                        adapters=self.adapters)  # fmt: skip
+        call.plans = plan_stages(self.flow, units, self.asked, self.adapters)
+        return call
 
     def check(self, body: PredictBody, params: GenerationParameters, adapters: AdapterService | None) -> None:
         """Refuses (422, naming the field) what no stage takes, then plans every stage."""
@@ -71,6 +104,7 @@ class FlowCall:
         asked: dict[str, Any] = {name: value for name, value in given.items() if name in ROLES and name != "adapters"}
         asked["seed"] = params.seed
         resolved = self._adapters(body, adapters)
+        self.asked, self.adapters = asked, resolved
         try:
             self.plans = plan_stages(self.flow, self.units, asked, resolved)
         except FlowError as exc:
@@ -115,7 +149,14 @@ class FlowService:
     def call(self, flow: FlowSpec, request_id: str, caller: Caller) -> FlowCall:
         """A request to `flow`: each stage's unit chosen as for a single call to its model."""
         units = [self._choose(stage.model, request_id, caller) for stage in flow.stages]
-        return FlowCall(flow, units, flow_model(flow, units))
+        return FlowCall(flow, units, flow_model(flow, units), stable=[self._stable_behind(unit) for unit in units])
+
+    def _stable_behind(self, unit: ModelSpec) -> ModelSpec | None:
+        """The stable version of `unit`'s model when `unit` is another of its versions (a canary), else None."""
+        rollout = self._catalog.rollout(unit.name)
+        if rollout is None or unit.version == rollout.stable:
+            return None
+        return rollout.versions[rollout.stable]
 
     def stable(self, flow: FlowSpec) -> FlowModel:
         """The flow as its stages' stable versions make it (what the catalog listing shows)."""
@@ -156,12 +197,24 @@ class FlowService:
         }
 
 
+def stage_versions(stages: list[tuple[str, str]]) -> str:
+    """A flow's version, from its stages' (name, version): `base=1,refiner=2`."""
+    return VERSION_SEPARATOR.join(f"{name}={version}" for name, version in stages)
+
+
+def planned_flow(catalog: ModelCatalog, context: FlowContext) -> FlowModel | None:
+    """The flow a published flow message runs, as the request path's `ModelSpec` (None: no longer in the catalog)."""
+    flow = catalog.flow(context.flow)
+    units = [catalog.version(plan.model, plan.model_version) for plan in context.stages]
+    if flow is None or any(unit is None for unit in units) or len(units) != len(flow.stages):
+        return None
+    return flow_model(flow, units)  # type: ignore[arg-type]
+
+
 def flow_model(flow: FlowSpec, units: list[ModelSpec]) -> FlowModel:
     """The flow as the request path's `ModelSpec`, for these units (not validated: a flow has no pipeline)."""
     contract, first = flow.request_contract, units[0]
-    version = VERSION_SEPARATOR.join(
-        f"{stage.name}={unit.version}" for stage, unit in zip(flow.stages, units, strict=True)
-    )
+    version = stage_versions([(stage.name, unit.version) for stage, unit in zip(flow.stages, units, strict=True)])
     values = {name: getattr(first, name) for name in ModelSpec.model_fields}
     values.update(
         name=flow.name,

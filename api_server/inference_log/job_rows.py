@@ -26,13 +26,16 @@ import redis
 
 from api_server.core import metrics
 from api_server.core.errors import ApiError
+from api_server.flows.observed import observe_stage, observe_stages
 from api_server.flows.rows import rows_of
+from api_server.flows.serving import planned_flow, stage_versions
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from api_server.jobs.service import EXPIRY_GRACE_MS, EndedJob, JobStore, reply_outcome
 from api_server.predict.inference import InferenceService
 from api_server.versions.rollouts import RolloutObservations
 from contract.catalog import ModelCatalog
-from contract.messages import InferenceReply, InferenceRequest
+from contract.messages import InferenceReply, InferenceRequest, StageReport
+from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
 from contract.stores.inflight import InflightStore
 from contract.stores.results import ResultStore
@@ -98,13 +101,13 @@ class JobLogFinisher:
             if ended.fallback is not None and self._fall_back(ended, row):
                 continue  # not ended: its stable version's attempt is, when it ends
             if ended.fallback_from is not None:
-                row.model_version = self._stable_version(row.model) or row.model_version
+                row.model_version = self._stable_version(row.model) or _flow_version(reply) or row.model_version
                 row.fallback_from, row.fallback_error = ended.fallback_from, ended.fallback_error
             row, outcome = ended_row(row, reply)
             for each in rows_of(row, reply):
                 self._log.write(each)
             if ended.observe:
-                self._observe(row, outcome)
+                self._observe(row, outcome, reply)
             written += 1
         return written
 
@@ -144,15 +147,17 @@ class JobLogFinisher:
         """Asks the stable version once for a job a canary failed; False when it cannot be asked (the
         canary's answer is then the job's)."""
         assert ended.fallback is not None and ended.reply is not None
-        stable = self._stable_version(row.model)
-        if self._inference is None or self._catalog is None or stable is None:
-            self._jobs.drop_fallback(ended.job_id)
-            return False
-        spec = self._catalog.rollouts[row.model].versions[stable]
-        failed, error = ended.reply.model_version, (ended.reply.error or ended.reply.status)[:1024]
         message = InferenceRequest.model_validate_json(ended.fallback.request_json).model_copy(
             update={"published_at_ms": int(time.time() * 1000)}
         )
+        on_stable = self._stable_of(row, message, ended.reply)
+        if self._inference is None or on_stable is None:
+            self._jobs.drop_fallback(ended.job_id)
+            return False
+        spec, stage = on_stable
+        stable = spec.version
+        failed = ended.reply.model_version if stage is None else row.model_version or ""
+        error = (ended.reply.error or ended.reply.status)[:1024]
         try:
             self._inference.publish(message, spec, ended.deadline_ms, ended.fallback.priority)  # type: ignore[arg-type]
         except ApiError as exc:
@@ -166,17 +171,44 @@ class JobLogFinisher:
         if ended.observe and self._observations is not None:
             answered = ended.reply.answered_ms or int(time.time() * 1000)
             failed_ms = max(0.0, answered - row.created_at.timestamp() * 1000)
-            self._observations.observe(row.model, failed, row.request_id, failed_ms, False)
+            if stage is not None:  # a flow's: the stage's canary failed it
+                observe_stage(self._observations, row.request_id, stage, failed_ms, False)
+            else:
+                self._observations.observe(row.model, failed, row.request_id, failed_ms, False)
         return True
+
+    def _stable_of(
+        self, row: InferenceLogRow, message: InferenceRequest, reply: InferenceReply
+    ) -> tuple[ModelSpec, StageReport | None] | None:
+        """What the stable version's attempt is published as, and for a flow the stage its canary failed; None
+        when there is none to ask (a flow whose failed stage already ran on its stable version)."""
+        if self._catalog is None:
+            return None
+        if message.flow is None:
+            stable = self._stable_version(row.model)
+            return None if stable is None else (self._catalog.rollouts[row.model].versions[stable], None)
+        ended = next((report for report in reply.stages if not report.finished), None)
+        plans = message.flow.stages
+        if ended is None or ended.index >= len(plans) or plans[ended.index].model_version == ended.model_version:
+            return None
+        spec = planned_flow(self._catalog, message.flow)
+        return None if spec is None else (spec, ended)
 
     def _stable_version(self, model: str) -> str | None:
         rollout = self._catalog.rollout(model) if self._catalog is not None else None
         return rollout.stable if rollout is not None else None
 
-    def _observe(self, row: InferenceLogRow, outcome: Outcome) -> None:
+    def _observe(self, row: InferenceLogRow, outcome: Outcome, reply: InferenceReply | None) -> None:
         """A submitted job's end feeds the rollback guard like a sync answer: its outcome and its latency from
-        arrival to result (a cancelled job, or one whose input the version refused, says nothing about its version)."""
-        if self._observations is None or row.model_version is None or outcome in NOT_THE_VERSIONS_DOING:
+        arrival to result (a cancelled job, or one whose input the version refused, says nothing about its version).
+        A flow's job: each stage that ran, as calls to the stages' versions (api_server/flows/observed.py)."""
+        if self._observations is None:
+            return
+        if row.flow is not None:
+            if reply is not None:
+                observe_stages(self._observations, row.request_id, reply)
+            return
+        if row.model_version is None or outcome in NOT_THE_VERSIONS_DOING:
             return
         ok = outcome is Outcome.OK
         self._observations.observe(row.model, row.model_version, row.request_id, row.total_ms or 0.0, ok)
@@ -185,6 +217,13 @@ class JobLogFinisher:
         self._stopped.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def _flow_version(reply: InferenceReply | None) -> str | None:
+    """A flow's version as its reply's stages ran it (`base=1,refiner=2`); None for a model's reply."""
+    if reply is None or not reply.stages:
+        return None
+    return stage_versions([(report.stage, report.model_version) for report in reply.stages])
 
 
 def ended_row(row: InferenceLogRow, reply: InferenceReply | None) -> tuple[InferenceLogRow, Outcome]:

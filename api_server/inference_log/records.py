@@ -20,6 +20,7 @@ from flask import Request, Response
 from api_server.core import metrics
 from api_server.core.auth import Caller
 from api_server.core.redis_state import RedisState
+from api_server.flows.observed import observe_stage, observe_stages
 from api_server.flows.rows import rows_of
 from api_server.flows.serving import FlowCall
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
@@ -156,6 +157,9 @@ class RequestRecords:
         """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard;
         a fallback feeds it twice: the failed first attempt, and the stable version's own."""
         spec, answer = call.spec, call.answer
+        if self._observations is not None and call.flow is not None and answer is not None:
+            self._observe_flow(call.row.request_id, answer)
+            return
         if self._observations is None or spec is None or not spec.versioned or answer is None:
             return
         if (fallback := answer.fallback) is not None:
@@ -170,6 +174,18 @@ class RequestRecords:
             return  # a submitted job is observed when it ends (job_log.py); a cached one ran nothing
         ok = outcome is Outcome.OK
         self._observations.observe(spec.name, spec.version, call.row.request_id, total_ms, ok)
+
+    def _observe_flow(self, request_id: str, answer: Answer) -> None:
+        """A flow's call feeds the guard per stage, as calls to the stages' versions would (api_server/flows/observed.py):
+        a fallback's failed stage (its canary) with the first attempt's time, then every stage that answered. A job's
+        stages are observed when it ends (job_log.py)."""
+        assert self._observations is not None
+        if answer.job_made is not None:
+            return
+        if (fallback := answer.fallback) is not None and fallback.stage is not None:
+            observe_stage(self._observations, request_id, fallback.stage, fallback.failed_ms, False)
+        if answer.reply is not None:
+            observe_stages(self._observations, request_id, answer.reply)
 
     def _answered(self, row: InferenceLogRow, answer: Answer, prepared: PreparedRequest | None) -> None:
         if answer.reply is not None:
@@ -199,7 +215,8 @@ class RequestRecords:
         """Now, or, for a job this request created, when the job ends (its row then carries the outcome)."""
         try:
             # A converted job's wait already fed the rollback guard (as a call not answered in time).
-            observe = answer.job_made is JobMade.SUBMITTED
+            # A flow's stages are known only at its end: a converted flow job is observed then.
+            observe = answer.job_made is JobMade.SUBMITTED or row.flow is not None
             self._jobs.defer_log_row(row.request_id, row.to_json(), answer.job_deadline_ms or 0, observe)
             return
         except redis.RedisError as exc:

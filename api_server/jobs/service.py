@@ -359,6 +359,15 @@ def _iso(epoch_ms: int | None) -> str | None:
     return None if epoch_ms is None else datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
 
 
+def stage_timings(reply: InferenceReply) -> list[dict]:
+    """A flow's answer's `stages` (sync, job and batch line alike): every stage that ran, in order."""
+    return [
+        {"stage": stage.stage, "model": stage.model, "model_version": stage.model_version,
+         "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2)}
+        for stage in reply.stages
+    ]  # fmt: skip
+
+
 def job_view(job: JobState, predictions) -> dict:
     """A job as `GET /v1/jobs/{id}` and its webhook show it; `predictions` turns a reply into image JSON
     (None: the view leaves the result out, as the job list does)."""
@@ -384,6 +393,8 @@ def job_view(job: JobState, predictions) -> dict:
             "predictions": predictions(reply),
             "timings_ms": {"queue": round(reply.queue_ms, 2), "inference": round(reply.inference_ms, 2)},
         }
+        if reply.stages:  # a flow's, as its sync answer has them
+            view["result"]["stages"] = stage_timings(reply)
     elif reply is not None:
         view["error"] = {
             "code": reply_outcome(reply).spec.http_status,

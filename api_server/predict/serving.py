@@ -31,6 +31,7 @@ from api_server.jobs.service import (
     JobStore,
     fallback_request_id,
     job_view,
+    stage_timings,
     version_failed,
 )
 from api_server.predict.cache import cache_key, cache_policy
@@ -50,7 +51,7 @@ from api_server.versions.rollouts import Rollouts
 from api_server.versions.shadow import ShadowTraffic
 from api_server.versions.traffic import InvalidSplitError, choose_version, shadowed, validated_split
 from contract.catalog import ModelCatalog, Rollout
-from contract.messages import Attr, InferenceReply, InferenceRequest, Payload, Prediction
+from contract.messages import Attr, InferenceReply, InferenceRequest, Payload, Prediction, StageReport
 from contract.model_spec import ModelSpec
 from contract.outcomes import FINISHED_JOB_STATES, Outcome
 from contract.settings import Settings
@@ -90,6 +91,9 @@ class Fallback:
     error: str
     failed_ms: float
     answered_by: ModelSpec
+    # A flow's: the stage its first attempt ended in (the canary that failed it); the flow ran again with that
+    # stage on its stable version (`answered_by` is then the flow as it ran the second time).
+    stage: StageReport | None = None
 
 
 @dataclass
@@ -426,18 +430,28 @@ class ServingStage:
         answer = self._ask(prepared, deadline_ms, timings)
         if answer is None:
             return replace(self._hand_over_as_job(prepared, deadline_ms), row_kept=timings.row_kept)
-        stable = self._fallback_version(prepared, answer)
-        if stable is None:
+        retry = self._on_stable(prepared, answer)
+        if retry is None:
             return answer
-        return self._fall_back(prepared, stable, answer, time.perf_counter() - started)
+        return self._fall_back(prepared, retry, answer, time.perf_counter() - started)
 
-    def _fallback_version(self, prepared: PreparedRequest, answer: Answer) -> ModelSpec | None:
-        """The stable version, when the split sent this request to another version that failed it with a failure
-        of its own (not a refusal of the request's input, which the stable version would refuse too); None
-        otherwise."""
+    def _on_stable(
+        self, prepared: PreparedRequest, answer: Answer
+    ) -> tuple[PreparedRequest, StageReport | None] | None:
+        """The request again on the stable version (under the fallback's id), when the split sent it to another
+        version that failed it with a failure of its own (not a refusal of the request's input, which the stable
+        version would refuse too); a flow's, with the stage it ended in on that stage's stable version (and that
+        stage's report); None otherwise."""
         if not version_failed(answer.reply):
             return None
-        return self._stable_behind(prepared)
+        assert answer.reply is not None
+        retry_id = fallback_request_id(prepared.request_id)
+        if prepared.flow is not None:
+            ended = next((report for report in answer.reply.stages if not report.finished), None)
+            call = prepared.flow.fallback(ended) if ended is not None else None
+            return None if call is None else (prepared.for_version(call.spec, retry_id, flow=call), ended)
+        stable = self._stable_behind(prepared)
+        return None if stable is None else (prepared.for_version(stable, retry_id), None)
 
     def _stable_behind(self, prepared: PreparedRequest) -> ModelSpec | None:
         """The stable version, when the split sent this request to another one (a pinned request keeps the
@@ -449,28 +463,44 @@ class ServingStage:
 
     def _job_fallback(self, prepared: PreparedRequest, message: InferenceRequest) -> FallbackRequest | None:
         """For a job the split sent to a canary: the stable version's request, asked if the canary fails it (the
-        job-log loop does, `job_log.py`). Its inputs are the canary's (same objects, nothing uploaded twice)."""
+        job-log loop does, `job_log.py`). Its inputs are the canary's (same objects, nothing uploaded twice). A
+        flow's: the flow with every stage the split sent to a canary on its stable version, asked if one of those
+        stages fails it."""
+        retry_id = fallback_request_id(prepared.request_id)
+        if prepared.flow is not None:
+            call = prepared.flow.all_stable()
+            if call is None:
+                return None
+            retry = call.message(message.model_copy(update={"request_id": retry_id}))
+            return FallbackRequest(retry.model_dump_json(), prepared.priority)
         stable = self._stable_behind(prepared)
         if stable is None:
             return None
-        update = {"request_id": fallback_request_id(prepared.request_id), "model_version": stable.version}
+        update = {"request_id": retry_id, "model_version": stable.version}
         return FallbackRequest(message.model_copy(update=update).model_dump_json(), prepared.priority)
 
-    def _fall_back(self, prepared: PreparedRequest, stable: ModelSpec, failed: Answer, failed_seconds: float) -> Answer:
+    def _fall_back(
+        self,
+        prepared: PreparedRequest,
+        on_stable: tuple[PreparedRequest, StageReport | None],
+        failed: Answer,
+        failed_seconds: float,
+    ) -> Answer:
         """Asks the stable version once, within what is left of the caller's wait; its answer is the caller's, so a
         canary's failure reaches neither the caller nor the bill (the row names both attempts). With no time
-        left, the canary's answer stands."""
+        left, the canary's answer stands. A flow runs again with the failed stage on its stable version."""
         assert failed.reply is not None
+        retry, stage = on_stable
+        stable = retry.spec
         left = prepared.received + prepared.spec.request_timeout_seconds - time.perf_counter()
         if left <= 0:
             return failed
         error = (failed.reply.error or f"model worker answered {failed.reply.status}")[:1024]
-        fallback = Fallback(prepared.spec.version, error, round(failed_seconds * 1000, 2), stable)
+        fallback = Fallback(prepared.spec.version, error, round(failed_seconds * 1000, 2), stable, stage)
         log.warning("%s version %s failed request %s (%s); asking the stable version %s", prepared.spec.name,
                     prepared.spec.version, prepared.request_id, error, stable.version)  # fmt: skip
         metrics.FALLBACKS.labels(prepared.spec.name, prepared.spec.version).inc()
         # The caller's row, kept with the first attempt, is the one row of both attempts.
-        retry = prepared.for_version(stable, fallback_request_id(prepared.request_id))
         deadline_ms = int((time.time() + left) * 1000)
         answer = self._ask(retry, deadline_ms, DispatchTimings(), wait_seconds=left, answering_for=prepared.request_id)
         if answer is None:
@@ -533,11 +563,7 @@ class ServingStage:
             },
         }
         if reply.stages:  # a flow's: every stage that ran (api_server/flows/serving.py)
-            body["stages"] = [
-                {"stage": stage.stage, "model": stage.model, "model_version": stage.model_version,
-                 "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2)}
-                for stage in reply.stages
-            ]  # fmt: skip
+            body["stages"] = stage_timings(reply)
         return Answer(
             Outcome.OK,
             ResponseRecord(200, json.dumps(body).encode(), dict(JSON), outcome=Outcome.OK),

@@ -76,6 +76,7 @@ class JobProgress(BaseModel):
 class JobResult(BaseModel):
     predictions: list[Prediction]
     timings_ms: dict[str, float]
+    stages: list[StageTimings] | None = Field(default=None, description="a flow's: every stage that ran, in order")
 
 
 class JobError(BaseModel):

@@ -43,6 +43,8 @@ TRIGGER_AUTHENTICATION = "maas-gcp-workload-identity"
 PROMETHEUS_SERVER_ADDRESS = "https://monitoring.googleapis.com/v1/projects/{project_id}/location/global/prometheus"
 BACKLOG_METRIC = "pubsub_googleapis_com:subscription_num_undelivered_messages"
 OLDEST_UNACKED_AGE_METRIC = "pubsub_googleapis_com:subscription_oldest_unacked_message_age"
+# The workers' own gauge (model_worker/serving/metrics.py), scraped by Managed Prometheus.
+FLOWS_AHEAD_METRIC = "maas_worker_flows_ahead"
 METRICS_SCRAPE_INTERVAL = "30s"
 # A Deployment name, and so a worker group name, must be a DNS label.
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -238,6 +240,10 @@ class WorkerDeployment:
     # of these pods, stage after stage; one that starts here arrives on its first stage's queue, this
     # Deployment's backlog (no queue of its own), and a later stage elsewhere is published to by these pods.
     flows: tuple[str, ...] = ()
+    # Its queues that run a flow's later stage (index 1 on): a flow reaches such a queue only when the stage
+    # before it finishes, so the workers holding it before then count it (`maas_worker_flows_ahead`) and this
+    # Deployment's backlog adds that count.
+    later_stage_queues: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -337,8 +343,14 @@ def backlog_target(spec: ModelSpec) -> float:
 
 
 def worker_deployments(catalog: ModelCatalog) -> list[WorkerDeployment]:
+    later = {stage.model for flow in catalog.flows.values() for stage in flow.stages[1:]}
     return [
-        WorkerDeployment(name, tuple(specs), flows=flows_served_by(catalog, name))
+        WorkerDeployment(
+            name,
+            tuple(specs),
+            flows=flows_served_by(catalog, name),
+            later_stage_queues=tuple(spec.queue for spec in specs if spec.name in later),
+        )  # fmt: skip
         for name, specs in catalog.deployments().items()
     ]
 
@@ -395,7 +407,13 @@ def subscription_matcher(deployment: WorkerDeployment, project_id: str) -> str:
 
 def backlog_query(deployment: WorkerDeployment, project_id: str) -> str:
     # `or vector(0)`: a subscription Cloud Monitoring has no sample for yet counts as empty, not as an error.
-    return f"sum({BACKLOG_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
+    backlog = f"sum({BACKLOG_METRIC}{subscription_matcher(deployment, project_id)}) or vector(0)"
+    if deployment.batch or not deployment.later_stage_queues:
+        return backlog
+    # The interactive flows held in an earlier stage by another group's workers, on their way to these queues.
+    queues = "|".join(deployment.later_stage_queues)
+    ahead = f'sum({FLOWS_AHEAD_METRIC}{{project_id="{project_id}",queue=~"{queues}",priority!="batch"}}) or vector(0)'
+    return f"({backlog}) + ({ahead})"
 
 
 def oldest_request_age_query(deployment: WorkerDeployment, project_id: str) -> str:

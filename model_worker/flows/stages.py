@@ -44,6 +44,8 @@ from model_worker.model.runners import GenerationItem
 
 log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_SECONDS = 30
+# How the device loop says a request it let go never ran (model_worker/serving/device.py): no stage report then.
+NOT_STARTED = "before it started"
 # Builds a request's GenerationItems (model_worker.serving.intake.Triage.items): inputs, one per instance, for a later
 # stage (the previous stage's latents or images), None for the first (its instances' own images, if any).
 ItemsOf = Callable[[ModelSpec, InferenceRequest, list | None], list[GenerationItem]]
@@ -57,6 +59,8 @@ class FlowRun:
     stage: int  # the stage running now
     reports: list[StageReport] = field(default_factory=list)  # the stages finished before it, in order
     items_of: ItemsOf | None = None
+    priority: str = "normal"
+    deadline_ms: int | None = None
 
     @property
     def context(self) -> FlowContext:
@@ -101,6 +105,47 @@ def flow_progress(pending: PendingRequest, step: int, total: int) -> dict:
 
 def stage_error(plan: FlowStagePlan, error: str | None) -> str:
     return f"stage {plan.name} ({plan.model}): {error or 'failed'}"
+
+
+def ended_stage_report(plan: FlowStagePlan, index: int, reply: InferenceReply) -> StageReport:
+    """The report of the stage a flow ended in (failed, expired or cancelled while held here, or dead-lettered):
+    its unit, the worker's fields of the answer, and how it ended."""
+    return StageReport(
+        stage=plan.name, index=index, model=plan.model, model_version=plan.model_version, steps=plan.steps,
+        worker_id=reply.worker_id, accelerator=reply.accelerator, attempt=reply.attempt,
+        queue_ms=reply.queue_ms, inference_ms=reply.inference_ms, worker_started_ms=reply.worker_started_ms,
+        worker_finished_ms=reply.worker_finished_ms or int(time.time() * 1000), batch_id=reply.batch_id,
+        batch_size=reply.batch_size, status=reply.status, error_kind=reply.error_kind,
+    )  # fmt: skip
+
+
+def unanswered_flow_reply(data: bytes, reply: InferenceReply, kept: list[StageReport]) -> InferenceReply:
+    """`reply` (the watchdog's expiry or dead letter of a request nobody holds) for a flow's message (`data`):
+    named for the flow and the stage it was at, with the reports of the stages that finished (the message's and
+    those `kept` in Redis), its start their first's. Past the deadline between two worker groups, the error says
+    so: the flow was waiting in the next stage's queue, not running. Anything else is returned as it is."""
+    try:
+        request = InferenceRequest.model_validate_json(data)
+    except ValueError:
+        return reply
+    if request.flow is None:
+        return reply
+    plans = request.flow.stages
+    known = {report.index: report for report in request.flow.finished} | {report.index: report for report in kept}
+    at = min(request.flow.stage, len(plans) - 1)
+    while at in known and at + 1 < len(plans):
+        at += 1
+    reports = [known[index] for index in range(at) if index in known]
+    plan, error = plans[at], stage_error(plans[at], reply.error)
+    if reply.error_kind == "dead_lettered":  # every worker that held this stage stopped: it ran, and has its row
+        reports.append(ended_stage_report(plan, at, reply))
+    if reply.status == "expired" and at > 0 and plans[at - 1].queue != plan.queue:
+        error = (f"stage {plan.name} ({plan.model}): deadline passed during the handoff from stage "
+                 f"{plans[at - 1].name}, which finished, before a worker of {plan.model} took the flow")  # fmt: skip
+    return reply.model_copy(update={
+        "model": request.flow.flow, "model_version": "", "error": error, "stages": reports,
+        "worker_started_ms": reports[0].worker_started_ms if reports else reply.worker_started_ms,
+    })  # fmt: skip
 
 
 class FlowStages:
@@ -231,6 +276,7 @@ class FlowStages:
             )
             for item in items
         ]
+        run.priority, run.deadline_ms = priority, deadline_ms
         with self._lock:
             self._runs[run.request.request_id] = run
         return PendingRequest(message, spec, body, items, priority, deadline_ms, flow=run)
@@ -344,15 +390,22 @@ class FlowStages:
 
     def answer(self, message: HeldMessage, reply: InferenceReply, store: bool = True):
         """An answer for a request that did not finish (or a stored reply again); a flow's names the flow and the
-        stage it ended in, and carries the reports of the stages that finished."""
+        stage it ended in, and carries the reports of the stages that finished, then the report of the stage it
+        ended in when that stage was taken to run here (its log row; a canary's failure is known by it)."""
         if not store or reply.status == "ok" or reply.stages:
             return self._finisher.answer(message, reply, store)
         run = self._run_of(message)
         if run is None:
             return self._finisher.answer(message, reply, store)
+        reports = list(run.reports)
+        ran = self._held_run(run.request.request_id) is run and not (reply.error or "").endswith(NOT_STARTED)
+        if ran or reply.error_kind == "dead_lettered":  # held here, or tried by every delivery attempt
+            reports.append(ended_stage_report(run.plan, run.stage, reply))
         reply = reply.model_copy(update={
             "model": run.context.flow, "model_version": "", "error": stage_error(run.plan, reply.error),
-            "stages": list(run.reports),
+            "stages": reports,
+            # The flow started when its first stage did (a job's `started_at`), whichever stage it ended in.
+            "worker_started_ms": reports[0].worker_started_ms if reports else reply.worker_started_ms,
         })  # fmt: skip
         future = self._finisher.answer(message, reply, store)
         if future is not None:
@@ -372,6 +425,21 @@ class FlowStages:
         return held or FlowRun(
             request, min(request.flow.stage, len(request.flow.stages) - 1), list(request.flow.finished)
         )
+
+    def ahead(self) -> dict[tuple[str, str], int]:
+        """The flows held here (in a stage, before their deadline) by (queue, priority) of each later stage another
+        worker group serves: what will reach that group's queue, counted before it does (its autoscaler adds it to
+        the queue's backlog, so a later stage's group is not scaled one stage late)."""
+        now_ms = time.time() * 1000
+        with self._lock:
+            runs = list(self._runs.values())
+        counts: dict[tuple[str, str], int] = {}
+        for run in runs:
+            if run.deadline_ms is not None and run.deadline_ms < now_ms:
+                continue
+            for queue in {plan.queue for plan in run.plans[run.stage + 1 :] if plan.queue not in self._served}:
+                counts[(queue, run.priority)] = counts.get((queue, run.priority), 0) + 1
+        return counts
 
     def _held_run(self, request_id: str) -> FlowRun | None:
         with self._lock:

@@ -23,7 +23,7 @@ import uuid
 from contract.messages import Progress
 from contract.payloads import PayloadError
 from contract.stores.results import ResultStore
-from model_worker.flows.stages import flow_progress
+from model_worker.flows.stages import NOT_STARTED, flow_progress
 from model_worker.held.leases import LeaseKeeper
 from model_worker.held.log_context import message_log_fields
 from model_worker.held.pool import PendingRequest, RequestPool
@@ -252,7 +252,7 @@ class DeviceLoop:
     def _answer_all(self, abandoned: list[PendingRequest]) -> None:
         self._metrics.held_requests.set(len(self._pool.held()))
         for pending in abandoned:
-            self._answer_abandoned(pending, "before it started")
+            self._answer_abandoned(pending, NOT_STARTED)
 
     def run_batch(self, batch: list[PendingRequest]) -> None:
         spec = batch[0].spec

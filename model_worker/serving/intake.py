@@ -329,7 +329,7 @@ class DeadLetterResponder(SubscriptionLoop):
             subscription=self.subscription,
             ack_id=received.ack_id,
             attributes=attributes,
-            data=b"",
+            data=received.message.data,  # a flow's answer names the flow and stage its message was at
             delivery_attempt=self._spec.max_delivery_attempts,
             received_at=time.time(),
         )

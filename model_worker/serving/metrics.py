@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 # `_created` series double the output and no dashboard here reads them.
 disable_created_metrics()
@@ -72,5 +74,28 @@ class WorkerMetrics:
         if torch.cuda.is_available():
             self.gpu_memory_bytes.set_function(torch.cuda.memory_allocated)
 
+    def count_flows_ahead(self, count: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """`maas_worker_flows_ahead{queue, priority}`, read on every scrape: the flows this worker holds whose later
+        stage runs on another group's `queue` (`FlowStages.ahead`); that group's autoscaler adds it to its backlog."""
+        self.registry.register(FlowsAhead(count))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class FlowsAhead:
+    """A collector: a gauge per (queue, priority) computed when scraped, so a flow that ends or moves on is never
+    left counted."""
+
+    def __init__(self, count: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "maas_worker_flows_ahead",
+            "Flows held here whose later stage runs on another worker group's queue, by that queue and priority",
+            labels=["queue", "priority"],
+        )
+        for (queue, priority), count in sorted(self._count().items()):
+            family.add_metric([queue, priority], count)
+        yield family

@@ -150,9 +150,10 @@ class WorkerService:
             settings.finisher_threads,
         )
         self.replies = ReplyFactory(worker_id, {name: runner.accelerator for name, runner in self.runners.items()})
+        checkpoints = FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket))
         self.watchdog = Watchdog(
             inflight, self.results, self.publisher, self.finisher, settings.catalog(), worker_id,
-            settings.holder_lease_seconds, self.metrics,
+            settings.holder_lease_seconds, self.metrics, checkpoints.reports,
         )  # fmt: skip
         # Adapters load from the model bucket off the device thread; a request joins once its set is ready.
         adapter_bucket = self._storage.bucket(settings.model_bucket)
@@ -170,9 +171,10 @@ class WorkerService:
         # Flows' stages (model_worker/flows/stages.py): between the device and the finisher, on to the next stage.
         self.flows = FlowStages(
             self.finisher, self.pool, self.leases, by_name,
-            FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket)),
+            checkpoints,
             self.publisher, project, settings.inline_payload_limit, self.results,
         )  # fmt: skip
+        self.metrics.count_flows_ahead(self.flows.ahead)
         triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows)
         self.pullers = [
             SubscriptionPuller(
@@ -187,7 +189,7 @@ class WorkerService:
                 by_name[name],
                 self.leases,
                 self.results,
-                self.finisher,
+                self.flows,  # a flow's answer names the flow and the stage it died in
                 self.replies,
                 self.health,
             )

@@ -12,6 +12,10 @@ fast as a dead worker's requests lapse). A sweep looks at two things the API and
 - requests past their deadline that nobody holds and nobody answered: answered `expired` (stored, published),
   so a waiting client, a job and its log row end at the deadline, not at a client's timeout.
 
+A flow's answer (expired or dead-lettered) names the flow and the stage it was at, as a worker's would, and
+carries the reports its finished stages kept in Redis: their rows are written, and past the deadline between
+two worker groups the error says the flow was waiting in the next stage's queue.
+
 Why in the workers and not the API: workers run all the time on GKE, where the API on Cloud Run may scale to
 zero or have its CPU throttled between requests; they already hold the catalog and a reply publisher. If Redis
 is down nothing is swept (logged once): a dead worker's requests then come back by the broker's redelivery.
@@ -22,14 +26,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 from google.cloud import pubsub_v1
 
 from contract.catalog import ModelCatalog
-from contract.messages import Attr, InferenceReply
+from contract.messages import Attr, InferenceReply, StageReport
 from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage
 from contract.stores.results import ResultStore
+from model_worker.flows.stages import unanswered_flow_reply
 from model_worker.serving.finisher import ReplyFinisher
 from model_worker.serving.metrics import WorkerMetrics
 
@@ -50,7 +56,11 @@ class Watchdog:
         worker_id: str,
         lease_seconds: float,
         metrics: WorkerMetrics,
+        flow_reports: Callable[[str], list[StageReport]] | None = None,
     ) -> None:
+        """`flow_reports(request_id)`: the reports a flow's finished stages left in Redis (`FlowCheckpoints.reports`),
+        so an answer for a flow names the stage it was at and carries those stages (their rows)."""
+        self._flow_reports = flow_reports
         self._inflight = inflight
         self._results = results
         self._publisher = publisher
@@ -133,6 +143,15 @@ class Watchdog:
     def _expire(self, kept: KeptRequest) -> int:
         return self._answer(kept, "expired", "expired", "deadline passed before any worker ran it", "expired")
 
+    def _kept_reports(self, request_id: str) -> list[StageReport]:
+        if self._flow_reports is None:
+            return []
+        try:
+            return self._flow_reports(request_id)
+        except (redis.RedisError, ValueError) as exc:  # answered without them: the flow's own row still says how
+            log.warning("the kept stages of %s could not be read (%s)", request_id, exc)
+            return []
+
     def _answer(self, kept: KeptRequest, status: str, kind: str, error: str, action: str) -> int:
         reply = InferenceReply(
             request_id=kept.request_id,
@@ -144,6 +163,7 @@ class Watchdog:
             worker_id=self.worker_id,
             attempt=kept.redispatches + 1,
         )
+        reply = unanswered_flow_reply(kept.data, reply, self._kept_reports(kept.request_id))
         if self._results.put(reply):
             try:
                 self._finisher.publish_reply(reply, kept.attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)

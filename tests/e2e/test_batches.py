@@ -241,7 +241,7 @@ def test_the_sdk_and_the_cli_create_wait_list_and_read_a_batch(stack, tmp_path):
     assert listed.returncode == 0 and batch_id in listed.stdout, listed.stdout
 
 
-def test_a_flow_is_a_batch_line_like_a_model(stack, auth_headers):
+def test_a_flow_is_a_batch_line_like_a_model(stack, auth_headers, settings, bigquery):
     # relay-across (tests/models.fixtures.yaml): its draft in the relay group, its polish in another deployment.
     ok, refused = line("flow-ok", model="relay-across", seed=7), line("flow-bad", model="relay-across", strength=0.5)
     batch = create(stack, auth_headers, requests=[ok, refused])
@@ -250,6 +250,23 @@ def test_a_flow_is_a_batch_line_like_a_model(stack, auth_headers):
     [result] = output(stack, auth_headers, batch["id"], "results")
     assert (result["custom_id"], result["status"], result["model"]) == ("flow-ok", "succeeded", "relay-across")
     assert result["images"][0]["seed"] == 7
+    assert result["model_version"] == "draft=1,polish=1"
+    assert [stage["stage"] for stage in result["stages"]] == ["draft", "polish"]  # as the sync answer has them
+    # Its rows are the interactive call's: the flow's (billed, the sum of its stages' GPU-seconds) and one per stage.
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    request_id = result["request_id"]
+    sql = (f"SELECT * FROM {table} WHERE request_id = '{request_id}' OR flow_request_id = '{request_id}' "
+           f"ORDER BY stage_index")  # fmt: skip
+    rows = query_rows(bigquery, sql, 3, timeout=60)
+    own = next(row for row in rows if row["stage"] is None)
+    staged = [row for row in rows if row["stage"] is not None]
+    assert (own["model"], own["flow"], own["endpoint"], own["batch_job_id"]) == (
+        "relay-across", "relay-across", "batch", batch["id"],
+    )  # fmt: skip
+    assert [(row["stage"], row["model"]) for row in staged] == [("draft", "relay-draft"), ("polish", "relay-polish")]
+    assert all(row["gpu_seconds"] is not None and row["flow_request_id"] == request_id for row in staged)
+    assert staged[0]["gpu_seconds"] > 0  # the draft sleeps 0.3 s: the flow is billed for it, not a fallback guess
+    assert own["gpu_seconds"] == pytest.approx(sum(row["gpu_seconds"] for row in staged), rel=1e-6)
     [error] = output(stack, auth_headers, batch["id"], "errors")
     code, message = predict_error(stack, auth_headers, refused)
     assert code == 422 and (error["custom_id"], error["error"]["code"], error["error"]["message"]) == (

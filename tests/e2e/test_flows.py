@@ -19,9 +19,10 @@ from api_server.core.auth import Caller
 from api_server.flows.serving import FlowService
 from api_server.predict.inference import InferenceService
 from contract import google_clients, naming
-from contract.messages import request_attributes
+from contract.messages import StageReport, request_attributes
+from contract.stores.inflight import InflightStore
 from contract.stores.results import ResultStore
-from tests.conftest import query_rows
+from tests.conftest import TEST_ADMIN_KEY, query_rows
 
 pytestmark = pytest.mark.stack
 SMALL = {"width": 64, "height": 64}  # the flows' second stage runs at twice this
@@ -166,7 +167,42 @@ def test_a_flow_past_its_deadline_in_its_second_stage_expires_naming_it(stack, s
         time.sleep(0.2)
     assert reply is not None, "the flow was never answered"
     assert reply.status == "expired" and reply.error.startswith("stage finish (relay-finish)"), reply.error
-    assert [stage.stage for stage in reply.stages] == ["draft"]
+    # The finish ran, partly: it has its report (so its row) beside the draft's; the flow started with the draft.
+    assert [(stage.stage, stage.status) for stage in reply.stages] == [("draft", "ok"), ("finish", "expired")]
+    assert reply.worker_started_ms == reply.stages[0].worker_started_ms is not None
+
+
+def test_a_flow_past_its_deadline_in_a_handoff_between_groups_keeps_the_stage_that_ran_and_says_where(stack, settings):
+    """The state a flow leaves when its deadline passes while it waits in the next group's queue, set as the API and
+    the draft's worker leave it (the API's kept message, the draft's kept report, nobody holding it), with a
+    deadline already past: the stack's watchdog answers it, naming the handoff, with the draft's report (its row;
+    the job's started_at)."""
+    catalog = stack.catalog()
+    flows = FlowService(catalog, lambda model, _request_id, _caller: catalog.get(model))
+    call = flows.call(catalog.flow("relay-across"), uuid.uuid4().hex, Caller("test", "test"))
+    request_id = uuid.uuid4().hex
+    inference = InferenceService(None, None, 900)  # type: ignore[arg-type]
+    body = {"instances": [{"prompt": "handoff"}], "parameters": {"seed": 1}}
+    message = inference.message(inference.prepare(call.spec, body, request_id, Caller("test", "test"), flow=call))
+    client = redis.Redis.from_url(settings.redis_url)
+    started_ms = int(time.time() * 1000) - 2000
+    draft = StageReport(stage="draft", index=0, model="relay-draft", model_version="1", worker_id="w-relay",
+                        inference_ms=300.0, worker_started_ms=started_ms, batch_size=1)  # fmt: skip
+    client.hset(naming.flow_stages_key(request_id), "0", draft.model_dump_json())
+    deadline_ms = int(time.time() * 1000) - 500
+    topic = f"projects/{settings.project_id}/topics/{naming.request_topic(call.spec.queue, 'normal')}"
+    attributes = request_attributes(message, naming.REPLIES_TOPIC, deadline_ms)
+    InflightStore(client).keep(request_id, topic, message.model_dump_json().encode(), attributes, deadline_ms)
+    results = ResultStore(client, 60)
+    reply, give_up = None, time.monotonic() + 30
+    while reply is None and time.monotonic() < give_up:
+        reply = results.get(request_id)
+        time.sleep(0.2)
+    assert reply is not None, "the watchdog never answered the flow"
+    assert (reply.status, reply.model) == ("expired", "relay-across")
+    assert reply.error.startswith("stage polish (relay-polish): deadline passed during the handoff from stage draft")
+    assert [(stage.stage, stage.status) for stage in reply.stages] == [("draft", "ok")]
+    assert reply.worker_started_ms == started_ms
 
 
 def test_a_flow_across_two_deployments_is_published_once_by_the_api(stack, auth_headers, bigquery, settings):
@@ -221,3 +257,54 @@ def test_an_idempotency_key_replays_a_flows_answer_without_running_it_again(stac
     assert sorted(row["stage"] or "" for row in rows) == ["", "base", "hires"]
     replay = log_rows(bigquery, settings, again.headers["X-Request-Id"], 1)
     assert [(row["idempotent_replay"], row["stage"]) for row in replay] == [(True, None)]  # no stage rows of its own
+
+
+def test_a_flow_whose_stage_has_a_failing_canary_is_answered_by_the_stable_version_and_the_guard_rolls_it_back(
+    stack, auth_headers, bigquery, settings
+):
+    """relay-canary (tests/models.fixtures.yaml): its polish's model sends half its calls to a version 2 that fails
+    every request. Every flow call is answered (the polish falls back to version 1), and the rollback guard sees the
+    canary's failures through the flow alone and takes it to 0%, as it does for direct calls."""
+    admin = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
+
+    def split() -> dict:
+        response = requests.get(f"{stack.api_url}/v1/models/relay-polish-canary", headers=auth_headers, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()["traffic"]
+
+    started, fell_back = time.monotonic(), []
+    try:
+        while split()["traffic"]["2"] != 0:
+            assert time.monotonic() - started < 90, "the failing canary of a flow's stage was not rolled back"
+            if len(fell_back) >= 40:  # enough calls for the guard's window: wait for its check
+                time.sleep(0.2)
+                continue
+            response = predict(stack, auth_headers, "relay-canary", seed=len(fell_back))
+            assert response.status_code == 200, response.text  # the canary's failure never reaches the caller
+            answer = response.json()
+            assert answer["model_version"] == "draft=1,polish=1", answer
+            assert [(stage["stage"], stage["model_version"]) for stage in answer["stages"]] == [
+                ("draft", "1"), ("polish", "1"),
+            ]  # fmt: skip
+            fell_back.append(response.headers["X-Request-Id"])
+        info = split()
+        assert info["traffic"] == {"1": 100, "2": 0} and info["set_by"] == "rollback-guard"
+        sql = (f"SELECT reason FROM `{settings.project_id}.{settings.dataset}.rollout_audit` "
+               "WHERE model = 'relay-polish-canary' AND action = 'rollback'")  # fmt: skip
+        (audit,) = query_rows(bigquery, sql, 1, timeout=30)
+        assert "error rate" in audit["reason"]
+        # A call the canary failed: its row names the failed run and the stable one, and its stages are the stable
+        # run's (the failed attempt's polish is the fallback's, not a billed stage of its own).
+        table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+        quoted = ", ".join(f"'{request_id}'" for request_id in fell_back)
+        rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id IN ({quoted})", len(fell_back), timeout=60)
+        failed_over = [row for row in rows if row["fallback_from"] is not None]
+        assert failed_over, "no call was sent to the canary"
+        assert all(
+            (row["fallback_from"], row["model_version"], row["status"])
+            == ("draft=1,polish=2", "draft=1,polish=1", "ok")
+            and "configured to fail" in row["fallback_error"]
+            for row in failed_over
+        ), failed_over
+    finally:
+        requests.delete(f"{stack.api_url}/v1/models/relay-polish-canary/traffic", headers=admin, timeout=10)

@@ -397,6 +397,30 @@ def test_scaled_object_queries_every_subscription_of_the_deployment_in_managed_p
     assert age.startswith("max(pubsub_googleapis_com:subscription_oldest_unacked_message_age{")
 
 
+def test_a_deployment_serving_a_flows_later_stage_counts_the_flows_held_before_it_in_its_backlog(tmp_path) -> None:
+    """A flow reaches its second stage's queue only when its first stage finishes: the workers holding it count it
+    (`maas_worker_flows_ahead`, per queue), and the second stage's Deployment adds that to its backlog, so it is
+    scaled (from zero too) while the first stage runs, not one stage late."""
+    overlay = tmp_path / "flows.yaml"
+    overlay.write_text(yaml.safe_dump({"flows": {"hires": {"stages": [
+        {"name": "base", "model": "sd15-txt2img", "resize": {"scale": 2, "space": "pixel"}},
+        {"name": "hires", "model": "sd15-img2img"},
+    ]}}}))  # fmt: skip
+    catalog = ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
+    files = render.render_all(render.RenderSettings(project_id=PROJECT_ID, image_tag="abc1234"), catalog)
+    rendered = [manifest for group in files.values() for manifest in group]
+    later = scaled_object_triggers(rendered, "sd15-img2img")["backlog-per-worker"]["metadata"]["query"]
+    assert later.endswith(
+        f' + (sum(maas_worker_flows_ahead{{project_id="{PROJECT_ID}",queue=~"sd15-img2img",priority!="batch"}}) '
+        "or vector(0))"
+    )
+    assert queried_subscriptions(later) == {worker_subscription("sd15-img2img", p) for p in INTERACTIVE_PRIORITIES}
+    first = scaled_object_triggers(rendered, "sd15-txt2img")["backlog-per-worker"]["metadata"]["query"]
+    assert "maas_worker_flows_ahead" not in first  # the flow is its first stage's own backlog
+    batch = [m for m in of_kind(rendered, "ScaledObject") if m["metadata"]["name"].startswith("model-batch-")]
+    assert batch and all("maas_worker_flows_ahead" not in str(m["spec"]["triggers"]) for m in batch)
+
+
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_backlog_target_follows_the_catalog_batching_gain(manifests: list[Manifest], deployment: str) -> None:
     trigger = scaled_object_triggers(manifests, deployment)["backlog-per-worker"]

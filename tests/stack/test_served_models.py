@@ -26,7 +26,7 @@ LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm"}
 # The integration and e2e tests' models: rollouts, fallback, shadows and the re-dispatch tests' long ack deadline.
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
-    "shadowed-once", "sleep-long-ack", "relay-draft", "relay-finish", "relay-polish",
+    "shadowed-once", "sleep-long-ack", "relay-draft", "relay-finish", "relay-polish", "relay-polish-canary",
 }  # fmt: skip
 # Locally, the flows' models share a worker group each (SD 1.5's two, the SDXL base and refiner); the others have a
 # deployment of their own, as in production.

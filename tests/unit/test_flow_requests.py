@@ -137,11 +137,16 @@ def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gp
 def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_stage_rows():
     failed = flow_row()
     failed.status, failed.error, failed.error_kind = "error", "stage hires (sd15-img2img): out of memory", "worker"
+    ended = report("hires", 1, "sd15-img2img", 10.0, 1).model_copy(
+        update={"status": "error", "error_kind": "inference_failed"}
+    )
     reply = InferenceReply(request_id="req-1", model="sd15-hires", model_version="", status="error",
-                           error=failed.error, stages=[report("base", 0, "sd15-txt2img", 400.0, 1),
-                                                       report("hires", 1, "sd15-img2img", 10.0, 1)])  # fmt: skip
+                           error=failed.error, stages=[report("base", 0, "sd15-txt2img", 400.0, 1), ended])  # fmt: skip
     _, base, hires = rows_of(failed, reply)
-    assert (base.status, hires.status, hires.error_kind) == ("ok", "error", "worker")
+    assert (base.status, hires.status, hires.error_kind, hires.error) == (
+        "ok", "error", "inference_failed", "stage hires (sd15-img2img): out of memory",
+    )  # fmt: skip
+    assert base.error is None and hires.request_id == "req-1:hires"
     plain = InferenceReply(request_id="r", model="sd15-txt2img", model_version="1", status="ok")
     assert len(rows_of(flow_row(), plain)) == 1
 

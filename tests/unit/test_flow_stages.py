@@ -50,7 +50,14 @@ def test_a_failing_stage_fails_the_flow_naming_the_stage_and_keeps_the_reports_b
         "",
     )
     assert reply.error.startswith("stage finish (relay-finish): inference failed: relay-finish version 1 is configured")
-    assert [(report.stage, report.index) for report in reply.stages] == [("draft", 0)]
+    # The failed stage has its report too (its log row; the version that failed it, for a canary's fallback).
+    assert [(report.stage, report.index, report.status) for report in reply.stages] == [
+        ("draft", 0, "ok"),
+        ("finish", 1, "error"),
+    ]
+    failed = reply.stages[1]
+    assert (failed.model, failed.model_version, failed.error_kind) == ("relay-finish", "1", "inference_failed")
+    assert reply.worker_started_ms == reply.stages[0].worker_started_ms is not None
 
 
 def test_progress_counts_every_stage_and_names_the_one_running():
@@ -85,5 +92,7 @@ def test_a_flow_past_its_deadline_in_stage_2_stops_there_and_says_so():
     (reply,) = answered
     assert (reply.status, reply.model) == ("expired", "relay")
     assert reply.error == "stage finish (relay-finish): deadline passed while it ran"
-    assert [report.stage for report in reply.stages] == ["draft"]
+    # The stage the deadline passed in ran, partly: it has its report (and so its row), as the draft has.
+    assert [(report.stage, report.status) for report in reply.stages] == [("draft", "ok"), ("finish", "expired")]
+    assert reply.worker_started_ms == reply.stages[0].worker_started_ms is not None
     assert time.monotonic() - started < 10, "stopped at the next step of stage 2, not at its end"

@@ -118,6 +118,7 @@ class JobProgress(_Body):
 class JobResult(_Body):
     predictions: list[Prediction]
     timings_ms: dict[str, float]
+    stages: list[StageTimings] | None = None  # a flow's job: every stage that ran, in order
 
 
 class JobError(_Body):
