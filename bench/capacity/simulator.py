@@ -101,7 +101,9 @@ class BatchBacklog:
     spot_max_replicas: int = 0
     spot_backlog_per_replica: float = 32.0  # infra/k8s/render.py: BATCH_BACKLOG_CALLS full calls
     in_flight: int = 1000  # lines the feeder keeps published per model: all the Spot autoscaler sees
-    fill_images: int = 1  # lines an on-demand worker runs at once (MAAS_BATCH_IMAGES); Spot workers run full batches
+    # Lines an idle on-demand worker runs at once (MAAS_BATCH_IMAGES; 0, the worker's default: max_batch_size); Spot
+    # workers run full batches.
+    fill_images: int = 0
     spot_cooldown_seconds: float = 300.0
 
 
@@ -689,7 +691,10 @@ class Simulation:
             return
         spec = worker.dep.spec
         lines, worker.paused = worker.paused, []
-        take = max(0, min(min(spec.max_batch_size, self.batch.fill_images) - len(lines), self.batch_left))
+        take = max(
+            0,
+            min(min(spec.max_batch_size, self.batch.fill_images or spec.max_batch_size) - len(lines), self.batch_left),
+        )
         self.batch_left -= take
         lines += [self._batch_calls] * take
         if not lines:

@@ -759,10 +759,10 @@ def test_each_deployment_gets_a_spot_batch_deployment_pulling_only_its_batch_sub
     assert env["MAAS_WORKER_PRIORITIES"]["value"] == "batch"
     assert env["MAAS_MODELS"] == worker_env(manifests, deployment)["MAAS_MODELS"]
     assert worker_env(manifests, deployment)["MAAS_WORKER_PRIORITIES"]["value"] == ",".join(PRIORITIES)
-    # Full batches on Spot; one batch image at a time beside interactive traffic.
+    # Full batches on Spot, and on an idle on-demand worker (an interactive request takes it at the next step).
     assert (
         env["MAAS_BATCH_IMAGES"]["value"] == "0"
-        and worker_env(manifests, deployment)["MAAS_BATCH_IMAGES"]["value"] == "1"
+        and worker_env(manifests, deployment)["MAAS_BATCH_IMAGES"]["value"] == "0"
     )
     # Spot nodes only, which carry a taint no interactive worker tolerates.
     assert spec["nodeSelector"][render.SPOT_LABEL] == "true"

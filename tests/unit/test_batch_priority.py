@@ -201,8 +201,8 @@ def test_a_call_of_batch_lines_stops_for_an_interactive_request_and_its_lines_ru
 def test_a_worker_pulls_the_priorities_it_is_told(value, expected):
     env = {} if value is None else {"MAAS_WORKER_PRIORITIES": value}
     assert Settings.from_env(env).worker_priorities == expected
-    assert Settings.from_env(env).batch_images == 1
-    assert Settings.from_env({"MAAS_BATCH_IMAGES": "0"}).batch_images == 0
+    assert Settings.from_env(env).batch_images == 0  # full batches (each model's max_batch_size) by default
+    assert Settings.from_env({"MAAS_BATCH_IMAGES": "1"}).batch_images == 1
     assert naming.worker_subscription("m", "batch") == "maas-requests-m-batch-workers"
 
 
