@@ -140,6 +140,46 @@ def test_batch_lines_step_aside_for_an_interactive_request_and_resume_where_they
     answered_once(worker, [*(line.request_id for line in lines), "interactive", "later"])
 
 
+class DecodeRecording(Recording):
+    """Also records each decode call's requests, in one list with the steps; `after_decode[n]` runs after decode n."""
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.events: list[tuple[str, list[str]]] = []
+        self.after_decode: dict[int, callable] = {}
+
+    def denoise_step(self, running) -> None:
+        super().denoise_step(running)
+        self.events.append(("step", sorted(self.calls[-1])))
+
+    def decode(self, running) -> list:
+        self.events.append(("decode", [r.item.prompt.split()[0] for r in running]))
+        decodes = sum(kind == "decode" for kind, _ in self.events)
+        if hook := self.after_decode.pop(decodes, None):
+            hook()
+        return self.runner.decode(running)
+
+
+def test_finished_batch_lines_decode_one_at_a_time_and_give_way_to_an_interactive_request_between_them():
+    """A full batch of lines finishing together would hold the device for its whole decode (8 images: about 4.6 s
+    on an L4 at 512x512); an interactive request arriving meanwhile waits for one line's decode at most."""
+    runner = DecodeRecording(SLEEP_STEP)
+    lines = [request(f"line-{i}", SLEEP_STEP, steps=2, priority="batch") for i in range(4)]
+    interactive = request("interactive", SLEEP_STEP, steps=2)
+    with Worker({SLEEP_STEP.name: runner}) as worker:
+        runner.after_decode[1] = lambda: worker.pool.add(interactive)
+        for line in lines:
+            worker.pool.add(line)
+        worker.outcomes.wait(5)
+    everything = sorted(f"line-{i}" for i in range(4))
+    assert runner.events == [
+        ("step", everything), ("step", everything), ("decode", ["line-0"]),
+        ("step", ["interactive"]), ("step", ["interactive"]), ("decode", ["interactive"]),
+        ("decode", ["line-1"]), ("decode", ["line-2"]), ("decode", ["line-3"]),
+    ]  # fmt: skip
+    answered_once(worker, [*(line.request_id for line in lines), "interactive"])
+
+
 def test_an_interactive_request_of_another_size_pauses_every_batch_line_and_runs_next():
     runner = Recording(SLEEP_STEP)
     wide = Recording(WIDE_STEP)
