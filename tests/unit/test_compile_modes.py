@@ -132,14 +132,14 @@ def test_a_tiny_pipeline_compiled_by_inductor_in_the_default_mode_gives_the_eage
                                    "defaults": SD15.defaults.model_copy(update={"width": 64, "height": 64})})  # fmt: skip
     directory, _ = tiny_pipelines(tmp_path_factory.mktemp("compiled"), {"sd15": spec})["sd15"]
     eager = DiffusionRunner(spec, directory, torch_threads=1)
-    expected, _ = serve(eager, spec, "eager", images=1)
+    expected, _ = serve(eager, spec, "tiny", images=1)  # the id is in the prompt: the same request
     torch._dynamo.reset()
     try:
         runner = DiffusionRunner(spec, directory, torch_threads=1, compile_unet=True, compile_backend="inductor")
         assert runner.compile_mode == "default"
         runner.warm_up()
         graphs = compiled.graphs_compiled()
-        images, _ = serve(runner, spec, "compiled", images=1)
+        images, _ = serve(runner, spec, "tiny", images=1)
         assert compiled.graphs_compiled() == graphs, "a request compiled after the warm-up"
     finally:
         torch._dynamo.reset()
