@@ -101,8 +101,8 @@ def members(deployment: str) -> list[ModelSpec]:
 
 
 def with_local_overlay() -> ModelCatalog:
-    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`: one worker
-    group, a real one)."""
+    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`, `sleep-steps`,
+    `sleep-calls`: one worker group, a real one)."""
     return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=[LOCAL_OVERLAY, TEST_OVERLAY])
 
 
@@ -435,19 +435,23 @@ def test_oldest_request_age_target_is_within_every_request_timeout(manifests: li
 # --- worker groups -------------------------------------------------------------------------------
 
 
+# The synthetic worker group's models: the local overlay's and the tests'.
+SYNTHETIC = ("noop", "sleep", "sleep-long-ack", "sleep-steps", "sleep-calls")
+
+
 def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
     catalog = with_local_overlay()
     groups = {name: [spec.name for spec in specs] for name, specs in catalog.deployments().items()}
-    assert groups["synthetic"] == ["noop", "sleep", "sleep-long-ack"]
+    assert groups["synthetic"] == list(SYNTHETIC)
     files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
     assert "20-model-worker-synthetic.yaml" in files
     assert not {"20-model-worker-noop.yaml", "20-model-worker-sleep.yaml"} & set(files)
     group = files["20-model-worker-synthetic.yaml"]
     assert sorted(m["kind"] for m in group) == ["Deployment", "PodDisruptionBudget", "PodMonitoring", "ScaledObject"]
-    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == "noop,sleep,sleep-long-ack"
+    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == ",".join(SYNTHETIC)
     deployment = worker_deployment(group, "synthetic")
-    assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep,sleep-long-ack"
-    models = ("noop", "sleep", "sleep-long-ack")
+    assert deployment["metadata"]["annotations"]["maas/models"] == ",".join(SYNTHETIC)
+    models = SYNTHETIC
     expected = {worker_subscription(model, priority) for model in models for priority in INTERACTIVE_PRIORITIES}
     for trigger in scaled_object_triggers(group, "synthetic").values():
         assert queried_subscriptions(trigger["metadata"]["query"]) == expected

@@ -23,10 +23,11 @@ from tests.conftest import stack_config
 
 PRODUCTION = load_catalog()  # contract/models.yaml alone: what Terraform and the Kubernetes renderer read
 LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm"}
-# The integration and e2e tests' models: rollouts, fallback, shadows and the re-dispatch tests' long ack deadline.
+# The integration and e2e tests' models: rollouts, fallback, shadows, the re-dispatch tests' long ack deadline and
+# the batch lines' stepped and slow synthetic models.
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
-    "shadowed-once", "sleep-long-ack", "relay-draft", "relay-finish", "relay-polish",
+    "shadowed-once", "sleep-long-ack", "sleep-steps", "sleep-calls", "relay-draft", "relay-finish", "relay-polish",
 }  # fmt: skip
 # Locally, the flows' models share a worker group each (SD 1.5's two, the SDXL base and refiner); the others have a
 # deployment of their own, as in production.
