@@ -82,7 +82,7 @@ def test_the_test_suites_stack_still_serves_the_fixture_models_its_tests_use(tmp
     assert set(served(api_component(config).env)) == names
     workers = {worker.name: worker for worker in worker_components(config)}
     assert set(workers) == USER_WORKERS | {"worker-rollouts", "worker-rollouts-shadow", "worker-relay"}
-    assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack"
+    assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack,sleep-steps,sleep-calls"
     # Probe ports: `make up`'s workers keep theirs, the fixtures' workers come after them.
     user = {worker.name: worker.port for worker in worker_components(make_up_config(tmp_path / "user"))}
     assert all(workers[name].port - config.port_offset == port for name, port in user.items())
