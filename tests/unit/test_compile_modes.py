@@ -144,3 +144,25 @@ def test_a_tiny_pipeline_compiled_by_inductor_in_the_default_mode_gives_the_eage
     finally:
         torch._dynamo.reset()
     assert differences(images, expected) <= COMPILED_TOLERANCE
+
+
+def test_reduce_overhead_marks_each_call_a_new_graph_step_and_copies_its_outputs(monkeypatch):
+    """On a CPU inductor skips the CUDA graphs themselves; the hooks around the compiled model run all the same."""
+    import torch
+
+    marks, copies = [], []
+    copy = compiled._copied  # noqa: SLF001
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(compiled, "_copied", lambda output: copies.append(1) or copy(output))
+    torch._dynamo.reset()
+    try:
+        model = compiled.compile_model(torch.nn.Linear(4, 4), "reduce-overhead")
+        with torch.inference_mode():
+            for _ in range(2):
+                model(torch.ones(2, 4))
+        assert len(marks) == len(copies) == 2
+        plain = compiled.compile_model(torch.nn.Linear(4, 4), "default", backend="eager")
+        plain(torch.ones(2, 4))
+        assert len(marks) == len(copies) == 2, "only reduce-overhead copies its outputs"
+    finally:
+        torch._dynamo.reset()
