@@ -13,7 +13,8 @@ resumed where they stopped (`resume`) once no interactive request waits or runs,
 starts. A paused line is answered once, by the set it finishes in, or handed back unanswered on drain. Finished
 batch lines are decoded one request a call, and the rest wait (finished, not stepped) as soon as an interactive
 request waits (`interactive_waiting`): a full batch's decode (8 images at 512x512, about 4.6 s on an L4) would
-otherwise hold the device from it; one line's decode is what it waits for at most.
+otherwise hold the device from it; one line's decode is what it waits for at most. Likewise a set of batch lines
+starts (encodes) one line at a time, and those not started go back to the pool when an interactive request waits.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ class RunningSet:
         # The running set's id, the `batch_id` of every request that ran in it: kept while it is never empty.
         self.batch_id: str | None = None
         self.calls = 0
-        # Set by the device loop: whether an interactive request waits for the device (batch lines' decodes stop).
+        # Set by the device loop: whether an interactive request waits for the device (batch lines' decodes stop),
+        # and where batch lines not started yet go when one does (the pool: held again, still leased).
         self.interactive_waiting: Callable[[], bool] = lambda: False
+        self.give_back: Callable[[list[PendingRequest]], None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._requests)
@@ -113,8 +116,12 @@ class RunningSet:
         return self._requests[0].pending.spec.max_batch_size - self.images
 
     def admit(self, joiners: list[PendingRequest]) -> None:
-        """Prepares each joiner's images (prompt encoding, initial latents); they run from the next step."""
-        for pending in joiners:
+        """Prepares each joiner's images (prompt encoding, initial latents); they run from the next step. Batch lines
+        start one at a time: once an interactive request waits, those not started go back (`give_back`)."""
+        for index, pending in enumerate(joiners):
+            if index and not pending.interactive and self.give_back is not None and self.interactive_waiting():
+                self.give_back(joiners[index:])
+                break
             runner = self._runners[pending.spec.queue]
             try:
                 items = runner.start_items(pending.items, pending.request.parameters)

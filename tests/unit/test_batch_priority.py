@@ -147,10 +147,18 @@ class DecodeRecording(Recording):
         super().__init__(spec)
         self.events: list[tuple[str, list[str]]] = []
         self.after_decode: dict[int, callable] = {}
+        self.after_start: dict[int, callable] = {}
 
     def denoise_step(self, running) -> None:
         super().denoise_step(running)
         self.events.append(("step", sorted(self.calls[-1])))
+
+    def start_items(self, items, params) -> list:
+        self.events.append(("start", [item.prompt.split()[0] for item in items]))
+        starts = sum(kind == "start" for kind, _ in self.events)
+        if hook := self.after_start.pop(starts, None):
+            hook()
+        return self.runner.start_items(items, params)
 
     def decode(self, running) -> list:
         self.events.append(("decode", [r.item.prompt.split()[0] for r in running]))
@@ -166,16 +174,39 @@ def test_finished_batch_lines_decode_one_at_a_time_and_give_way_to_an_interactiv
     runner = DecodeRecording(SLEEP_STEP)
     lines = [request(f"line-{i}", SLEEP_STEP, steps=2, priority="batch") for i in range(4)]
     interactive = request("interactive", SLEEP_STEP, steps=2)
-    with Worker({SLEEP_STEP.name: runner}) as worker:
-        runner.after_decode[1] = lambda: worker.pool.add(interactive)
-        for line in lines:
-            worker.pool.add(line)
+    worker = Worker({SLEEP_STEP.name: runner})
+    runner.after_decode[1] = lambda: worker.pool.add(interactive)
+    for line in lines:  # held before the device thread starts: one running set of the four
+        worker.pool.add(line)
+    with worker:
         worker.outcomes.wait(5)
     everything = sorted(f"line-{i}" for i in range(4))
-    assert runner.events == [
+    assert [event for event in runner.events if event[0] != "start"] == [
         ("step", everything), ("step", everything), ("decode", ["line-0"]),
         ("step", ["interactive"]), ("step", ["interactive"]), ("decode", ["interactive"]),
         ("decode", ["line-1"]), ("decode", ["line-2"]), ("decode", ["line-3"]),
+    ]  # fmt: skip
+    answered_once(worker, [*(line.request_id for line in lines), "interactive"])
+
+
+def test_batch_lines_not_started_yet_go_back_to_the_pool_when_an_interactive_request_waits():
+    """A set of batch lines starts one line at a time (prompt and input-image encoding); an interactive request
+    arriving meanwhile waits for one line's encode, not the set's: the lines not started are held again (leased)."""
+    runner = DecodeRecording(SLEEP_STEP)
+    lines = [request(f"line-{i}", SLEEP_STEP, steps=2, priority="batch") for i in range(4)]
+    interactive = request("interactive", SLEEP_STEP, steps=2)
+    worker = Worker({SLEEP_STEP.name: runner})
+    runner.after_start[1] = lambda: worker.pool.add(interactive)
+    for line in lines:
+        worker.pool.add(line)
+    with worker:
+        worker.outcomes.wait(5)
+    everything = sorted(f"line-{i}" for i in range(4))
+    assert runner.events == [
+        ("start", ["line-0"]), ("start", ["interactive"]), ("step", ["interactive"]), ("step", ["interactive"]),
+        ("decode", ["interactive"]), ("start", ["line-1"]), ("start", ["line-2"]), ("start", ["line-3"]),
+        ("step", everything), ("step", everything),
+        ("decode", ["line-0"]), ("decode", ["line-1"]), ("decode", ["line-2"]), ("decode", ["line-3"]),
     ]  # fmt: skip
     answered_once(worker, [*(line.request_id for line in lines), "interactive"])
 
