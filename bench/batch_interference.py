@@ -47,10 +47,10 @@ def step_seconds(images: int) -> float:
 
 def longest_wait(scheduling: str, batch_images: int) -> float:
     """The longest a running batch of `batch_images` lines can delay an interactive request: the step under way,
-    plus what cannot be cut short: the lines' encode, or step-level one line's decode (the rest give way),
-    request-level the whole call's decode (it runs inside the pipeline call)."""
-    decode = DECODE_SECONDS * (1 if scheduling == "step" else batch_images)
-    return step_seconds(batch_images) + max(ENCODE_SECONDS * batch_images, decode)
+    plus what cannot be cut short: step-level one line's encode or decode (the others give way), request-level the
+    whole call's (they run inside the pipeline call)."""
+    lines = 1 if scheduling == "step" else batch_images
+    return step_seconds(batch_images) + max(ENCODE_SECONDS, DECODE_SECONDS) * lines
 
 
 class StandInRunner:
