@@ -24,6 +24,10 @@ RunnerKind = Literal["diffusers", "noop", "sleep"]
 # between steps and leave when their own last step is done (continuous batching).
 Scheduling = Literal["step", "request"]
 SCHEDULINGS: tuple[str, ...] = ("step", "request")
+# torch.compile's modes a model may be served in (model_worker/model/compiled.py): `default` (inductor's fused
+# kernels, no autotuning: what a worker affords at start), `max-autotune-no-cudagraphs` (autotuned kernels, minutes
+# per batch bucket the first time), `reduce-overhead` (CUDA graphs per batch bucket: no kernel launch cost).
+CompileMode = Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"]
 # diffusers schedulers that step one sample set per model call and keep all their state on the instance,
 # so each running item can own one and advance it on its own slice of a shared UNet call. The
 # second-order ones call the model twice per step with a state machine between the calls (Heun, KDPM2),
@@ -152,6 +156,10 @@ class ModelSpec(BaseModel):
     adapters: AdapterPolicy | None = None
     # Components quantized at load (contract/quantization.py); absent: every component in the serving dtype.
     quantization: Quantization | None = None
+    # torch.compile's mode for the denoiser on a GPU (CompileMode; README "Compiled models"); absent: eager. The
+    # worker's MAAS_TORCH_COMPILE overrides it (0: every model eager; 1: every model compiled, `default` where unset).
+    # float8 quantization needs it: fp8's scaling and matmul are fused only when compiled.
+    compile: CompileMode | None = None
     # The real model its weights are (contract/architectures.py: sd1.5, sdxl, flux.1-dev, flux.1-schnell,
     # sd3.5-medium, sd3.5-large), which sizes its memory plan; unset: its family's usual one.
     architecture: str | None = None
@@ -258,6 +266,10 @@ class ModelSpec(BaseModel):
                 f"{where}: `fails` makes a synthetic runner (noop, sleep) fail every call; the {self.runner} runner "
                 "ignores it: remove it"
             )
+        if self.compile is not None and self.runner != "diffusers":
+            raise ValueError(
+                f"{where}: `compile` compiles a diffusers model's denoiser; the {self.runner} runner has none: remove it"
+            )
         if self.call_seconds is not None and self.runner != "sleep":
             raise ValueError(
                 f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
@@ -269,6 +281,14 @@ class ModelSpec(BaseModel):
             raise ValueError(problem)
         if self.quantization is None or not self.quantization.needs_float8:
             return
+        if self.compile is None:
+            # Eager, torchao's fp8 quantize and dequantize kernels run unfused around each matmul: FLUX.1 [schnell] on
+            # an H100 took 1.34 s an image in float8 weight-only against 0.83 s in bf16 (README "Quantization").
+            raise ValueError(
+                f"{self.name}: quantization {self.quantization.type} runs compiled (its scaling fused with the matmul; "
+                "eager fp8 is 1.6x slower than bf16): set `compile: default` (or another mode), or use "
+                "int8_weight_only"
+            )
         gpu = HARDWARE[self.hardware]
         if gpu.compute_capability < FLOAT8_MIN_COMPUTE_CAPABILITY:
             have, need = ".".join(map(str, gpu.compute_capability)), ".".join(map(str, FLOAT8_MIN_COMPUTE_CAPABILITY))

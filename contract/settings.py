@@ -183,8 +183,10 @@ class Settings:
     worker_health_port: int = 8081
     worker_health_host: str = "0.0.0.0"  # noqa: S104 - kubelet probes reach the pod IP; the local stack binds loopback
     torch_threads: int = 0
-    # torch.compile the UNet at fixed batch-size buckets (CUDA only); artifacts cached in the model bucket.
-    torch_compile: bool = False
+    # MAAS_TORCH_COMPILE over the catalog's `compile:` modes (CUDA only; artifacts cached in the model bucket): unset,
+    # each model as its catalog entry says; `0` every model eager (a rollback without a catalog change); `1` every
+    # diffusers model compiled, in its catalog mode or `default`.
+    torch_compile: bool | None = None
     # Worker threads that encode, upload, store and publish finished requests off the device thread.
     finisher_threads: int = 4
     # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
@@ -202,10 +204,11 @@ class Settings:
     # The priorities this worker pulls (MAAS_WORKER_PRIORITIES, comma-separated; unset: all, `high,normal,batch`).
     # The Spot batch Deployment sets `batch` (infra/k8s/render.py): its workers never take interactive requests.
     worker_priorities: tuple[str, ...] = naming.PRIORITIES
-    # Batch images a worker holds or runs at once (MAAS_BATCH_IMAGES; 0: its models' max_batch_size). A batch call's
-    # start (prompt and input-image encoding) and decode cannot be cut short for an interactive request, so an
-    # interactive worker runs batch lines one at a time by default; the Spot batch Deployment runs full batches.
-    batch_images: int = 1
+    # Batch images a worker holds or runs at once (MAAS_BATCH_IMAGES; 0, the default: its models' max_batch_size).
+    # An idle worker fills its device with batch lines; an interactive request that arrives takes the device at the
+    # running set's next step (or the batch call's next step), after at most one batched step plus an encode or
+    # decode already under way (README "Batch lines"). 1 caps that wait at one image's step, at batch 1's rate.
+    batch_images: int = 0
 
     def catalog(self):
         from contract.catalog import load_catalog
@@ -307,7 +310,7 @@ class Settings:
             worker_health_port=int(env.get("MAAS_WORKER_HEALTH_PORT", cls.worker_health_port)),
             worker_health_host=env.get("MAAS_WORKER_HEALTH_HOST", cls.worker_health_host),
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
-            torch_compile=_flag(env.get("MAAS_TORCH_COMPILE")),
+            torch_compile=_flag(env["MAAS_TORCH_COMPILE"]) if env.get("MAAS_TORCH_COMPILE") else None,
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,

@@ -246,8 +246,9 @@ def main() -> None:
     parser.add_argument("--batch-hour", type=float, default=0.0, help="hour of the day the batch is submitted")
     parser.add_argument("--batch-spot-replicas", type=int, default=40,
                         help="Spot batch workers at most, for the runs with Spot (Terraform's l4-spot pool: 40)")  # fmt: skip
-    parser.add_argument("--batch-fill-images", type=int, default=1,
-                        help="batch lines an on-demand worker runs at once (the worker's MAAS_BATCH_IMAGES)")  # fmt: skip
+    parser.add_argument("--batch-fill-images", type=int, default=0,
+                        help="batch lines an on-demand worker runs at once (the worker's MAAS_BATCH_IMAGES; 0, its "
+                        "default: max_batch_size)")  # fmt: skip
     parser.add_argument("--batch-schedulings", nargs="+", default=["step"],
                         help="schedulings to run the batch days on (each also in --schedulings)")  # fmt: skip
     measure_parser = sub.add_parser("measure", help="time the CPU tiny pipeline; rewrite profiles.json")

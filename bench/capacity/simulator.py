@@ -101,7 +101,9 @@ class BatchBacklog:
     spot_max_replicas: int = 0
     spot_backlog_per_replica: float = 32.0  # infra/k8s/render.py: BATCH_BACKLOG_CALLS full calls
     in_flight: int = 1000  # lines the feeder keeps published per model: all the Spot autoscaler sees
-    fill_images: int = 1  # lines an on-demand worker runs at once (MAAS_BATCH_IMAGES); Spot workers run full batches
+    # Lines an idle on-demand worker runs at once (MAAS_BATCH_IMAGES; 0, the worker's default: max_batch_size); Spot
+    # workers run full batches.
+    fill_images: int = 0
     spot_cooldown_seconds: float = 300.0
 
 
@@ -689,7 +691,10 @@ class Simulation:
             return
         spec = worker.dep.spec
         lines, worker.paused = worker.paused, []
-        take = max(0, min(min(spec.max_batch_size, self.batch.fill_images) - len(lines), self.batch_left))
+        take = max(
+            0,
+            min(min(spec.max_batch_size, self.batch.fill_images or spec.max_batch_size) - len(lines), self.batch_left),
+        )
         self.batch_left -= take
         lines += [self._batch_calls] * take
         if not lines:
@@ -736,6 +741,22 @@ class Simulation:
         if worker.fill_end is None:
             return now
         done = max(0, math.ceil((now - worker.fill_start) / worker.fill_step)) if worker.fill_step else 0
+        if done >= worker.fill_steps and self.scheduling == "step":
+            # Decoding: step-level, finished lines are decoded one at a time and the rest wait (the worker's
+            # `RunningSet.step`): the request waits for the last step and one line's decode at most.
+            decode_start = worker.fill_start + worker.fill_steps * worker.fill_step
+            one = max(worker.fill_end - decode_start, 0.0) / max(1, worker.lines.count(worker.fill_steps))
+            decoded = max(1, math.ceil((now - decode_start) / one)) if one and now > decode_start else 1
+            end = min(worker.fill_end, decode_start + decoded * one)
+            finished = [calls for calls in worker.lines if calls <= worker.fill_steps]
+            self._lines_done(min(decoded, len(finished)), end, spot=False)
+            self.result.batch.on_demand_busy_seconds -= (worker.fill_end - end) * worker.dep.spec.gpu_share
+            worker.paused = [0] * max(0, len(finished) - decoded) + [
+                calls - worker.fill_steps for calls in worker.lines if calls > worker.fill_steps
+            ]
+            worker.lines, worker.fill_end = [], None
+            worker.fill_version += 1
+            return max(now, end)
         if done >= worker.fill_steps:  # its last step is under way: it finishes
             end = worker.fill_end
             self._finish_lines(worker, end)

@@ -522,7 +522,7 @@ def model_worker_manifests(deployment: WorkerDeployment, settings: RenderSetting
             "termination_grace_period_seconds": grace,
             "priority_class_name": priority_class,
             "worker_priorities": ",".join(deployment.priorities),
-            "batch_images": "0" if deployment.batch else "1",
+            "batch_images": "0",  # full batches on Spot and on an idle on-demand worker alike
             "cooldown_seconds": cooldown,
             "node_selector": node_selector,
             "affinity": affinity,

@@ -13,7 +13,7 @@ encoder's) has its name deleted from every component before the error is raised,
 leaves the LoRA layers disabled; either way the request fails alone (ValueError naming the adapter) and the
 next call runs the base model or its own set.
 
-A compiled model (`MAAS_TORCH_COMPILE=1`) is never recompiled by an adapter: before it is compiled, every slot
+A compiled model (the catalog's `compile:`, or `MAAS_TORCH_COMPILE=1`) is never recompiled by an adapter: before it is compiled, every slot
 (one per place in a request's set) is made on the denoiser, an empty adapter of rank `max_rank` (zeros, so
 exactly the base model) on every Linear and Conv2d layer, each layer's scaling a tensor (diffusers'
 `enable_lora_hotswap`), every slot active in every layer; the warm-up traces the model with them. An adapter is

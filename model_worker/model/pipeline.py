@@ -7,8 +7,8 @@ per-sample timesteps, whatever their step counts, strengths and starting points;
 up to float rounding.
 
 On CUDA it runs in the family's dtype (fp16 for the UNet families, bf16 for FLUX) with PyTorch's SDPA
-attention. With `MAAS_TORCH_COMPILE=1` the denoising model is compiled and batches are padded to fixed
-bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`); a compiled
+attention. A model with a catalog `compile:` mode (or any, with `MAAS_TORCH_COMPILE=1`) has its denoising model
+compiled in that mode and batches padded to fixed bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`); a compiled
 model's adapter slots are made before it is compiled and traced by the warm-up, so no request compiles.
 """
 
@@ -23,7 +23,14 @@ from pathlib import Path
 from contract.messages import GenerationParameters
 from contract.model_spec import ModelSpec
 from model_worker.adapters.lora import LoraSets, Slots
-from model_worker.model.compiled import CompileCache, batch_buckets, compile_cache_key, pad_to_bucket
+from model_worker.model.compiled import (
+    DEFAULT_COMPILE_MODE,
+    CompileCache,
+    batch_buckets,
+    compile_cache_key,
+    graphs_compiled,
+    pad_to_bucket,
+)
 from model_worker.model.device_memory import check_device_memory
 from model_worker.model.families import denoiser_class
 from model_worker.model.quantization import check_device, pipeline_quantization
@@ -31,7 +38,7 @@ from model_worker.model.runners import GenerationItem, RunningItem, StepCallback
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "pad_to_bucket"]
+__all__ = ["CompileCache", "DiffusionRunner", "batch_buckets", "compile_cache_key", "graphs_compiled", "pad_to_bucket"]
 
 
 class DiffusionRunner:
@@ -44,11 +51,14 @@ class DiffusionRunner:
         compile_cache: CompileCache | None = None,
         compile_backend: str | None = None,
         share: DiffusionRunner | None = None,
+        compile_mode: str | None = None,
     ) -> None:
-        """`compile_backend`: None compiles with inductor (max-autotune) on CUDA only; a named torch.compile
-        backend (the tests' `eager`) compiles with it on any device. `share`: a runner loaded from the same
-        weights (another pipeline class of the family) with the same `loaded_components`: this one is built from its
-        components, not loaded again, and uses its adapter sets (the LoRA layers are in the shared components)."""
+        """`compile_unet`: compile the denoiser, in `compile_mode` (torch.compile's; None: the catalog's `compile`,
+        or `compiled.DEFAULT_COMPILE_MODE`). `compile_backend`: None compiles with inductor on CUDA only; a named
+        torch.compile backend (the tests' `eager`, or `inductor` to compile on a CPU) compiles with it on any
+        device. `share`: a runner loaded from the same weights (another pipeline class of the family) with the same
+        `loaded_components`: this one is built from its components, not loaded again, and uses its adapter sets
+        (the LoRA layers are in the shared components)."""
         import diffusers
         import torch
 
@@ -98,8 +108,9 @@ class DiffusionRunner:
         # Compiled shapes must be static: batches are padded up to the next bucket.
         self._compiled = compile_unet and (self._device == "cuda" or compile_backend is not None)
         self._compile_cache = compile_cache
+        self.compile_mode = (compile_mode or spec.compile or DEFAULT_COMPILE_MODE) if self._compiled else None
         if compile_unet and not self._compiled:
-            log.warning("MAAS_TORCH_COMPILE is set but there is no CUDA device: running eagerly")
+            log.warning("%s: compiling needs a CUDA device (none here): running eagerly", spec.name)
         # Adapters go through diffusers' LoRA layers; a compiled model's through hotswap slots, made before compiling.
         components = self._denoiser.lora_components()
         self._lora = share._lora if share is not None else None
@@ -111,6 +122,7 @@ class DiffusionRunner:
             if self._compile_cache is not None:
                 self._compile_cache.load()
             self._denoiser.compile_backend = compile_backend
+            self._denoiser.compile_mode = self.compile_mode
             self._denoiser.compile()
         log.info(
             "loaded %s (%s) from %s on %s in %.2fs",
@@ -162,7 +174,10 @@ class DiffusionRunner:
                 self.generate(items, params, lambda step, total: None)
         if self._compiled and self._compile_cache is not None:
             self._compile_cache.save()
-        log.info("warm-up at batch sizes %s took %.2fs", sizes, time.perf_counter() - started)
+        log.info(
+            "warm-up at batch sizes %s took %.2fs%s", sizes, time.perf_counter() - started,
+            f" (compiled, {self.compile_mode}: {graphs_compiled()} graphs)" if self._compiled else "",
+        )  # fmt: skip
 
     def generate(self, items: list[GenerationItem], params: GenerationParameters, on_step: StepCallback) -> list:
         """One pipeline call for all items; one generator per item, so each gets the image it would get alone.

@@ -174,6 +174,8 @@ class DeviceLoop:
             runners, progress, metrics, health, replies.worker_id,
             finish=self._finisher.finish, fail=self._fail_alone, abandon=self._answer_abandoned,
         )  # fmt: skip
+        self.running.interactive_waiting = lambda: self._pool.first_interactive() is not None
+        self.running.give_back = self._pool.put_back
 
     def run(self) -> None:
         """Until `stopping`; a running set is then finished (drain), but nobody new joins it.

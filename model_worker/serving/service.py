@@ -228,6 +228,7 @@ class WorkerService:
             time.sleep(self.settings.weights_retry_seconds)
 
     def _load_diffusers(self, spec: ModelSpec) -> Runner:
+        from model_worker.model.compiled import compile_mode
         from model_worker.model.pipeline import DiffusionRunner
 
         shared = self._loaded.get(spec.loaded_components)
@@ -235,7 +236,11 @@ class WorkerService:
         # `without:`, adapter layers), so a unit without adapters never runs on a denoiser that holds another's LoRA
         # layers, and none gets another's components less one it needs. Not when compiled: the compiled model's
         # static shapes are its own runner's.
-        if isinstance(shared, DiffusionRunner) and not self.settings.torch_compile:
+        if (
+            isinstance(shared, DiffusionRunner)
+            and compile_mode(spec, self.settings.torch_compile) is None
+            and compile_mode(shared.spec, self.settings.torch_compile) is None
+        ):
             # SD 1.5's image-to-image beside its text-to-image: one copy of the components, as diffusers'
             # `Pipeline(**other.components)`.
             return DiffusionRunner(spec, shared.weights_dir, self.settings.torch_threads, share=shared)
@@ -244,7 +249,7 @@ class WorkerService:
         return runner
 
     def _download_and_load(self, spec: ModelSpec) -> Runner:
-        from model_worker.model.compiled import CompileCache, compile_cache_key
+        from model_worker.model.compiled import CompileCache, compile_cache_key, compile_mode
         from model_worker.model.pipeline import DiffusionRunner
         from model_worker.model.quantization import QuantizationUnsupportedError, check_device, worker_device
         from model_worker.weights.store import MANIFEST, WeightsFormatError, download_weights
@@ -264,11 +269,14 @@ class WorkerService:
         except WeightsFormatError as exc:  # as its manifest says, but not a file safetensors loads: as a failed load
             raise WeightsLoadError(f"{location}: {exc.file}: does not load ({exc.reason})", upload) from exc
         cache = None
-        if settings.torch_compile:
+        mode = compile_mode(spec, settings.torch_compile)
+        if mode is not None:
             bucket = self._storage.bucket(settings.model_bucket)
-            cache = CompileCache(bucket, naming.compile_cache_object(spec.weights_path, compile_cache_key(spec)))
+            cache = CompileCache(bucket, naming.compile_cache_object(spec.weights_path, compile_cache_key(spec, mode)))
         try:
-            return DiffusionRunner(spec, weights_dir, settings.torch_threads, settings.torch_compile, cache)
+            return DiffusionRunner(
+                spec, weights_dir, settings.torch_threads, mode is not None, cache, compile_mode=mode
+            )
         except QuantizationUnsupportedError:
             raise  # the catalog's quantization on this device: a configuration error, not the weights'; the pod exits
         except Exception as exc:

@@ -10,7 +10,11 @@ A failure in the shared call reruns that step request by request, so a bad reque
 Batch lines (issue 35) only use a device nobody else wants: when an interactive request waits or runs, the
 batch lines are paused (`pause_batch`): they leave the set with their denoising state, still leased, and are
 resumed where they stopped (`resume`) once no interactive request waits or runs, before any new batch line
-starts. A paused line is answered once, by the set it finishes in, or handed back unanswered on drain.
+starts. A paused line is answered once, by the set it finishes in, or handed back unanswered on drain. Finished
+batch lines are decoded one request a call, and the rest wait (finished, not stepped) as soon as an interactive
+request waits (`interactive_waiting`): a full batch's decode (8 images at 512x512, about 4.6 s on an L4) would
+otherwise hold the device from it; one line's decode is what it waits for at most. Likewise a set of batch lines
+starts (encodes) one line at a time, and those not started go back to the pool when an interactive request waits.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ class RunningSet:
         # The running set's id, the `batch_id` of every request that ran in it: kept while it is never empty.
         self.batch_id: str | None = None
         self.calls = 0
+        # Set by the device loop: whether an interactive request waits for the device (batch lines' decodes stop),
+        # and where batch lines not started yet go when one does (the pool: held again, still leased).
+        self.interactive_waiting: Callable[[], bool] = lambda: False
+        self.give_back: Callable[[list[PendingRequest]], None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._requests)
@@ -108,8 +116,12 @@ class RunningSet:
         return self._requests[0].pending.spec.max_batch_size - self.images
 
     def admit(self, joiners: list[PendingRequest]) -> None:
-        """Prepares each joiner's images (prompt encoding, initial latents); they run from the next step."""
-        for pending in joiners:
+        """Prepares each joiner's images (prompt encoding, initial latents); they run from the next step. Batch lines
+        start one at a time: once an interactive request waits, those not started go back (`give_back`)."""
+        for index, pending in enumerate(joiners):
+            if index and not pending.interactive and self.give_back is not None and self.interactive_waiting():
+                self.give_back(joiners[index:])
+                break
             runner = self._runners[pending.spec.queue]
             try:
                 items = runner.start_items(pending.items, pending.request.parameters)
@@ -180,12 +192,15 @@ class RunningSet:
             spec = self._requests[0].pending.spec
             model = spec.name
             runner = self._runners[spec.queue]  # runners are keyed by the unit's queue: `{model}--{version}`
-            images = self.images
-            self._denoise(runner)
-            self.calls += 1
-            self._metrics.step_images.labels(model=model).observe(images)
-            self._health.beat()
-            for request in self._requests:
+            # Batch lines left finished by an earlier turn (their decode gave way) are decoded, not stepped.
+            stepping = [r for r in self._requests if not r.finished]
+            images = sum(len(r.items) for r in stepping)
+            if stepping:
+                self._denoise(runner, stepping)
+                self.calls += 1
+                self._metrics.step_images.labels(model=model).observe(images)
+                self._health.beat()
+            for request in stepping:
                 request.widest = max(request.widest, images)
             for request in [r for r in self._requests if r.failure is not None]:
                 self._leave(request)
@@ -193,24 +208,29 @@ class RunningSet:
             # Those finishing now are in this report too: their last step shows as N of N.
             self._progress.running([(r.pending, *r.progress(), images) for r in self._requests])
             finished = [r for r in self._requests if r.finished]
-            if finished:
-                self._decode_and_finish(runner, finished)
+            interactive = [r for r in finished if r.pending.interactive]
+            if interactive:
+                self._decode_and_finish(runner, interactive)
+            for request in [r for r in finished if not r.pending.interactive]:
+                if self.interactive_waiting():
+                    break  # the rest are decoded later, paused with the other lines meanwhile
+                self._decode_and_finish(runner, [request])
         else:
             self._progress.running([])
         self._metrics.running_images.set(self.images)
 
-    def _denoise(self, runner: Runner) -> None:
+    def _denoise(self, runner: Runner, requests: list[RunningRequest]) -> None:
         try:
-            runner.denoise_step([item for r in self._requests for item in r.items])
+            runner.denoise_step([item for r in requests for item in r.items])
             return
         except Exception as exc:  # noqa: BLE001 - nothing stepped: find who fails by stepping each alone
-            if len(self._requests) == 1:
-                request = self._requests[0]
+            if len(requests) == 1:
+                request = requests[0]
                 self._leave(request)
                 self._fail(request.pending, exc)
                 return
-            log.warning("step of %d requests failed (%s); stepping them one by one", len(self._requests), exc)
-        for request in list(self._requests):
+            log.warning("step of %d requests failed (%s); stepping them one by one", len(requests), exc)
+        for request in list(requests):
             try:
                 runner.denoise_step(request.items)
             except Exception as exc:  # noqa: BLE001 - this one fails alone

@@ -101,8 +101,8 @@ def members(deployment: str) -> list[ModelSpec]:
 
 
 def with_local_overlay() -> ModelCatalog:
-    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`: one worker
-    group, a real one)."""
+    """The catalog plus the local stack's models and the tests' (`noop`, `sleep`, `sleep-long-ack`, `sleep-steps`,
+    `sleep-calls`: one worker group, a real one)."""
     return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay=[LOCAL_OVERLAY, TEST_OVERLAY])
 
 
@@ -459,19 +459,23 @@ def test_oldest_request_age_target_is_within_every_request_timeout(manifests: li
 # --- worker groups -------------------------------------------------------------------------------
 
 
+# The synthetic worker group's models: the local overlay's and the tests'.
+SYNTHETIC = ("noop", "sleep", "sleep-long-ack", "sleep-steps", "sleep-calls")
+
+
 def test_a_worker_group_is_one_deployment_serving_all_its_models() -> None:
     catalog = with_local_overlay()
     groups = {name: [spec.name for spec in specs] for name, specs in catalog.deployments().items()}
-    assert groups["synthetic"] == ["noop", "sleep", "sleep-long-ack"]
+    assert groups["synthetic"] == list(SYNTHETIC)
     files = render.render_all(render.RenderSettings(project_id=PROJECT_ID), catalog)
     assert "20-model-worker-synthetic.yaml" in files
     assert not {"20-model-worker-noop.yaml", "20-model-worker-sleep.yaml"} & set(files)
     group = files["20-model-worker-synthetic.yaml"]
     assert sorted(m["kind"] for m in group) == ["Deployment", "PodDisruptionBudget", "PodMonitoring", "ScaledObject"]
-    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == "noop,sleep,sleep-long-ack"
+    assert worker_env(group, "synthetic")["MAAS_MODELS"]["value"] == ",".join(SYNTHETIC)
     deployment = worker_deployment(group, "synthetic")
-    assert deployment["metadata"]["annotations"]["maas/models"] == "noop,sleep,sleep-long-ack"
-    models = ("noop", "sleep", "sleep-long-ack")
+    assert deployment["metadata"]["annotations"]["maas/models"] == ",".join(SYNTHETIC)
+    models = SYNTHETIC
     expected = {worker_subscription(model, priority) for model in models for priority in INTERACTIVE_PRIORITIES}
     for trigger in scaled_object_triggers(group, "synthetic").values():
         assert queried_subscriptions(trigger["metadata"]["query"]) == expected
@@ -783,10 +787,10 @@ def test_each_deployment_gets_a_spot_batch_deployment_pulling_only_its_batch_sub
     assert env["MAAS_WORKER_PRIORITIES"]["value"] == "batch"
     assert env["MAAS_MODELS"] == worker_env(manifests, deployment)["MAAS_MODELS"]
     assert worker_env(manifests, deployment)["MAAS_WORKER_PRIORITIES"]["value"] == ",".join(PRIORITIES)
-    # Full batches on Spot; one batch image at a time beside interactive traffic.
+    # Full batches on Spot, and on an idle on-demand worker (an interactive request takes it at the next step).
     assert (
         env["MAAS_BATCH_IMAGES"]["value"] == "0"
-        and worker_env(manifests, deployment)["MAAS_BATCH_IMAGES"]["value"] == "1"
+        and worker_env(manifests, deployment)["MAAS_BATCH_IMAGES"]["value"] == "0"
     )
     # Spot nodes only, which carry a taint no interactive worker tolerates.
     assert spec["nodeSelector"][render.SPOT_LABEL] == "true"

@@ -107,19 +107,44 @@ def test_worker_metrics_count_requests_and_batches(stack):
 
 def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(worker_client):
     """Issue 35: batch lines run on what interactive traffic leaves; an interactive request overtakes their backlog."""
-    lines = [worker_client.send("sleep", f"line {i}", priority="batch", timeout=120) for i in range(24)]
-    worker_client.wait(lines[:1], timeout=30)  # the worker is busy with the backlog now
-    interactive = worker_client.send("sleep", "interactive")
+    # `sleep-calls`: request-level, 1 s calls of 10 steps; 24 lines are three full calls (8 lines each, issue 42).
+    lines = [worker_client.send("sleep-calls", f"line {i}", priority="batch", timeout=120) for i in range(24)]
+    worker_client.wait(lines[:1], timeout=60)  # the worker is busy with the backlog now
+    interactive = worker_client.send("sleep-calls", "interactive")
     replies = worker_client.wait([*lines, interactive], timeout=120)
     assert {reply.status for reply in replies.values()} == {"ok"}
     for request_id in lines:  # run once: a redelivery may publish the stored reply again, never a second run
         runs = {(r.reply.batch_id, r.reply.worker_started_ms) for r in worker_client.replies[request_id]}
         assert len(runs) == 1, f"batch line {request_id} ran {len(runs)} times"
     reply = replies[interactive]
-    # Pulled at once (held batch lines take no interactive room) and started at the batch call's next step (20 ms),
-    # not after the backlog: 24 calls of one line (MAAS_BATCH_IMAGES=1 beside interactive traffic) take 4.8 s.
-    # (The bound leaves room for a loaded machine's slower pulls; quiet, it is about 50 ms.)
+    # Pulled at once (held batch lines take no interactive room) and started at the batch call's next step (0.1 s),
+    # not after the backlog: the two calls of lines left take 2 s.
+    # (The bound leaves room for a loaded machine's slower pulls; quiet, it is about 150 ms.)
     assert reply.queue_ms < 1500, reply.queue_ms
     assert reply.batch_size == 1, "an interactive request never shares a call with batch lines"
     later = [request_id for request_id in lines if replies[request_id].worker_started_ms > reply.worker_finished_ms]
-    assert len(later) >= 12, f"only {len(later)} of 24 batch lines were left to run after the interactive request"
+    assert len(later) >= 8, f"only {len(later)} of 24 batch lines were left to run after the interactive request"
+
+
+def test_an_idle_worker_runs_batch_lines_in_full_running_sets_that_give_way_at_the_next_step(worker_client):
+    """Issue 42: batch lines fill an idle worker's running set to `max_batch_size` (8), and an interactive request
+    sent while they run is answered before them: it takes the device at the next step, never sharing one."""
+    # Two running sets of 8 lines, 50 steps of 0.1 s each: the second runs for 5 s after the first is answered.
+    lines = [worker_client.send("sleep-steps", f"line {i}", steps=50, priority="batch", timeout=120) for i in range(16)]
+    first = worker_client.wait(lines[:1], timeout=90)[lines[0]]
+    assert first.status == "ok"
+    interactive = worker_client.send("sleep-steps", "interactive", steps=2, timeout=60)
+    replies = worker_client.wait([*lines, interactive], timeout=120)
+    assert {reply.status for reply in replies.values()} == {"ok"}
+    assert max(replies[request_id].batch_size for request_id in lines) == 8, "batch lines ran below max_batch_size"
+    reply = replies[interactive]
+    assert reply.batch_size == 1, "an interactive request never shares a step with batch lines"
+    # The lines running when it came were paused, not finished first: they end after it.
+    paused = [
+        r for r in lines if replies[r].worker_started_ms < reply.worker_started_ms < replies[r].worker_finished_ms
+    ]
+    assert paused, "no batch line was running when the interactive request started"
+    assert all(replies[r].worker_finished_ms >= reply.worker_finished_ms for r in paused)
+    for request_id in lines:  # each run once
+        runs = {(r.reply.batch_id, r.reply.worker_started_ms) for r in worker_client.replies[request_id]}
+        assert len(runs) == 1, f"batch line {request_id} ran {len(runs)} times"

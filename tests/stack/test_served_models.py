@@ -23,10 +23,12 @@ from tests.conftest import stack_config
 
 PRODUCTION = load_catalog()  # contract/models.yaml alone: what Terraform and the Kubernetes renderer read
 LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm"}
-# The integration and e2e tests' models: rollouts, fallback, shadows and the re-dispatch tests' long ack deadline.
+# The integration and e2e tests' models: rollouts, fallback, shadows, the re-dispatch tests' long ack deadline and
+# the batch lines' stepped and slow synthetic models.
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
-    "shadowed-once", "sleep-long-ack", "relay-draft", "relay-finish", "relay-polish", "relay-polish-canary",
+    "shadowed-once", "sleep-long-ack", "sleep-steps", "sleep-calls", "relay-draft", "relay-finish", "relay-polish",
+    "relay-polish-canary",
 }  # fmt: skip
 # Locally, the flows' models share a worker group each (SD 1.5's two, the SDXL base and refiner); the others have a
 # deployment of their own, as in production.
@@ -81,7 +83,7 @@ def test_the_test_suites_stack_still_serves_the_fixture_models_its_tests_use(tmp
     assert set(served(api_component(config).env)) == names
     workers = {worker.name: worker for worker in worker_components(config)}
     assert set(workers) == USER_WORKERS | {"worker-rollouts", "worker-rollouts-shadow", "worker-relay"}
-    assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack"
+    assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack,sleep-steps,sleep-calls"
     # Probe ports: `make up`'s workers keep theirs, the fixtures' workers come after them.
     user = {worker.name: worker.port for worker in worker_components(make_up_config(tmp_path / "user"))}
     assert all(workers[name].port - config.port_offset == port for name, port in user.items())

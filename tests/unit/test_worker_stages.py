@@ -294,8 +294,9 @@ def test_the_catalog_refuses_an_ack_deadline_that_outlives_a_crash_retry():
 
 
 def test_synthetic_models_share_one_deployment_and_production_has_none():
-    assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == ["noop", "sleep", "sleep-long-ack"]
-    assert {"noop", "sleep", "sleep-long-ack"}.isdisjoint(load_catalog().names())
+    synthetic = ["noop", "sleep", "sleep-long-ack", "sleep-steps", "sleep-calls"]
+    assert [spec.name for spec in CATALOG.deployments()["synthetic"]] == synthetic
+    assert set(synthetic).isdisjoint(load_catalog().names())
 
 
 def test_compiled_batches_are_padded_to_a_fixed_bucket():

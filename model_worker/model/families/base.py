@@ -17,7 +17,7 @@ from typing import Any
 
 from contract.messages import GenerationParameters
 from contract.model_spec import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
-from model_worker.model.compiled import batch_buckets
+from model_worker.model.compiled import batch_buckets, compile_model
 from model_worker.model.runners import GenerationItem, RunningItem
 
 
@@ -28,8 +28,10 @@ class Denoiser:
     model_attribute = "unet"
     # Arguments of the pipeline's `from_pretrained` for the whole family (SD 1.5: no safety checker).
     extra_load_kwargs: dict[str, Any] = {}
-    # The torch.compile backend `compile` uses: None is inductor at max-autotune (the runner's, on CUDA).
+    # The torch.compile backend `compile` uses: None is inductor (the runner's, on CUDA); `eager` in the tests.
     compile_backend: str | None = None
+    # torch.compile's mode (compiled.py; None: its default), set by the runner from the catalog's `compile`.
+    compile_mode: str | None = None
 
     def __init__(self, spec: ModelSpec, pipeline, device: str) -> None:
         import torch
@@ -71,9 +73,8 @@ class Denoiser:
         return family.lora_components if family.adapters else ()
 
     def compile(self) -> None:
-        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`): with inductor at
-        max-autotune, or with `compile_backend` when one is named (the tests' `eager`)."""
-        torch = self._torch
+        """Compiles the denoising model for static shapes (batches padded to `batch_buckets`): with inductor in
+        `compile_mode`, or with `compile_backend` when one is named (the tests' `eager`)."""
         # Fused q/k/v would bypass the LoRA layers diffusers puts on to_q, to_k and to_v: not with adapters. Nor on
         # quantized weights: diffusers fuses by concatenating the weights, which torchao's tensors do not implement.
         quantization = self.spec.quantization
@@ -81,9 +82,7 @@ class Denoiser:
         adapters = self.lora_components() and self.spec.adapters
         if hasattr(self.pipeline, "fuse_qkv_projections") and not adapters and not quantized:
             self.pipeline.fuse_qkv_projections()
-        backend = self.compile_backend
-        options = {"mode": "max-autotune-no-cudagraphs"} if backend is None else {"backend": backend}
-        setattr(self.pipeline, self.model_attribute, torch.compile(self.model, dynamic=False, **options))
+        setattr(self.pipeline, self.model_attribute, compile_model(self.model, self.compile_mode, self.compile_backend))
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
 
     @staticmethod
