@@ -468,7 +468,7 @@ def child_sd15_compiled(check: Check, args: dict) -> dict:
     worker = worker_images_per_second(runner, spec, p, spec.max_batch_size, images, warmup_images=spec.max_batch_size)
     check.log(f"compiled worker: {worker['images_per_s']:.2f} img/s")
     ranks = {"bench-ink": (1, 2), "bench-neon": (2, 4)} if check.tiny else None
-    adapters = compiled_adapters(runner, spec, weights, check.workdir, p, calls=1, ranks=ranks)
+    adapters = compiled_adapters(runner, spec, weights, check.workdir, p, calls=0 if check.tiny else 1, ranks=ranks)
     return {"compile_s": compile_s, "worker": worker, "adapters": adapters}
 
 

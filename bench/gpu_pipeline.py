@@ -191,10 +191,11 @@ def compiled_adapters(
             serve(runner, spec, items, params)
             sync()
             times.append(time.perf_counter() - started)
-        rows.append({"set": label, "first_call_s": times[0], "median_call_s": statistics.median(times[1:]),
+        later = statistics.median(times[1:]) if calls else float("nan")
+        rows.append({"set": label, "first_call_s": times[0], "median_call_s": later,
                      "graphs_compiled_since_warm_up": graphs_compiled() - before})  # fmt: skip
         print(f"compiled, adapters {label}: first call {times[0]:.2f}s (with its swap), then "
-              f"{statistics.median(times[1:]):.2f}s; graphs compiled since the warm-up: {rows[-1]['graphs_compiled_since_warm_up']}",
+              f"{later:.2f}s; graphs compiled since the warm-up: {rows[-1]['graphs_compiled_since_warm_up']}",
               flush=True)  # fmt: skip
     return {"batch": spec.max_batch_size, "rows": rows, "recompiles": graphs_compiled() - before}
 
