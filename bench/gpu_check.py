@@ -53,7 +53,8 @@ PLAN_TOLERANCE = 1.05
 FLUX_KINDS = (None, "float8_weight_only", "float8_dynamic")
 # Offered rates, as shares of the batch capacity (tiny: two rates).
 OPEN_LOOP_SHARES = {"gpu": (0.25, 0.5, 0.75, 1.0), "tiny": (0.5, 1.0)}
-DEFAULT_BUDGET = {"gpu": 450.0, "tiny": 110.0}
+# Seconds for the whole run. Tiny: a safeguard on a crowded machine (a quiet one runs it in under two minutes).
+DEFAULT_BUDGET = {"gpu": 450.0, "tiny": 300.0}
 PASS, MISS, INFO = "PASS", "MISS", "INFO"
 
 
@@ -400,7 +401,7 @@ def line_open_loop(check: Check) -> None:
         measured = "not reached" if target["measured"] is None else f"{target['measured']:.2f} {target['unit']}"
         passed = target["result"] == "PASS"
         check.add(f"open-loop.target-{index}", f"open loop: {target['target']}", check.judged(passed), measured,
-                  f"{'>=' if target['unit'] == '%' or index else '<='} {target['threshold']} {target['unit']}")  # fmt: skip
+                  f">= {target['threshold']} {target['unit']}")  # fmt: skip
 
 
 # --- compiled ------------------------------------------------------------------------------------------------
@@ -729,7 +730,7 @@ def versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (under two minutes)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 450, tiny 110)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 450, tiny 300)")
     parser.add_argument("--lines", nargs="+", help="only the lines whose key starts with one of these")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="built weights, compile artifacts")
     parser.add_argument("--out", type=Path, help="results folder (bench/results/gpu-check, tiny: gpu-check-tiny)")
