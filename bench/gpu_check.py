@@ -51,6 +51,7 @@ COMPILE_CAP = 100.0
 # A quantized model's measured memory against its plan: the plan's weights within this share.
 PLAN_TOLERANCE = 1.05
 FLUX_KINDS = (None, "float8_weight_only", "float8_dynamic")
+FLUX_TINY_STEPS = 2
 # Offered rates, as shares of the batch capacity (tiny: two rates).
 OPEN_LOOP_SHARES = {"gpu": (0.25, 0.5, 0.75, 1.0), "tiny": (0.5, 1.0)}
 # Seconds for the whole run. Tiny: a safeguard on a crowded machine (a quiet one runs it in under two minutes).
@@ -408,12 +409,14 @@ def line_open_loop(check: Check) -> None:
 
 
 def catalog_compile_mode(spec) -> str | None:
-    """The compile mode the catalog names for the model, where the catalog has one (None: not available)."""
-    for name in ("compile_mode", "compile"):
+    """The compile mode the catalog names for the model, where the catalog has one (None: not available): a field
+    whose name says compile, holding the mode itself or something with a `mode`."""
+    names = [name for name in type(spec).model_fields if "compile" in name]
+    for name in sorted(names, key=lambda n: n != "compile_mode"):
         value = getattr(spec, name, None)
-        if isinstance(value, str) and value:
-            return value
-        mode = getattr(value, "mode", None)
+        if isinstance(value, dict):
+            value = value.get("mode")
+        mode = value if isinstance(value, str) else getattr(value, "mode", None)
         if mode:
             return str(mode)
     return None
@@ -548,7 +551,8 @@ def flux_line(check: Check, kind: str | None, compiled: bool) -> None:
 
     label = kind or "bf16"
     key = f"flux.{label}{'-compiled' if compiled else ''}"
-    name = f"FLUX.1 [schnell] {check.sizes.flux_size}², 4 steps, {label}, {'compiled' if compiled else 'eager'}"
+    steps = FLUX_TINY_STEPS if check.tiny else "4"
+    name = f"FLUX.1 [schnell] {check.sizes.flux_size}², {steps} steps, {label}, {'compiled' if compiled else 'eager'}"
     spec = variant_spec("flux", kind, check.sizes.flux_size)
     if compiled:
         _mode, refusal = compile_mode_or_refusal(check, spec)
@@ -592,7 +596,7 @@ def flux_plan(kind: str | None, size: int) -> dict:
 def child_flux_variant(check: Check, args: dict) -> dict:
     from bench.quantized_pipeline import measure
 
-    steps = None if not check.tiny else 2
+    steps = FLUX_TINY_STEPS if check.tiny else None  # None: the catalog's 4
     return measure("flux", args["kind"], args["compiled"], Path(args["weights"]), check.sizes.flux_size, steps,
                    check.sizes.flux_calls)  # fmt: skip
 

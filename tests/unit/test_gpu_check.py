@@ -72,3 +72,33 @@ def test_host_reads_are_counted_while_active_and_the_tensor_methods_restored():
     assert {name: torch.Tensor.__dict__.get(name) for name in gpu_check.HOST_READS} == before
     tensor.sum().item()
     assert counted.reads == {"item": 1, "__bool__": 1}
+
+
+def test_a_compile_mode_is_taken_from_the_catalog_or_reported_not_available(tmp_path):
+    from pydantic import BaseModel
+
+    from contract.catalog import load_catalog
+
+    class Compile(BaseModel):
+        mode: str = "default"
+
+    class WithObject(BaseModel):
+        compile: Compile | None = Compile()
+
+    class WithMode(BaseModel):
+        compile_mode: str = "reduce-overhead"
+
+    class Without(BaseModel):
+        name: str = "m"
+
+    assert gpu_check.catalog_compile_mode(WithObject()) == "default"
+    assert gpu_check.catalog_compile_mode(WithMode()) == "reduce-overhead"
+    assert gpu_check.catalog_compile_mode(Without()) is None
+    check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=None)
+    check.tiny = False  # judged as on a GPU: nothing is compiled without a catalog mode
+    spec = load_catalog().get("sd15-txt2img")
+    mode, refusal = gpu_check.compile_mode_or_refusal(check, spec)
+    if gpu_check.catalog_compile_mode(spec) is None:
+        assert mode is None and refusal.startswith("not available")
+    else:
+        assert mode == gpu_check.catalog_compile_mode(spec) and refusal is None
