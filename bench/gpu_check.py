@@ -385,9 +385,9 @@ def line_open_loop(check: Check) -> None:
     runner = sd15_runner(check)
     sizes = check.sizes
     mix = sizes.lone_steps
-    rate = check.shared.get("worker_request") or check.shared.get("direct")
-    if not rate:
-        raise RuntimeError("no batch rate measured (the direct and worker lines did not run)")
+    if not (check.shared.get("worker_request") or check.shared.get("direct")):
+        line_direct(check)  # run alone (`--lines open-loop`): the batch rate first
+    rate = check.shared.get("worker_request") or check.shared["direct"]
     capacity = rate * sizes.steps / statistics.fmean(mix)  # requests/s of the mix at a full batch
     rates = tuple(round(share * capacity, 2) for share in OPEN_LOOP_SHARES["tiny" if check.tiny else "gpu"])
     backend = open_loop.InProcessBackend(runner, sd15_spec(check), mix, sizes.size)
@@ -559,8 +559,8 @@ def flux_line(check: Check, kind: str | None, compiled: bool) -> None:
         if refusal:
             check.add(key, name, MISS, refusal, "s/image; memory within the plan")
             return
-    if "flux_weights" not in check.shared:
-        raise RuntimeError("no FLUX.1 weights (the build line did not finish)")
+    if "flux_weights" not in check.shared:  # run alone (`--lines flux.bf16`): built (or found) first
+        line_flux_build(check)
     row = run_child(check, "flux-variant", {"kind": kind, "compiled": compiled, "weights": check.shared["flux_weights"]},
                     cap=150.0 if compiled else 60.0)  # fmt: skip
     plan = flux_plan(kind, check.sizes.flux_size)
@@ -679,10 +679,10 @@ def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None 
 
 def run_lines(check: Check) -> None:
     for spec in LINES:
-        if check.selected and not any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected):
-            continue
-        if spec.run is release_sd15:
+        if spec.run is release_sd15:  # whatever is selected: the lines after it need the GPU's memory
             release_sd15(check)
+            continue
+        if check.selected and not any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected):
             continue
         left = check.remaining()
         needs = spec.needs if check.cuda else min(spec.needs, 2.0)
