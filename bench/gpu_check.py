@@ -55,7 +55,7 @@ FLUX_TINY_STEPS = 2
 # Offered rates, as shares of the batch capacity (tiny: two rates).
 OPEN_LOOP_SHARES = {"gpu": (0.25, 0.5, 0.75, 1.0), "tiny": (0.5, 1.0)}
 # Seconds for the whole run. Tiny: a safeguard on a crowded machine (a quiet one runs it in under two minutes).
-DEFAULT_BUDGET = {"gpu": 450.0, "tiny": 300.0}
+DEFAULT_BUDGET = {"gpu": 420.0, "tiny": 300.0}
 PASS, MISS, INFO = "PASS", "MISS", "INFO"
 
 
@@ -734,7 +734,7 @@ def versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (under two minutes)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 450, tiny 300)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 420, tiny 300)")
     parser.add_argument("--lines", nargs="+", help="only the lines whose key starts with one of these")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="built weights, compile artifacts")
     parser.add_argument("--out", type=Path, help="results folder (bench/results/gpu-check, tiny: gpu-check-tiny)")
