@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -666,9 +667,12 @@ def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None 
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)  # the child's own session: it and what it started
+        os.killpg(process.pid, signal.SIGKILL)  # the child's own session: it and what it started
         process.wait()
         raise TimeoutError(f"ran out of time after {timeout:.0f} s") from None
+    except BaseException:  # the check itself stopped (SIGTERM, Ctrl-C): not a child left holding the GPU
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     finally:
         reader.join(timeout=10)
     if process.returncode != 0 or not result:
@@ -677,7 +681,9 @@ def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None 
     return result[-1]
 
 
-def run_lines(check: Check) -> None:
+def run_lines(check: Check, on_line: Callable[[], None] | None = None) -> None:
+    """Each selected line in order, guarded; `on_line` after each (the results so far written: a run cut off
+    still leaves them)."""
     for spec in LINES:
         if spec.run is release_sd15:  # whatever is selected: the lines after it need the GPU's memory
             release_sd15(check)
@@ -699,6 +705,8 @@ def run_lines(check: Check) -> None:
             check.add(spec.key, spec.key, MISS, f"error: {reason}", "runs", traceback=traceback.format_exc()[-3000:])
         if len(check.lines) == before:
             check.add(spec.key, spec.key, MISS, "no figure", "a figure")
+        if on_line is not None:
+            on_line()
 
 
 def table(lines: list[Line]) -> str:
@@ -760,8 +768,10 @@ def main(argv: list[str] | None = None) -> int:
     found = versions()
     check.log(f"GPU check on {check.device}: {', '.join(f'{k} {v}' for k, v in found.items())}; budget {budget:.0f} s"
               + (f"; stand-ins for absent clients: {', '.join(stood_in)}" if stood_in else ""))  # fmt: skip
+    # Stopped from outside (a device's time limit): the table and results so far still come out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        run_lines(check)
+        run_lines(check, on_line=lambda: write(check, found))
     finally:
         write(check, found)
         print("\n" + table(check.lines), flush=True)

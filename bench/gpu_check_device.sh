@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check on a lent GPU node whose image has torch but not the worker's other packages: installs the wheels
 # carried in .whl/ into a scratch folder put on PYTHONPATH (the node's own torch, numpy and huggingface_hub stay),
-# prints what it runs on, runs `python3 -m bench.gpu_check` with its output teed, and copies the results folder
-# into $OUT (the folder the device tool brings back; bench/results/gpu-check-device without one).
+# prints what it runs on, and runs `python3 -m bench.gpu_check` with its output teed to $OUT/gpu-check.log and its
+# results folder in $OUT/gpu-check (rewritten after each line, so a run cut off leaves what it measured; $OUT is the
+# folder the device tool brings back, bench/results/gpu-check-device without one).
 #
 #     bash bench/gpu_check_device.sh [bench.gpu_check options, e.g. --lines sd15 flux.bf16 --budget 300]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 OUT=${OUT:-$PWD/bench/results/gpu-check-device}
-RESULTS=bench/results/gpu-check
+RESULTS="$OUT/gpu-check"
 mkdir -p "$OUT"
 started=$(date +%s)
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -35,6 +36,5 @@ for name in ("diffusers", "transformers", "peft", "torchao", "pydantic", "huggin
 PY
 python3 -m bench.gpu_check --out "$RESULTS" "$@" 2>&1 | tee "$OUT/gpu-check.log"
 rc=${PIPESTATUS[0]}
-cp -r "$RESULTS" "$OUT/" 2>/dev/null || true
 echo "exit $rc; $(( $(date +%s) - started ))s in all; log and results in $OUT"
 exit "$rc"
