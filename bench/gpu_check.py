@@ -768,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     found = versions()
     check.log(f"GPU check on {check.device}: {', '.join(f'{k} {v}' for k, v in found.items())}; budget {budget:.0f} s"
               + (f"; stand-ins for absent clients: {', '.join(stood_in)}" if stood_in else ""))  # fmt: skip
-    # Stopped from outside (a device's time limit): the table and results so far still come out.
+    # Stopped from outside (a device's time limit): SIGTERM becomes SystemExit, so a running child is stopped with
+    # the check; the results so far are on disk already (written after each line).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         run_lines(check, on_line=lambda: write(check, found))
