@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # One install step: says what it does, runs it, says how long it took. $(call step,what,command)
 step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done in %ss\n' $$(( $$(date +%s) - started ))
 
-.PHONY: analytics capacity chaos import-model install run up down test test-fast lint format bench clean system-deps
+.PHONY: analytics capacity chaos gpu-check import-model install run up down test test-fast lint format bench clean system-deps
 
 .PHONY: status restart bootstrap browser-deps
 
@@ -97,6 +97,13 @@ bench: install
 import-model: $(VENV)/.installed
 	@test -n "$(SOURCE)" -a -n "$(MODEL)" -a -n "$(VERSION)" || { echo "usage: make import-model SOURCE=dir MODEL=name VERSION=v [FAMILY=f] [BASE=b]" >&2; exit 2; }
 	$(PY) -m model_worker.weights import "$(SOURCE)" --model "$(MODEL)" --version "$(VERSION)" $(if $(FAMILY),--family $(FAMILY),) $(if $(BASE),--base "$(BASE)",) $(if $(STACK),--stack "$(STACK)",)
+
+# The GPU check (bench/gpu_check.py): one table of PASS/MISS lines on a CUDA GPU, at most 8 minutes from bare
+# weights; TINY=1 runs the same code at tiny sizes on a CPU. Where there is no $(VENV) (a GPU node with its own
+# torch) it runs on python3; ARGS passes options: make gpu-check ARGS="--lines sd15 flux.bf16 --budget 300"
+GPU_CHECK_PYTHON = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_CHECK_PYTHON) -m bench.gpu_check $(if $(TINY),--tiny,) $(ARGS)
 
 # How many GPUs a day needs, by simulation (bench/capacity): the seed's day on L4s, both schedulings, two autoscaler
 # settings and the seed's 150 GPUs; a few minutes. ARGS passes options: make capacity ARGS="--trace day.csv"

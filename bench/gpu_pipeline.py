@@ -138,10 +138,13 @@ def serve(runner, spec, items: list, params) -> list:
     return runner.decode(running)
 
 
-def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls: int = 3) -> dict:
+def compiled_adapters(
+    runner, spec, weights: Path, workdir: Path, params, calls: int = 3, ranks: dict | None = None
+) -> dict:
     """On a compiled, warmed-up runner: adapter sets through the worker's loader, a request of `max_batch_size` images
     per set in the model's scheduling, timed (the first call of a set includes its hotswap; then the median of `calls`), with the graphs
-    compiled since the warm-up counted after each set."""
+    compiled since the warm-up counted after each set. `ranks`: name -> (seed, rank), COMPILED_ADAPTERS by default
+    (a tiny model takes smaller ranks); on a CPU nothing is synchronized."""
     import hashlib
 
     import torch
@@ -153,9 +156,13 @@ def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls:
     from model_worker.adapters.loader import AdapterLoader
     from model_worker.model.runners import GenerationItem
 
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     bucket = LocalBucket(workdir / "adapter-bucket")
     refs = {}
-    for name, (seed, rank) in COMPILED_ADAPTERS.items():
+    for name, (seed, rank) in (ranks or COMPILED_ADAPTERS).items():
         built = build_adapter(weights, workdir / "adapters" / f"{name}.safetensors", seed, rank)
         # The UNet's part: a compiled model refuses text-encoder layers.
         data = save({k: v for k, v in load_file(built).items() if k.startswith("unet.")})
@@ -179,15 +186,16 @@ def compiled_adapters(runner, spec, weights: Path, workdir: Path, params, calls:
         items = [GenerationItem(f"bench {i}", i, adapters=sets[label]) for i in range(spec.max_batch_size)]
         times = []
         for _ in range(1 + calls):
-            torch.cuda.synchronize()
+            sync()
             started = time.perf_counter()
             serve(runner, spec, items, params)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - started)
-        rows.append({"set": label, "first_call_s": times[0], "median_call_s": statistics.median(times[1:]),
+        later = statistics.median(times[1:]) if calls else float("nan")
+        rows.append({"set": label, "first_call_s": times[0], "median_call_s": later,
                      "graphs_compiled_since_warm_up": graphs_compiled() - before})  # fmt: skip
         print(f"compiled, adapters {label}: first call {times[0]:.2f}s (with its swap), then "
-              f"{statistics.median(times[1:]):.2f}s; graphs compiled since the warm-up: {rows[-1]['graphs_compiled_since_warm_up']}",
+              f"{later:.2f}s; graphs compiled since the warm-up: {rows[-1]['graphs_compiled_since_warm_up']}",
               flush=True)  # fmt: skip
     return {"batch": spec.max_batch_size, "rows": rows, "recompiles": graphs_compiled() - before}
 

@@ -285,11 +285,21 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def sweep(backend, multiples: tuple[float, ...], requests: int, repeats: int, progress: Callable = _print) -> dict:
+def sweep(
+    backend,
+    multiples: tuple[float, ...],
+    requests: int,
+    repeats: int,
+    progress: Callable = _print,
+    rates: tuple[float, ...] | None = None,
+    lone_ms: dict | None = None,
+) -> dict:
     """The whole comparison: lone latencies, then each offered rate for both schedulings in turn (the order
-    alternating from one rate to the next, so drift in the machine's load hits both alike)."""
+    alternating from one rate to the next, so drift in the machine's load hits both alike). `rates`: offered
+    rates in requests/s instead of `multiples` of the lone service rate (a GPU's batch capacity is far above
+    it); `lone_ms`: lone latencies already measured for this mix, not measured again."""
     try:
-        lone_ms = backend.lone(repeats)
+        lone_ms = lone_ms or backend.lone(repeats)
         progress(
             f"  lone latency ms: {json.dumps({s: {n: round(v) for n, v in by.items()} for s, by in lone_ms.items()})}"
         )
@@ -298,8 +308,7 @@ def sweep(backend, multiples: tuple[float, ...], requests: int, repeats: int, pr
         slo = {n: SLO_FACTOR * lone_ms["request"][str(n)] / 1000 for n in mix}
         points: dict[str, list[dict]] = {s: [] for s in SCHEDULINGS}
         order = list(SCHEDULINGS)
-        for index, multiple in enumerate(multiples):
-            rate = multiple * service_rate
+        for index, rate in enumerate(rates or tuple(multiple * service_rate for multiple in multiples)):
             arrivals = poisson_arrivals(rate, requests, index, mix)
             # Past this wait after the last arrival, what is unanswered counts as missed: bounded overload.
             grace = max(30.0, arrivals[-1].at)

@@ -1,0 +1,785 @@
+"""One command for the GPU: the worker's model path on a lent card, each figure as a line PASS or MISS against its
+target, in one table (`make gpu-check`; issue 42's item 6).
+
+    python -m bench.gpu_check                 # a CUDA GPU: real sizes, random weights built here (~8 minutes)
+    python -m bench.gpu_check --tiny          # a CPU: the same code at tiny sizes (under two minutes)
+    python -m bench.gpu_check --lines flux    # only the lines whose key starts with one of these
+
+Lines, cheapest and most informative first (`LINES`): SD-1.5-sized eager (direct batch 8, the worker's pool, device
+loop and finisher at step and request level, lone 12- and 25-step requests, host reads per denoising step), batch
+lines beside an interactive request, the open-loop sweep up to the batch capacity, the same model compiled in the
+catalog's compile mode (compile seconds, worker img/s against the card's bound, graphs made by adapter swaps, a
+fresh process's first answer from the saved artifacts), then FLUX.1 [schnell] at its real size, bf16 and float8,
+eager and compiled, against the memory plan.
+
+Each line is its own function, guarded: an error, a missing feature or a spent budget makes its line a MISS with the
+reason, and the rest still run. The whole run has one deadline (`--budget`); a line is skipped when less is left
+than it needs, and the lines that compile or load FLUX.1 run in child processes killed at their share of the time.
+On a CPU the targets that only mean something on a GPU (rates, latency ratios, memory) print as INFO. The table is
+printed and written with the JSON under `--out`. Only the contract, the worker's model path and the bench are
+imported: where the serving modules' service clients are absent (a GPU image), bench/client_stand_ins.py stands in
+for them at import (every service is in memory here anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The card's bound for an SD-1.5-sized image at 512x512, 25 steps, guidance on: 42.7 TFLOP at the H100's measured
+# 761 TFLOP/s fp16 matmul rate (../shared/gpu/H100-2026-11.md).
+SD15_BOUND_IMAGES_PER_S = 17.8
+SHARE_OF_BOUND = 0.5
+SHARE_OF_DIRECT = 0.95
+LONE_RATIO = 1.05
+BATCH_LINE_RATIO = 1.3
+WARM_START_SECONDS = 60.0
+# The compiled SD line's share of the run: a default compile mode a worker can afford at start fits in it.
+COMPILE_CAP = 100.0
+# A quantized model's measured memory against its plan: the plan's weights within this share.
+PLAN_TOLERANCE = 1.05
+FLUX_KINDS = (None, "float8_weight_only", "float8_dynamic")
+FLUX_TINY_STEPS = 2
+# Offered rates, as shares of the batch capacity (tiny: two rates).
+OPEN_LOOP_SHARES = {"gpu": (0.25, 0.5, 0.75, 1.0), "tiny": (0.5, 1.0)}
+# Seconds for the whole run. Tiny: a safeguard on a crowded machine (a quiet one runs it in under two minutes).
+DEFAULT_BUDGET = {"gpu": 420.0, "tiny": 300.0}
+PASS, MISS, INFO = "PASS", "MISS", "INFO"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the run measures at: the real sizes on a GPU, tiny ones on a CPU."""
+
+    size: int
+    steps: int
+    lone_steps: tuple[int, ...]
+    batch: int
+    seconds: float  # measurement time of a rate
+    repeats: int  # lone latencies: the median of this many
+    open_loop_requests: int
+    batch_line_requests: int
+    flux_size: int
+    flux_calls: int
+    compiled_batch: int  # the compiled model's max_batch_size (its buckets)
+
+
+GPU = Sizes(512, 25, (12, 25), 8, 6.0, 3, 16, 3, 1024, 2, 8)
+TINY = Sizes(64, 4, (2, 4), 8, 1.5, 3, 4, 3, 64, 1, 1)
+
+
+@dataclass
+class Line:
+    key: str
+    name: str
+    result: str  # PASS, MISS or INFO
+    measured: str
+    target: str
+    detail: dict = field(default_factory=dict)
+
+
+class Check:
+    """The run's state: its deadline, the lines so far, what the lines share (the SD runner, measured rates)."""
+
+    def __init__(self, tiny: bool, budget: float, workdir: Path, out: Path, selected: list[str] | None) -> None:
+        import torch
+
+        self.tiny = tiny
+        self.cuda = torch.cuda.is_available() and not tiny
+        self.sizes = TINY if tiny else GPU
+        self.started = time.monotonic()
+        self.deadline = self.started + budget
+        self.workdir, self.out = workdir, out
+        self.selected = selected
+        self.lines: list[Line] = []
+        self.shared: dict = {}
+        self.device = torch.cuda.get_device_name(0) if self.cuda else "cpu"
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        print(f"[{stamp} +{time.monotonic() - self.started:5.0f}s] {message}", flush=True)
+
+    def add(self, key: str, name: str, result: str, measured: str, target: str, **detail) -> None:
+        line = Line(key, name, result, measured, target, detail)
+        self.lines.append(line)
+        self.log(f"{result:<4} {name}: {measured} (target {target})")
+
+    def judged(self, ok: bool) -> str:
+        """PASS or MISS on a GPU; INFO on a CPU, where rates and latency ratios say nothing about the card."""
+        return INFO if not self.cuda else (PASS if ok else MISS)
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+# --- SD-1.5-sized, eager ------------------------------------------------------------------------------------
+
+
+def sd15_spec(check: Check, scheduling: str = "step", batch: int | None = None):
+    """The production catalog's entry; on a CPU at the tiny pipeline's size."""
+    from contract.catalog import load_catalog
+
+    spec = load_catalog().get("sd15-txt2img")
+    sizes = check.sizes
+    defaults = spec.defaults.model_copy(
+        update={"width": sizes.size, "height": sizes.size, "num_inference_steps": sizes.steps}
+    )
+    return spec.model_copy(
+        update={"scheduling": scheduling, "defaults": defaults, "max_batch_size": batch or spec.max_batch_size}
+    )
+
+
+def sd15_weights(check: Check) -> Path:
+    from bench.quantized_pipeline import weights_for
+
+    if "sd15_weights" not in check.shared:
+        started = time.perf_counter()
+        check.shared["sd15_weights"] = weights_for("sd15", check.tiny, check.workdir)
+        check.log(f"SD-1.5-sized weights ready in {time.perf_counter() - started:.0f}s")
+    return check.shared["sd15_weights"]
+
+
+def sd15_runner(check: Check):
+    """One eager runner (step scheduling, so it can also step), loaded and warmed up once for the eager lines."""
+    if "sd15_runner" not in check.shared:
+        from model_worker.model.pipeline import DiffusionRunner
+
+        weights = sd15_weights(check)
+        started = time.perf_counter()
+        runner = DiffusionRunner(sd15_spec(check), weights, torch_threads=2 if check.tiny else 0)
+        runner.warm_up()
+        check.shared["sd15_runner"] = runner
+        check.log(f"SD-1.5-sized runner loaded and warmed up in {time.perf_counter() - started:.0f}s")
+    return check.shared["sd15_runner"]
+
+
+def release_sd15(check: Check) -> None:
+    import gc
+
+    check.shared.pop("sd15_runner", None)
+    gc.collect()
+    if check.cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def params(spec, steps: int, size: int):
+    from contract.messages import GenerationParameters
+
+    return GenerationParameters(
+        seed=0, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale, width=size, height=size
+    )
+
+
+def line_direct(check: Check) -> None:
+    """The diffusers pipeline itself (the runner's own object) called back to back at batch 8: the reference."""
+    import torch
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    spec = runner.spec
+    p = params(spec, sizes.steps, sizes.size)
+
+    def call(seed: int) -> None:
+        with torch.inference_mode():
+            runner._pipeline(  # noqa: SLF001 - the bare pipeline is the reference
+                prompt=[f"check {seed + i}" for i in range(sizes.batch)],
+                num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale, width=p.width,
+                height=p.height, output_type="np",
+                generator=[torch.Generator(device="cpu").manual_seed(seed + i) for i in range(sizes.batch)],
+            )  # fmt: skip
+
+    call(0)
+    check.sync()
+    calls, started = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - started < sizes.seconds:
+        call(calls * sizes.batch)
+        calls += 1
+    check.sync()
+    rate = calls * sizes.batch / (time.perf_counter() - started)
+    check.shared["direct"] = rate
+    check.add("sd15.direct", f"SD-1.5-sized eager, diffusers direct, batch {sizes.batch}", INFO,
+              f"{rate:.2f} img/s", "reference", images_per_s=rate)  # fmt: skip
+
+
+def worker_line(check: Check, scheduling: str) -> None:
+    from bench.worker_harness import worker_images_per_second
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    spec = sd15_spec(check, scheduling)
+    guess = check.shared.get("direct", 2.0)
+    images = max(3 * sizes.batch, int(sizes.seconds * guess) // sizes.batch * sizes.batch)
+    measured = worker_images_per_second(runner, spec, params(spec, sizes.steps, sizes.size), sizes.batch, images,
+                                        warmup_images=sizes.batch)  # fmt: skip
+    rate = measured["images_per_s"]
+    check.shared[f"worker_{scheduling}"] = rate
+    direct = check.shared.get("direct")
+    share = rate / direct if direct else None
+    shown = f"{rate:.2f} img/s" + (f" = {share:.0%} of direct" if share else "")
+    calls = measured["pipeline_calls"]
+    check.add(f"sd15.worker-{scheduling}", f"SD-1.5-sized eager, worker {scheduling}-level, single-image requests",
+              check.judged(share is not None and share >= SHARE_OF_DIRECT) if share else MISS,
+              f"{shown}, {calls} model calls for {measured['images']} images",
+              f">= {SHARE_OF_DIRECT:.0%} of direct batch {sizes.batch}", **measured, share_of_direct=share)  # fmt: skip
+
+
+def line_worker_request(check: Check) -> None:
+    worker_line(check, "request")
+
+
+def line_worker_step(check: Check) -> None:
+    worker_line(check, "step")
+
+
+def line_lone(check: Check) -> None:
+    """A lone request through the worker's path, step-level against request-level (the two interleaved)."""
+    from bench import open_loop
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    backend = open_loop.InProcessBackend(runner, sd15_spec(check), sizes.lone_steps, sizes.size)
+    try:
+        lone = backend.lone(sizes.repeats)
+    finally:
+        backend.close()
+    check.shared["lone_ms"] = lone
+    for steps in sizes.lone_steps:
+        request, step = lone["request"][str(steps)], lone["step"][str(steps)]
+        ratio = step / request
+        check.add(f"sd15.lone-{steps}", f"SD-1.5-sized eager, lone {steps}-step request, step / request-level",
+                  check.judged(ratio <= LONE_RATIO), f"{ratio:.2f}x ({step:.0f} / {request:.0f} ms)",
+                  f"<= {LONE_RATIO}x", step_ms=step, request_ms=request)  # fmt: skip
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReads:
+    """Counts reads of tensors back to the host on this thread (`.item()`, `.tolist()`, `.cpu()`, `bool()`...)
+    while active; on CUDA also the synchronizing calls CUDA's sync debug mode warns about."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.reads: dict[str, int] = {}
+        self.syncs = 0
+        self._thread = threading.get_ident()
+
+    def __enter__(self) -> HostReads:
+        import warnings
+
+        import torch
+
+        self._saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(name, original))
+        if self.cuda:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._seen = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def _counting(self, name: str, original: Callable) -> Callable:
+        def counted(tensor, *args, **kwargs):
+            # On CUDA only a device tensor's read goes back to the host; on a CPU every read is counted.
+            if threading.get_ident() == self._thread and (not self.cuda or tensor.is_cuda):
+                self.reads[name] = self.reads.get(name, 0) + 1
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self.syncs = sum(1 for w in self._seen if "synchroniz" in str(w.message))
+            self._warnings.__exit__(*exc)
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, saved)
+
+
+def line_syncs(check: Check) -> None:
+    """Steps of a running set with two step counts: what each step reads back to the host (the target: nothing)."""
+    from model_worker.model.runners import GenerationItem
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    spec = runner.spec
+    half = max(1, sizes.batch // 2)
+    running = []
+    mix = [max(steps, 6) for steps in sizes.lone_steps[:2]]  # none finishes while counted
+    for offset, steps in enumerate(mix):
+        items = [GenerationItem(prompt=f"sync {offset}-{i}", seed=i) for i in range(half)]
+        running += runner.start_items(items, params(spec, steps, sizes.size))
+    runner.denoise_step(running)  # the first step may set things up once
+    check.sync()
+    steps = 3
+    with HostReads(check.cuda) as counted:
+        for _ in range(steps):
+            runner.denoise_step(running)
+    reads = sum(counted.reads.values())
+    per_step = max(reads, counted.syncs) / steps  # a device tensor's `.item()` is both a read and a sync
+    what = ", ".join(f"{name} {count}" for name, count in sorted(counted.reads.items())) or "none"
+    cuda = f"; CUDA syncs {counted.syncs / steps:.1f}/step" if check.cuda else ""
+    check.add("sd15.syncs", f"SD-1.5-sized eager, host reads per denoising step (batch {len(running)}, "
+              f"{'/'.join(map(str, mix))} steps)", PASS if per_step == 0 else MISS,
+              f"{per_step:.1f}/step (reads: {what}{cuda})", "0", reads=counted.reads, cuda_syncs=counted.syncs,
+              steps=steps)  # fmt: skip
+
+
+# --- batch lines and the open loop ---------------------------------------------------------------------------
+
+
+def line_batch_lines(check: Check) -> None:
+    """An interactive request's latency alone and beside batch lines run at the model's max_batch_size."""
+    from bench.worker_harness import interactive_latencies
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    spec = sd15_spec(check)
+    p = params(spec, sizes.steps, sizes.size)
+    lone = check.shared.get("lone_ms", {}).get("step", {}).get(str(sizes.steps))
+    gap = (lone / 1000) if lone else (1.0 if check.cuda else 0.2)
+    runs = {}
+    for backlog in (False, True):
+        runs[backlog] = interactive_latencies(runner, spec, p, sizes.batch_line_requests, gap, backlog,
+                                              batch_images=spec.max_batch_size)  # fmt: skip
+    alone, beside = runs[False]["mean_s"], runs[True]["mean_s"]
+    ratio = beside / alone
+    check.add("batch.interactive", f"batch lines at batch {spec.max_batch_size}: interactive latency beside them / alone",
+              check.judged(ratio <= BATCH_LINE_RATIO),
+              f"{ratio:.2f}x ({beside * 1000:.0f} / {alone * 1000:.0f} ms mean; "
+              f"{runs[True]['batch_lines_done']} batch lines done)", f"<= {BATCH_LINE_RATIO}x",
+              alone=runs[False], beside=runs[True])  # fmt: skip
+
+
+def line_open_loop(check: Check) -> None:
+    """Poisson arrivals up to the batch capacity (not the lone rate), step-level against request-level."""
+    from bench import open_loop
+
+    runner = sd15_runner(check)
+    sizes = check.sizes
+    mix = sizes.lone_steps
+    if not (check.shared.get("worker_request") or check.shared.get("direct")):
+        line_direct(check)  # run alone (`--lines open-loop`): the batch rate first
+    rate = check.shared.get("worker_request") or check.shared["direct"]
+    capacity = rate * sizes.steps / statistics.fmean(mix)  # requests/s of the mix at a full batch
+    rates = tuple(round(share * capacity, 2) for share in OPEN_LOOP_SHARES["tiny" if check.tiny else "gpu"])
+    backend = open_loop.InProcessBackend(runner, sd15_spec(check), mix, sizes.size)
+    result = open_loop.sweep(backend, (), sizes.open_loop_requests, sizes.repeats, progress=check.log, rates=rates,
+                             lone_ms=check.shared.get("lone_ms"))  # fmt: skip
+    check.shared["open_loop"] = result
+    top = {s: max(result["points"][s], key=lambda p: p["offered_rps"]) for s in open_loop.SCHEDULINGS}
+    check.add("open-loop.sweep", f"open loop {'/'.join(map(str, mix))} steps, rates {rates} req/s (capacity "
+              f"{capacity:.1f})", INFO, f"at {rates[-1]} req/s: step-level {top['step']['slo_attainment']:.0%}, "
+              f"request-level {top['request']['slo_attainment']:.0%} within SLO", "reference", sweep=result)  # fmt: skip
+    for index, target in enumerate(t for t in result["targets"] if not t["target"].startswith("lone")):
+        measured = "not reached" if target["measured"] is None else f"{target['measured']:.2f} {target['unit']}"
+        passed = target["result"] == "PASS"
+        check.add(f"open-loop.target-{index}", f"open loop: {target['target']}", check.judged(passed), measured,
+                  f">= {target['threshold']} {target['unit']}")  # fmt: skip
+
+
+# --- compiled ------------------------------------------------------------------------------------------------
+
+
+def catalog_compile_mode(spec) -> str | None:
+    """The compile mode the catalog names for the model, where the catalog has one (None: not available): a field
+    whose name says compile, holding the mode itself or something with a `mode`."""
+    names = [name for name in type(spec).model_fields if "compile" in name]
+    for name in sorted(names, key=lambda n: n != "compile_mode"):
+        value = getattr(spec, name, None)
+        if isinstance(value, dict):
+            value = value.get("mode")
+        mode = value if isinstance(value, str) else getattr(value, "mode", None)
+        if mode:
+            return str(mode)
+    return None
+
+
+def compile_mode_or_refusal(check: Check, spec) -> tuple[str | None, str | None]:
+    """(mode, None) to compile; (None, reason) where there is nothing to compile with. On a CPU torch.compile's
+    eager backend stands in whatever the catalog says; on a GPU without a catalog mode nothing is compiled (the
+    denoiser's built-in max-autotune did not fit a 10-minute run)."""
+    mode = catalog_compile_mode(spec)
+    if check.tiny:
+        return f"eager backend (catalog: {mode or 'no compile mode'})", None
+    if mode is None:
+        return None, f"not available: the catalog names no compile mode for {spec.name}"
+    return mode, None
+
+
+def line_sd15_compiled(check: Check) -> None:
+    spec = sd15_spec(check)
+    mode, refusal = compile_mode_or_refusal(check, spec)
+    keys = ("sd15-compiled.seconds", "sd15-compiled.worker", "sd15-compiled.adapter-graphs")
+    if refusal:
+        for key in keys:
+            check.add(key, f"SD-1.5-sized compiled: {key.split('.')[1]}", MISS, refusal, "a catalog compile mode")
+        return
+    weights = sd15_weights(check)
+    try:
+        result = run_child(check, "sd15-compiled", {"weights": str(weights)}, cap=COMPILE_CAP)
+    except TimeoutError as exc:
+        check.add(keys[0], f"SD-1.5-sized compiled ({mode}): compile and warm-up of buckets", MISS,
+                  f"stopped: {exc}", f"<= {COMPILE_CAP:.0f} s (this run's share)")  # fmt: skip
+        return
+    check.shared["compiled"] = True
+    check.add(keys[0], f"SD-1.5-sized compiled ({mode}): compile and warm-up of buckets", INFO,
+              f"{result['compile_s']:.0f} s", "reported", **result)  # fmt: skip
+    rate = result["worker"]["images_per_s"]
+    bound = SD15_BOUND_IMAGES_PER_S * SHARE_OF_BOUND
+    check.add(keys[1], "SD-1.5-sized compiled, worker step-level, single-image requests",
+              check.judged(rate >= bound), f"{rate:.2f} img/s = {rate / SD15_BOUND_IMAGES_PER_S:.0%} of the bound",
+              f">= {bound:.1f} img/s ({SHARE_OF_BOUND:.0%} of {SD15_BOUND_IMAGES_PER_S})")  # fmt: skip
+    graphs = result["adapters"]["recompiles"]
+    check.add(keys[2], "SD-1.5-sized compiled, graphs made after warm-up, two adapters swapped",
+              PASS if graphs == 0 else MISS, str(graphs), "0")  # fmt: skip
+
+
+def child_sd15_compiled(check: Check, args: dict) -> dict:
+    from bench.gpu_pipeline import compile_cache, compiled_adapters
+    from bench.worker_harness import worker_images_per_second
+    from model_worker.model.pipeline import DiffusionRunner
+
+    sizes = check.sizes
+    spec = sd15_spec(check, batch=sizes.compiled_batch)
+    weights = Path(args["weights"])
+    p = params(spec, sizes.steps, sizes.size)
+    started = time.perf_counter()
+    runner = DiffusionRunner(spec, weights, compile_unet=True, compile_cache=compile_cache(check.workdir, spec),
+                             compile_backend="eager" if check.tiny else None)  # fmt: skip
+    runner.warm_up()
+    compile_s = time.perf_counter() - started
+    check.log(f"compiled and warmed up in {compile_s:.0f}s")
+    images = max(3 * spec.max_batch_size, int(sizes.seconds * 8) // spec.max_batch_size * spec.max_batch_size)
+    worker = worker_images_per_second(runner, spec, p, spec.max_batch_size, images, warmup_images=spec.max_batch_size)
+    check.log(f"compiled worker: {worker['images_per_s']:.2f} img/s")
+    ranks = {"bench-ink": (1, 2), "bench-neon": (2, 4)} if check.tiny else None
+    adapters = compiled_adapters(runner, spec, weights, check.workdir, p, calls=0 if check.tiny else 1, ranks=ranks)
+    return {"compile_s": compile_s, "worker": worker, "adapters": adapters}
+
+
+def line_warm_start(check: Check) -> None:
+    """A fresh process, an empty inductor cache, only the saved artifacts: seconds from its start to its first answer."""
+    spec = sd15_spec(check)
+    _mode, refusal = compile_mode_or_refusal(check, spec)
+    if refusal:
+        check.add("sd15-compiled.warm-start", "SD-1.5-sized compiled, fresh process's first answer", MISS, refusal,
+                  f"<= {WARM_START_SECONDS:.0f} s")  # fmt: skip
+        return
+    if not check.shared.get("compiled"):
+        raise RuntimeError("no saved artifacts: the compiled line did not finish")
+    weights = sd15_weights(check)
+    name = "SD-1.5-sized compiled, fresh process's first answer from saved artifacts"
+    cap = WARM_START_SECONDS + 10  # past the target the figure is a MISS whatever it is
+    with tempfile.TemporaryDirectory(prefix="inductor-empty-") as empty:
+        env = {"TORCHINDUCTOR_CACHE_DIR": empty, "TRITON_CACHE_DIR": empty}
+        try:
+            result = run_child(check, "warm-start", {"weights": str(weights), "launched": time.time()}, cap=cap,
+                               env=env, in_process=False)  # fmt: skip
+        except TimeoutError as exc:
+            check.add("sd15-compiled.warm-start", name, check.judged(False), f"stopped: {exc}",
+                      f"<= {WARM_START_SECONDS:.0f} s")  # fmt: skip
+            return
+    seconds = result["first_answer_s"]
+    check.add("sd15-compiled.warm-start", name, check.judged(seconds <= WARM_START_SECONDS), f"{seconds:.0f} s",
+              f"<= {WARM_START_SECONDS:.0f} s", **result)  # fmt: skip
+
+
+def child_warm_start(check: Check, args: dict) -> dict:
+    from bench.gpu_pipeline import compile_cache
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
+
+    spec = sd15_spec(check, batch=check.sizes.compiled_batch)
+    runner = DiffusionRunner(spec, Path(args["weights"]), compile_unet=True,
+                             compile_cache=compile_cache(check.workdir, spec),
+                             compile_backend="eager" if check.tiny else None)  # fmt: skip
+    runner.warm_up()
+    runner.generate([GenerationItem(prompt="first", seed=1)], params(spec, check.sizes.steps, check.sizes.size),
+                    lambda step, total: None)  # fmt: skip
+    check.sync()
+    return {"first_answer_s": time.time() - args["launched"]}
+
+
+# --- FLUX.1 [schnell] --------------------------------------------------------------------------------------
+
+
+def line_flux_build(check: Check) -> None:
+    result = run_child(check, "flux-build", {}, cap=110.0)
+    check.shared["flux_weights"] = result["weights"]
+    check.add("flux.build", f"FLUX.1 [schnell] {'tiny' if check.tiny else 'real size'}, random weights", INFO,
+              f"ready in {result['seconds']:.0f} s", "reported")  # fmt: skip
+
+
+def child_flux_build(check: Check, args: dict) -> dict:
+    from bench.quantized_pipeline import weights_for
+
+    started = time.perf_counter()
+    weights = weights_for("flux", check.tiny, check.workdir)
+    return {"weights": str(weights), "seconds": time.perf_counter() - started}
+
+
+def flux_line(check: Check, kind: str | None, compiled: bool) -> None:
+    from bench.quantized_pipeline import variant_spec
+
+    label = kind or "bf16"
+    key = f"flux.{label}{'-compiled' if compiled else ''}"
+    steps = FLUX_TINY_STEPS if check.tiny else "4"
+    name = f"FLUX.1 [schnell] {check.sizes.flux_size}², {steps} steps, {label}, {'compiled' if compiled else 'eager'}"
+    spec = variant_spec("flux", kind, check.sizes.flux_size)
+    if compiled:
+        _mode, refusal = compile_mode_or_refusal(check, spec)
+        if refusal:
+            check.add(key, name, MISS, refusal, "s/image; memory within the plan")
+            return
+    if "flux_weights" not in check.shared:  # run alone (`--lines flux.bf16`): built (or found) first
+        line_flux_build(check)
+    row = run_child(check, "flux-variant", {"kind": kind, "compiled": compiled, "weights": check.shared["flux_weights"]},
+                    cap=150.0 if compiled else 60.0)  # fmt: skip
+    plan = flux_plan(kind, check.sizes.flux_size)
+    target = f"loaded <= {plan['weights_gb']:.1f} GB x {PLAN_TOLERANCE}, peak <= {plan['total_gb']:.1f} GB (plan)"
+    if "s_per_image" not in row:
+        reason = row.get("refused") or row.get("out_of_memory") or "no figure"
+        check.add(key, name, INFO if check.tiny and "refused" in row else MISS, f"not run: {reason}", target, **row)
+        return
+    measured = f"{row['s_per_image']:.2f} s/image"
+    if "peak_gb" in row:
+        measured += f", {row['loaded_gb']:.1f} GB loaded, {row['peak_gb']:.1f} GB peak"
+        fits = row["loaded_gb"] <= plan["weights_gb"] * PLAN_TOLERANCE and row["peak_gb"] <= plan["total_gb"]
+        result = PASS if fits else MISS
+    else:
+        measured += " (memory: GPU only)"
+        result = INFO
+    check.add(key, name, result, measured, target, **row, plan=plan)
+
+
+def flux_plan(kind: str | None, size: int) -> dict:
+    """The memory plan of the variant as the bench runs it (one image a call, at `size`)."""
+    from bench.quantized_pipeline import variant_spec
+    from contract.memory_plan import unit_plan
+
+    spec = variant_spec("flux", kind, size)
+    limits = spec.limits.model_copy(update={"max_width": size, "max_height": size})
+    plan = unit_plan(spec.model_copy(update={"limits": limits}))
+    if plan is None:
+        return {"weights_gb": float("nan"), "total_gb": float("nan")}
+    return {"weights_gb": plan.weights_bytes / 1e9, "total_gb": plan.total_bytes / 1e9}
+
+
+def child_flux_variant(check: Check, args: dict) -> dict:
+    from bench.quantized_pipeline import measure
+
+    steps = FLUX_TINY_STEPS if check.tiny else None  # None: the catalog's 4
+    return measure("flux", args["kind"], args["compiled"], Path(args["weights"]), check.sizes.flux_size, steps,
+                   check.sizes.flux_calls)  # fmt: skip
+
+
+# --- running lines and children --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LineSpec:
+    key: str
+    run: Callable[[Check], None]
+    needs: float  # seconds it needs at least (GPU); skipped when less is left
+
+
+def flux_lines() -> list[LineSpec]:
+    specs = [LineSpec("flux.build", line_flux_build, 60.0)]
+    for compiled in (False, True):
+        for kind in FLUX_KINDS:
+            label = f"flux.{kind or 'bf16'}{'-compiled' if compiled else ''}"
+            specs.append(LineSpec(label, lambda check, k=kind, c=compiled: flux_line(check, k, c),
+                                  90.0 if compiled else 30.0))  # fmt: skip
+    return specs
+
+
+LINES = [
+    LineSpec("sd15.direct", line_direct, 20.0),
+    LineSpec("sd15.worker-request", line_worker_request, 10.0),
+    LineSpec("sd15.worker-step", line_worker_step, 10.0),
+    LineSpec("sd15.lone", line_lone, 15.0),
+    LineSpec("sd15.syncs", line_syncs, 5.0),
+    LineSpec("batch.interactive", line_batch_lines, 25.0),
+    LineSpec("open-loop", line_open_loop, 45.0),
+    LineSpec("release-sd15", release_sd15, 0.0),
+    LineSpec("sd15-compiled", line_sd15_compiled, 60.0),
+    LineSpec("sd15-compiled.warm-start", line_warm_start, 30.0),
+    *flux_lines(),
+]
+CHILDREN = {"sd15-compiled": child_sd15_compiled, "warm-start": child_warm_start, "flux-build": child_flux_build,
+            "flux-variant": child_flux_variant}  # fmt: skip
+
+
+def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None = None,
+              in_process: bool | None = None) -> dict:  # fmt: skip
+    """A line's work in a fresh process, killed at min(cap, what is left); its output streams through. On a CPU
+    (tiny) it runs in this process unless `in_process` is False (the warm start must be a fresh process)."""
+    if in_process if in_process is not None else check.tiny:
+        return CHILDREN[name](check, args)
+    timeout = max(1.0, min(cap, check.remaining() - 5))
+    argv = [sys.executable, "-m", "bench.gpu_check", "--child", name, "--child-args", json.dumps(args),
+            "--workdir", str(check.workdir), "--out", str(check.out), *(["--tiny"] if check.tiny else [])]  # fmt: skip
+    process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    result: list[dict] = []
+    tail: list[str] = []
+
+    def relay() -> None:
+        for line in process.stdout:
+            if line.startswith("RESULT "):
+                result.append(json.loads(line[len("RESULT ") :]))
+            else:
+                tail.append(line.rstrip())
+                del tail[:-20]
+                print(f"    {name}: {line.rstrip()}", flush=True)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the child's own session: it and what it started
+        process.wait()
+        raise TimeoutError(f"ran out of time after {timeout:.0f} s") from None
+    except BaseException:  # the check itself stopped (SIGTERM, Ctrl-C): not a child left holding the GPU
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        reader.join(timeout=10)
+    if process.returncode != 0 or not result:
+        last = next((line for line in reversed(tail) if line.strip()), "no output")
+        raise RuntimeError(f"child exited {process.returncode}: {last[-300:]}")
+    return result[-1]
+
+
+def run_lines(check: Check, on_line: Callable[[], None] | None = None) -> None:
+    """Each selected line in order, guarded; `on_line` after each (the results so far written: a run cut off
+    still leaves them)."""
+    for spec in LINES:
+        if spec.run is release_sd15:  # whatever is selected: the lines after it need the GPU's memory
+            release_sd15(check)
+            continue
+        if check.selected and not any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected):
+            continue
+        left = check.remaining()
+        needs = spec.needs if check.cuda else min(spec.needs, 2.0)
+        if left < needs:
+            check.add(spec.key, spec.key, MISS, f"skipped: {left:.0f} s of the budget left, it needs ~{needs:.0f} s",
+                      "run within the budget")  # fmt: skip
+            continue
+        check.log(f"--- {spec.key} ({left:.0f} s left)")
+        before = len(check.lines)
+        try:
+            spec.run(check)
+        except Exception as exc:  # noqa: BLE001 - one line's failure is its MISS; the others still run
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            check.add(spec.key, spec.key, MISS, f"error: {reason}", "runs", traceback=traceback.format_exc()[-3000:])
+        if len(check.lines) == before:
+            check.add(spec.key, spec.key, MISS, "no figure", "a figure")
+        if on_line is not None:
+            on_line()
+
+
+def table(lines: list[Line]) -> str:
+    rows = ["| result | line | measured | target |", "|---|---|---|---|"]
+    rows += [f"| {line.result} | {line.name} | {line.measured} | {line.target} |" for line in lines]
+    return "\n".join(rows)
+
+
+def write(check: Check, versions: dict) -> None:
+    check.out.mkdir(parents=True, exist_ok=True)
+    counts = {r: sum(1 for line in check.lines if line.result == r) for r in (PASS, MISS, INFO)}
+    document = {"device": check.device, "tiny": check.tiny, "seconds": time.monotonic() - check.started,
+                "versions": versions, "counts": counts, "lines": [asdict(line) for line in check.lines]}  # fmt: skip
+    (check.out / "gpu-check.json").write_text(json.dumps(document, indent=2, default=str))
+    header = (f"# GPU check: {check.device}{' (tiny, CPU)' if check.tiny else ''}\n\n"
+              f"{', '.join(f'{k} {v}' for k, v in versions.items())}; {document['seconds']:.0f} s; "
+              f"{counts[PASS]} PASS, {counts[MISS]} MISS, {counts[INFO]} INFO\n\n")  # fmt: skip
+    (check.out / "gpu-check.md").write_text(header + table(check.lines) + "\n")
+
+
+def versions() -> dict:
+    import torch
+
+    found = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("diffusers", "transformers", "torchao"):
+        try:
+            found[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - reported as absent
+            found[name] = "absent"
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (under two minutes)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 420, tiny 300)")
+    parser.add_argument("--lines", nargs="+", help="only the lines whose key starts with one of these")
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="built weights, compile artifacts")
+    parser.add_argument("--out", type=Path, help="results folder (bench/results/gpu-check, tiny: gpu-check-tiny)")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--child-args", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bench.client_stand_ins import install_if_missing
+
+    stood_in = install_if_missing()
+    out = args.out or ROOT / "bench" / "results" / ("gpu-check-tiny" if args.tiny else "gpu-check")
+    import torch
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("No CUDA GPU here: `make gpu-check TINY=1` runs the check at tiny sizes on a CPU.", flush=True)
+        return 2
+    budget = args.budget or DEFAULT_BUDGET["tiny" if args.tiny else "gpu"]
+    check = Check(args.tiny, budget, args.workdir, out, args.lines)
+    if args.child:
+        result = CHILDREN[args.child](check, json.loads(args.child_args))
+        print("RESULT " + json.dumps(result, default=str), flush=True)
+        return 0
+    found = versions()
+    check.log(f"GPU check on {check.device}: {', '.join(f'{k} {v}' for k, v in found.items())}; budget {budget:.0f} s"
+              + (f"; stand-ins for absent clients: {', '.join(stood_in)}" if stood_in else ""))  # fmt: skip
+    # Stopped from outside (a device's time limit): SIGTERM becomes SystemExit, so a running child is stopped with
+    # the check; the results so far are on disk already (written after each line).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        run_lines(check, on_line=lambda: write(check, found))
+    finally:
+        write(check, found)
+        print("\n" + table(check.lines), flush=True)
+        print(f"\nresults: {check.out / 'gpu-check.md'} and gpu-check.json ({time.monotonic() - check.started:.0f} s)",
+              flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

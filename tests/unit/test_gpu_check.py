@@ -1,0 +1,106 @@
+"""The GPU check (`make gpu-check`): its tiny mode on a CPU prints the table and writes its JSON without the
+service clients a GPU image lacks; a line that fails or has no time left is a MISS and the others still run; the
+host-read counter counts what a denoising step must not do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+# The lines the tiny run here covers: all but the compiled ones (compiling, even with torch.compile's eager backend,
+# takes minutes of a shared 2-core machine; `make gpu-check TINY=1` runs them).
+TINY_LINES = ["sd15", "batch", "open-loop", "flux.build", "flux.bf16"]
+# What a GPU image lacks: the service clients (and what only they pull in), the API's web stack, plotting.
+ABSENT = ("google.cloud", "google.api_core", "google.auth", "grpc", "redis", "flask", "prometheus_client", "matplotlib")
+BLOCKED = f"import sys; [sys.modules.__setitem__(m, None) for m in {ABSENT!r}]"
+
+
+def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service_clients(tmp_path):
+    code = f"{BLOCKED}; from bench.gpu_check import main; sys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", code, "--tiny", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work"),
+            "--budget", "600", "--lines", *TINY_LINES]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stand-ins for absent clients: google.cloud.pubsub_v1" in done.stdout
+    assert "| result | line | measured | target |" in done.stdout
+    document = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    lines = {line["key"]: line for line in document["lines"]}
+    expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
+                "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16"}  # fmt: skip
+    assert expected <= set(lines), sorted(set(lines))
+    errors = {key: line["measured"] for key, line in lines.items() if line["measured"].startswith(("error", "skipped"))}
+    assert errors == {}
+    assert all(line["result"] in ("PASS", "MISS", "INFO") for line in lines.values())
+    assert (tmp_path / "out" / "gpu-check.md").read_text().count("\n| ") == len(lines) + 1
+
+
+def test_a_failing_or_late_line_is_a_miss_and_the_next_still_runs(tmp_path, monkeypatch):
+    ran = []
+
+    def fails(check):
+        raise RuntimeError("the card fell over")
+
+    def works(check):
+        ran.append("works")
+        check.add("b", "works", gpu_check.PASS, "1", "1")
+
+    lines = [gpu_check.LineSpec("a", fails, 0.0), gpu_check.LineSpec("late", works, 1e9),
+             gpu_check.LineSpec("b", works, 0.0)]  # fmt: skip
+    monkeypatch.setattr(gpu_check, "LINES", lines)
+    check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=None)
+    check.cuda = True  # the budget is judged as on a GPU: "late" needs more than is left
+    gpu_check.run_lines(check)
+    results = [(line.key, line.result, line.measured.split(":")[0]) for line in check.lines]
+    assert results == [("a", "MISS", "error"), ("late", "MISS", "skipped"), ("b", "PASS", "1")]
+    assert ran == ["works"]
+
+
+def test_host_reads_are_counted_while_active_and_the_tensor_methods_restored():
+    torch = pytest.importorskip("torch")
+    tensor = torch.ones(3)
+    before = {name: torch.Tensor.__dict__.get(name) for name in gpu_check.HOST_READS}
+    with gpu_check.HostReads(cuda=False) as counted:
+        tensor.sum().item()
+        bool(tensor[0] > 0)
+        tensor * 2  # stays a tensor: not a read
+    assert counted.reads == {"item": 1, "__bool__": 1}
+    assert {name: torch.Tensor.__dict__.get(name) for name in gpu_check.HOST_READS} == before
+    tensor.sum().item()
+    assert counted.reads == {"item": 1, "__bool__": 1}
+
+
+def test_a_compile_mode_is_taken_from_the_catalog_or_reported_not_available(tmp_path):
+    from pydantic import BaseModel
+
+    from contract.catalog import load_catalog
+
+    class Compile(BaseModel):
+        mode: str = "default"
+
+    class WithObject(BaseModel):
+        compile: Compile | None = Compile()
+
+    class WithMode(BaseModel):
+        compile_mode: str = "reduce-overhead"
+
+    class Without(BaseModel):
+        name: str = "m"
+
+    assert gpu_check.catalog_compile_mode(WithObject()) == "default"
+    assert gpu_check.catalog_compile_mode(WithMode()) == "reduce-overhead"
+    assert gpu_check.catalog_compile_mode(Without()) is None
+    check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=None)
+    check.tiny = False  # judged as on a GPU: nothing is compiled without a catalog mode
+    spec = load_catalog().get("sd15-txt2img")
+    mode, refusal = gpu_check.compile_mode_or_refusal(check, spec)
+    if gpu_check.catalog_compile_mode(spec) is None:
+        assert mode is None and refusal.startswith("not available")
+    else:
+        assert mode == gpu_check.catalog_compile_mode(spec) and refusal is None
