@@ -109,7 +109,7 @@ class FluxDenoiser(Denoiser):
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
-        return running
+        return self.prepared(running)
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
@@ -207,7 +207,7 @@ class SD3Denoiser(GuidedDenoiser):
                     "step_kwargs": {},
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
-        return running
+        return self.prepared(running)
 
     def call_model(self, sample, timestep, condition: dict):
         return self.pipeline.transformer(
