@@ -82,9 +82,18 @@ def ddim_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any]):
 
 def coefficient_table(coefficients: list[tuple[float, float, float]], device):
     """The image's coefficients as one (steps, 3) float32 tensor on the device: copied once, when the image joins."""
+    return host_values(coefficients, device)
+
+
+def host_values(values: list, device):
+    """Python numbers as a float32 tensor on the device without stopping the host: on CUDA copied from pinned
+    memory asynchronously (a plain `torch.tensor(..., device="cuda")` waits for the copy)."""
     import torch
 
-    return torch.tensor(coefficients, dtype=torch.float64).to(torch.float32).to(device)
+    tensor = torch.tensor(values, dtype=torch.float32)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def gathered(running, column: int):
