@@ -18,6 +18,12 @@ from typing import Any
 from contract.messages import GenerationParameters
 from contract.model_spec import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
 from model_worker.model.compiled import batch_buckets, compile_model
+from model_worker.model.families.linear_steps import (
+    coefficient_table,
+    linear_coefficients,
+    scaled_input,
+    step_linear,
+)
 from model_worker.model.runners import GenerationItem, RunningItem
 
 
@@ -163,11 +169,29 @@ class Denoiser:
             return rows
         return rows_per_image * next(b for b in self._compiled_buckets if rows_per_image * b >= rows)
 
+    def prepared(self, running: list[RunningItem]) -> list[RunningItem]:
+        """Computes once per image what its steps need, so that a step reads nothing back from the device: its
+        timesteps as Python numbers (its own scheduler's `step` takes them), and, where its scheduler's step is
+        one formula (`linear_steps`), its per-step coefficients as one small device tensor."""
+        for r in running:
+            state = r.state
+            state["step_timesteps"] = state["timesteps"].tolist()
+            coefficients = linear_coefficients(state["scheduler"], state["step_timesteps"], state["step_kwargs"])
+            linear = coefficients is not None
+            state["linear"] = coefficient_table(coefficients, state["latents"].device) if linear else None
+        return running
+
     def step_items(self, running: list[RunningItem], predictions: list) -> None:
-        """Each item's own scheduler step on its slice of the shared call's output."""
+        """The running set's scheduler steps on its slices of the shared call's output: one vectorised step for
+        the images whose scheduler is a formula, each other image's own scheduler with its timestep as a number."""
+        linear = [(r, p) for r, p in zip(running, predictions, strict=True) if r.state["linear"] is not None]
+        if linear:
+            step_linear([r for r, _ in linear], [p for _, p in linear])
         for r, prediction in zip(running, predictions, strict=True):
+            if r.state["linear"] is not None:
+                continue
             try:
-                t = r.state["timesteps"][r.done]
+                t = r.state["step_timesteps"][r.done]
                 step = r.state["scheduler"].step(
                     prediction, t, r.state["latents"], **r.state["step_kwargs"], return_dict=False
                 )
@@ -196,7 +220,10 @@ class GuidedDenoiser(Denoiser):
                 t = r.state["timesteps"][r.done]
                 latents = r.state["latents"]
                 x = guided_rows(latents, latents if r.state["guidance"] is not None else None)
-                inputs.append(self.model_input(r.state["scheduler"], x, t))
+                if r.state["linear"] is not None:
+                    inputs.append(scaled_input(r, x))
+                else:
+                    inputs.append(self.model_input(r.state["scheduler"], x, r.state["step_timesteps"][r.done]))
                 timesteps.append(t.reshape(1).to(torch.float32).repeat(x.shape[0]))
             sample, timestep = torch.cat(inputs), torch.cat(timesteps).to(inputs[0].device)
             condition = {key: torch.cat([r.state["condition"][key] for r in running])

@@ -19,6 +19,7 @@ from typing import Any
 
 from contract.messages import GenerationParameters
 from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
+from model_worker.model.families.linear_steps import host_values
 from model_worker.model.runners import GenerationItem, RunningItem
 
 # The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
@@ -109,7 +110,7 @@ class FluxDenoiser(Denoiser):
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
-        return running
+        return self.prepared(running)
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
@@ -125,8 +126,7 @@ class FluxDenoiser(Denoiser):
             pooled = torch.cat([r.state["pooled"] for r in running])
             guidance = None
             if self.guidance_embedded:
-                guidance = torch.tensor([r.state["guidance"] for r in running], device=latents.device,
-                                        dtype=torch.float32)  # fmt: skip
+                guidance = host_values([r.state["guidance"] for r in running], latents.device)
             rows = latents.shape[0]
             size = self.padded_rows(rows)
             if size != rows:
@@ -207,7 +207,7 @@ class SD3Denoiser(GuidedDenoiser):
                     "step_kwargs": {},
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
-        return running
+        return self.prepared(running)
 
     def call_model(self, sample, timestep, condition: dict):
         return self.pipeline.transformer(

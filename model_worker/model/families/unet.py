@@ -112,7 +112,7 @@ class UNetDenoiser(GuidedDenoiser):
                 }
                 steps = len(timesteps) if handoff else requested
                 running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
-        return running
+        return self.prepared(running)
 
 
 class SDXLDenoiser(UNetDenoiser):

@@ -1,0 +1,172 @@
+"""The step-level scheduler step of a running set against diffusers' own schedulers, and without host reads.
+
+For every scheduler the catalog lets a model step per item, images with different step counts, one joining two
+steps after the others, are stepped by `Denoiser.step_items` (vectorised where the scheduler is one formula,
+`linear_steps`) and, beside them, each by its own diffusers scheduler called as the pipeline calls it: the latents
+must agree at every step. And one step of the running set, its latents and predictions on the `meta` device (which
+has no values: any `.item()`, `bool()`, `.tolist()` or copy to the host of them raises), reads nothing back; on a
+machine with CUDA the same step runs on the GPU under `torch.cuda.set_sync_debug_mode("error")`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from model_worker.model.families.base import Denoiser
+from model_worker.model.runners import GenerationItem, RunningItem
+
+# SD 1.5's scheduler configuration (what `from_config` of its PNDM gets), and a flow-matching one as FLUX's.
+UNET_CONFIG = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "clip_sample": False,
+}  # fmt: skip
+FLOW_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
+SCHEDULERS = [
+    "PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
+    "DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler", "LCMScheduler",
+]  # fmt: skip
+VECTORISED = {"DDIMScheduler", "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"}
+SHAPE = (1, 4, 8, 8)
+
+
+def new_scheduler(name: str, steps: int):
+    import diffusers
+
+    config = FLOW_CONFIG if name.startswith("FlowMatch") else UNET_CONFIG
+    scheduler = getattr(diffusers, name).from_config(config)
+    scheduler.set_timesteps(steps)
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(0)
+    return scheduler
+
+
+def scale(scheduler, x, t):
+    """The model's input as the pipeline makes it (flow matching scales nothing)."""
+    return scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
+
+
+def step_kwargs(scheduler, seed: int) -> dict:
+    """The pipeline's `prepare_extra_step_kwargs`: eta 0 and the image's generator where the step takes them."""
+    import inspect
+
+    import torch
+
+    accepted = set(inspect.signature(scheduler.step).parameters)
+    kwargs = {"eta": 0.0} if "eta" in accepted else {}
+    if "generator" in accepted:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    return kwargs
+
+
+def prediction(x, t):
+    """A stand-in model: a smooth function of its input and timestep (what matters is that both sides get one)."""
+    import torch
+
+    return torch.tanh(x * 0.7 + 0.001 * float(t)) * 0.9
+
+
+def running_item(name: str, steps: int, seed: int, device: str = "cpu") -> RunningItem:
+    import torch
+
+    scheduler = new_scheduler(name, steps)
+    latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(device)
+    state = {
+        "scheduler": scheduler, "timesteps": scheduler.timesteps.to(device), "latents": latents,
+        "step_kwargs": step_kwargs(scheduler, seed),
+    }  # fmt: skip
+    total = len(scheduler.timesteps)
+    return RunningItem(GenerationItem(prompt="p", seed=seed), total=total, requested=total, state=state)
+
+
+def reference(name: str, steps: int, seed: int) -> list:
+    """The image's latents after each step, its own diffusers scheduler stepped as the pipeline steps it."""
+    import torch
+
+    scheduler = new_scheduler(name, steps)
+    kwargs = step_kwargs(scheduler, seed)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+    out = []
+    for t in scheduler.timesteps:
+        eps = prediction(scale(scheduler, x, t), t)
+        x = scheduler.step(eps, t, x, **kwargs, return_dict=False)[0]
+        out.append(x)
+    return out
+
+
+def denoiser() -> Denoiser:
+    return Denoiser.__new__(Denoiser)  # prepared and step_items use no pipeline
+
+
+def model_inputs(running: list[RunningItem]) -> list:
+    from model_worker.model.families.linear_steps import scaled_input
+
+    return [
+        scaled_input(r, r.state["latents"])
+        if r.state["linear"] is not None
+        else scale(r.state["scheduler"], r.state["latents"], r.state["step_timesteps"][r.done])
+        for r in running
+    ]
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_the_running_sets_step_equals_each_images_own_diffusers_scheduler(name):
+    import torch
+
+    worker = denoiser()
+    plan = [(5, 1, 0), (8, 2, 0), (6, 3, 2)]  # (steps, seed, the step of the others at which it joins)
+    expected = {seed: reference(name, steps, seed) for steps, seed, _ in plan}
+    running: list[RunningItem] = []
+    clock = 0
+    while clock == 0 or running:
+        running += worker.prepared([running_item(name, s, seed) for s, seed, join in plan if join == clock])
+        inputs = model_inputs(running)
+        predictions = [prediction(x, r.state["step_timesteps"][r.done]) for r, x in zip(running, inputs, strict=True)]
+        worker.step_items(running, predictions)
+        for r in running:
+            assert r.failure is None
+            want = expected[r.item.seed][r.done - 1]
+            assert torch.allclose(r.state["latents"], want, atol=1e-4, rtol=1e-4), (name, r.item.seed, r.done)
+        running = [r for r in running if r.done < r.total]
+        clock += 1
+    assert (worker_linear(name) is not None) == (name in VECTORISED)
+
+
+def worker_linear(name: str):
+    return denoiser().prepared([running_item(name, 4, 1)])[0].state["linear"]
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_step_of_the_running_set_reads_nothing_back_from_the_device(name):
+    """Latents, timesteps and predictions on `meta`: a host read of any of them raises."""
+    import torch
+
+    worker = denoiser()
+    running = worker.prepared([running_item(name, steps, seed) for steps, seed in ((5, 1), (8, 2))])
+    for r in running:  # the images joined on the host; from here on their tensors are the device's
+        r.state["latents"] = r.state["latents"].to("meta")
+        r.state["timesteps"] = r.state["timesteps"].to("meta")
+        if r.state["linear"] is not None:
+            r.state["linear"] = r.state["linear"].to("meta")
+    for _ in range(3):  # PNDM and DPM-Solver take other branches on their first steps
+        inputs = model_inputs(running)
+        worker.step_items(running, [torch.tanh(x) for x in inputs])
+        failures = [r.failure for r in running if r.failure is not None]
+        assert not failures, failures
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()")
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_on_cuda_a_step_makes_no_host_sync(name):
+    import torch
+
+    worker = denoiser()
+    running = worker.prepared([running_item(name, steps, seed, "cuda") for steps, seed in ((5, 1), (8, 2))])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            inputs = model_inputs(running)
+            worker.step_items(running, [torch.tanh(x) for x in inputs])
+            assert not [r.failure for r in running if r.failure is not None]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
