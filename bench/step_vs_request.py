@@ -64,12 +64,29 @@ class StandInRunner:
         return [self._image(r.item.seed) for r in running]
 
 
+def encode_at(level: int) -> None:
+    """The finisher's PNGs at another zlib level (what the encode costs the device loop, level against level)."""
+    import io
+
+    from model_worker.serving import finisher
+
+    def png_bytes(image) -> bytes:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=level)
+        return buffer.getvalue()
+
+    finisher._png_bytes = png_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--images", type=int, default=40)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--png-level", type=int, default=None, help="Pillow compress_level for the finisher's PNGs")
     args = parser.parse_args()
+    if args.png_level is not None:
+        encode_at(args.png_level)
     base = local_catalog(test_fixtures=True).get("sd15-txt2img")
     params = GenerationParameters(seed=0, num_inference_steps=args.steps, guidance_scale=7.5, width=SIZE, height=SIZE)
     results = {}
