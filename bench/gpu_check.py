@@ -426,12 +426,17 @@ def catalog_compile_mode(spec) -> str | None:
 def compile_mode_or_refusal(check: Check, spec) -> tuple[str | None, str | None]:
     """(mode, None) to compile; (None, reason) where there is nothing to compile with. On a CPU torch.compile's
     eager backend stands in whatever the catalog says; on a GPU without a catalog mode nothing is compiled (the
-    denoiser's built-in max-autotune did not fit a 10-minute run)."""
+    denoiser's built-in max-autotune did not fit a 10-minute run); a model that names none is compiled in the
+    catalog's default mode (`compiled.DEFAULT_COMPILE_MODE`), as `MAAS_TORCH_COMPILE=1` compiles it."""
     mode = catalog_compile_mode(spec)
     if check.tiny:
         return f"eager backend (catalog: {mode or 'no compile mode'})", None
     if mode is None:
-        return None, f"not available: the catalog names no compile mode for {spec.name}"
+        try:
+            from model_worker.model.compiled import DEFAULT_COMPILE_MODE
+        except ImportError:
+            return None, f"not available: the catalog names no compile mode for {spec.name}"
+        return f"{DEFAULT_COMPILE_MODE} (the catalog's default)", None
     return mode, None
 
 
