@@ -154,8 +154,21 @@ def test_a_step_of_the_running_set_reads_nothing_back_from_the_device(name):
         assert not failures, failures
 
 
+# Measured on an H100 (README "A step without host reads"): these two draw their noise on the CPU generator and
+# copy it with diffusers' blocking copy, a sync a step, until their noise is drawn on the device.
+SYNCS_ON_CUDA = {"EulerAncestralDiscreteScheduler", "LCMScheduler"}
+
+
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()")
-@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="noise copied from the CPU generator"))
+        if name in SYNCS_ON_CUDA
+        else name
+        for name in SCHEDULERS
+    ],
+)
 def test_on_cuda_a_step_makes_no_host_sync(name):
     import torch
 
