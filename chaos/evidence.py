@@ -16,6 +16,8 @@ from chaos.verdict import ScenarioResult
 
 # Log lines quoted per request and per log file: enough to follow it through a kill, few enough to read.
 LINES_PER_LOG = 40
+# The client's own polls of a job name it twice a second and say nothing about where the request went.
+POLL = re.compile(r"GET /v1/jobs/")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ def log_lines(log_dir: Path, needles: Iterable[str]) -> dict[str, list[str]]:
     if not pattern.pattern:
         return found
     for path in sorted(log_dir.glob("*.log")):
-        lines = [line for line in path.read_text(errors="replace").splitlines() if pattern.search(line)]
+        text = path.read_text(errors="replace").splitlines()
+        lines = [line for line in text if pattern.search(line) and not POLL.search(line)]
         if lines:
             found[path.stem] = lines[-LINES_PER_LOG:]
     return found
