@@ -123,3 +123,23 @@ def test_the_gpu_benchs_quantization_comparison_runs_on_the_tiny_flux_pipeline_o
     ]
     assert all(row["s_per_image"] > 0 and row["steps"] == 2 for row in rows[:2])
     assert "compute capability 8.9" in rows[2]["refused"]
+
+
+def test_the_event_stream_bench_names_its_paused_worker_through_the_stacks_lookup(tmp_path):
+    from bench.api_event_streams import PAUSED_MODEL
+    from emulators.stack import StackConfig, worker_components, worker_name
+
+    config = StackConfig(stack_dir=tmp_path, worker_replicas=2)
+    names = {component.name for component in worker_components(config)}
+    assert worker_name(config, PAUSED_MODEL) in names
+    assert worker_name(config, "sleep", replica=2) in names and worker_name(config, "sleep").startswith("worker-")
+    with pytest.raises(KeyError):
+        worker_name(config, "no-such-model")
+
+
+def test_a_scenario_that_could_not_run_fails_the_bench(capsys):
+    from bench.suite import exit_status
+
+    assert exit_status([]) == 0
+    assert exit_status(["event streams"]) == 1
+    assert "event streams" in capsys.readouterr().err
