@@ -27,9 +27,11 @@ from pathlib import Path
 
 from bench.api_common import ApiCall, BenchApiProcess, _closed_loop, cpu_seconds, load_client, rss_mib, running_stack
 from emulators.processes import ProcessRegistry
+from emulators.stack import worker_name
 from maas_client import AsyncJob, MaasError
 
-PAUSED_WORKER = "worker-sd15-txt2img"
+# The model whose worker is paused, so the watched jobs stay queued (its process is found by the stack's lookup).
+PAUSED_MODEL = "sd15-txt2img"
 
 
 def threads_of(pid: int) -> int:
@@ -142,11 +144,12 @@ def main() -> None:
         MAAS_API_WORKERS="1", MAAS_API_THREADS=str(threads), MAAS_API_WORKER_TIMEOUT="300",
         MAAS_API_WORKER_CONNECTIONS=str(max(2000, args.streams + 256)),
     )  # fmt: skip
-    paused = registry.pid(PAUSED_WORKER)
+    paused_worker = worker_name(config, PAUSED_MODEL)
+    paused = registry.pid(paused_worker)
     job_ids: list[str] = []
     try:
         if paused is None:
-            raise SystemExit(f"{PAUSED_WORKER} is not running in this stack")
+            raise SystemExit(f"{paused_worker} (serving {PAUSED_MODEL}) is not running in this stack")
         os.kill(paused, signal.SIGSTOP)
         job_ids = asyncio.run(submit_watched(api.port, args.jobs))
         report = asyncio.run(run(api, job_ids, args.streams, args.seconds))

@@ -66,6 +66,8 @@ class Suite:
         self.seconds = 5.0 if quick else 10.0
         self.rows: list[dict] = []
         self.unavailable: dict[str, str] = {}
+        # Scenarios that could not run: the suite's exit status says so (a number not measured is not a pass).
+        self.failed: list[str] = []
         self.available: dict[str, bool] = {}
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
@@ -171,6 +173,7 @@ class Suite:
             result = flows.measure(api.url, self.key, seconds, self.warmup, lambda line: print(line, flush=True))
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - one scenario's failure leaves the rest of the suite
             print(f"  failed: {exc}", flush=True)
+            self.failed.append("flows")
             return None
         finally:
             api.stop()
@@ -189,6 +192,7 @@ class Suite:
         self.count += 1
         if done.returncode != 0:
             print(f"[{self.count:>2}/{self.total}] tiny pipeline direct: failed\n{done.stderr[-2000:]}", flush=True)
+            self.failed.append("tiny pipeline direct")
             return None
         result = json.loads(out.read_text())
         summary = ", ".join(
@@ -219,6 +223,7 @@ class Suite:
         self.count += 1
         if done.returncode != 0:
             print(f"[{self.count:>2}/{self.total}] {title}: failed\n{done.stderr[-2000:]}", flush=True)
+            self.failed.append(title)
             return None
         print(f"[{self.count:>2}/{self.total}] {title} ({time.monotonic() - started:.0f}s):\n{done.stdout}", flush=True)
         return json.loads(out.read_text())
@@ -236,10 +241,12 @@ class Suite:
             done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         except subprocess.TimeoutExpired as exc:
             print(f"  gave up after {exc.timeout:.0f}s (a crowded machine?)", flush=True)
+            self.failed.append("open loop, in process")
             return None
         print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")), flush=True)
         if done.returncode != 0:
             print(f"  failed\n{done.stderr[-2000:]}", flush=True)
+            self.failed.append("open loop, in process")
             return None
         print(f"  ({time.monotonic() - started:.0f}s)", flush=True)
         return json.loads(out.read_text())
@@ -280,7 +287,14 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def main() -> None:
+def exit_status(failed: list[str]) -> int:
+    """Non-zero when any scenario could not run, after saying which."""
+    if failed:
+        print(f"\nFAILED (did not run): {', '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
     parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
@@ -313,7 +327,7 @@ def main() -> None:
                     "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "seconds": flows.SECONDS}  # fmt: skip
             (out_dir / "flows.json").write_text(json.dumps({"meta": meta, "flows": flow_result}, indent=2))
             print(f"\nWrote {out_dir / 'flows.json'} (load average before {load_before}, after {meta['load_after']})")
-            return
+            return exit_status(suite.failed)
         if not args.open_loop_only:
             suite.pubsub()
             suite.http(api)
@@ -363,7 +377,7 @@ def main() -> None:
         for title, sweep in sweeps.items():
             print(f"  open loop, {title}:")
             open_loop.print_targets(sweep, lambda line: print("  " + line))
-        return
+        return exit_status(suite.failed)
     result["admin"] = report.admin_rows(suite.rows)
     result["targets"] = report.evaluate_targets(suite.rows, direct, suite.available)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
@@ -388,7 +402,8 @@ def main() -> None:
         print(f"  admin ops {a['mode']}: {a['ops_per_request']:.3f}/request -> {allowed} under 6,000/min")
     print(f"\nWrote {out_dir / 'results.json'}, {out_dir / 'results.md'}, {', '.join(p.name for p in written)} "
           f"in {time.monotonic() - began:.0f}s")  # fmt: skip
+    return exit_status(suite.failed)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

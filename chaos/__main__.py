@@ -37,13 +37,26 @@ LIMITED_KEY = "chaos-limited-key"
 LIMITED_KEY_LIMITS = (60, 4)
 
 
+def chaos_place(env) -> tuple[int, Path]:
+    """The chaos stack's port offset and folder: MAAS_CHAOS_PORT_OFFSET / MAAS_CHAOS_STACK_DIR when set; else a
+    test slot's MAAS_TEST_PORT_OFFSET (its own `.stack-chaos-<offset>`, so it runs beside other stacks); else 23000
+    and `.stack-chaos`."""
+    slot = env.get("MAAS_TEST_PORT_OFFSET")
+    offset = int(env.get("MAAS_CHAOS_PORT_OFFSET") or slot or PORT_OFFSET)
+    default_dir = ROOT / (
+        f".stack-chaos-{offset}" if slot and not env.get("MAAS_CHAOS_PORT_OFFSET") else ".stack-chaos"
+    )
+    return offset, Path(env.get("MAAS_CHAOS_STACK_DIR", default_dir)).resolve()
+
+
 def chaos_config() -> StackConfig:
     # The stack's processes inherit this environment: the API enforces the limited key's limits.
     per_minute, concurrent = LIMITED_KEY_LIMITS
     os.environ["MAAS_KEY_LIMITS"] = f"{api_key_digest(LIMITED_KEY)}={per_minute}/{concurrent}"
+    offset, stack_dir = chaos_place(os.environ)
     return StackConfig(
-        stack_dir=Path(os.environ.get("MAAS_CHAOS_STACK_DIR", ROOT / ".stack-chaos")).resolve(),
-        port_offset=int(os.environ.get("MAAS_CHAOS_PORT_OFFSET", PORT_OFFSET)),
+        stack_dir=stack_dir,
+        port_offset=offset,
         worker_replicas=2,
         api_keys=f"{CHAOS_KEY},{LIMITED_KEY}",
         api_keys_from_env=True,
@@ -68,21 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="run only these scenarios")
     parser.add_argument("--no-bad-inputs", action="store_true")
     parser.add_argument("--keep", action="store_true", help="leave the stack up afterwards")
+    parser.add_argument("--repeat", type=int, default=1, help="run the scenarios this many times on one stack")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     names = args.only or (list(QUICK) if args.quick else list(SCENARIOS))
     config = chaos_config()
     began = time.monotonic()
+    run_name = f"{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}-{os.getpid()}"
     config = up(config)
     results, bad, fuzzed = [], [], []
     try:
         ctx = context(config)
-        for name in names:
-            log.info("scenario %s ...", name)
-            result = SCENARIOS[name](ctx)
-            log.info("scenario %s: %s in %.0fs %s", name, "PASS" if result.passed else "FAIL", result.seconds,
-                     "; ".join(result.notes))  # fmt: skip
-            results.append(result)
+        for repeat in range(1, args.repeat + 1):
+            ctx.evidence_dir = RESULTS / "runs" / (run_name if args.repeat == 1 else f"{run_name}-{repeat}")
+            for name in names:
+                log.info("scenario %s ...", name)
+                result = SCENARIOS[name](ctx)
+                log.info("scenario %s (run %d): %s in %.0fs, sent %d, ok %d, unanswered %d, missing rows %d; %s",
+                         name, repeat, "PASS" if result.passed else "FAIL", result.seconds, result.sent, result.ok,
+                         result.unanswered, result.missing_rows, "; ".join(result.notes))  # fmt: skip
+                results.append(result)
         if not args.no_bad_inputs:
             log.info("bad inputs ...")
             bad = run_bad_inputs(config.api_url, ctx.headers)

@@ -13,7 +13,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from chaos import evidence
 from chaos.batches import batch_faults
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
@@ -37,7 +39,11 @@ class ChaosContext:
     # Each worker SIGKILL of the running scenario: when, the requests the worker held (holder leases), and
     # whether another worker of its deployment was ready to take them.
     kills: list[tuple[float, set[str], bool]] = field(default_factory=list)
+    # The worker (name and pid) each of those held requests was held by, for a failed run's evidence.
+    held_by: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Where a failed scenario keeps its evidence and a copy of the stack's logs (chaos/evidence.py); None: nowhere.
+    evidence_dir: Path | None = None
 
     @classmethod
     def for_stack(cls, config: StackConfig, settings, headers: dict[str, str], **kwargs) -> ChaosContext:
@@ -93,6 +99,7 @@ class ChaosContext:
         killed_at = time.time()
         held = self.held_unanswered(pid)
         self.kills.append((killed_at, held, other_ready))
+        self.held_by.update({request_id: f"{name} (pid {pid})" for request_id in held})
         return held
 
     def restart(self, name: str) -> None:
@@ -128,6 +135,7 @@ def run_scenario(
     """Traffic for `seconds`; each fault runs at its offset; then every answer and row is checked."""
     result = ScenarioResult(name)
     ctx.kills.clear()
+    ctx.held_by.clear()
     ctx.notes.clear()
     began = time.monotonic()
     traffic = Traffic(ctx.config.api_url, ctx.headers, model, concurrency, ctx.timeouts[model], body).start()
@@ -157,7 +165,17 @@ def run_scenario(
     result.ran_after_deadline = late_runs(ctx.bigquery, ctx.settings, expected, ctx.timeouts)
     result.leaked_subscriptions = len(leaked_reply_subscriptions(ctx.subscriber, ctx.settings.project_id))
     result.seconds = round(time.monotonic() - began, 1)
+    keep_evidence(ctx, result, outcomes)
     return result
+
+
+def keep_evidence(ctx: ChaosContext, result: ScenarioResult, outcomes: list[Outcome]) -> None:
+    """A failed scenario's evidence and the stack's logs, copied before the next scenario reuses the stack."""
+    if result.passed or ctx.evidence_dir is None:
+        return
+    folder = ctx.evidence_dir / "".join(c if c.isalnum() else "-" for c in result.name).strip("-")
+    kept = evidence.keep(result, outcomes, ctx.held_by, ctx.registry.log_dir, folder)
+    result.notes.append(f"evidence kept in {kept}")
 
 
 def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:

@@ -34,6 +34,16 @@ class Outcome:
     error: str | None = None
     job_status: str | None = None
     tags: set[str] = field(default_factory=set)
+    # The client's own name for the request (its prompt): the only handle on one that got no request id.
+    reference: str = ""
+    job_id: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """How the request was served: `event stream`, `job` (a 202, followed to its end) or `sync`."""
+        if "stream" in self.tags:
+            return "event stream"
+        return "job" if self.status == 202 else "sync"
 
     @property
     def answered(self) -> bool:
@@ -74,6 +84,7 @@ class Client:
     ) -> Outcome:
         """`cancel_job`: a client that gives up: when its request becomes a job (202), it cancels the job."""
         outcome = Outcome(model=model, sent_at=time.time(), deadline_seconds=deadline_seconds, tags=tags or set())
+        outcome.reference = str((body.get("instances") or [{}])[0].get("prompt", ""))
         limit = outcome.sent_at + deadline_seconds + GRACE_SECONDS
         while time.time() < limit:
             try:
@@ -94,9 +105,8 @@ class Client:
             outcome.request_id = response.headers.get("X-Request-Id")
             outcome.error = None if response.is_success else response.text[:200]
             if response.status_code == 202:
-                job = self._sdk.job(
-                    response.json().get("id") or response.headers.get("Location", "").rsplit("/", 1)[-1]
-                )
+                outcome.job_id = response.json().get("id") or response.headers.get("Location", "").rsplit("/", 1)[-1]
+                job = self._sdk.job(outcome.job_id)
                 if cancel_job:
                     with contextlib.suppress(MaasError):
                         job.cancel()
@@ -115,6 +125,7 @@ class Client:
             if view.status in JOB_TERMINAL:
                 outcome.job_status, outcome.answered_at = view.status, time.time()
                 return
+            outcome.error = f"job still {view.status}"  # what a failed run's evidence reports if it never ends
             time.sleep(0.5)
         outcome.answered_at = None  # the job did not end in time: unanswered
 

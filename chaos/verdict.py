@@ -28,6 +28,9 @@ class ScenarioResult:
     stranded_seconds: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     expected_failures: set[int] = field(default_factory=set)
+    # The requests that failed the scenario, kept so a failed run can name them (chaos/evidence.py).
+    unanswered_outcomes: list[Outcome] = field(default_factory=list)
+    missing_row_ids: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -45,8 +48,10 @@ class ScenarioResult:
         for outcome in outcomes:
             if not outcome.on_time:
                 self.unanswered += 1
+                self.unanswered_outcomes.append(outcome)
             elif not outcome.documented:
                 self.undocumented += 1
+                self.unanswered_outcomes.append(outcome)
             elif outcome.status == 200 or outcome.job_status == "succeeded":
                 self.ok += 1
             else:
@@ -78,7 +83,8 @@ class ScenarioResult:
     def record_rows(self, expected_ids: list[str], copies: dict[str, int]) -> None:
         self.rows = sum(copies.values())
         self.duplicate_rows = sum(count - 1 for count in copies.values() if count > 1)
-        self.missing_rows = sum(1 for request_id in expected_ids if request_id not in copies)
+        self.missing_row_ids = [request_id for request_id in expected_ids if request_id not in copies]
+        self.missing_rows = len(self.missing_row_ids)
 
 
 COLUMNS = (

@@ -217,6 +217,9 @@ def api_liveness_key(instance_id: str) -> str:
 # Redis sorted sets the watchdog scans: requests in flight by deadline (epoch ms), held ones by lease expiry.
 INFLIGHT_DEADLINES_KEY = f"{PREFIX}:inflight:deadlines"
 INFLIGHT_HELD_KEY = f"{PREFIX}:inflight:held"
+# Redis sorted set of the published requests no worker has taken since their last publish, scored by when the
+# watchdog publishes them again if still untaken (epoch ms): a copy lost with a dead worker's pull comes back.
+INFLIGHT_UNCLAIMED_KEY = f"{PREFIX}:inflight:unclaimed"
 # Redis sorted set of the published sync requests whose log row is not written yet, by deadline (epoch ms).
 INFLIGHT_UNLOGGED_KEY = f"{PREFIX}:inflight:unlogged"
 # Redis lease naming the one worker whose watchdog runs at a time.

@@ -387,6 +387,16 @@ def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, st
     }
 
 
+def worker_name(config: StackConfig, model: str, replica: int = 1) -> str:
+    """The name of the stack's worker process serving `model` (its catalog deployment's; `replica` 2 and on: the
+    chaos suite's twins): how a benchmark or a fault finds the process to pause or kill, whatever the deployments
+    are called this year."""
+    spec = config.catalog().get(model)
+    if spec is None:
+        raise KeyError(f"{model} is not in this stack's catalog")
+    return f"worker-{spec.deployment}" + (f"-{replica}" if replica > 1 else "")
+
+
 def worker_components(config: StackConfig) -> list[Component]:
     """`worker_replicas` workers per deployment (`worker-{deployment}`, then `-2`, `-3`...); probe ports in
     catalog order, the first replicas' first."""

@@ -16,7 +16,7 @@ from api_server.predict.reply_waiter import ReplyWaiter
 from contract import naming
 from contract.messages import Attr, InferenceReply, InferenceRequest, request_attributes
 from contract.model_spec import ModelSpec
-from contract.stores.inflight import RequestKeeper
+from contract.stores.inflight import RequestKeeper, claim_wait_ms
 from contract.tracing import current_trace
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,9 @@ class InferenceDispatcher:
             return False
         if log_row is not None:
             log_row = {**log_row, "published_at": datetime.now(UTC).isoformat()}
-        return self._keeper.keep(topic, data, attributes, log_row) and log_row is not None
+        # Watched for a taker (see `InflightStore.keep`), except batch lines: they wait in a backlog by design.
+        unclaimed_after_ms = None if priority == "batch" else claim_wait_ms(spec.ack_deadline_seconds)
+        return self._keeper.keep(topic, data, attributes, log_row, unclaimed_after_ms) and log_row is not None
 
 
 def _traced(attributes: dict[str, str]) -> dict[str, str]:

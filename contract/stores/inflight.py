@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 KEEP_PAST_DEADLINE_SECONDS = 300
 # An API process whose liveness key is this old is dead (renewed every second): what it held is adopted.
 API_LIVENESS_SECONDS = 5.0
+# A published copy no worker took within this many of its model's ack deadlines is published again (the broker
+# would have delivered it again by then, had a worker pulled it and died).
+UNCLAIMED_WAIT_ACK_DEADLINES = 2
+
+
+def claim_wait_ms(ack_deadline_seconds: int) -> int:
+    """How long a published request may go untaken before the watchdog publishes it again."""
+    return 1000 * UNCLAIMED_WAIT_ACK_DEADLINES * ack_deadline_seconds
+
 
 # Refresh (or re-claim, after a Redis outage) the holder lease of each request, unless another worker holds it.
 _HEARTBEAT = """
@@ -57,11 +66,12 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) == false then
 end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]), ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[3])
 return false
 """
 # Drop this worker's holds; with ARGV[2] == '1' the requests were answered, so their kept records go too.
 _LET_GO = """
-for i = 3, #KEYS, 2 do
+for i = 3, #KEYS - 1, 2 do
   local id = ARGV[(i - 3) / 2 + 3]
   if redis.call('GET', KEYS[i]) == ARGV[1] then
     redis.call('DEL', KEYS[i])
@@ -69,6 +79,7 @@ for i = 3, #KEYS, 2 do
   end
   if ARGV[2] == '1' then
     redis.call('ZREM', KEYS[2], id)
+    redis.call('ZREM', KEYS[#KEYS], id)
     redis.call('DEL', KEYS[i + 1])
   end
 end
@@ -177,9 +188,12 @@ class InflightStore:
         attributes: dict[str, str],
         deadline_ms: int,
         row: dict | None = None,
+        unclaimed_after_ms: int | None = None,
     ) -> None:
         """Keeps a just-published request until its deadline (and a margin past it); `row`: its partial log row,
-        kept apart from the message (which the worker drops when it answers) until a process claims it."""
+        kept apart from the message (which the worker drops when it answers) until a process claims it.
+        `unclaimed_after_ms`: if no worker takes it within this long, the watchdog publishes it again (a copy
+        pulled by a worker that died before taking it is otherwise found only by the broker, if at all)."""
         key = naming.inflight_key(request_id)
         expiry_ms = deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000
         pipe = self._redis.pipeline(transaction=True)
@@ -195,6 +209,8 @@ class InflightStore:
         )
         pipe.pexpireat(key, expiry_ms)
         pipe.zadd(naming.INFLIGHT_DEADLINES_KEY, {request_id: deadline_ms})
+        if unclaimed_after_ms is not None:
+            pipe.zadd(naming.INFLIGHT_UNCLAIMED_KEY, {request_id: int(time.time() * 1000) + unclaimed_after_ms})
         if row is not None:
             pipe.set(naming.inflight_row_key(request_id), json.dumps(row), pxat=expiry_ms)
             pipe.zadd(naming.INFLIGHT_UNLOGGED_KEY, {request_id: deadline_ms})
@@ -257,7 +273,7 @@ class InflightStore:
     def take(self, request_id: str, holder: str, ttl_seconds: float) -> str | None:
         """Holds `request_id` for `holder`; returns None when taken, else the worker that already holds it."""
         other = self._take(
-            keys=[naming.holder_key(request_id), naming.INFLIGHT_HELD_KEY],
+            keys=[naming.holder_key(request_id), naming.INFLIGHT_HELD_KEY, naming.INFLIGHT_UNCLAIMED_KEY],
             args=[holder, int(ttl_seconds * 1000), request_id],
         )
         return None if other is None else (other.decode() if isinstance(other, bytes) else str(other))
@@ -279,6 +295,7 @@ class InflightStore:
         keys = [naming.INFLIGHT_HELD_KEY, naming.INFLIGHT_DEADLINES_KEY]
         for request_id in request_ids:
             keys += [naming.holder_key(request_id), naming.inflight_key(request_id)]
+        keys.append(naming.INFLIGHT_UNCLAIMED_KEY)
         self._let_go(keys=keys, args=[holder, "1" if answered else "0", *request_ids])
 
     # The watchdog's side.
@@ -316,6 +333,29 @@ class InflightStore:
             states.append(InflightState(request_id, bool(held), bool(answered), _kept(request_id, record)))
         return states
 
+    def unclaimed(self, now_ms: int, limit: int = 200) -> list[InflightState]:
+        """Requests published (or published again) that no worker has taken by their due time (epoch ms)."""
+        ids = self._redis.zrangebyscore(naming.INFLIGHT_UNCLAIMED_KEY, "-inf", now_ms, start=0, num=limit)
+        return self.states([raw.decode() for raw in ids])
+
+    def await_claim(self, request_id: str, due_ms: int, republished_unclaimed: bool = False) -> None:
+        """Marks a request just published again as untaken until `due_ms`; `republished_unclaimed`: it was
+        published again because nobody took it (counted: the watchdog doubles its wait each time, so a request
+        that only waits in a backlog is copied rarely)."""
+        pipe = self._redis.pipeline(transaction=True)
+        if republished_unclaimed:
+            pipe.hincrby(naming.inflight_key(request_id), "unclaimed_republishes", 1)
+        pipe.zadd(naming.INFLIGHT_UNCLAIMED_KEY, {request_id: due_ms})
+        pipe.execute()
+
+    def unclaimed_republishes(self, request_id: str) -> int:
+        """How often the watchdog published `request_id` again because no worker took it."""
+        return int(self._redis.hget(naming.inflight_key(request_id), "unclaimed_republishes") or 0)
+
+    def unclaim(self, request_id: str) -> None:
+        """Stops watching a request for want of a taker (it is held, or ended)."""
+        self._redis.zrem(naming.INFLIGHT_UNCLAIMED_KEY, request_id)
+
     def count_redispatch(self, request_id: str) -> int:
         """Counts one more re-dispatch and drops the request from the held index until a worker takes it again."""
         pipe = self._redis.pipeline(transaction=True)
@@ -332,6 +372,7 @@ class InflightStore:
         pipe = self._redis.pipeline(transaction=False)
         pipe.zrem(naming.INFLIGHT_HELD_KEY, request_id)
         pipe.zrem(naming.INFLIGHT_DEADLINES_KEY, request_id)
+        pipe.zrem(naming.INFLIGHT_UNCLAIMED_KEY, request_id)
         pipe.delete(naming.inflight_key(request_id))
         pipe.execute()
 
@@ -369,13 +410,21 @@ class RequestKeeper:
         self._skip_until = 0.0
         self._outage = RedisOutage("keeping published requests")
 
-    def keep(self, topic: str, data: bytes, attributes: dict[str, str], row: dict | None = None) -> bool:
-        """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt."""
+    def keep(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str],
+        row: dict | None = None,
+        unclaimed_after_ms: int | None = None,
+    ) -> bool:
+        """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt.
+        `unclaimed_after_ms`: see `InflightStore.keep`."""
         if time.monotonic() < self._skip_until:
             return False
         request_id, deadline_ms = attributes[Attr.REQUEST_ID], int(attributes[Attr.DEADLINE_MS])
         try:
-            self._store.keep(request_id, topic, data, attributes, deadline_ms, row)
+            self._store.keep(request_id, topic, data, attributes, deadline_ms, row, unclaimed_after_ms)
         except redis.RedisError as exc:
             self._skip_until = time.monotonic() + self._retry_seconds
             self._outage.failed(exc)

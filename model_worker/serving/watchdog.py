@@ -11,6 +11,10 @@ fast as a dead worker's requests lapse). A sweep looks at two things the API and
   the new copy takes a new holder lease; a stalled holder that wakes up finds the answer stored and only acks.
 - requests past their deadline that nobody holds and nobody answered: answered `expired` (stored, published),
   so a waiting client, a job and its log row end at the deadline, not at a client's timeout.
+- requests published (or re-dispatched) that no worker has taken within twice the model's ack deadline: published
+  again, the wait doubling each time. A copy a worker pulled but died before taking (no holder lease yet) is
+  invisible to the lapse check, and the emulator has been seen never to deliver it again: before this, such a
+  request (a sync request turned job, deadline 15 minutes away) waited for its deadline, its client long gone.
 
 A flow's answer (expired or dead-lettered) names the flow and the stage it was at, as a worker's would, and
 carries the reports its finished stages kept in Redis: their rows are written, and past the deadline between
@@ -33,7 +37,7 @@ from google.cloud import pubsub_v1
 
 from contract.catalog import ModelCatalog
 from contract.messages import Attr, InferenceReply, StageReport
-from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage
+from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage, claim_wait_ms
 from contract.stores.results import ResultStore
 from model_worker.flows.stages import unanswered_flow_reply
 from model_worker.serving.finisher import ReplyFinisher
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_SECONDS = 10
 # Models missing from this worker's catalog (another deployment's newer entry) get the catalog's usual limit.
 DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_ACK_DEADLINE_SECONDS = 15
 
 
 class Watchdog:
@@ -111,7 +116,31 @@ class Watchdog:
             # A live holder answers its own request at the deadline (the device loop abandons it).
             if not state.held and not self._settled(state):
                 ended += self._expire(state.kept)
+        for state in self._inflight.unclaimed(now_ms):
+            if state.held or state.kept is None or state.kept.deadline_ms <= now_ms:
+                self._inflight.unclaim(state.request_id)  # taken, or ended (the sweeps above see to it)
+            elif not self._settled(state):
+                redispatched += self._republish_unclaimed(state.kept, now_ms)
         return redispatched, ended
+
+    def claim_wait_ms(self, kept: KeptRequest) -> int:
+        """How long a published copy may go untaken before it is published again: twice the model's ack deadline
+        (by then the broker would have delivered it again, had a worker pulled it and died)."""
+        spec = self._catalog.get(kept.attributes.get(Attr.MODEL, ""))
+        return claim_wait_ms(spec.ack_deadline_seconds if spec is not None else DEFAULT_ACK_DEADLINE_SECONDS)
+
+    def _republish_unclaimed(self, kept: KeptRequest, now_ms: int) -> int:
+        """Publishes again a request nobody took (not a delivery attempt: no worker ran it)."""
+        times = self._inflight.unclaimed_republishes(kept.request_id)
+        try:
+            self._publisher.publish(kept.topic, kept.data, **kept.attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - publish futures raise transport and timeout errors alike
+            log.warning("could not publish untaken %s again (%s); trying again at the next sweep", kept.request_id, exc)
+            return 0
+        self._inflight.await_claim(kept.request_id, now_ms + self.claim_wait_ms(kept) * 2 ** (times + 1), True)
+        log.warning("request %s published again: no worker took it (time %d)", kept.request_id, times + 1)
+        self._metrics.watchdog.labels(action="republished_untaken").inc()
+        return 1
 
     def _settled(self, state: InflightState) -> bool:
         """True (and the record ended) when there is nothing to do: answered, or no message kept to publish."""
@@ -136,6 +165,8 @@ class Watchdog:
             log.warning("could not re-dispatch %s (%s); trying again at the next sweep", kept.request_id, exc)
             self._inflight.mark_lapsed(kept.request_id)
             return 0
+        # The new copy can be lost the same way (pulled by a worker that dies before taking it): watched too.
+        self._inflight.await_claim(kept.request_id, int(time.time() * 1000) + self.claim_wait_ms(kept))
         log.warning("request %s re-dispatched (attempt %d): its holder's lease lapsed", kept.request_id, count + 1)
         self._metrics.watchdog.labels(action="redispatched").inc()
         return 1

@@ -133,3 +133,56 @@ def test_a_job_nobody_runs_ends_expired_with_its_row_at_its_deadline(stack, sett
         app.extensions["maas"].close()
     assert len(rows) == 1 and rows[0]["status"] == "expired" and rows[0]["error_kind"] == "expired", rows
     assert rows[0]["endpoint"] == "job" and rows[0]["worker_id"], rows
+
+
+class LosingPublisher:
+    """A publisher whose request messages never reach the queue: the copy a worker pulled and died with before
+    taking it (no holder lease yet), which the emulator was seen never to deliver again (issue 44)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def topic_path(self, project: str, topic: str) -> str:
+        return self._real.topic_path(project, topic)
+
+    def publish(self, topic: str, data: bytes, **attributes):
+        from concurrent.futures import Future
+
+        lost: Future = Future()
+        lost.set_result("lost")
+        return lost
+
+
+def test_a_request_no_worker_takes_is_published_again_and_answered(stack, settings):
+    """The API keeps the request (as it does every one) but its message is lost before any worker takes it: the
+    watchdog publishes it again once it has gone untaken for twice the model's ack deadline, and a worker answers
+    it long before its deadline (a job's: 15 minutes)."""
+    from google.cloud import pubsub_v1
+
+    from api_server.predict.dispatch import InferenceDispatcher
+    from contract.generation import GenerationParameters
+    from contract.messages import InferenceRequest, RequestInstance
+    from contract.stores.inflight import InflightStore, RequestKeeper
+
+    client = redis.Redis.from_url(settings.redis_url)
+    spec = settings.catalog().get("sleep")
+    dispatcher = InferenceDispatcher(
+        LosingPublisher(pubsub_v1.PublisherClient()), None, settings.project_id, RequestKeeper(InflightStore(client))
+    )
+    request = InferenceRequest(
+        request_id=f"lost-{os.getpid()}-{time.time_ns()}",
+        model="sleep",
+        model_version=spec.version,
+        instances=[RequestInstance(prompt="a copy lost with its worker")],
+        parameters=GenerationParameters.model_validate({"seed": 1, "width": 64, "height": 64}),
+    )
+    dispatcher.submit(request, spec, int((time.time() + 900) * 1000), "normal")
+    results = ResultStore(client, 60)
+    # Well past twice the ack deadline and well before the deadline; polled, not slept through.
+    give_up = time.monotonic() + 6 * spec.ack_deadline_seconds
+    reply = None
+    while reply is None and time.monotonic() < give_up:
+        reply = results.get(request.request_id)
+        time.sleep(0.5)
+    assert reply is not None, "nobody ran the request whose message was lost"
+    assert reply.status == "ok", reply

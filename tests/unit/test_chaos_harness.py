@@ -140,3 +140,52 @@ def test_the_admin_run_selects_exactly_the_admin_operations_with_the_admin_key()
     command = fuzz.argv("st", "http://api", admin, 5, 190)
     assert "--header=Authorization: Bearer admin-key" in command
     assert f"--include-by={fuzz.ADMIN_OPERATIONS}" in command and "--request-timeout=190" in command
+
+
+def test_a_failed_scenarios_evidence_names_its_unanswered_and_unlogged_requests_and_keeps_the_logs(tmp_path):
+    from chaos.evidence import keep
+
+    logs = tmp_path / "stack" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "api.log").write_text(
+        '{"message": "POST /v1/models/sleep:predict 202", "request_id": "lost-job"}\n'
+        '{"message": "GET /v1/jobs/lost-job 200", "request_id": "a-poll"}\n'
+        '{"message": "POST /v1/models/sleep:predict 200", "request_id": "fine"}\n'
+    )
+    (logs / "worker-synthetic.log").write_text('{"message": "request no-row ok", "request_id": "no-row"}\n')
+    job = outcome(202, None)
+    job.request_id, job.job_id, job.reference, job.error = "lost-job", "lost-job", "chaos 1a2b", "job still queued"
+    silent = outcome(None, None)
+    silent.reference = "chaos 3c4d"  # no answer: no request id, only its prompt
+    unlogged, fine = outcome(200, 1), outcome(200, 1)
+    unlogged.request_id, fine.request_id = "no-row", "fine"
+    result = ScenarioResult("worker SIGKILL every 10 s")
+    result.record([job, silent, unlogged, fine])
+    result.record_rows(["lost-job", "no-row", "fine"], {"fine": 1})
+    assert not result.passed
+
+    folder = tmp_path / "runs" / "run-1" / "worker-kill"
+    text = keep(
+        result, [job, silent, unlogged, fine], {"lost-job": "worker-synthetic (pid 42)"}, logs, folder
+    ).read_text()
+
+    assert "| lost-job | sleep | job | unanswered (job still queued) | worker-synthetic (pid 42) |" in text
+    assert "| (none: no answer carried one) | sleep | sync | unanswered |" in text and "chaos 3c4d" in text
+    assert "| no-row | sleep | sync | no log row |" in text
+    assert "| fine |" not in text
+    assert "POST /v1/models/sleep:predict 202" in text and "GET /v1/jobs/lost-job" not in text
+    assert "request no-row ok" in text
+    # The stack's logs are copied: the next run may overwrite the originals.
+    (logs / "api.log").write_text("")
+    assert "predict 202" in (folder / "logs" / "api.log").read_text()
+
+
+def test_chaos_runs_in_a_test_slots_ports_and_folder_when_given_one():
+    from chaos.__main__ import PORT_OFFSET, chaos_place
+
+    offset, folder = chaos_place({"MAAS_TEST_PORT_OFFSET": "14000"})
+    assert offset == 14000 and folder.name == ".stack-chaos-14000"
+    offset, folder = chaos_place({})
+    assert offset == PORT_OFFSET and folder.name == ".stack-chaos"
+    offset, folder = chaos_place({"MAAS_TEST_PORT_OFFSET": "14000", "MAAS_CHAOS_PORT_OFFSET": "30000"})
+    assert offset == 30000 and folder.name == ".stack-chaos"
