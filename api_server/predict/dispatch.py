@@ -126,7 +126,9 @@ class InferenceDispatcher:
             return False
         if log_row is not None:
             log_row = {**log_row, "published_at": datetime.now(UTC).isoformat()}
-        return self._keeper.keep(topic, data, attributes, log_row) and log_row is not None
+        # High and normal requests are counted in their model's backlog (admission); batch lines never wait on it.
+        backlog = naming.backlog_key(spec.queue, priority) if priority != "batch" else None
+        return self._keeper.keep(topic, data, attributes, log_row, backlog) and log_row is not None
 
 
 def _traced(attributes: dict[str, str]) -> dict[str, str]:

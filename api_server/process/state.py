@@ -29,6 +29,7 @@ from api_server.jobs.janitor import JanitorTask, build_janitor_task, delete_orph
 from api_server.jobs.service import JobStore
 from api_server.jobs.webhooks import WebhookNotifier, WebhookTargetPolicy
 from api_server.predict.adapters import AdapterService
+from api_server.predict.admission import AdmissionControl, AdmissionLedger
 from api_server.predict.dispatch import InferenceDispatcher
 from api_server.predict.flights import SharedFlights
 from api_server.predict.inference import InferenceService
@@ -195,7 +196,7 @@ def build_app_state(settings: Settings) -> AppState:
     shadow = ShadowTraffic(inference, inference_log, settings.instance_id, waiter.mode)
     serving = ServingStage(
         settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow,
-        inflight,
+        inflight, AdmissionControl(AdmissionLedger(redis_client, settings.admission_window_seconds), redis_state),
     )  # fmt: skip
     flows = FlowService(catalog, serving.model)
     batch_store = BatchStore(redis_client, storage.bucket(settings.payload_bucket))

@@ -177,9 +177,11 @@ class InflightStore:
         attributes: dict[str, str],
         deadline_ms: int,
         row: dict | None = None,
+        backlog_key: str | None = None,
     ) -> None:
         """Keeps a just-published request until its deadline (and a margin past it); `row`: its partial log row,
-        kept apart from the message (which the worker drops when it answers) until a process claims it."""
+        kept apart from the message (which the worker drops when it answers) until a process claims it;
+        `backlog_key`: its model's backlog at its priority, which admission counts (`naming.backlog_key`)."""
         key = naming.inflight_key(request_id)
         expiry_ms = deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000
         pipe = self._redis.pipeline(transaction=True)
@@ -198,6 +200,9 @@ class InflightStore:
         if row is not None:
             pipe.set(naming.inflight_row_key(request_id), json.dumps(row), pxat=expiry_ms)
             pipe.zadd(naming.INFLIGHT_UNLOGGED_KEY, {request_id: deadline_ms})
+        if backlog_key is not None:
+            pipe.zadd(backlog_key, {request_id: deadline_ms})
+            pipe.pexpireat(backlog_key, expiry_ms)
         pipe.execute()
 
     def in_flight(self, request_id: str) -> bool:
@@ -369,13 +374,21 @@ class RequestKeeper:
         self._skip_until = 0.0
         self._outage = RedisOutage("keeping published requests")
 
-    def keep(self, topic: str, data: bytes, attributes: dict[str, str], row: dict | None = None) -> bool:
-        """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt."""
+    def keep(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str],
+        row: dict | None = None,
+        backlog_key: str | None = None,
+    ) -> bool:
+        """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt.
+        `backlog_key`: counted in its model's backlog too (admission)."""
         if time.monotonic() < self._skip_until:
             return False
         request_id, deadline_ms = attributes[Attr.REQUEST_ID], int(attributes[Attr.DEADLINE_MS])
         try:
-            self._store.keep(request_id, topic, data, attributes, deadline_ms, row)
+            self._store.keep(request_id, topic, data, attributes, deadline_ms, row, backlog_key)
         except redis.RedisError as exc:
             self._skip_until = time.monotonic() + self._retry_seconds
             self._outage.failed(exc)

@@ -1,0 +1,223 @@
+"""Admission by predicted wait: refuse at once (503, `Retry-After`) a request that would miss its deadline in queue.
+
+The estimate, from what the system already records in Redis:
+
+- **backlog ahead**: the model's published requests not yet taken by a worker, at the request's priority and
+  above (high counts high; normal counts high and normal). Every request the API publishes is kept in a sorted
+  set per model and priority, by deadline, with its in-flight record (`InflightStore.keep`). A request leaves it
+  when its deadline passes or its in-flight record is gone (the worker answered it, or the watchdog ended it);
+  one a worker holds (its holder lease, `naming.holder_key`) is running, not waiting.
+- **rate**: requests the model's workers answered in the last `MAAS_ADMISSION_WINDOW_SECONDS` (a request is
+  counted when its stored result is seen), per second; and at least the most requests seen running at once in
+  that window over their run time (the fleet's capacity), so a burst from idle is not judged by the idle
+  minute before it.
+- **run time**: the model's recent inference time per request (smoothed from the replies the API receives).
+
+Predicted start = backlog ahead / rate; the request is refused when `safety_factor` x (start + run time) is past
+its deadline: a sync request's wait (`request_timeout_seconds`), a job's deadline (`MAAS_JOB_DEADLINE_SECONDS`).
+`Retry-After` is when the backlog ahead will have drained enough for it to fit, at the same rate. Without an
+estimate (no rate seen yet, or Redis unavailable) a request is admitted: admission never refuses on a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import redis
+
+from api_server.core import metrics
+from api_server.core.redis_state import RedisState
+from contract import naming
+from contract.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+# The priorities whose backlog is counted ahead of a request of each priority (batch lines are never judged).
+AHEAD: dict[str, tuple[str, ...]] = {"high": ("high",), "normal": ("high", "normal")}
+# At most this many kept requests per priority are looked at per estimate (a backlog beyond it is as long).
+SCAN_LIMIT = 2000
+# Weight of the newest run time in the smoothed one.
+RUN_TIME_WEIGHT = 0.3
+
+# KEYS: the answered set, the run-time key, the peak-running key, then one backlog set per priority. ARGV: the
+# window (ms), the scan limit, and the key prefixes of in-flight records, holder leases and stored results.
+# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most requests seen running
+# at once in the window, then waiting and running per set.
+_BACKLOG = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+local inflight, holder, result = ARGV[3], ARGV[4], ARGV[5]
+local out = {now, 0, tonumber(redis.call('GET', KEYS[2]) or '-1'), 0}
+local running_all = 0
+for i = 4, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  local waiting, running = 0, 0
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[i], 0, limit - 1)) do
+    if redis.call('EXISTS', inflight .. id) == 0 then
+      redis.call('ZREM', KEYS[i], id)
+      if redis.call('EXISTS', result .. id) == 1 then
+        redis.call('ZADD', KEYS[1], now, id)
+      end
+    elseif redis.call('EXISTS', holder .. id) == 1 then
+      running = running + 1
+    else
+      waiting = waiting + 1
+    end
+  end
+  table.insert(out, waiting)
+  table.insert(out, running)
+  running_all = running_all + running
+end
+local peak = tonumber(redis.call('GET', KEYS[3]) or '0')
+if running_all >= peak and running_all > 0 then
+  peak = running_all
+  redis.call('SET', KEYS[3], peak, 'PX', window)
+end
+out[4] = peak
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+redis.call('PEXPIRE', KEYS[1], window)
+out[2] = redis.call('ZCARD', KEYS[1])
+return out
+"""
+_RAN = """
+local old = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local new = tonumber(ARGV[1])
+if old >= 0 then new = old + tonumber(ARGV[2]) * (new - old) end
+redis.call('SET', KEYS[1], tostring(new), 'EX', 3600)
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What admission knows of a model when a request arrives."""
+
+    ahead: int  # requests waiting at the request's priority and above
+    running: int  # requests its workers hold now
+    peak_running: int  # the most requests its workers were seen holding at once in the window
+    answered: int  # requests answered in the window
+    window_seconds: float
+    run_seconds: float | None  # the smoothed run time of one request; None before any reply was seen
+
+    @property
+    def rate(self) -> float | None:
+        """Requests answered per second now: the window's, or the capacity seen running if that is more; None
+        before anything was answered or seen running."""
+        rates = [self.answered / self.window_seconds] if self.answered and self.window_seconds > 0 else []
+        running = max(self.running, self.peak_running)
+        if running and self.run_seconds:
+            rates.append(running / self.run_seconds)
+        return max(rates) if rates else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admitted: bool
+    # The predicted wait before it starts, and before it ends (safety factor applied); None: no estimate.
+    start_seconds: float | None = None
+    finish_seconds: float | None = None
+    retry_after: int | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.start_seconds is not None
+
+
+ADMITTED_UNKNOWN = Verdict(True)
+
+
+def judge(backlog: Backlog, left_seconds: float, safety_factor: float = 1.0) -> Verdict:
+    """Admit when the predicted finish (start + run time, times the safety factor) is within `left_seconds`;
+    else refuse, with `retry_after` the seconds until the backlog ahead has drained enough at the same rate."""
+    run = backlog.run_seconds or 0.0
+    if backlog.ahead == 0:
+        return Verdict(True, 0.0, run * safety_factor)
+    rate = backlog.rate
+    if rate is None:
+        return ADMITTED_UNKNOWN
+    start = backlog.ahead / rate
+    finish = (start + run) * safety_factor
+    if finish <= left_seconds:
+        return Verdict(True, start, finish)
+    # After t seconds, t x rate of the backlog ahead is gone: it fits when (start - t + run) x safety <= left.
+    retry_after = max(1, math.ceil(start + run - left_seconds / safety_factor))
+    return Verdict(False, start, finish, retry_after)
+
+
+class AdmissionLedger:
+    """The Redis side: a model's backlog, answered requests and run time (the keys in `contract/naming.py`)."""
+
+    def __init__(self, client: redis.Redis, window_seconds: float) -> None:
+        self._redis = client
+        self._window_seconds = window_seconds
+        self._backlog = client.register_script(_BACKLOG)
+        self._ran = client.register_script(_RAN)
+
+    def backlog(self, queue: str, priority: str) -> Backlog:
+        """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call)."""
+        ahead = AHEAD[priority]
+        keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_running_key(queue),
+                *(naming.backlog_key(queue, p) for p in ahead)]  # fmt: skip
+        prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
+        out = [int(value) for value in self._backlog(keys=keys, args=[int(self._window_seconds * 1000), SCAN_LIMIT,
+                                                                        *prefixes])]  # fmt: skip
+        counts = out[4:]
+        run_ms = out[2]
+        return Backlog(
+            ahead=sum(counts[0::2]),
+            running=sum(counts[1::2]),
+            peak_running=out[3],
+            answered=out[1],
+            window_seconds=self._window_seconds,
+            run_seconds=run_ms / 1000 if run_ms >= 0 else None,
+        )
+
+    def ran(self, queue: str, inference_ms: float) -> None:
+        """One request's run time, from its reply: folded into the model's smoothed one."""
+        self._ran(keys=[naming.run_time_key(queue)], args=[round(inference_ms), RUN_TIME_WEIGHT])
+
+
+class AdmissionControl:
+    """Admission as the serving stage asks it: a verdict per request, admitted whenever there is no estimate."""
+
+    def __init__(self, ledger: AdmissionLedger, state: RedisState) -> None:
+        self._ledger = ledger
+        self._state = state
+
+    def check(self, spec: ModelSpec, priority: str, left_seconds: float) -> Verdict | None:
+        """The verdict for a request of `spec` at `priority` with `left_seconds` to its deadline; None when the
+        model has admission off (or the request is a batch line's, which is never judged)."""
+        policy = spec.admission
+        if policy is None or not policy.enabled or priority not in AHEAD:
+            return None
+        if not self._state.available():
+            return self._count(spec, ADMITTED_UNKNOWN)
+        try:
+            backlog = self._ledger.backlog(spec.queue, priority)
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+            return self._count(spec, ADMITTED_UNKNOWN)
+        verdict = judge(backlog, left_seconds, policy.safety_factor)
+        if verdict.start_seconds is not None:
+            metrics.PREDICTED_START.labels(spec.name, priority).set(round(verdict.start_seconds, 3))
+        return self._count(spec, verdict)
+
+    def ran(self, spec: ModelSpec, inference_ms: float) -> None:
+        """A reply's run time, for a model with admission on (nothing kept for the others)."""
+        if spec.admission is None or not spec.admission.enabled or inference_ms <= 0 or not self._state.available():
+            return
+        try:
+            self._ledger.ran(spec.queue, inference_ms)
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+
+    def fell_back(self, spec: ModelSpec) -> None:
+        metrics.ADMISSION.labels(spec.name, "fallback").inc()
+
+    @staticmethod
+    def _count(spec: ModelSpec, verdict: Verdict) -> Verdict:
+        decision = "unknown" if not verdict.known else "admitted" if verdict.admitted else "refused"
+        metrics.ADMISSION.labels(spec.name, decision).inc()
+        return verdict
