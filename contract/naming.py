@@ -224,7 +224,7 @@ INFLIGHT_UNLOGGED_KEY = f"{PREFIX}:inflight:unlogged"
 # Redis sorted sets for admission by predicted wait (api_server/predict/admission.py): a model's published
 # requests by priority, by deadline (epoch ms), kept with each request (`keep`); its answered ones by when the
 # API saw them answered (the completion rate); its recent run time per request (ms, smoothed); and the most
-# requests its workers were seen holding at once lately (its capacity).
+# workers seen holding its requests at once lately (its capacity).
 def backlog_key(queue: str, priority: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:{priority}"
 
@@ -237,8 +237,8 @@ def run_time_key(queue: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:run_ms"
 
 
-def peak_running_key(queue: str) -> str:
-    return f"{PREFIX}:backlog:{{{queue}}}:peak_running"
+def peak_workers_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:peak_workers"
 
 
 # Redis lease naming the one worker whose watchdog runs at a time.

@@ -6,11 +6,12 @@ The estimate, from what the system already records in Redis:
   above (high counts high; normal counts high and normal). Every request the API publishes is kept in a sorted
   set per model and priority, by deadline, with its in-flight record (`InflightStore.keep`). A request leaves it
   when its deadline passes or its in-flight record is gone (the worker answered it, or the watchdog ended it);
-  one a worker holds (its holder lease, `naming.holder_key`) is running, not waiting.
+  one a worker holds (its holder lease, `naming.holder_key`: running, or next in that worker's hands) is not
+  waiting.
 - **rate**: requests the model's workers answered in the last `MAAS_ADMISSION_WINDOW_SECONDS` (a request is
-  counted when its stored result is seen), per second; and at least the most requests seen running at once in
-  that window over their run time (the fleet's capacity), so a burst from idle is not judged by the idle
-  minute before it.
+  counted when its stored result is seen), per second; and at least the fleet's capacity: the most workers seen
+  holding its requests at once in that window, times the requests one worker runs at once (`max_batch_size`),
+  over the run time, so a burst from idle is not judged by the idle minute before it.
 - **run time**: the model's recent inference time per request (smoothed from the replies the API receives).
 
 Predicted start = backlog ahead / rate; the request is refused when `safety_factor` x (start + run time) is past
@@ -40,17 +41,17 @@ SCAN_LIMIT = 2000
 # Weight of the newest run time in the smoothed one.
 RUN_TIME_WEIGHT = 0.3
 
-# KEYS: the answered set, the run-time key, the peak-running key, then one backlog set per priority. ARGV: the
+# KEYS: the answered set, the run-time key, the peak-workers key, then one backlog set per priority. ARGV: the
 # window (ms), the scan limit, and the key prefixes of in-flight records, holder leases and stored results.
-# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most requests seen running
-# at once in the window, then waiting and running per set.
+# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen holding
+# its requests at once in the window, then waiting and held per set.
 _BACKLOG = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local inflight, holder, result = ARGV[3], ARGV[4], ARGV[5]
 local out = {now, 0, tonumber(redis.call('GET', KEYS[2]) or '-1'), 0}
-local running_all = 0
+local workers, count = {}, 0
 for i = 4, #KEYS do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
   local waiting, running = 0, 0
@@ -60,19 +61,25 @@ for i = 4, #KEYS do
       if redis.call('EXISTS', result .. id) == 1 then
         redis.call('ZADD', KEYS[1], now, id)
       end
-    elseif redis.call('EXISTS', holder .. id) == 1 then
-      running = running + 1
     else
-      waiting = waiting + 1
+      local worker = redis.call('GET', holder .. id)
+      if worker then
+        running = running + 1
+        if not workers[worker] then
+          workers[worker] = true
+          count = count + 1
+        end
+      else
+        waiting = waiting + 1
+      end
     end
   end
   table.insert(out, waiting)
   table.insert(out, running)
-  running_all = running_all + running
 end
 local peak = tonumber(redis.call('GET', KEYS[3]) or '0')
-if running_all >= peak and running_all > 0 then
-  peak = running_all
+if count >= peak and count > 0 then
+  peak = count
   redis.call('SET', KEYS[3], peak, 'PX', window)
 end
 out[4] = peak
@@ -95,20 +102,20 @@ class Backlog:
     """What admission knows of a model when a request arrives."""
 
     ahead: int  # requests waiting at the request's priority and above
-    running: int  # requests its workers hold now
-    peak_running: int  # the most requests its workers were seen holding at once in the window
+    held: int  # requests its workers hold now (running, or next in a worker's hands)
+    workers: int  # the most workers seen holding its requests at once in the window
+    per_worker: int  # requests one worker runs at once (the model's `max_batch_size`)
     answered: int  # requests answered in the window
     window_seconds: float
     run_seconds: float | None  # the smoothed run time of one request; None before any reply was seen
 
     @property
     def rate(self) -> float | None:
-        """Requests answered per second now: the window's, or the capacity seen running if that is more; None
-        before anything was answered or seen running."""
+        """Requests answered per second now: the window's, or the fleet's capacity if that is more; None before
+        anything was answered or seen held."""
         rates = [self.answered / self.window_seconds] if self.answered and self.window_seconds > 0 else []
-        running = max(self.running, self.peak_running)
-        if running and self.run_seconds:
-            rates.append(running / self.run_seconds)
+        if self.workers and self.run_seconds:
+            rates.append(self.workers * self.per_worker / self.run_seconds)
         return max(rates) if rates else None
 
 
@@ -155,10 +162,10 @@ class AdmissionLedger:
         self._backlog = client.register_script(_BACKLOG)
         self._ran = client.register_script(_RAN)
 
-    def backlog(self, queue: str, priority: str) -> Backlog:
+    def backlog(self, queue: str, priority: str, per_worker: int = 1) -> Backlog:
         """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call)."""
         ahead = AHEAD[priority]
-        keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_running_key(queue),
+        keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_workers_key(queue),
                 *(naming.backlog_key(queue, p) for p in ahead)]  # fmt: skip
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
         out = [int(value) for value in self._backlog(keys=keys, args=[int(self._window_seconds * 1000), SCAN_LIMIT,
@@ -167,8 +174,9 @@ class AdmissionLedger:
         run_ms = out[2]
         return Backlog(
             ahead=sum(counts[0::2]),
-            running=sum(counts[1::2]),
-            peak_running=out[3],
+            held=sum(counts[1::2]),
+            workers=out[3],
+            per_worker=per_worker,
             answered=out[1],
             window_seconds=self._window_seconds,
             run_seconds=run_ms / 1000 if run_ms >= 0 else None,
@@ -195,7 +203,7 @@ class AdmissionControl:
         if not self._state.available():
             return self._count(spec, ADMITTED_UNKNOWN)
         try:
-            backlog = self._ledger.backlog(spec.queue, priority)
+            backlog = self._ledger.backlog(spec.queue, priority, spec.max_batch_size)
         except redis.RedisError as exc:
             self._state.failed(exc)
             return self._count(spec, ADMITTED_UNKNOWN)

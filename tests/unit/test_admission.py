@@ -25,9 +25,11 @@ CATALOG = local_catalog(test_fixtures=True)  # sleep-admitted: admission on, `no
 MODEL = "sleep-admitted"
 
 
-def backlog(ahead: int, running: int = 1, run_seconds: float | None = 2.0, answered: int = 0) -> Backlog:
-    return Backlog(ahead=ahead, running=running, peak_running=running, answered=answered, window_seconds=60.0,
-                   run_seconds=run_seconds)  # fmt: skip
+def backlog(
+    ahead: int, workers: int = 1, run_seconds: float | None = 2.0, answered: int = 0, per_worker: int = 1
+) -> Backlog:
+    return Backlog(ahead=ahead, held=workers, workers=workers, per_worker=per_worker, answered=answered,
+                   window_seconds=60.0, run_seconds=run_seconds)  # fmt: skip
 
 
 # The decision, from a known backlog and rate.
@@ -58,18 +60,23 @@ def test_the_safety_factor_refuses_earlier():
 
 
 def test_the_rate_is_the_answered_rate_when_it_is_more_than_the_capacity_seen_running():
-    # 120 answered in the last minute (2/s) beats one running at 2 s a request (0.5/s).
+    # 120 answered in the last minute (2/s) beats one worker running one request at 2 s a request (0.5/s).
     assert backlog(20, answered=120).rate == 2.0
     assert judge(backlog(20, answered=120), left_seconds=30).admitted
 
 
+def test_the_capacity_is_the_workers_seen_times_what_one_runs_at_once_over_the_run_time():
+    # Two workers of 8-image batches at 0.2 s a call, after an idle minute (one answered): 80 requests a second.
+    assert backlog(100, workers=2, per_worker=8, run_seconds=0.2, answered=1).rate == 80.0
+
+
 def test_a_model_with_no_rate_seen_yet_is_admitted_without_an_estimate():
-    verdict = judge(backlog(50, running=0, run_seconds=None), left_seconds=30)
+    verdict = judge(backlog(50, workers=0, run_seconds=None), left_seconds=30)
     assert verdict.admitted and not verdict.known
 
 
 def test_an_empty_backlog_is_admitted_whatever_the_rate():
-    assert judge(backlog(0, running=0, run_seconds=None), left_seconds=1).admitted
+    assert judge(backlog(0, workers=0, run_seconds=None), left_seconds=1).admitted
 
 
 # The control: which requests are judged, and against which backlog.
@@ -79,7 +86,7 @@ class Ledger:
     def __init__(self, ahead_by_priority: dict[str, int]) -> None:
         self.ahead_by_priority, self.asked, self.run_times = ahead_by_priority, [], []
 
-    def backlog(self, queue: str, priority: str) -> Backlog:
+    def backlog(self, queue: str, priority: str, per_worker: int = 1) -> Backlog:
         self.asked.append((queue, priority))
         return backlog(self.ahead_by_priority[priority])
 
@@ -254,7 +261,7 @@ def test_without_the_opt_in_nothing_falls_back():
 
 def test_a_fallback_that_is_overloaded_too_leaves_the_refusal():
     class BothFull(Ledger):
-        def backlog(self, queue, priority):
+        def backlog(self, queue, priority, per_worker=1):
             return backlog(20)
 
     serving, inference = stage(AdmissionControl(BothFull({}), RedisUp()))  # type: ignore[arg-type]
