@@ -10,8 +10,9 @@ The estimate, from what the system already records in Redis:
   waiting.
 - **rate**: requests the model's workers answered in the last `MAAS_ADMISSION_WINDOW_SECONDS` (a request is
   counted when its stored result is seen), per second; and at least the fleet's capacity: the most workers seen
-  holding its requests at once in that window, times the requests one worker runs at once (`max_batch_size`),
-  over the run time, so a burst from idle is not judged by the idle minute before it.
+  holding its requests at once in that window (after an idle window: the count last seen, within the hour), times
+  the requests one worker runs at once (`max_batch_size`), over the run time, so a burst from idle is not judged
+  by the idle minute before it.
 - **run time**: the model's recent inference time per request (smoothed from the replies the API receives).
 
 Predicted start = backlog ahead / rate; the request is refused when `safety_factor` x (start + run time) is past
@@ -41,7 +42,8 @@ SCAN_LIMIT = 2000
 # Weight of the newest run time in the smoothed one.
 RUN_TIME_WEIGHT = 0.3
 
-# KEYS: the answered set, the run-time key, the peak-workers key, then one backlog set per priority. ARGV: the
+# KEYS: the answered set, the run-time key, the peak-workers key, the last-workers key (the count last seen, kept an
+# hour: after an idle window the fleet is taken to be what it last was), then one backlog set per priority. ARGV: the
 # window (ms), the scan limit, and the key prefixes of in-flight records, holder leases and stored results.
 # Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen holding
 # its requests at once in the window, then waiting and held per set.
@@ -52,7 +54,7 @@ local window, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local inflight, holder, result = ARGV[3], ARGV[4], ARGV[5]
 local out = {now, 0, tonumber(redis.call('GET', KEYS[2]) or '-1'), 0}
 local workers, count = {}, 0
-for i = 4, #KEYS do
+for i = 5, #KEYS do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
   local waiting, running = 0, 0
   for _, id in ipairs(redis.call('ZRANGE', KEYS[i], 0, limit - 1)) do
@@ -81,6 +83,12 @@ local peak = tonumber(redis.call('GET', KEYS[3]) or '0')
 if count >= peak and count > 0 then
   peak = count
   redis.call('SET', KEYS[3], peak, 'PX', window)
+end
+if count > 0 then
+  redis.call('SET', KEYS[4], count, 'EX', 3600)
+end
+if peak == 0 then
+  peak = tonumber(redis.call('GET', KEYS[4]) or '0')
 end
 out[4] = peak
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
@@ -166,6 +174,7 @@ class AdmissionLedger:
         """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call)."""
         ahead = AHEAD[priority]
         keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_workers_key(queue),
+                naming.last_workers_key(queue),
                 *(naming.backlog_key(queue, p) for p in ahead)]  # fmt: skip
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
         out = [int(value) for value in self._backlog(keys=keys, args=[int(self._window_seconds * 1000), SCAN_LIMIT,
@@ -223,9 +232,21 @@ class AdmissionControl:
 
     def fell_back(self, spec: ModelSpec) -> None:
         metrics.ADMISSION.labels(spec.name, "fallback").inc()
+        _log_decision(spec, "fallback")
 
     @staticmethod
     def _count(spec: ModelSpec, verdict: Verdict) -> Verdict:
         decision = "unknown" if not verdict.known else "admitted" if verdict.admitted else "refused"
         metrics.ADMISSION.labels(spec.name, decision).inc()
+        if decision == "refused":
+            _log_decision(spec, decision, verdict)
         return verdict
+
+
+def _log_decision(spec: ModelSpec, decision: str, verdict: Verdict | None = None) -> None:
+    """One line per refusal or fallback, with its model: what the production dashboard counts (Cloud Run does not
+    export the API's Prometheus metrics; terraform/dashboard.tf's log-based metric reads `admission`)."""
+    fields = {"model": spec.name, "decision": decision}
+    if verdict is not None:
+        fields |= {"start_seconds": round(verdict.start_seconds or 0.0, 1), "retry_after": verdict.retry_after}
+    log.info("admission %s a request for %s", decision, spec.name, extra={"fields": {"admission": fields}})
