@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import redis
 
 from api_server.core import metrics
+from api_server.core.errors import ApiError
 from api_server.core.redis_state import RedisState
 from contract import naming
 from contract.model_spec import ModelSpec
@@ -172,16 +173,20 @@ class AdmissionLedger:
 
     def backlog(self, queue: str, priority: str, per_worker: int = 1) -> Backlog:
         """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call)."""
-        ahead = AHEAD[priority]
+        return self.by_priority(queue, AHEAD[priority], per_worker)[1]
+
+    def by_priority(
+        self, queue: str, priorities: tuple[str, ...], per_worker: int = 1
+    ) -> tuple[dict[str, int], Backlog]:
+        """Requests waiting per priority of `priorities`, and the backlog of them all (one script call)."""
         keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_workers_key(queue),
-                naming.last_workers_key(queue),
-                *(naming.backlog_key(queue, p) for p in ahead)]  # fmt: skip
+                naming.last_workers_key(queue), *(naming.backlog_key(queue, p) for p in priorities)]  # fmt: skip
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
         out = [int(value) for value in self._backlog(keys=keys, args=[int(self._window_seconds * 1000), SCAN_LIMIT,
                                                                         *prefixes])]  # fmt: skip
         counts = out[4:]
         run_ms = out[2]
-        return Backlog(
+        backlog = Backlog(
             ahead=sum(counts[0::2]),
             held=sum(counts[1::2]),
             workers=out[3],
@@ -190,6 +195,7 @@ class AdmissionLedger:
             window_seconds=self._window_seconds,
             run_seconds=run_ms / 1000 if run_ms >= 0 else None,
         )
+        return dict(zip(priorities, counts[0::2], strict=True)), backlog
 
     def ran(self, queue: str, inference_ms: float) -> None:
         """One request's run time, from its reply: folded into the model's smoothed one."""
@@ -229,6 +235,36 @@ class AdmissionControl:
             self._ledger.ran(spec.queue, inference_ms)
         except redis.RedisError as exc:
             self._state.failed(exc)
+
+    def fleet(self, specs: list[ModelSpec]) -> list[dict]:
+        """`status` of each model, or a 503 while Redis is unreachable."""
+        try:
+            return [self.status(spec) for spec in specs]
+        except redis.RedisError as exc:
+            self._state.failed(exc)
+            raise ApiError(503, "status unavailable: Redis is unreachable", headers={"Retry-After": "5"}) from exc
+
+    def status(self, spec: ModelSpec) -> dict:
+        """What the status view draws for one model: its waiting requests by priority, what its workers hold, its
+        answer rate, run time and the wait a normal request would be predicted now (the admission's inputs)."""
+        waiting, backlog = self._ledger.by_priority(spec.queue, AHEAD["normal"], spec.max_batch_size)
+        rate = backlog.rate
+        return {
+            "model": spec.name,
+            "model_version": spec.version,
+            "admission": spec.admission is not None and spec.admission.enabled,
+            "waiting": waiting,
+            "held": backlog.held,
+            "workers": backlog.workers,
+            "answered_per_second": round(backlog.answered / backlog.window_seconds, 3),
+            "rate_per_second": None if rate is None else round(rate, 3),
+            "run_seconds": backlog.run_seconds,
+            "predicted_start_seconds": 0.0
+            if backlog.ahead == 0
+            else None
+            if rate is None
+            else round(backlog.ahead / rate, 1),
+        }
 
     def fell_back(self, spec: ModelSpec) -> None:
         metrics.ADMISSION.labels(spec.name, "fallback").inc()
