@@ -229,6 +229,10 @@ def backlog_key(queue: str, priority: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:{priority}"
 
 
+def reservations_key(queue: str, priority: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:{priority}:reserved"
+
+
 def answered_key(queue: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:answered"
 
@@ -239,6 +243,10 @@ def run_time_key(queue: str) -> str:
 
 def peak_workers_key(queue: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:peak_workers"
+
+
+def last_workers_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:last_workers"
 
 
 # Redis lease naming the one worker whose watchdog runs at a time.

@@ -40,22 +40,28 @@ log = logging.getLogger(__name__)
 AHEAD: dict[str, tuple[str, ...]] = {"high": ("high",), "normal": ("high", "normal")}
 # At most this many kept requests per priority are looked at per estimate (a backlog beyond it is as long).
 SCAN_LIMIT = 2000
+# An admitted request counts in its model's backlog from its decision until it is kept with its published message;
+# this long at most, if it never is (its publish failed).
+RESERVATION_SECONDS = 10
 # Weight of the newest run time in the smoothed one.
 RUN_TIME_WEIGHT = 0.3
 
 # KEYS: the answered set, the run-time key, the peak-workers key, the last-workers key (the count last seen, kept an
-# hour: after an idle window the fleet is taken to be what it last was), then one backlog set per priority. ARGV: the
-# window (ms), the scan limit, and the key prefixes of in-flight records, holder leases and stored results.
-# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen holding
-# its requests at once in the window, then waiting and held per set.
+# hour: after an idle window the fleet is taken to be what it last was), then per priority its backlog set and its
+# reservations (requests admitted and not yet kept: counted, so that requests judged at the same moment see each
+# other). ARGV: the window (ms), the scan limit, the key prefixes of in-flight records, holder leases and stored
+# results, and the request to reserve a place for in the last priority's reservations ('' for none) and for how
+# long (ms). Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen
+# holding its requests at once in the window, then waiting and held per priority.
 _BACKLOG = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local inflight, holder, result = ARGV[3], ARGV[4], ARGV[5]
+local reserve, reserve_ms = ARGV[6], tonumber(ARGV[7])
 local out = {now, 0, tonumber(redis.call('GET', KEYS[2]) or '-1'), 0}
 local workers, count = {}, 0
-for i = 5, #KEYS do
+for i = 5, #KEYS, 2 do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
   local waiting, running = 0, 0
   for _, id in ipairs(redis.call('ZRANGE', KEYS[i], 0, limit - 1)) do
@@ -76,6 +82,19 @@ for i = 5, #KEYS do
         waiting = waiting + 1
       end
     end
+  end
+  local reservations = KEYS[i + 1]
+  redis.call('ZREMRANGEBYSCORE', reservations, '-inf', now)
+  for _, id in ipairs(redis.call('ZRANGE', reservations, 0, limit - 1)) do
+    if redis.call('ZSCORE', KEYS[i], id) then
+      redis.call('ZREM', reservations, id)
+    elseif id ~= reserve then
+      waiting = waiting + 1
+    end
+  end
+  if reserve ~= '' and i + 1 == #KEYS then
+    redis.call('ZADD', reservations, now + reserve_ms, reserve)
+    redis.call('PEXPIRE', reservations, reserve_ms)
   end
   table.insert(out, waiting)
   table.insert(out, running)
@@ -171,19 +190,28 @@ class AdmissionLedger:
         self._backlog = client.register_script(_BACKLOG)
         self._ran = client.register_script(_RAN)
 
-    def backlog(self, queue: str, priority: str, per_worker: int = 1) -> Backlog:
-        """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call)."""
-        return self.by_priority(queue, AHEAD[priority], per_worker)[1]
+    def backlog(self, queue: str, priority: str, per_worker: int = 1, reserve: str = "") -> Backlog:
+        """The model's backlog ahead of a request of `priority`, its answer rate and run time (one script call).
+        `reserve`: the request's id, counted from now on in its priority's backlog until it is kept with its
+        published message (or `RESERVATION_SECONDS` pass, or `release`), so that requests judged at the same
+        moment each see the others."""
+        return self.by_priority(queue, AHEAD[priority], per_worker, reserve)[1]
+
+    def release(self, queue: str, priority: str, request_id: str) -> None:
+        """Gives up a refused request's reservation."""
+        self._redis.zrem(naming.reservations_key(queue, priority), request_id)
 
     def by_priority(
-        self, queue: str, priorities: tuple[str, ...], per_worker: int = 1
+        self, queue: str, priorities: tuple[str, ...], per_worker: int = 1, reserve: str = ""
     ) -> tuple[dict[str, int], Backlog]:
         """Requests waiting per priority of `priorities`, and the backlog of them all (one script call)."""
         keys = [naming.answered_key(queue), naming.run_time_key(queue), naming.peak_workers_key(queue),
-                naming.last_workers_key(queue), *(naming.backlog_key(queue, p) for p in priorities)]  # fmt: skip
+                naming.last_workers_key(queue)]  # fmt: skip
+        for priority in priorities:
+            keys += [naming.backlog_key(queue, priority), naming.reservations_key(queue, priority)]
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
-        out = [int(value) for value in self._backlog(keys=keys, args=[int(self._window_seconds * 1000), SCAN_LIMIT,
-                                                                        *prefixes])]  # fmt: skip
+        args = [int(self._window_seconds * 1000), SCAN_LIMIT, *prefixes, reserve, RESERVATION_SECONDS * 1000]
+        out = [int(value) for value in self._backlog(keys=keys, args=args)]
         counts = out[4:]
         run_ms = out[2]
         backlog = Backlog(
@@ -209,20 +237,23 @@ class AdmissionControl:
         self._ledger = ledger
         self._state = state
 
-    def check(self, spec: ModelSpec, priority: str, left_seconds: float) -> Verdict | None:
+    def check(self, spec: ModelSpec, priority: str, left_seconds: float, request_id: str = "") -> Verdict | None:
         """The verdict for a request of `spec` at `priority` with `left_seconds` to its deadline; None when the
-        model has admission off (or the request is a batch line's, which is never judged)."""
+        model has admission off (or the request is a batch line's, which is never judged). An admitted
+        `request_id` counts in the model's backlog at once, before it is published."""
         policy = spec.admission
         if policy is None or not policy.enabled or priority not in AHEAD:
             return None
         if not self._state.available():
             return self._count(spec, ADMITTED_UNKNOWN)
         try:
-            backlog = self._ledger.backlog(spec.queue, priority, spec.max_batch_size)
+            backlog = self._ledger.backlog(spec.queue, priority, spec.max_batch_size, request_id)
+            verdict = judge(backlog, left_seconds, policy.safety_factor)
+            if not verdict.admitted and request_id:
+                self._ledger.release(spec.queue, priority, request_id)
         except redis.RedisError as exc:
             self._state.failed(exc)
             return self._count(spec, ADMITTED_UNKNOWN)
-        verdict = judge(backlog, left_seconds, policy.safety_factor)
         if verdict.start_seconds is not None:
             metrics.PREDICTED_START.labels(spec.name, priority).set(round(verdict.start_seconds, 3))
         return self._count(spec, verdict)

@@ -459,7 +459,7 @@ class ServingStage:
         """Admission's verdict on publishing `prepared` now; None when not judged (admission off, a flow)."""
         if self._admission is None or prepared.flow is not None:
             return None
-        return self._admission.check(prepared.spec, prepared.priority, left_seconds)
+        return self._admission.check(prepared.spec, prepared.priority, left_seconds, prepared.request_id)
 
     def _overloaded(self, prepared: PreparedRequest, left_seconds: float) -> Answer | None:
         """None when the sync request may be published; else its answer now: a 503 with `Retry-After`, or, when

@@ -84,11 +84,14 @@ def test_an_empty_backlog_is_admitted_whatever_the_rate():
 
 class Ledger:
     def __init__(self, ahead_by_priority: dict[str, int]) -> None:
-        self.ahead_by_priority, self.asked, self.run_times = ahead_by_priority, [], []
+        self.ahead_by_priority, self.asked, self.run_times, self.released = ahead_by_priority, [], [], []
 
-    def backlog(self, queue: str, priority: str, per_worker: int = 1) -> Backlog:
+    def backlog(self, queue: str, priority: str, per_worker: int = 1, reserve: str = "") -> Backlog:
         self.asked.append((queue, priority))
         return backlog(self.ahead_by_priority[priority])
+
+    def release(self, queue: str, priority: str, request_id: str) -> None:
+        self.released.append((queue, request_id))
 
     def ran(self, queue: str, inference_ms: float) -> None:
         self.run_times.append((queue, inference_ms))
@@ -184,7 +187,7 @@ def prepared(serving: ServingStage, **body):
 
 
 def test_an_overloaded_sync_request_is_refused_at_once_and_nothing_is_published():
-    admission, _ = control()
+    admission, ledger = control()
     serving, inference = stage(admission)
     answer = serving._run_sync(prepared(serving))
     assert answer.outcome is Outcome.OVERLOADED and answer.record.status == 503
@@ -192,6 +195,7 @@ def test_an_overloaded_sync_request_is_refused_at_once_and_nothing_is_published(
     assert answer.record.headers["Retry-After"] in ("12", "13")
     assert "overloaded" in json.loads(answer.record.body)["error"]["message"]
     assert inference.runs == [] and inference.published == []
+    assert ledger.released == [(MODEL, "r")]  # its place in the backlog, taken when judged, is given back
 
 
 def test_a_job_is_judged_against_its_own_long_deadline_and_published():
@@ -261,7 +265,7 @@ def test_without_the_opt_in_nothing_falls_back():
 
 def test_a_fallback_that_is_overloaded_too_leaves_the_refusal():
     class BothFull(Ledger):
-        def backlog(self, queue, priority, per_worker=1):
+        def backlog(self, queue, priority, per_worker=1, reserve=""):
             return backlog(20)
 
     serving, inference = stage(AdmissionControl(BothFull({}), RedisUp()))  # type: ignore[arg-type]
