@@ -45,6 +45,7 @@ def chaos_config() -> StackConfig:
         stack_dir=Path(os.environ.get("MAAS_CHAOS_STACK_DIR", ROOT / ".stack-chaos")).resolve(),
         port_offset=int(os.environ.get("MAAS_CHAOS_PORT_OFFSET", PORT_OFFSET)),
         worker_replicas=2,
+        test_fixtures=True,  # the overload scenario's model, sleep-admitted (tests/models.fixtures.yaml)
         api_keys=f"{CHAOS_KEY},{LIMITED_KEY}",
         api_keys_from_env=True,
         environment={**configuring_variables(os.environ), "MAAS_ADMIN_KEYS": CHAOS_ADMIN_KEY},

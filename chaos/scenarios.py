@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chaos.batches import batch_faults
+from chaos.overload import overload
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
 from emulators.processes import ProcessRegistry, http_ok
@@ -334,5 +335,6 @@ SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "rate-limited-burst": rate_limited_burst,
     "slow-clients": slow_clients,
     "batch": lambda ctx: batch_faults(ctx),
+    "overload": lambda ctx: overload(ctx),
 }
 QUICK = ("worker-kill", "redis-outage", "api-sigterm")
