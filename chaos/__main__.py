@@ -58,6 +58,7 @@ def chaos_config() -> StackConfig:
         stack_dir=stack_dir,
         port_offset=offset,
         worker_replicas=2,
+        test_fixtures=True,  # the overload scenario's model, sleep-admitted (tests/models.fixtures.yaml)
         api_keys=f"{CHAOS_KEY},{LIMITED_KEY}",
         api_keys_from_env=True,
         environment={**configuring_variables(os.environ), "MAAS_ADMIN_KEYS": CHAOS_ADMIN_KEY},

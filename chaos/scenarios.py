@@ -17,6 +17,7 @@ from pathlib import Path
 
 from chaos import evidence
 from chaos.batches import batch_faults
+from chaos.overload import overload
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
 from emulators.processes import ProcessRegistry, http_ok
@@ -352,5 +353,6 @@ SCENARIOS: dict[str, Callable[[ChaosContext], ScenarioResult]] = {
     "rate-limited-burst": rate_limited_burst,
     "slow-clients": slow_clients,
     "batch": lambda ctx: batch_faults(ctx),
+    "overload": lambda ctx: overload(ctx),
 }
 QUICK = ("worker-kill", "redis-outage", "api-sigterm")

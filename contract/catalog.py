@@ -264,6 +264,22 @@ class ModelCatalog(BaseModel):
                 raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _fallbacks_exist(self) -> ModelCatalog:
+        """An admission fallback is another served model of the same task, without a fallback of its own (one hop)."""
+        for spec in self.units():
+            fallback = spec.admission.fallback if spec.admission is not None else None
+            if fallback is None:
+                continue
+            target = self.models.get(fallback)
+            if target is None or fallback == spec.name:
+                raise ValueError(f"{spec.name}: admission.fallback {fallback!r} is not another model of the catalog")
+            if target.task != spec.task:
+                raise ValueError(f"{spec.name}: admission.fallback {fallback!r} is {target.task}, not {spec.task}")
+            if target.admission is not None and target.admission.fallback is not None:
+                raise ValueError(f"{spec.name}: admission.fallback {fallback!r} has a fallback of its own (one hop)")
+        return self
+
     def memory_plan(self, spec: ModelSpec) -> dict[str, object] | None:
         """A unit's memory plan and its worker deployment's (what `GET /v1/models` shows); None for a synthetic one."""
         plan = unit_plan(spec)

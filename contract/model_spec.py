@@ -89,6 +89,21 @@ class AdapterPolicy(BaseModel):
         return self
 
 
+class AdmissionPolicy(BaseModel):
+    """Admission by predicted wait (api_server/predict/admission.py): a request whose predicted start (the backlog
+    ahead of it over the rate the model answers now) plus its own run time would miss its deadline is refused at
+    once (503, `Retry-After`) instead of queued; with `fallback`, a request that allows it is answered by that
+    model instead. A model without this block queues every request, as before."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    # The predicted finish is multiplied by this before it is compared with the deadline: above 1 refuses
+    # earlier (the estimate is optimistic under a rising burst), 1 trusts it as it is.
+    safety_factor: float = Field(default=1.0, ge=1.0, le=10.0)
+    # A model of the catalog, same task, that answers an overloaded request whose caller allows it (`allow_fallback`).
+    fallback: str | None = None
+
+
 class SchedulerConfig(BaseModel):
     """Overrides of the scheduler's saved config that a distilled few-step model needs: SDXL-Lightning's and
     Hyper-SD's `timestep_spacing: trailing` (the schedule must start at the last training timestep), LCM's
@@ -154,6 +169,8 @@ class ModelSpec(BaseModel):
     limits: GenerationLimits
     # LoRA adapters per request (absent: refused with a 422).
     adapters: AdapterPolicy | None = None
+    # Overload handling: refuse at once what would miss its deadline, or answer it with a fallback (absent: off).
+    admission: AdmissionPolicy | None = None
     # Components quantized at load (contract/quantization.py); absent: every component in the serving dtype.
     quantization: Quantization | None = None
     # torch.compile's mode for the denoiser on a GPU (CompileMode; README "Compiled models"); absent: eager. The

@@ -222,6 +222,36 @@ INFLIGHT_HELD_KEY = f"{PREFIX}:inflight:held"
 INFLIGHT_UNCLAIMED_KEY = f"{PREFIX}:inflight:unclaimed"
 # Redis sorted set of the published sync requests whose log row is not written yet, by deadline (epoch ms).
 INFLIGHT_UNLOGGED_KEY = f"{PREFIX}:inflight:unlogged"
+
+
+# Redis sorted sets for admission by predicted wait (api_server/predict/admission.py): a model's published
+# requests by priority, by deadline (epoch ms), kept with each request (`keep`); its answered ones by when the
+# API saw them answered (the completion rate); its recent run time per request (ms, smoothed); and the most
+# workers seen holding its requests at once lately (its capacity).
+def backlog_key(queue: str, priority: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:{priority}"
+
+
+def reservations_key(queue: str, priority: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:{priority}:reserved"
+
+
+def answered_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:answered"
+
+
+def run_time_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:run_ms"
+
+
+def peak_workers_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:peak_workers"
+
+
+def last_workers_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:last_workers"
+
+
 # Redis lease naming the one worker whose watchdog runs at a time.
 WATCHDOG_LEADER_KEY = f"{PREFIX}:watchdog:leader"
 

@@ -40,6 +40,7 @@ class Outcome(StrEnum):
     RATE_LIMITED = "rate_limited"
     REJECTED = "rejected"  # any other refusal before the model
     UNAVAILABLE = "unavailable"
+    OVERLOADED = "overloaded"  # refused at once by admission: its predicted start would miss its deadline
     TIMEOUT = "timeout"  # no reply in time, and the request could not be kept as a job
     EXPIRED = "expired"
     CANCELLED = "cancelled"
@@ -90,6 +91,8 @@ OUTCOMES: dict[Outcome, OutcomeSpec] = {
     Outcome.RATE_LIMITED: OutcomeSpec(429, "rejected", "rate_limited", None),
     Outcome.REJECTED: OutcomeSpec(400, "rejected", "rejected", None),
     Outcome.UNAVAILABLE: OutcomeSpec(503, "unavailable", "unavailable", None),
+    # After UNAVAILABLE, which stays the generic 503 (`_BY_HTTP_STATUS` takes the first of a status).
+    Outcome.OVERLOADED: OutcomeSpec(503, "overloaded", "overloaded", None),
     Outcome.TIMEOUT: OutcomeSpec(504, "timeout", "timeout", None),
     Outcome.EXPIRED: OutcomeSpec(504, "expired", "expired", "expired"),
     Outcome.CANCELLED: OutcomeSpec(409, "cancelled", "cancelled", "cancelled"),

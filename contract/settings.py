@@ -143,6 +143,8 @@ class Settings:
     idempotency_ttl_seconds: int = 24 * 3600
     # How long a queued job (or a sync request turned into one) may wait for a worker before it expires.
     job_deadline_seconds: int = 900
+    # Admission by predicted wait: the window over which a model's answer rate is measured (api_server/predict/admission.py).
+    admission_window_seconds: float = 60.0
     # After a Redis failure, the API stops trying Redis for this long, then tries again.
     redis_retry_seconds: float = 1.0
     # The API's Redis pool per process: a request beyond it waits this long for a connection, then gets a 503.
@@ -277,6 +279,7 @@ class Settings:
             cache_redis_url=env.get("MAAS_CACHE_REDIS_URL") or None,
             idempotency_ttl_seconds=int(env.get("MAAS_IDEMPOTENCY_TTL_SECONDS", cls.idempotency_ttl_seconds)),
             job_deadline_seconds=int(env.get("MAAS_JOB_DEADLINE_SECONDS", cls.job_deadline_seconds)),
+            admission_window_seconds=float(env.get("MAAS_ADMISSION_WINDOW_SECONDS", cls.admission_window_seconds)),
             redis_retry_seconds=float(env.get("MAAS_REDIS_RETRY_SECONDS", cls.redis_retry_seconds)),
             redis_max_connections=int(env.get("MAAS_REDIS_MAX_CONNECTIONS", cls.redis_max_connections)),
             redis_pool_timeout_seconds=float(

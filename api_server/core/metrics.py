@@ -60,6 +60,18 @@ LIMIT_DECISIONS = Counter(
     "Rate and concurrency limit decisions: admitted, rate_limited, concurrency_limited, unenforced (Redis down)",
     ["decision"],
 )
+ADMISSION = Counter(
+    "maas_api_admission_decisions_total",
+    "Admission by predicted wait, per model: admitted, refused (503 at once), fallback (answered by the model's "
+    "fallback), unknown (no estimate yet: admitted)",
+    ["model", "decision"],
+)
+PREDICTED_START = Gauge(
+    "maas_api_predicted_start_seconds",
+    "The last predicted wait before a request of this model and priority would start (admission's estimate)",
+    ["model", "priority"],
+    multiprocess_mode="livemax",
+)
 REDIS_UP = Gauge("maas_api_redis_up", "1 while Redis answers, 0 after a failure", multiprocess_mode="livemin")
 REDIS_UP.set(1)
 

@@ -110,6 +110,12 @@ class RequestRecords:
             # Both attempts: the version the split chose (its error) and the stable version, which answered.
             row.model_version = answer.fallback.answered_by.version
             row.fallback_from, row.fallback_error = answer.fallback.failed_version, answer.fallback.error
+        if answer is not None and answer.overload is not None:
+            # Admission refused the model asked for; its fallback answered: the row (and the bill) is the fallback's.
+            answered_by = answer.overload.answered_by
+            row.model, row.model_version, row.task = answered_by.name, answered_by.version, answered_by.task
+            row.model_family = answered_by.family.name if answered_by.family else None
+            row.overload_fallback_from = f"{answer.overload.asked.name}/{answer.overload.asked.version}"
         outcome = answer.outcome if answer is not None else Outcome.for_http_status(http_status)
         row.http_status, row.status = http_status, outcome.spec.log_status
         if answer is not None:

@@ -76,6 +76,8 @@ class InferenceLogRow:
     shadow_of: str | None = None
     fallback_from: str | None = None
     fallback_error: str | None = None
+    # Admission refused the model asked for and its fallback answered (api_server/predict/admission.py).
+    overload_fallback_from: str | None = None
     # A flow's rows (api_server/flows/rows.py): its own (`flow`, billed) and one per stage that ran (`stage`).
     flow: str | None = None
     stage: str | None = None

@@ -128,7 +128,9 @@ class InferenceDispatcher:
             log_row = {**log_row, "published_at": datetime.now(UTC).isoformat()}
         # Watched for a taker (see `InflightStore.keep`), except batch lines: they wait in a backlog by design.
         unclaimed_after_ms = None if priority == "batch" else claim_wait_ms(spec.ack_deadline_seconds)
-        return self._keeper.keep(topic, data, attributes, log_row, unclaimed_after_ms) and log_row is not None
+        # High and normal requests are counted in their model's backlog (admission); batch lines never wait on it.
+        backlog = naming.backlog_key(spec.queue, priority) if priority != "batch" else None
+        return self._keeper.keep(topic, data, attributes, log_row, unclaimed_after_ms, backlog) and log_row is not None
 
 
 def _traced(attributes: dict[str, str]) -> dict[str, str]:

@@ -49,6 +49,12 @@ class PredictBody(BaseModel):
         max_length=2048,
         description="https URL called once when the request ends as a job (signed: X-MaaS-Signature)",
     )
+    allow_fallback: bool = Field(
+        default=False,
+        description="when the model is overloaded (its predicted wait would miss this request's deadline) and its "
+        "catalog entry names a fallback model, be answered by that model instead of a 503 (sync predict only; the "
+        "response's `model`, `model_version` and `fallback_from` say which answered, and it is billed as that one)",
+    )
 
 
 def parse_body(payload: object) -> PredictBody:

@@ -34,6 +34,7 @@ from api_server.jobs.service import (
     stage_timings,
     version_failed,
 )
+from api_server.predict.admission import AdmissionControl, Verdict
 from api_server.predict.cache import cache_key, cache_policy
 from api_server.predict.dispatch import DispatchTimings
 from api_server.predict.flights import (
@@ -96,6 +97,16 @@ class Fallback:
     stage: StageReport | None = None
 
 
+@dataclass(frozen=True)
+class OverloadFallback:
+    """Admission refused the model asked for (`asked`: its predicted wait would miss the deadline) and the caller
+    allowed a fallback: `answered_by`, the catalog's fallback for it, answered instead (and is billed)."""
+
+    asked: ModelSpec
+    answered_by: ModelSpec
+    reason: str
+
+
 @dataclass
 class Answer:
     """What the serving stage did with a request: the outcome, the exact bytes to send, and how it got them."""
@@ -116,6 +127,8 @@ class Answer:
     fallback: Fallback | None = None
     # Its request was published with its partial log row kept in Redis: the records stage settles it.
     row_kept: bool = False
+    # Admission refused the model asked for and its fallback answered (api_server/predict/admission.py).
+    overload: OverloadFallback | None = None
 
 
 class ServingStage:
@@ -133,8 +146,10 @@ class ServingStage:
         rollouts: Rollouts,
         shadow: ShadowTraffic,
         inflight: InflightStore | None = None,
+        admission: AdmissionControl | None = None,
     ) -> None:
         self._settings = settings
+        self._admission = admission
         self._inflight = inflight
         self._catalog = catalog
         self._inference = inference
@@ -422,6 +437,9 @@ class ServingStage:
     # The model: wait for its reply, or hand back a job.
 
     def _run_sync(self, prepared: PreparedRequest) -> Answer:
+        left = prepared.received + prepared.spec.request_timeout_seconds - time.perf_counter()
+        if (overloaded := self._overloaded(prepared, left)) is not None:
+            return overloaded
         self._send_shadow(prepared)
         # The request stays runnable past the sync wait: if the wait runs out, the caller gets the job instead.
         deadline_ms = self._inference.job_deadline_ms()
@@ -434,6 +452,49 @@ class ServingStage:
         if retry is None:
             return answer
         return self._fall_back(prepared, retry, answer, time.perf_counter() - started)
+
+    # Admission by predicted wait (api_server/predict/admission.py): refuse at once, or answer with the fallback.
+
+    def _verdict(self, prepared: PreparedRequest, left_seconds: float) -> Verdict | None:
+        """Admission's verdict on publishing `prepared` now; None when not judged (admission off, a flow)."""
+        if self._admission is None or prepared.flow is not None:
+            return None
+        return self._admission.check(prepared.spec, prepared.priority, left_seconds, prepared.request_id)
+
+    def _overloaded(self, prepared: PreparedRequest, left_seconds: float) -> Answer | None:
+        """None when the sync request may be published; else its answer now: a 503 with `Retry-After`, or, when
+        the caller allows it and the catalog names one, the fallback model's answer (itself admitted first)."""
+        verdict = self._verdict(prepared, left_seconds)
+        if verdict is None or verdict.admitted:
+            return None
+        refusal = _overload_refusal(prepared, verdict, "its wait")
+        policy = prepared.spec.admission
+        if not prepared.body.allow_fallback or policy is None or policy.fallback is None:
+            return refusal
+        fallback = self._catalog.get(policy.fallback)
+        if fallback is None:
+            return refusal
+        try:
+            retry = self.prepare(fallback, prepared.payload, prepared.request_id, prepared.caller,
+                                 received=prepared.received, log_row=prepared.log_row)  # fmt: skip
+        except ApiError as error:  # the request is not one the fallback takes: the refusal stands
+            log.info("request %s cannot fall back to %s: %s", prepared.request_id, fallback.name, error.message)
+            return refusal
+        left = prepared.received + fallback.request_timeout_seconds - time.perf_counter()
+        fallback_verdict = self._verdict(retry, left)
+        if fallback_verdict is not None and not fallback_verdict.admitted:
+            return refusal
+        reason = _overload_message(prepared, verdict, "its wait")
+        log.warning("%s overloaded for request %s (%s); answered by its fallback %s", prepared.spec.name,
+                    prepared.request_id, reason, fallback.name)  # fmt: skip
+        if self._admission is not None:
+            self._admission.fell_back(prepared.spec)
+        deadline_ms = self._inference.job_deadline_ms()
+        timings = DispatchTimings()
+        answer = self._ask(retry, deadline_ms, timings)
+        if answer is None:
+            answer = replace(self._hand_over_as_job(retry, deadline_ms), row_kept=timings.row_kept)
+        return _fallen_back(answer, OverloadFallback(prepared.spec, fallback, reason))
 
     def _on_stable(
         self, prepared: PreparedRequest, answer: Answer
@@ -530,6 +591,8 @@ class ServingStage:
             metrics.INFLIGHT_WAITS.dec()
         if reply is None:
             return None
+        if self._admission is not None and reply.status == "ok":
+            self._admission.ran(prepared.spec, reply.inference_ms)
         return replace(self._replied(prepared, reply, timings, request_id), row_kept=timings.row_kept)
 
     def _replied(
@@ -596,6 +659,9 @@ class ServingStage:
         if key is not None and (hit := self._cache_flights.lookup(key)) is not None:
             return self._cached_job(prepared, hit)
         deadline_ms = self._inference.job_deadline_ms()
+        verdict = self._verdict(prepared, deadline_ms / 1000 - time.time())
+        if verdict is not None and not verdict.admitted:
+            return _overload_refusal(prepared, verdict, "its job deadline")
         try:
             message = self._inference.message(prepared)
         except ApiError as error:
@@ -675,9 +741,43 @@ def _kept_unless_fallback(policy: FlightPolicy, computed: list[Answer]) -> Fligh
     chose, and that answer is the stable version's (the callers already waiting still share it)."""
 
     def keep_for(record: ResponseRecord) -> int | None:
-        return None if computed and computed[-1].fallback is not None else policy.keep_for(record)
+        if computed and (computed[-1].fallback is not None or computed[-1].overload is not None):
+            return None
+        return policy.keep_for(record)
 
     return replace(policy, keep_for=keep_for)
+
+
+def _overload_message(prepared: PreparedRequest, verdict: Verdict, against: str) -> str:
+    return (
+        f"{prepared.spec.name} is overloaded: this request would start in about {verdict.start_seconds:.1f}s and "
+        f"end in about {verdict.finish_seconds:.1f}s, past {against}"
+    )
+
+
+def _overload_refusal(prepared: PreparedRequest, verdict: Verdict, against: str) -> Answer:
+    """A 503 at once, nothing published: `Retry-After` is when the backlog ahead will have drained enough."""
+    message = f"{_overload_message(prepared, verdict, against)}; retry in {verdict.retry_after}s"
+    headers = {"Retry-After": str(verdict.retry_after)}
+    return Answer(
+        Outcome.OVERLOADED, _error_record(503, message, prepared.request_id, Outcome.OVERLOADED, None, headers)
+    )
+
+
+def _fallen_back(answer: Answer, overload: OverloadFallback) -> Answer:
+    """The fallback's answer, saying so: `X-MaaS-Fallback-From` (model/version asked for), and `fallback_from` in a
+    200's body (whose `model` and `model_version` are the fallback's)."""
+    record = answer.record
+    asked = f"{overload.asked.name}/{overload.asked.version}"
+    body = record.body
+    if record.status == 200:
+        parsed = json.loads(body)
+        parsed["fallback_from"] = {
+            "model": overload.asked.name, "model_version": overload.asked.version, "reason": overload.reason,
+        }  # fmt: skip
+        body = json.dumps(parsed).encode()
+    record = replace(record, body=body, headers={**record.headers, "X-MaaS-Fallback-From": asked})
+    return replace(answer, record=record, overload=overload)
 
 
 def _stored_outcome(record: ResponseRecord) -> Outcome:

@@ -13,6 +13,7 @@ from api_server.inference_log import records
 from api_server.process.chunked import ChunkedBodyReader
 from api_server.process.routes import adapters, batches, docs, events, health, jobs, models, playground, predict, usage
 from api_server.process.routes import metrics as metrics_routes
+from api_server.process.routes import status as status_routes
 from api_server.process.state import AppState, build_app_state, install
 from api_server.process.wsgi_bridge import EVERY_RESPONSE_HEADERS
 from contract.jsonlog import bind_context, unbind_context
@@ -34,6 +35,7 @@ BLUEPRINTS = (
     batches.bp,
     events.bp,
     usage.bp,
+    status_routes.bp,
     playground.bp,
     metrics_routes.bp,
     docs.bp,

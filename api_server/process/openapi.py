@@ -44,6 +44,12 @@ class Prediction(BaseModel):
     height: int
 
 
+class FallbackFrom(BaseModel):
+    model: str
+    model_version: str
+    reason: str = Field(description="the predicted wait that made the model asked for refuse the request")
+
+
 class PredictResponse(BaseModel):
     predictions: list[Prediction]
     model: str
@@ -51,6 +57,11 @@ class PredictResponse(BaseModel):
     request_id: str = Field(description="the request that ran the model (a cache hit names the original)")
     timings_ms: dict[str, float]
     stages: list[StageTimings] | None = Field(default=None, description="a flow's: every stage that ran, in order")
+    fallback_from: FallbackFrom | None = Field(
+        default=None,
+        description="set when the model asked for was overloaded and the request allowed a fallback "
+        "(`allow_fallback`): the model asked for; `model` and `model_version` are the fallback's, which answered",
+    )
 
 
 class JobLinks(BaseModel):
@@ -321,12 +332,17 @@ STATUS_HEADERS = {
     "202": {"Location": {"description": "the job's URL", "schema": {"type": "string"}}},
     "409": RETRY_AFTER,
     "429": RETRY_AFTER,
+    # An overloaded model's 503 (admission by predicted wait): when its backlog will have drained enough.
     "503": RETRY_AFTER,
     "405": {"Allow": {"description": "the methods the path accepts", "schema": {"type": "string"}}},
 }
 CACHE_HEADERS = {
     "X-Cache": {"description": "`hit` or `miss` for seeded requests", "schema": {"type": "string"}},
     "Idempotent-Replayed": {"description": "`true` for an Idempotency-Key replay", "schema": {"type": "string"}},
+    "X-MaaS-Fallback-From": {
+        "description": "`model/version` asked for, when it was overloaded and its fallback answered (`allow_fallback`)",
+        "schema": {"type": "string"},
+    },
 }
 
 TEXT_BODIES = {

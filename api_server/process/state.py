@@ -29,6 +29,7 @@ from api_server.jobs.janitor import JanitorTask, build_janitor_task, delete_orph
 from api_server.jobs.service import JobStore
 from api_server.jobs.webhooks import WebhookNotifier, WebhookTargetPolicy
 from api_server.predict.adapters import AdapterService
+from api_server.predict.admission import AdmissionControl, AdmissionLedger
 from api_server.predict.dispatch import InferenceDispatcher
 from api_server.predict.flights import SharedFlights
 from api_server.predict.inference import InferenceService
@@ -84,6 +85,8 @@ class AppState:
     # The catalog's flows, called like models (api_server/flows/serving.py); built with `serving`, which picks each
     # stage's unit. None only for a state built by hand without it (tests): no flow is served then.
     flows: FlowService | None = None
+    # Admission by predicted wait (api_server/predict/admission.py): also what GET /v1/status reads.
+    admission: AdmissionControl | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
@@ -193,9 +196,10 @@ def build_app_state(settings: Settings) -> AppState:
         AuditLog(bigquery, f"{settings.project_id}.{settings.dataset}.{settings.audit_table}", settings.instance_id),
     )
     shadow = ShadowTraffic(inference, inference_log, settings.instance_id, waiter.mode)
+    admission = AdmissionControl(AdmissionLedger(redis_client, settings.admission_window_seconds), redis_state)
     serving = ServingStage(
         settings, catalog, inference, jobs, results, redis_state, flights, cache_flights, limiter, rollouts, shadow,
-        inflight,
+        inflight, admission,
     )  # fmt: skip
     flows = FlowService(catalog, serving.model)
     batch_store = BatchStore(redis_client, storage.bucket(settings.payload_bucket))
@@ -224,6 +228,7 @@ def build_app_state(settings: Settings) -> AppState:
         flights=flights,
         limiter=limiter,
         serving=serving,
+        admission=admission,
         flows=flows,
         batches=batches,
         batch_runner=batch_runner,

@@ -189,11 +189,13 @@ class InflightStore:
         deadline_ms: int,
         row: dict | None = None,
         unclaimed_after_ms: int | None = None,
+        backlog_key: str | None = None,
     ) -> None:
         """Keeps a just-published request until its deadline (and a margin past it); `row`: its partial log row,
         kept apart from the message (which the worker drops when it answers) until a process claims it.
         `unclaimed_after_ms`: if no worker takes it within this long, the watchdog publishes it again (a copy
-        pulled by a worker that died before taking it is otherwise found only by the broker, if at all)."""
+        pulled by a worker that died before taking it is otherwise found only by the broker, if at all).
+        `backlog_key`: its model's backlog at its priority, which admission counts (`naming.backlog_key`)."""
         key = naming.inflight_key(request_id)
         expiry_ms = deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000
         pipe = self._redis.pipeline(transaction=True)
@@ -214,6 +216,9 @@ class InflightStore:
         if row is not None:
             pipe.set(naming.inflight_row_key(request_id), json.dumps(row), pxat=expiry_ms)
             pipe.zadd(naming.INFLIGHT_UNLOGGED_KEY, {request_id: deadline_ms})
+        if backlog_key is not None:
+            pipe.zadd(backlog_key, {request_id: deadline_ms})
+            pipe.pexpireat(backlog_key, expiry_ms)
         pipe.execute()
 
     def in_flight(self, request_id: str) -> bool:
@@ -417,14 +422,16 @@ class RequestKeeper:
         attributes: dict[str, str],
         row: dict | None = None,
         unclaimed_after_ms: int | None = None,
+        backlog_key: str | None = None,
     ) -> bool:
         """True when kept (with `row`, if given): then the row is the process's to settle, or another's to adopt.
-        `unclaimed_after_ms`: see `InflightStore.keep`."""
+        `unclaimed_after_ms`: see `InflightStore.keep`; `backlog_key`: counted in its model's backlog too
+        (admission)."""
         if time.monotonic() < self._skip_until:
             return False
         request_id, deadline_ms = attributes[Attr.REQUEST_ID], int(attributes[Attr.DEADLINE_MS])
         try:
-            self._store.keep(request_id, topic, data, attributes, deadline_ms, row, unclaimed_after_ms)
+            self._store.keep(request_id, topic, data, attributes, deadline_ms, row, unclaimed_after_ms, backlog_key)
         except redis.RedisError as exc:
             self._skip_until = time.monotonic() + self._retry_seconds
             self._outage.failed(exc)

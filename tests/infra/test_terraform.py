@@ -923,3 +923,26 @@ def test_a_flow_needs_no_topic_of_its_own_and_workers_may_forward_a_flow_to_its_
     assert expression(grant["topic"]) == "google_pubsub_topic.requests[each.key].name"
     assert grant["role"] == "roles/pubsub.publisher"
     assert expression(grant["member"]) == "google_service_account.worker.member"
+
+
+def test_the_dashboard_counts_the_admission_lines_the_api_logs(caplog):
+    """The log-based metric behind the dashboard's refused / fallback series reads the fields the API logs."""
+    import logging
+
+    from api_server.predict.admission import Verdict, _log_decision
+
+    with caplog.at_level(logging.INFO, logger="api_server.predict.admission"):
+        _log_decision(CATALOG.get("sd15-txt2img"), "refused", Verdict(False, 40.0, 42.0, 12))
+    (record,) = caplog.records
+    logged = record.fields["admission"]
+    metric = resource("google_logging_metric", "admission_decisions")
+    assert "jsonPayload.admission:*" in metric["filter"]
+    extractors = metric["label_extractors"]
+    assert sorted(extractors) == ["decision", "model"]
+    for label, extractor in extractors.items():
+        assert extractor == f"EXTRACT(jsonPayload.admission.{label})" and label in logged
+    assert (logged["model"], logged["decision"]) == ("sd15-txt2img", "refused")
+    dashboard = resource("google_monitoring_dashboard", "fleet")
+    assert "local.dashboard_rows" in expression(dashboard["dashboard_json"])
+    # One row of tiles per model of the catalog, read from the same local as every other per-model resource.
+    assert "for model, spec in local.models" in expression(locals_()["dashboard_model_tiles"])

@@ -1,4 +1,5 @@
-"""GET /playground: the browser playground, three static files from the project (no build step, no CDN)."""
+"""GET /playground: the browser playground, and GET /status: the stack's load as a chart per model; static files
+from the project (no build step, no CDN)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ TYPES = {
     "index.html": "text/html; charset=utf-8",
     "playground.js": "text/javascript; charset=utf-8",
     "playground.css": "text/css; charset=utf-8",
+    "status.html": "text/html; charset=utf-8",
+    "status.js": "text/javascript; charset=utf-8",
 }
 # Only this origin's script and style; images only as data: URLs (the generated PNGs); no inline script,
 # no plugins, no framing, no form posts elsewhere.
@@ -28,9 +31,15 @@ def page():
     return _file("index.html")
 
 
+@bp.get("/status")
+def status_page():
+    """The fleet's load, drawn from GET /v1/status every two seconds (the API key typed in, kept in the tab)."""
+    return _file("status.html")
+
+
 @bp.get("/playground/<name>")
 def asset(name: str):
-    if name not in TYPES or name == "index.html":
+    if name not in TYPES or name.endswith(".html"):
         raise ApiError(404, f"no playground file {name[:64]!r}")
     return _file(name)
 
