@@ -65,6 +65,9 @@ IO_THREADS = 16
 # A step never waits longer than this on its publishes, or on its answers' image copies (it fails, and the next
 # step does it again: every part of it is resumable).
 PUBLISH_WAIT_SECONDS, ANSWER_WAIT_SECONDS = 30.0, 120.0
+# The longest a step may take (its waits above, and its part uploads): leases are renewed while the loop moved on
+# within this long.
+STEP_BOUND_SECONDS = 180.0
 
 
 @dataclass
@@ -116,6 +119,11 @@ class BatchRunner:
         self._wake = threading.Event()
         self._streaming = None
         self._thread = threading.Thread(target=self._run, name="batch-runner", daemon=True)
+        # The leases held (renewed by `_heartbeat`), and each key's next turn (`turns`).
+        self._held: set[str] = set()
+        self._turns: dict[str, int] = {}
+        self._beat = time.monotonic()
+        self._beating = threading.Thread(target=self._heartbeat, name="batch-lease", daemon=True)
 
     def start(self) -> None:
         if self._subscriber is not None:
@@ -123,6 +131,7 @@ class BatchRunner:
             with contextlib.suppress(Exception):
                 self._streaming = self._subscriber.subscribe(path, self._replied)
         self._thread.start()
+        self._beating.start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -131,8 +140,10 @@ class BatchRunner:
             self._streaming.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._beating.is_alive():
+            self._beating.join(timeout=10)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for batch_id in list(self._readers):
+        for batch_id in set(self._readers) | self._held:
             self._drop(batch_id)
             with contextlib.suppress(redis.RedisError):
                 self._store.release(batch_id, self._token)
@@ -152,15 +163,19 @@ class BatchRunner:
                 if time.monotonic() - restored_at >= RESTORE_EVERY_SECONDS:
                     restored_at = time.monotonic()
                     self._restore()
-                for batch_id in self._store.active():
+                for batch_id in self.turns():
                     if self._stopped.is_set():
                         break
+                    self._beat = time.monotonic()
                     lease = self._store.acquire(batch_id, self._token, self._settings.batch_lease_seconds)
                     if lease != "renewed":
                         self._drop(batch_id)  # a reader from before is stale: reopened at the cursor in Redis
                     if lease is None:
+                        self._held.discard(batch_id)
                         continue
+                    self._held.add(batch_id)
                     worked |= self.step(batch_id)
+                self._beat = time.monotonic()
                 self._call_webhooks()
             except redis.RedisError as exc:
                 log.debug("batches wait for Redis: %s", exc)
@@ -169,6 +184,37 @@ class BatchRunner:
             if not worked:
                 self._wake.wait(IDLE_WAIT_SECONDS)
                 self._wake.clear()
+
+    def turns(self) -> list[str]:
+        """The batches this round steps: one of each key's active batches, the key's batches taking turns round
+        after round, so a key with many batches gets no more turns than a key with one."""
+        active = self._store.active()
+        by_owner: dict[str, list[str]] = {}
+        for batch_id, owner in self._store.owners(active).items():
+            by_owner.setdefault(owner, []).append(batch_id)
+        chosen = []
+        for owner in sorted(by_owner):
+            batches = by_owner[owner]
+            turn = self._turns.get(owner, 0)
+            chosen.append(batches[turn % len(batches)])
+            self._turns[owner] = turn + 1
+        self._turns = {owner: turn for owner, turn in self._turns.items() if owner in by_owner}
+        return chosen
+
+    def _heartbeat(self) -> None:
+        """Renews the leases this process holds every third of a lease, so none lapses inside a step that waits
+        on its publishes or image copies (bounded, `STEP_BOUND_SECONDS`); once the loop has not moved on for that
+        long, renewing stops and another process may take the batches over."""
+        lease = self._settings.batch_lease_seconds
+        while not self._stopped.wait(lease / 3):
+            if time.monotonic() - self._beat > STEP_BOUND_SECONDS:
+                continue
+            for batch_id in list(self._held):
+                try:
+                    if not self._store.renew(batch_id, self._token, lease):
+                        self._held.discard(batch_id)
+                except redis.RedisError:
+                    break
 
     def _restore(self) -> None:
         """Batches Redis lost (restarted without persistence) are rebuilt from GCS, then resumed like any other."""
@@ -183,11 +229,13 @@ class BatchRunner:
         batch = self._store.get(batch_id, mirrored=False)
         if batch is None or batch.ended:
             self._drop(batch_id)
+            self._held.discard(batch_id)
             return False
         ending = batch.fields.get("end_status")
         if ending is None and time.time() * 1000 >= batch.expires_ms:
-            self._store.set_fields(batch_id, end_status="expired", feed_done=1)
-            ending = "expired"
+            self._store.set_ending(batch_id, "expired", feed_done=1)
+            current = self._store.get(batch_id, mirrored=False)
+            ending = current.fields.get("end_status") if current is not None else "expired"
         worked = False
         if ending is None:
             worked |= self._republish(batch)
@@ -354,13 +402,17 @@ class BatchRunner:
         if taken < 0:
             return -1
         if batch.status == "validating":
-            self._store.set_status(batch_id, "in_progress")
+            self._store.set_status(batch_id, "in_progress")  # never over a cancel accepted meanwhile
             batch.fields["status"] = "in_progress"
         self._publishes.append(self._pool.submit(self._publish, batch, message, spec))
         return 1
 
     def _publish(self, batch: Batch, message: InferenceRequest, spec) -> None:
         """From the I/O pool: the publishes of a step's lines overlap (each waits for Pub/Sub's answer)."""
+        if self._store.ending(batch.batch_id):
+            # Taken before a cancel (or the window's end) was accepted: never published; answered cancelled.
+            self._store.published(batch.batch_id, message.request_id)
+            return
         try:
             self._inference.publish(message, spec, batch.expires_ms, "batch", reply_to=naming.BATCH_REPLIES_TOPIC)
         except ApiError:
@@ -411,7 +463,7 @@ class BatchRunner:
     def _fail(self, batch_id: str, code: int, message: str) -> None:
         self._drop(batch_id)
         error = json.dumps({"code": code, "message": message})
-        self._store.set_fields(batch_id, feed_done=1, end_status="failed", error=error)
+        self._store.set_ending(batch_id, "failed", feed_done=1, error=error)
 
     # Answers.
 
@@ -532,9 +584,11 @@ class BatchRunner:
         self._flush(batch_id, force=True)
         if not self._store.outbox_empty(batch_id):
             return True
-        ended = self._store.set_status(batch_id, ending or "completed")
+        ended = self._store.set_status(batch_id, "@end")
         self._drop(batch_id)
-        log.info("batch ended", extra={"fields": {"batch_job_id": batch_id, "status": ended.status}})
+        self._held.discard(batch_id)
+        if ended is not None:
+            log.info("batch ended", extra={"fields": {"batch_job_id": batch_id, "status": ended.status}})
         return True
 
     def _call_webhooks(self) -> None:

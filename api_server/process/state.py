@@ -204,7 +204,10 @@ def build_app_state(settings: Settings) -> AppState:
             settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
             storage, webhooks, subscriber, flows,
         )  # fmt: skip
-    batches = BatchService(batch_store, redis_state, storage, targets, settings.batch_inline_max_lines, batch_runner)
+    batches = BatchService(
+        batch_store, redis_state, storage, targets, settings.batch_inline_max_lines, batch_runner,
+        max_active_per_key=settings.batch_max_active_per_key,
+    )  # fmt: skip
     return AppState(
         settings=settings,
         catalog=catalog,
