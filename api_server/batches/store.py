@@ -7,6 +7,8 @@ Keys, all under `maas:batch:{id}`:
   (the process died) another process takes it and resumes from the cursor;
 - `:seen`: the custom_ids taken (16-hex digests; about 60 bytes of Redis per line while the batch runs, deleted
   when it ends): a custom_id is published once;
+- `:done`: after a Redis loss (`restore`), the line numbers already in part files: read again, they are skipped;
+- `maas:batches:owner:{key}:active`: the key's batches not yet ended (`MAAS_BATCH_MAX_ACTIVE_PER_KEY`);
 - `:pending`: published lines not yet collected (bounded by `MAAS_BATCH_MAX_IN_FLIGHT` per model), with their
   partial log rows; `:publishing`: the few whose publish was under way, with their message, so a resumed feeder
   republishes one only when neither its in-flight record nor its answer exists (the same request id: a worker
