@@ -26,6 +26,19 @@ class ResultStore:
         raw = self._redis.get(naming.result_key(request_id))
         return InferenceReply.model_validate_json(raw) if raw else None
 
+    def note_failure(self, request_id: str, cause: str) -> int:
+        """Counts a failed run handed back for a retry and keeps its cause; the runs failed so far."""
+        key = naming.failure_key(request_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hincrby(key, "count", 1)
+        pipe.hset(key, "cause", cause[:512])
+        pipe.expire(key, self._ttl)
+        return int(pipe.execute()[0])
+
+    def failure_cause(self, request_id: str) -> str | None:
+        raw = self._redis.hget(naming.failure_key(request_id), "cause")
+        return raw.decode() if raw else None
+
     def put_progress(self, progress: list[Progress]) -> None:
         """One round trip for a whole batch's progress."""
         pipe = self._redis.pipeline(transaction=False)

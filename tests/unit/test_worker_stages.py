@@ -97,13 +97,20 @@ class Recorder:
         self.finished: dict[str, int] = {}
         self.answered: dict[str, tuple[str, str | None]] = {}
         self.released: list[str] = []
+        self.failures: dict[str, list[str]] = {}
+        self.errors: dict[str, str | None] = {}
         self.redis_trouble = SimpleNamespace(warn=lambda *args: None)
 
     def finish(self, pending, images, fields) -> None:
         self.finished[pending.request_id] = len(images)
 
+    def note_failure(self, request_id: str, cause: str) -> int:
+        self.failures.setdefault(request_id, []).append(cause)
+        return len(self.failures[request_id])
+
     def answer(self, message, reply, store: bool = True) -> None:
         self.answered[reply.request_id] = (reply.status, reply.error_kind)
+        self.errors[reply.request_id] = reply.error
 
     def release(self, message) -> None:
         self.released.append(message.ack_id)
@@ -150,6 +157,24 @@ def test_a_crash_that_may_be_transient_hands_the_request_back_for_a_retry():
     loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
     loop.run_batch([pending("flaky", spec=NOOP)])
     assert recorder.released == ["ack-flaky"] and recorder.answered == {} and recorder.finished == {}
+
+
+def test_a_batch_line_failing_every_run_is_answered_failed_with_its_cause_after_two_runs_not_five():
+    loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="poison"))
+    loop.run_batch([pending("poison", spec=NOOP, priority="batch")])
+    assert recorder.released == ["ack-poison"] and recorder.answered == {}, "the first failure may be transient"
+    loop.run_batch([pending("poison", spec=NOOP, priority="batch")])
+    assert recorder.released == ["ack-poison"] and recorder.answered == {"poison": ("error", "inference_failed")}
+    assert recorder.errors["poison"] == "inference failed on 2 runs: RuntimeError: device lost"
+    assert recorder.failures["poison"] == ["RuntimeError: device lost"] * 2
+
+
+def test_an_interactive_request_failing_is_handed_back_each_time_with_its_cause_kept():
+    loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
+    for _ in range(3):
+        loop.run_batch([pending("flaky", spec=NOOP)])
+    assert recorder.released == ["ack-flaky"] * 3 and recorder.answered == {}
+    assert recorder.failures["flaky"] == ["RuntimeError: device lost"] * 3
 
 
 def test_a_version_configured_to_fail_every_call_is_a_worker_error_not_bad_input():
@@ -304,3 +329,18 @@ def test_compiled_batches_are_padded_to_a_fixed_bucket():
     assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
     assert pad_to_bucket(["a", "b", "c"], 8) == ["a", "b", "c", "c"]
     assert pad_to_bucket(["a"] * 5, 6) == ["a"] * 6
+
+
+def test_a_dead_lettered_answer_names_the_cause_of_the_last_failed_run():
+    from model_worker.serving.intake import DeadLetterResponder
+
+    recorder = Recorder()
+    results = SimpleNamespace(get=lambda request_id: None, failure_cause=lambda request_id: "RuntimeError: device lost")
+    responder = DeadLetterResponder(
+        None, "dead", NOOP, SimpleNamespace(hold=lambda message: None), results, recorder, ReplyFactory("w1", {}),
+        WorkerHealth(60),
+    )  # type: ignore[arg-type]  # fmt: skip
+    attributes = {"request_id": "poison", "CloudPubSubDeadLetterSourceDeliveryCount": "5"}
+    responder._answer(SimpleNamespace(message=SimpleNamespace(attributes=attributes), ack_id="ack-poison"))
+    assert recorder.answered == {"poison": ("error", "dead_lettered")}
+    assert recorder.errors["poison"] == "failed after 5 delivery attempts; the last: RuntimeError: device lost"
