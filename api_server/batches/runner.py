@@ -77,6 +77,7 @@ class Reader:
     stream: object
     lines: object
     held: tuple[Line, PreparedRequest | InvalidLine] | None = None
+    draining: bool = False  # reading what a cancelled or expired batch never ran (`_list_unrun`)
     flushed_at: float = field(default_factory=time.monotonic)
 
 
@@ -233,17 +234,58 @@ class BatchRunner:
             return False
         ending = batch.fields.get("end_status")
         if ending is None and time.time() * 1000 >= batch.expires_ms:
-            self._store.set_ending(batch_id, "expired", feed_done=1)
+            self._store.set_ending(batch_id, "expired")
             current = self._store.get(batch_id, mirrored=False)
             ending = current.fields.get("end_status") if current is not None else "expired"
         worked = False
         if ending is None:
             worked |= self._republish(batch)
             worked |= self._feed(batch)
+        elif ending in ("cancelled", "expired") and not batch.fields.get("feed_done"):
+            worked |= self._list_unrun(batch, ending)
         # A failed batch (its file became unreadable) still collects what it published; cancel and expiry do not wait.
         worked |= self._collect(batch_id, ending if ending in ("cancelled", "expired") else None)
         worked |= self._flush(batch_id, force=False)
         return self._maybe_end(batch_id) or worked
+
+    def _list_unrun(self, batch: Batch, ending: str) -> bool:
+        """The lines a cancelled or expired batch never read go to its errors file as `cancelled`/`expired` (as
+        OpenAI's batches list them), so `total` ends as the file's lines and every custom_id has its line. Read from
+        the cursor in Redis (a reader of the feed may be past lines it had not taken), a slice per step."""
+        batch_id = batch.batch_id
+        reader = self._readers.get(batch_id)
+        if reader is None or not reader.draining:
+            self._drop(batch_id)
+            try:
+                reader = self._reader(batch)
+            except Exception:  # noqa: BLE001 - the file went away: nothing more can be listed
+                self._store.set_fields(batch_id, feed_done=1)
+                return True
+            reader.draining = True
+        spec = (Outcome.CANCELLED if ending == "cancelled" else Outcome.EXPIRED).spec
+        error = {"code": spec.http_status, "message": f"the batch was {ending} before this line ran", "kind": ending}
+        started, entries = time.monotonic(), []
+        while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
+            line = next(reader.lines, None)
+            if line is not None:
+                custom_id = custom_id_of(line.data)
+                item = {
+                    "line": {"custom_id": custom_id, "line": line.number, "status": ending, "error": error},
+                    "row": None,
+                    "start": line.start_offset,
+                }
+                entries.append((item, line.end_offset, line.number))
+            if entries and (line is None or len(entries) >= INVALID_PER_ROUND_TRIP):
+                if not self._store.take_unrun(batch_id, self._token, ending, entries):
+                    return True
+                entries = []
+            if line is None:
+                self._drop(batch_id)
+                self._store.set_fields(batch_id, feed_done=1)
+                return True
+        if entries:
+            self._store.take_unrun(batch_id, self._token, ending, entries)
+        return True
 
     def _republish(self, batch: Batch) -> bool:
         """Lines taken by a feeder that died (or whose publish failed) before their publish was known."""
@@ -575,8 +617,8 @@ class BatchRunner:
         if batch is None or batch.ended:
             return False
         ending = batch.fields.get("end_status")
-        if not (batch.fields.get("feed_done") or ending):
-            return False
+        if not batch.fields.get("feed_done"):
+            return False  # still feeding, or listing the lines a cancelled or expired batch never ran
         if self._store.pending(batch_id) or self._store.publishing(batch_id):
             return False
         if ending is None and batch.status != "finalizing":

@@ -110,6 +110,22 @@ redis.call('RENAME', KEYS[3], part)
 redis.call('SADD', KEYS[4], part)
 return part"""
 )
+# The lines a cancelled or expired batch never read, to its errors outbox as `cancelled`/`expired` (counted in
+# `total` and that count), the cursor moved past each; a line already in a part file (`:done`) only moves the cursor.
+# KEYS: lease, batch, errors outbox, done. ARGV: token, counter, then (item, end offset, line number) per line.
+TAKE_UNRUN = (
+    RECORDED
+    + """
+for i = 3, #ARGV, 3 do
+  if redis.call('SISMEMBER', KEYS[4], ARGV[i + 2]) == 0 then
+    redis.call('RPUSH', KEYS[3], ARGV[i])
+    redis.call('HINCRBY', KEYS[2], 'total', 1)
+    redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  end
+  redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[i + 1], 'cursor_line', ARGV[i + 2])
+end
+return 1"""
+)
 # A status moves forward only, on a whole record (never re-creating one Redis lost): `in_progress` from
 # `validating`, `finalizing` from those two, and the end (`@end`) to the `end_status` set (`cancelled` once a cancel
 # was accepted, whatever else was set) or `completed`. KEYS: batch, active set, webhooks, owner's active set.
@@ -220,6 +236,7 @@ class BatchStore:
         self._collect = client.register_script(COLLECT)
         self._cut_part = client.register_script(CUT_PART)
         self._set_status = client.register_script(SET_STATUS)
+        self._take_unrun = client.register_script(TAKE_UNRUN)
         self._set_ending = client.register_script(SET_ENDING)
         self._create = client.register_script(CREATE)
 
@@ -479,6 +496,15 @@ class BatchStore:
                 keys=keys, args=[token, digest or "", json.dumps(item), offset, line, first_error], client=pipe
             )
         return all(int(result) >= 1 for result in pipe.execute())
+
+    def take_unrun(self, batch_id: str, token: str, counter: str, entries: list[tuple[dict, int, int]]) -> bool:
+        """Lines never run (the batch was cancelled or expired first) to the errors outbox: (item, end offset, line
+        number) each, in file order, in one script. False when the lease was lost."""
+        args: list = [token, counter]
+        for item, offset, line in entries:
+            args += [json.dumps(item), offset, line]
+        keys = self._keys(batch_id, "outbox:errors", "done")
+        return int(self._take_unrun(keys=keys, args=args)) == 1
 
     def publishing(self, batch_id: str) -> dict[str, dict]:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:publishing")

@@ -138,10 +138,11 @@ def test_once_a_cancel_is_accepted_no_line_is_taken_or_published_and_the_status_
 def test_a_line_taken_before_the_cancel_is_not_published_after_it(client):
     harness = Harness(client)
     batch_id = harness.submit(["g1", "g2"])
-    harness.inference.gate = gate = threading.Event()
+    gate = threading.Event()
+    ending = harness.store.ending
+    harness.store.ending = lambda batch: gate.wait(30) and ending(batch)  # line 1's publish goes on after the cancel
     harness.serving.on_prepare = lambda number: number == 2 and harness.store.request_cancel(batch_id)
     stepping = threading.Thread(target=step_once, args=(harness, batch_id))
-    # Line 1's publish waits at the gate until the cancel (validating line 2) was accepted.
     stepping.start()
     deadline = time.monotonic() + 30
     while harness.fields(batch_id).get("status") != "cancelling":
@@ -150,8 +151,9 @@ def test_a_line_taken_before_the_cancel_is_not_published_after_it(client):
     gate.set()
     stepping.join(30)
     harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "cancelled")
-    assert harness.inference.published in ([], [line_request_id(batch_id, "g1")])
-    assert harness.counts(batch_id)["total"] <= 1
+    assert harness.inference.published == []
+    errors = harness.output(batch_id, "errors")
+    assert sorted((item["custom_id"], item["status"]) for item in errors) == [("g1", "cancelled"), ("g2", "cancelled")]
 
 
 # A key's share.
@@ -206,3 +208,26 @@ def test_a_lease_does_not_lapse_inside_a_step_that_waits_longer_than_it(client):
 def step_once(harness: Harness, batch_id: str) -> None:
     assert harness.store.acquire(batch_id, harness.runner._token, 10) is not None
     harness.runner.step(batch_id)
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "expired"])
+def test_a_cancelled_or_expired_batch_lists_every_line_it_never_ran_and_counts_the_files_lines(client, ending):
+    harness = Harness(client, batch_max_in_flight=3)
+    ids = [f"k{index}" for index in range(1, 11)]
+    batch_id = harness.submit(ids[:6] + [None] + ids[6:])  # line 7 is not JSON: listed without a custom_id
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("total") == "3")  # lines 1-3 in flight
+    harness.answer(batch_id, "k1")
+    if ending == "cancelled":
+        harness.store.request_cancel(batch_id)
+    else:
+        harness.store.set_fields(batch_id, expires_ms=int(time.time() * 1000) - 1)
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == ending)
+    assert harness.counts(batch_id) == {
+        "total": 11, "succeeded": 1, "failed": 0, "cancelled": 10 if ending == "cancelled" else 0,
+        "expired": 10 if ending == "expired" else 0,
+    }  # fmt: skip
+    errors = harness.output(batch_id, "errors")
+    assert sorted(item["line"] for item in errors) == list(range(2, 12))
+    assert {item["status"] for item in errors} == {ending}
+    assert [item["custom_id"] for item in errors if item["line"] > 3] == ids[3:6] + [None] + ids[6:]
+    assert len(harness.inference.published) == 3

@@ -41,7 +41,7 @@ class BatchBody(BaseModel):
 
 
 class RequestCounts(BaseModel):
-    total: int = Field(description="lines read so far")
+    total: int = Field(description="lines read so far; once ended, every line of the file")
     succeeded: int
     failed: int = Field(description="invalid lines and lines the model failed")
     cancelled: int
