@@ -527,11 +527,13 @@ class BatchRunner:
         answers = self._pool.map(
             lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended, timeout=ANSWER_WAIT_SECONDS
         )
-        collected = 0
+        collected = []
         for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True):
             if self._store.collect(batch_id, self._token, request_id, entry["queue"], kind, item, counter) < 0:
-                return bool(collected)
-            collected += 1
+                break
+            collected.append(request_id)
+        if collected:
+            self._results.collected(collected)  # kept until the batch's end while uncollected; now the usual TTL
         return bool(collected)
 
     def _answer(

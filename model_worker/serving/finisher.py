@@ -119,7 +119,9 @@ class ReplyFinisher:
             try:
                 # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
                 # the notification finds it here.
-                first = self._results.put(reply)
+                batch_line = message.attributes.get(Attr.PRIORITY) == "batch"
+                keep_until = int(message.attributes.get(Attr.DEADLINE_MS) or 0) if batch_line else None
+                first = self._results.put(reply, keep_until_ms=keep_until)
             except Exception as exc:  # noqa: BLE001 - Redis down is not a request failure
                 self.redis_trouble.warn("store", exc)
                 self._metrics.errors.labels(kind="result_store").inc()

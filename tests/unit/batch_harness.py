@@ -25,9 +25,11 @@ from contract import naming
 from contract.generation import GenerationParameters
 from contract.messages import InferenceReply
 from contract.settings import Settings
+from contract.stores.results import ResultStore
 from tests.unit.test_step_scheduler import CATALOG
 
 BUCKET = "payloads"
+RESULT_TTL_SECONDS = 3600
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +170,7 @@ class Harness:
         self.runner = self.new_runner()
 
     def new_runner(self) -> BatchRunner:
-        results = SimpleNamespace(cancel=lambda request_id: None)
+        results = ResultStore(self.client, RESULT_TTL_SECONDS)
         return BatchRunner(
             self.settings, self.store, self.serving, self.inference, None, results, self.client, self.log,
             CATALOG, Storage(self.bucket),

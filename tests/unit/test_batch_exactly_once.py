@@ -17,8 +17,11 @@ from api_server.batches.service import BatchService
 from api_server.batches.store import Batch, batch_key
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
+from contract import naming
+from contract.messages import InferenceReply
+from contract.stores.results import ResultStore
 from tests.unit import batch_harness
-from tests.unit.batch_harness import Harness
+from tests.unit.batch_harness import RESULT_TTL_SECONDS, Harness
 
 redis_server = batch_harness.redis_server  # one redis-server for the module
 
@@ -231,3 +234,17 @@ def test_a_cancelled_or_expired_batch_lists_every_line_it_never_ran_and_counts_t
     assert {item["status"] for item in errors} == {ending}
     assert [item["custom_id"] for item in errors if item["line"] > 3] == ids[3:6] + [None] + ids[6:]
     assert len(harness.inference.published) == 3
+
+
+def test_a_batch_lines_answer_outlives_the_usual_ttl_until_its_batch_ends_then_goes_back_to_it(client):
+    harness = Harness(client)
+    batch_id = harness.submit(["m1"])
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("total") == "1")
+    request_id = line_request_id(batch_id, "m1")
+    reply = InferenceReply(request_id=request_id, model="sleep", model_version="1", status="ok")
+    ends_ms = int(harness.fields(batch_id)["expires_ms"]) + 24 * 3600 * 1000  # a batch ending a day after the TTL
+    assert ResultStore(client, RESULT_TTL_SECONDS).put(reply, keep_until_ms=ends_ms)
+    assert client.ttl(naming.result_key(request_id)) > 24 * 3600, "kept until the batch's end, not the usual hour"
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "completed")
+    assert 0 < client.ttl(naming.result_key(request_id)) <= RESULT_TTL_SECONDS, "collected: the usual TTL again"
+    assert harness.counts(batch_id)["succeeded"] == 1

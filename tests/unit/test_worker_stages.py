@@ -237,7 +237,7 @@ class FakeLeases:
 
 
 class DownResults:
-    def put(self, reply):
+    def put(self, reply, keep_until_ms=None):
         raise ConnectionError("redis down")
 
 
@@ -245,7 +245,7 @@ def finisher(log: list[str], fail_publish: bool = False, results=None) -> ReplyF
     return ReplyFinisher(
         FakePublisher(log, fail_publish),
         "projects/p/topics/maas-replies",
-        results or SimpleNamespace(put=lambda reply: log.append("store") or True),
+        results or SimpleNamespace(put=lambda reply, keep_until_ms=None: log.append("store") or True),
         SimpleNamespace(pack=lambda data, name: SimpleNamespace(b64="x")),
         FakeLeases(log),
         WorkerMetrics(),
@@ -261,6 +261,16 @@ def test_the_reply_is_stored_and_published_before_the_request_is_acked():
     log: list[str] = []
     finisher(log).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
     assert log == ["store", "publish", "ack"]
+
+
+def test_a_batch_lines_answer_is_kept_until_its_batchs_end_and_an_interactive_one_the_usual_ttl():
+    kept: dict[str, int | None] = {}
+    results = SimpleNamespace(put=lambda reply, keep_until_ms=None: kept.update({reply.request_id: keep_until_ms}))
+    log: list[str] = []
+    batch_line = HeldMessage("s", "a", {"priority": "batch", "deadline_ms": "1900000000000"}, b"", 1, 0.0)
+    finisher(log, results=results).answer(batch_line, reply("line")).result()
+    finisher(log, results=results).answer(HeldMessage("s", "b", {"deadline_ms": "5"}, b"", 1, 0.0), reply()).result()
+    assert kept == {"line": 1900000000000, "r1": None}
 
 
 def test_a_reply_that_cannot_be_published_hands_the_request_back():
