@@ -527,11 +527,12 @@ class BatchRunner:
         answers = self._pool.map(
             lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended, timeout=ANSWER_WAIT_SECONDS
         )
-        collected = []
-        for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True):
-            if self._store.collect(batch_id, self._token, request_id, entry["queue"], kind, item, counter) < 0:
-                break
-            collected.append(request_id)
+        ends = [
+            (request_id, entry["queue"], kind, item, counter)
+            for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True)
+        ]
+        outcomes = self._store.collect(batch_id, self._token, ends) if ends else []
+        collected = [end[0] for end, outcome in zip(ends, outcomes, strict=True) if outcome >= 0]
         if collected:
             self._results.collected(collected)  # kept until the batch's end while uncollected; now the usual TTL
         return bool(collected)

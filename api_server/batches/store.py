@@ -518,12 +518,14 @@ class BatchStore:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:inflight")
         return {key.decode(): int(value) for key, value in raw.items()}
 
-    def collect(
-        self, batch_id: str, token: str, request_id: str, queue: str, kind: str, item: dict, counter: str
-    ) -> int:
-        """Moves a pending line to its outbox and counts it, once: 1 done, 0 collected already, -1 lease lost."""
-        keys = self._keys(batch_id, "pending", "inflight", f"outbox:{kind}", "publishing")
-        return int(self._collect(keys=keys, args=[token, request_id, queue, json.dumps(item), counter]))
+    def collect(self, batch_id: str, token: str, ends: list[tuple[str, str, str, dict, str]]) -> list[int]:
+        """Moves pending lines to their outboxes and counts them, each once, in order, in one round trip: (request
+        id, queue, kind, item, counter) each; per line 1 done, 0 collected already, -1 lease lost."""
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, queue, kind, item, counter in ends:
+            keys = self._keys(batch_id, "pending", "inflight", f"outbox:{kind}", "publishing")
+            self._collect(keys=keys, args=[token, request_id, queue, json.dumps(item), counter], client=pipe)
+        return [int(result) for result in pipe.execute()]
 
     def cut_part(self, batch_id: str, token: str, kind: str) -> str | None:
         keys = self._keys(batch_id, f"outbox:{kind}", "parts")
