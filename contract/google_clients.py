@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import requests
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import bigquery, pubsub_v1, storage
@@ -25,10 +26,18 @@ def subscriber_client() -> pubsub_v1.SubscriberClient:
     return pubsub_v1.SubscriberClient()
 
 
-def storage_client(settings: Settings) -> storage.Client:
+def storage_client(settings: Settings, connections: int = 10) -> storage.Client:
+    """`connections`: the threads that use the client at once. Its HTTP session keeps that many connections per
+    host (requests' default is 10: more threads than that each open and discard one, with a urllib3 "Connection pool
+    is full" warning every time)."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
-        return storage.Client(project=settings.project_id, credentials=AnonymousCredentials())
-    return storage.Client(project=settings.project_id)
+        client = storage.Client(project=settings.project_id, credentials=AnonymousCredentials())
+    else:
+        client = storage.Client(project=settings.project_id)
+    adapter = requests.adapters.HTTPAdapter(pool_connections=connections, pool_maxsize=connections)
+    for scheme in ("https://", "http://"):
+        client._http.mount(scheme, adapter)  # the session the client makes for itself (credentials included)
+    return client
 
 
 def bigquery_client(settings: Settings) -> bigquery.Client:

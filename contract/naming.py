@@ -188,6 +188,12 @@ def progress_key(request_id: str) -> str:
     return f"{PREFIX}:progress:{request_id}"
 
 
+def failure_key(request_id: str) -> str:
+    """Redis hash of a request's failed runs that were handed back for a retry (`count`) and the last one's cause
+    (`cause`): what a dead-lettered answer says, and what bounds a batch line's runs."""
+    return f"{PREFIX}:failure:{request_id}"
+
+
 def cancel_key(request_id: str) -> str:
     """Redis key whose presence tells workers a request was cancelled: it is skipped or stopped."""
     return f"{PREFIX}:cancel:{request_id}"

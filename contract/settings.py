@@ -167,7 +167,8 @@ class Settings:
     # Batch jobs (issue 35): at most this many of one batch's lines in flight per model; a batch whose first
     # `batch_fail_fast_lines` lines are all invalid fails; an inline batch holds at most this many lines; the
     # feeder's Redis lease (another API process resumes a batch whose feeder stops renewing it); whether this
-    # process feeds and collects batches at all (CPU always allocated: README "Batch jobs").
+    # process feeds and collects batches at all (CPU always allocated: README "Batch jobs"); how many batches not yet
+    # ended one API key may have (a submit past it is a 429).
     batch_max_in_flight: int = 64
     batch_fail_fast_lines: int = 100
     batch_inline_max_lines: int = 1000
@@ -177,6 +178,7 @@ class Settings:
     # `{key_id}` in a prefix is the caller's key id). Never the model or payload bucket. Unset: none in production
     # (inline `requests` only), each key's own prefix of the local stack's batch-inputs bucket locally.
     batch_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    batch_max_active_per_key: int = 10
     # Worker
     models: tuple[str, ...] = ()
     weights_cache_dir: str = "/tmp/maas-weights"
@@ -303,6 +305,7 @@ class Settings:
             batch_fail_fast_lines=int(env.get("MAAS_BATCH_FAIL_FAST_LINES") or cls.batch_fail_fast_lines),
             batch_inline_max_lines=int(env.get("MAAS_BATCH_INLINE_MAX_LINES") or cls.batch_inline_max_lines),
             batch_lease_seconds=float(env.get("MAAS_BATCH_LEASE_SECONDS") or cls.batch_lease_seconds),
+            batch_max_active_per_key=int(env.get("MAAS_BATCH_MAX_ACTIVE_PER_KEY") or cls.batch_max_active_per_key),
             batch_runner=env.get("MAAS_BATCH_RUNNER", "1").strip() == "" or _flag(env.get("MAAS_BATCH_RUNNER", "1")),
             batch_inputs=_batch_inputs(
                 env.get("MAAS_BATCH_INPUTS"), local_inputs if stage == "local" else "", {model_bucket, payload_bucket}

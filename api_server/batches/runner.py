@@ -67,6 +67,9 @@ IO_THREADS = 16
 # A step never waits longer than this on its publishes, or on its answers' image copies (it fails, and the next
 # step does it again: every part of it is resumable).
 PUBLISH_WAIT_SECONDS, ANSWER_WAIT_SECONDS = 30.0, 120.0
+# The longest a step may take (its waits above, and its part uploads): leases are renewed while the loop moved on
+# within this long.
+STEP_BOUND_SECONDS = 180.0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Reader:
     stream: object
     lines: object
     held: tuple[Line, PreparedRequest | InvalidLine] | None = None
+    draining: bool = False  # reading what a cancelled or expired batch never ran (`_list_unrun`)
     flushed_at: float = field(default_factory=time.monotonic)
 
 
@@ -118,6 +122,11 @@ class BatchRunner:
         self._wake = threading.Event()
         self._streaming = None
         self._thread = threading.Thread(target=self._run, name="batch-runner", daemon=True)
+        # The leases held (renewed by `_heartbeat`), and each key's next turn (`turns`).
+        self._held: set[str] = set()
+        self._turns: dict[str, int] = {}
+        self._beat = time.monotonic()
+        self._beating = threading.Thread(target=self._heartbeat, name="batch-lease", daemon=True)
 
     def start(self) -> None:
         if self._subscriber is not None:
@@ -125,6 +134,7 @@ class BatchRunner:
             with contextlib.suppress(Exception):
                 self._streaming = self._subscriber.subscribe(path, self._replied)
         self._thread.start()
+        self._beating.start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -133,8 +143,10 @@ class BatchRunner:
             self._streaming.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._beating.is_alive():
+            self._beating.join(timeout=10)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for batch_id in list(self._readers):
+        for batch_id in set(self._readers) | self._held:
             self._drop(batch_id)
             with contextlib.suppress(redis.RedisError):
                 self._store.release(batch_id, self._token)
@@ -154,15 +166,19 @@ class BatchRunner:
                 if time.monotonic() - restored_at >= RESTORE_EVERY_SECONDS:
                     restored_at = time.monotonic()
                     self._restore()
-                for batch_id in self._store.active():
+                for batch_id in self.turns():
                     if self._stopped.is_set():
                         break
+                    self._beat = time.monotonic()
                     lease = self._store.acquire(batch_id, self._token, self._settings.batch_lease_seconds)
                     if lease != "renewed":
                         self._drop(batch_id)  # a reader from before is stale: reopened at the cursor in Redis
                     if lease is None:
+                        self._held.discard(batch_id)
                         continue
+                    self._held.add(batch_id)
                     worked |= self.step(batch_id)
+                self._beat = time.monotonic()
                 self._call_webhooks()
             except redis.RedisError as exc:
                 log.debug("batches wait for Redis: %s", exc)
@@ -171,6 +187,37 @@ class BatchRunner:
             if not worked:
                 self._wake.wait(IDLE_WAIT_SECONDS)
                 self._wake.clear()
+
+    def turns(self) -> list[str]:
+        """The batches this round steps: one of each key's active batches, the key's batches taking turns round
+        after round, so a key with many batches gets no more turns than a key with one."""
+        active = self._store.active()
+        by_owner: dict[str, list[str]] = {}
+        for batch_id, owner in self._store.owners(active).items():
+            by_owner.setdefault(owner, []).append(batch_id)
+        chosen = []
+        for owner in sorted(by_owner):
+            batches = by_owner[owner]
+            turn = self._turns.get(owner, 0)
+            chosen.append(batches[turn % len(batches)])
+            self._turns[owner] = turn + 1
+        self._turns = {owner: turn for owner, turn in self._turns.items() if owner in by_owner}
+        return chosen
+
+    def _heartbeat(self) -> None:
+        """Renews the leases this process holds every third of a lease, so none lapses inside a step that waits
+        on its publishes or image copies (bounded, `STEP_BOUND_SECONDS`); once the loop has not moved on for that
+        long, renewing stops and another process may take the batches over."""
+        lease = self._settings.batch_lease_seconds
+        while not self._stopped.wait(lease / 3):
+            if time.monotonic() - self._beat > STEP_BOUND_SECONDS:
+                continue
+            for batch_id in list(self._held):
+                try:
+                    if not self._store.renew(batch_id, self._token, lease):
+                        self._held.discard(batch_id)
+                except redis.RedisError:
+                    break
 
     def _restore(self) -> None:
         """Batches Redis lost (restarted without persistence) are rebuilt from GCS, then resumed like any other."""
@@ -185,19 +232,62 @@ class BatchRunner:
         batch = self._store.get(batch_id, mirrored=False)
         if batch is None or batch.ended:
             self._drop(batch_id)
+            self._held.discard(batch_id)
             return False
         ending = batch.fields.get("end_status")
         if ending is None and time.time() * 1000 >= batch.expires_ms:
-            self._store.set_fields(batch_id, end_status="expired", feed_done=1)
-            ending = "expired"
+            self._store.set_ending(batch_id, "expired")
+            current = self._store.get(batch_id, mirrored=False)
+            ending = current.fields.get("end_status") if current is not None else "expired"
         worked = False
         if ending is None:
             worked |= self._republish(batch)
             worked |= self._feed(batch)
+        elif ending in ("cancelled", "expired") and not batch.fields.get("feed_done"):
+            worked |= self._list_unrun(batch, ending)
         # A failed batch (its file became unreadable) still collects what it published; cancel and expiry do not wait.
         worked |= self._collect(batch_id, ending if ending in ("cancelled", "expired") else None)
         worked |= self._flush(batch_id, force=False)
         return self._maybe_end(batch_id) or worked
+
+    def _list_unrun(self, batch: Batch, ending: str) -> bool:
+        """The lines a cancelled or expired batch never read go to its errors file as `cancelled`/`expired` (as
+        OpenAI's batches list them), so `total` ends as the file's lines and every custom_id has its line. Read from
+        the cursor in Redis (a reader of the feed may be past lines it had not taken), a slice per step."""
+        batch_id = batch.batch_id
+        reader = self._readers.get(batch_id)
+        if reader is None or not reader.draining:
+            self._drop(batch_id)
+            try:
+                reader = self._reader(batch)
+            except Exception:  # noqa: BLE001 - the file went away: nothing more can be listed
+                self._store.set_fields(batch_id, feed_done=1)
+                return True
+            reader.draining = True
+        spec = (Outcome.CANCELLED if ending == "cancelled" else Outcome.EXPIRED).spec
+        error = {"code": spec.http_status, "message": f"the batch was {ending} before this line ran", "kind": ending}
+        started, entries = time.monotonic(), []
+        while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
+            line = next(reader.lines, None)
+            if line is not None:
+                custom_id = custom_id_of(line.data)
+                item = {
+                    "line": {"custom_id": custom_id, "line": line.number, "status": ending, "error": error},
+                    "row": None,
+                    "start": line.start_offset,
+                }
+                entries.append((item, line.end_offset, line.number))
+            if entries and (line is None or len(entries) >= INVALID_PER_ROUND_TRIP):
+                if not self._store.take_unrun(batch_id, self._token, ending, entries):
+                    return True
+                entries = []
+            if line is None:
+                self._drop(batch_id)
+                self._store.set_fields(batch_id, feed_done=1)
+                return True
+        if entries:
+            self._store.take_unrun(batch_id, self._token, ending, entries)
+        return True
 
     def _republish(self, batch: Batch) -> bool:
         """Lines taken by a feeder that died (or whose publish failed) before their publish was known."""
@@ -356,13 +446,17 @@ class BatchRunner:
         if taken < 0:
             return -1
         if batch.status == "validating":
-            self._store.set_status(batch_id, "in_progress")
+            self._store.set_status(batch_id, "in_progress")  # never over a cancel accepted meanwhile
             batch.fields["status"] = "in_progress"
         self._publishes.append(self._pool.submit(self._publish, batch, message, spec))
         return 1
 
     def _publish(self, batch: Batch, message: InferenceRequest, spec) -> None:
         """From the I/O pool: the publishes of a step's lines overlap (each waits for Pub/Sub's answer)."""
+        if self._store.ending(batch.batch_id):
+            # Taken before a cancel (or the window's end) was accepted: never published; answered cancelled.
+            self._store.published(batch.batch_id, message.request_id)
+            return
         try:
             self._inference.publish(message, spec, batch.expires_ms, "batch", reply_to=naming.BATCH_REPLIES_TOPIC)
         except ApiError:
@@ -414,7 +508,7 @@ class BatchRunner:
     def _fail(self, batch_id: str, code: int, message: str) -> None:
         self._drop(batch_id)
         error = json.dumps({"code": code, "message": message})
-        self._store.set_fields(batch_id, feed_done=1, end_status="failed", error=error)
+        self._store.set_ending(batch_id, "failed", feed_done=1, error=error)
 
     # Answers.
 
@@ -436,11 +530,14 @@ class BatchRunner:
         answers = self._pool.map(
             lambda end: self._answer(batch_id, end[0], end[1], end[2], ending), ended, timeout=ANSWER_WAIT_SECONDS
         )
-        collected = 0
-        for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True):
-            if self._store.collect(batch_id, self._token, request_id, entry["queue"], kind, item, counter) < 0:
-                return bool(collected)
-            collected += 1
+        ends = [
+            (request_id, entry["queue"], kind, item, counter)
+            for (request_id, entry, _), (kind, counter, item) in zip(ended, answers, strict=True)
+        ]
+        outcomes = self._store.collect(batch_id, self._token, ends) if ends else []
+        collected = [end[0] for end, outcome in zip(ends, outcomes, strict=True) if outcome >= 0]
+        if collected:
+            self._results.collected(collected)  # kept until the batch's end while uncollected; now the usual TTL
         return bool(collected)
 
     def _answer(
@@ -531,8 +628,8 @@ class BatchRunner:
         if batch is None or batch.ended:
             return False
         ending = batch.fields.get("end_status")
-        if not (batch.fields.get("feed_done") or ending):
-            return False
+        if not batch.fields.get("feed_done"):
+            return False  # still feeding, or listing the lines a cancelled or expired batch never ran
         if self._store.pending(batch_id) or self._store.publishing(batch_id):
             return False
         if ending is None and batch.status != "finalizing":
@@ -540,9 +637,11 @@ class BatchRunner:
         self._flush(batch_id, force=True)
         if not self._store.outbox_empty(batch_id):
             return True
-        ended = self._store.set_status(batch_id, ending or "completed")
+        ended = self._store.set_status(batch_id, "@end")
         self._drop(batch_id)
-        log.info("batch ended", extra={"fields": {"batch_job_id": batch_id, "status": ended.status}})
+        self._held.discard(batch_id)
+        if ended is not None:
+            log.info("batch ended", extra={"fields": {"batch_job_id": batch_id, "status": ended.status}})
         return True
 
     def _call_webhooks(self) -> None:

@@ -3,6 +3,7 @@ read the results and errors files back. The work itself is the runner's (`runner
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -48,6 +49,7 @@ class BatchService:
         webhook_targets: WebhookTargetPolicy,
         inline_max_lines: int,
         runner: BatchRunner | None = None,
+        max_active_per_key: int = 10,
     ) -> None:
         self._store = store
         self._redis = redis_state
@@ -55,6 +57,7 @@ class BatchService:
         self._targets = webhook_targets
         self._inline_max_lines = inline_max_lines
         self._runner = runner
+        self._max_active = max_active_per_key
 
     def submit(self, body: object, caller: Caller) -> dict:
         if not isinstance(body, dict):
@@ -82,6 +85,8 @@ class BatchService:
                 raise ApiError(422, "webhook_url: an https:// URL", "webhook_url")
             self._targets.check(webhook)
         metadata = self._metadata(body.get("metadata", {}))
+        if self._stored(lambda: self._store.active_count(caller.key_id)) >= self._max_active:
+            raise self._at_cap()  # before writing inline lines; `create` checks again, atomically
         batch_id = f"batch-{uuid.uuid4().hex[:20]}"
         if "requests" in body:
             input_file = self._inline(batch_id, body["requests"])
@@ -101,10 +106,23 @@ class BatchService:
             "cursor_line": 0,
             **({"webhook_url": webhook} if webhook else {}),
         }
-        batch = self._stored(lambda: self._store.create(batch_id, fields))
+        batch = self._stored(lambda: self._store.create(batch_id, fields, self._max_active))
+        if batch is None:
+            if "requests" in body:  # the inline lines written for a batch that is not created
+                with contextlib.suppress(Exception):
+                    self._store.bucket.blob(self._store.object_name(batch_id, "input.jsonl")).delete()
+            raise self._at_cap()
         if self._runner is not None:
             self._runner.wake()
         return view(batch, self._store)
+
+    def _at_cap(self) -> ApiError:
+        return ApiError(
+            429,
+            f"this key has {self._max_active} batches not yet ended, its cap (MAAS_BATCH_MAX_ACTIVE_PER_KEY); "
+            "submit again once one has ended, or cancel one",
+            headers={"Retry-After": "60"},
+        )
 
     @staticmethod
     def _metadata(metadata: object) -> dict[str, str]:
@@ -147,7 +165,8 @@ class BatchService:
         return [view(batch, self._store) for batch in batches]
 
     def cancel(self, batch: Batch) -> dict:
-        """Stops feeding; lines in flight are answered cancelled; what finished stays. 409 once it has ended."""
+        """Stops feeding; lines in flight are answered cancelled; what finished stays. 409 once it has ended or a
+        cancel was accepted already (the status says `cancelling` from then on, never going back)."""
         if batch.status in ENDED or batch.status == "cancelling":
             raise ApiError(409, f"batch {batch.batch_id} is {batch.status} already")
         if not self._stored(lambda: self._store.request_cancel(batch.batch_id)):

@@ -7,6 +7,8 @@ Keys, all under `maas:batch:{id}`:
   (the process died) another process takes it and resumes from the cursor;
 - `:seen`: the custom_ids taken (16-hex digests; about 60 bytes of Redis per line while the batch runs, deleted
   when it ends): a custom_id is published once;
+- `:done`: after a Redis loss (`restore`), the line numbers already in part files: read again, they are skipped;
+- `maas:batches:owner:{key}:active`: the key's batches not yet ended (`MAAS_BATCH_MAX_ACTIVE_PER_KEY`);
 - `:pending`: published lines not yet collected (bounded by `MAAS_BATCH_MAX_IN_FLIGHT` per model), with their
   partial log rows; `:publishing`: the few whose publish was under way, with their message, so a resumed feeder
   republishes one only when neither its in-flight record nor its answer exists (the same request id: a worker
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,6 +37,7 @@ from google.cloud import storage
 from api_server.batches.lines import custom_id_digest
 from contract import naming
 
+log = logging.getLogger(__name__)
 ACTIVE_KEY = "maas:batches:active"
 # Ended batches whose webhook is still to call: any process that can sign claims one (SREM) and calls it once.
 WEBHOOKS_KEY = "maas:batches:webhooks"
@@ -47,12 +51,22 @@ TIME_FIELDS = ("created", "in_progress", "finalizing", "cancelling", "completed"
 
 LEASED = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
 RENEW = LEASED + "redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
-# Every step also needs the batch's record: after a Redis loss it is restored whole before anyone writes to it.
+# Every write also needs the batch's record: after a Redis loss it is restored whole before anyone writes to it, so
+# no step re-creates a part of a record Redis lost.
 RECORDED = LEASED + "if redis.call('HEXISTS', KEYS[2], 'status') == 0 then return -1 end\n"
-# KEYS: lease, batch, seen, publishing, pending, inflight. ARGV: token, digest, rid, message, pending, queue, offset,
-# line.
+# Taking a line: never once the batch is ending (a cancel accepted, expired, failed: -2), and a line already in a
+# part file before Redis lost the batch (`:done`, its line numbers, filled by `restore`) is skipped with the cursor
+# moved past it (2): never published, counted or written again. KEYS[7] is `:done`, ARGV[line] the line's number.
+TAKING = (
+    RECORDED
+    + "if redis.call('HEXISTS', KEYS[2], 'end_status') == 1 then return -2 end\n"
+    + "if redis.call('SISMEMBER', KEYS[{done}], ARGV[{line}]) == 1 then\n"
+    + "  redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[{offset}], 'cursor_line', ARGV[{line}]) return 2 end\n"
+)
+# KEYS: lease, batch, seen, publishing, pending, inflight, done. ARGV: token, digest, rid, message, pending, queue,
+# offset, line.
 TAKE_VALID = (
-    LEASED
+    TAKING.format(done=7, offset=7, line=8)
     + """
 if redis.call('SADD', KEYS[3], ARGV[2]) == 0 then return 0 end
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
@@ -62,9 +76,9 @@ redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[7], 'cursor_line', ARGV[8], 'v
 redis.call('HINCRBY', KEYS[2], 'total', 1)
 return 1"""
 )
-# KEYS: lease, batch, seen, errors outbox. ARGV: token, digest ('' for none), item, offset, line, first error.
+# KEYS: lease, batch, seen, errors outbox, done. ARGV: token, digest ('' for none), item, offset, line, first error.
 TAKE_INVALID = (
-    LEASED
+    TAKING.format(done=5, offset=4, line=5)
     + """
 if ARGV[2] ~= '' then redis.call('SADD', KEYS[3], ARGV[2]) end
 redis.call('RPUSH', KEYS[4], ARGV[3])
@@ -76,7 +90,7 @@ return 1"""
 )
 # KEYS: lease, batch, pending, inflight, outbox, publishing. ARGV: token, rid, queue, item, counter.
 COLLECT = (
-    LEASED
+    RECORDED
     + """
 if redis.call('HDEL', KEYS[3], ARGV[2]) == 0 then return 0 end
 redis.call('HDEL', KEYS[6], ARGV[2])
@@ -87,7 +101,7 @@ return 1"""
 )
 # KEYS: lease, batch, outbox, parts set. ARGV: token, kind. Returns the part's key, or false.
 CUT_PART = (
-    LEASED
+    RECORDED
     + """
 if redis.call('LLEN', KEYS[3]) == 0 then return false end
 local seq = redis.call('HINCRBY', KEYS[2], 'parts_' .. ARGV[2], 1)
@@ -96,6 +110,71 @@ redis.call('RENAME', KEYS[3], part)
 redis.call('SADD', KEYS[4], part)
 return part"""
 )
+# The lines a cancelled or expired batch never read, to its errors outbox as `cancelled`/`expired` (counted in
+# `total` and that count), the cursor moved past each; a line already in a part file (`:done`) only moves the cursor.
+# KEYS: lease, batch, errors outbox, done. ARGV: token, counter, then (item, end offset, line number) per line.
+TAKE_UNRUN = (
+    RECORDED
+    + """
+for i = 3, #ARGV, 3 do
+  if redis.call('SISMEMBER', KEYS[4], ARGV[i + 2]) == 0 then
+    redis.call('RPUSH', KEYS[3], ARGV[i])
+    redis.call('HINCRBY', KEYS[2], 'total', 1)
+    redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  end
+  redis.call('HSET', KEYS[2], 'cursor_offset', ARGV[i + 1], 'cursor_line', ARGV[i + 2])
+end
+return 1"""
+)
+# A status moves forward only, on a whole record (never re-creating one Redis lost): `in_progress` from
+# `validating`, `finalizing` from those two, and the end (`@end`) to the `end_status` set (`cancelled` once a cancel
+# was accepted, whatever else was set) or `completed`. KEYS: batch, active set, webhooks, owner's active set.
+# ARGV: status, now (ms), ended TTL (s), batch id, then field, value pairs. Returns the status set, or false.
+SET_STATUS = """
+local s = redis.call('HGET', KEYS[1], 'status')
+if not s or s == 'completed' or s == 'failed' or s == 'cancelled' or s == 'expired' then return false end
+local target = ARGV[1]
+if target == '@end' then
+  target = redis.call('HGET', KEYS[1], 'end_status') or 'completed'
+  if s == 'cancelling' then target = 'cancelled' end
+elseif target == 'in_progress' then
+  if s ~= 'validating' then return false end
+elseif target == 'finalizing' then
+  if s ~= 'validating' and s ~= 'in_progress' then return false end
+else
+  return false
+end
+redis.call('HSET', KEYS[1], 'status', target, target .. '_ms', ARGV[2])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[1] == '@end' then
+  redis.call('SREM', KEYS[2], ARGV[4])
+  redis.call('SREM', KEYS[4], ARGV[4])
+  if redis.call('HEXISTS', KEYS[1], 'webhook_url') == 1 then redis.call('SADD', KEYS[3], ARGV[4]) end
+  for _, suffix in ipairs({'seen', 'pending', 'publishing', 'inflight', 'done'}) do
+    redis.call('DEL', KEYS[1] .. ':' .. suffix)
+  end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+return target"""
+# The end a batch is heading to, set once on a whole record (a cancel accepted first stays a cancel).
+# KEYS: batch. ARGV: end status, then field, value pairs.
+SET_ENDING = """
+if redis.call('HEXISTS', KEYS[1], 'status') == 0 or redis.call('HEXISTS', KEYS[1], 'end_status') == 1 then
+  return 0 end
+redis.call('HSET', KEYS[1], 'end_status', ARGV[1])
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1"""
+# A batch is created only while its key has fewer than its cap of active batches. KEYS: batch, owner's list,
+# active set, owner's active set. ARGV: cap, batch id, created (ms), then field, value pairs. 0: at the cap.
+CREATE = """
+if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[1]) then return 0 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[2])
+return 1"""
+# What a mirrored record must hold: a write that would leave GCS with less (a record Redis lost) is not made.
+WHOLE = ("owner", "status", "created_ms", "expires_ms", "input_file")
 
 
 def batch_key(batch_id: str) -> str:
@@ -104,6 +183,11 @@ def batch_key(batch_id: str) -> str:
 
 def owner_key(owner: str) -> str:
     return f"maas:batches:owner:{owner}"
+
+
+def owner_active_key(owner: str) -> str:
+    """The key's batches not yet ended: what `MAAS_BATCH_MAX_ACTIVE_PER_KEY` counts."""
+    return f"maas:batches:owner:{owner}:active"
 
 
 def iso(epoch_ms: int | None) -> str | None:
@@ -151,6 +235,10 @@ class BatchStore:
         self._take_invalid = client.register_script(TAKE_INVALID)
         self._collect = client.register_script(COLLECT)
         self._cut_part = client.register_script(CUT_PART)
+        self._set_status = client.register_script(SET_STATUS)
+        self._take_unrun = client.register_script(TAKE_UNRUN)
+        self._set_ending = client.register_script(SET_ENDING)
+        self._create = client.register_script(CREATE)
 
     @property
     def bucket(self) -> storage.Bucket:
@@ -164,13 +252,14 @@ class BatchStore:
 
     # The record.
 
-    def create(self, batch_id: str, fields: dict[str, str | int]) -> Batch:
-        key = batch_key(batch_id)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(key, mapping={**fields, **{name: 0 for name in COUNTS}})
-        pipe.zadd(owner_key(str(fields["owner"])), {batch_id: int(fields["created_ms"])})
-        pipe.sadd(ACTIVE_KEY, batch_id)
-        pipe.execute()
+    def create(self, batch_id: str, fields: dict[str, str | int], max_active: int) -> Batch | None:
+        """The new batch, or None when its key has `max_active` batches not yet ended (checked and counted in one
+        script, so concurrent submits cannot pass the cap together)."""
+        owner = str(fields["owner"])
+        keys = [batch_key(batch_id), owner_key(owner), ACTIVE_KEY, owner_active_key(owner)]
+        flat = [item for pair in {**fields, **dict.fromkeys(COUNTS, 0)}.items() for item in pair]
+        if not self._create(keys=keys, args=[max_active, batch_id, int(fields["created_ms"]), *flat]):
+            return None
         batch = self.get(batch_id)
         assert batch is not None
         self.mirror(batch)
@@ -197,7 +286,11 @@ class BatchStore:
 
     def mirror(self, batch: Batch) -> None:
         """Copies the record to GCS (what survives a lost Redis), with the safe cursor: where a restored batch
-        resumes reading so that no line is lost (the first line not yet in a part file)."""
+        resumes reading so that no line is lost (the first line not yet in a part file). A record missing any of
+        `WHOLE` (a part of one Redis lost) never replaces the copy."""
+        if any(name not in batch.fields for name in WHOLE):
+            log.warning("batch %s: a partial record is not mirrored", batch.batch_id)
+            return
         fields = dict(batch.fields)
         if not batch.ended:
             fields["safe_offset"], fields["safe_line"] = self._safe_cursor(batch)
@@ -239,7 +332,8 @@ class BatchStore:
         if not fields or fields.get("status") in ENDED:
             self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).delete()
             return False
-        done: dict[str, int] = {}
+        done: set[int] = set()  # line numbers
+        seen: set[str] = set()
         counts = dict.fromkeys(COUNTS, 0)
         for kind in KINDS:
             for blob in self._bucket.list_blobs(prefix=self.object_name(batch_id, f"{kind}/")):
@@ -247,8 +341,9 @@ class BatchStore:
                 fields[f"parts_{kind}"] = str(max(seq, int(fields.get(f"parts_{kind}") or 0)))
                 for text in blob.download_as_text().splitlines():
                     item = json.loads(text)
-                    custom_id = item.get("custom_id")
-                    done[custom_id_digest(custom_id) if custom_id else f"L{item['line']}"] = item["line"]
+                    if custom_id := item.get("custom_id"):
+                        seen.add(custom_id_digest(custom_id))
+                    done.add(int(item["line"]))
                     counts[item["status"]] += 1
                     counts["total"] += 1
         fields.update({name: str(value) for name, value in counts.items()})
@@ -259,15 +354,12 @@ class BatchStore:
         fields["restored_ms"] = str(int(time.time() * 1000))
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(key, mapping=fields)
-        items = list(done.items())
-        for start in range(0, len(items), 10_000):
-            chunk = dict(items[start : start + 10_000])
-            pipe.hset(f"{key}:done", mapping=chunk)
-            digests = [marker for marker in chunk if not marker.startswith("L")]
-            if digests:
-                pipe.sadd(f"{key}:seen", *digests)
+        for name, members in ((f"{key}:done", sorted(done)), (f"{key}:seen", sorted(seen))):
+            for start in range(0, len(members), 10_000):
+                pipe.sadd(name, *members[start : start + 10_000])
         pipe.zadd(owner_key(fields["owner"]), {batch_id: int(fields["created_ms"])})
         pipe.sadd(ACTIVE_KEY, batch_id)
+        pipe.sadd(owner_active_key(fields["owner"]), batch_id)
         pipe.execute()
         return True
 
@@ -279,32 +371,48 @@ class BatchStore:
     def active(self) -> list[str]:
         return sorted(member.decode() for member in self._redis.smembers(ACTIVE_KEY))
 
+    def active_count(self, owner: str) -> int:
+        return int(self._redis.scard(owner_active_key(owner)))
+
+    def owners(self, batch_ids: list[str]) -> dict[str, str]:
+        """Each batch's key (a batch whose record is gone is left out): the runner's turns are fair across keys."""
+        pipe = self._redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hget(batch_key(batch_id), "owner")
+        return {batch_id: owner.decode() for batch_id, owner in zip(batch_ids, pipe.execute(), strict=True) if owner}
+
     def set_fields(self, batch_id: str, **fields: str | int) -> None:
         """Only on a whole record (never re-creating a part of one Redis lost)."""
         flat = [item for pair in fields.items() for item in pair]
         script = "if redis.call('HEXISTS', KEYS[1], 'status') == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) end"
         self._redis.eval(script, 1, batch_key(batch_id), *flat)
 
-    def set_status(self, batch_id: str, status: str, **fields: str | int) -> Batch:
-        """Moves the batch to `status` (stamping `{status}_ms`) and mirrors it; an ended batch leaves the active
-        set and its bookkeeping is deleted."""
+    def set_ending(self, batch_id: str, end_status: str, **fields: str | int) -> bool:
+        """Sets the end the batch is heading to (`expired`, `failed`) with `fields`, unless one was set already (a
+        cancel accepted stays a cancel) or the record is gone; True when set."""
+        flat = [item for pair in fields.items() for item in pair]
+        return bool(self._set_ending(keys=[batch_key(batch_id)], args=[end_status, *flat]))
+
+    def set_status(self, batch_id: str, status: str, **fields: str | int) -> Batch | None:
+        """Moves the batch forward to `status` (`in_progress`, `finalizing`, or `@end`: its `end_status` or
+        `completed`), stamping `{status}_ms`, and mirrors it; an ended batch leaves the active sets and its
+        bookkeeping is deleted. None, and nothing written, when the record is gone (Redis lost it: never re-created
+        in part) or the move would go back (a cancel accepted meanwhile)."""
         key = batch_key(batch_id)
+        owner = self._redis.hget(key, "owner")
+        if owner is None:
+            return None
         now_ms = int(time.time() * 1000)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(key, mapping={"status": status, f"{status}_ms": now_ms, **fields})
-        if status in ENDED:
-            pipe.srem(ACTIVE_KEY, batch_id)
-            pipe.eval(
-                "if redis.call('HEXISTS', KEYS[1], 'webhook_url') == 1 then redis.call('SADD', KEYS[2], ARGV[1]) end",
-                2, key, WEBHOOKS_KEY, batch_id,
-            )  # fmt: skip
-            pipe.delete(*(f"{key}:{suffix}" for suffix in ("seen", "pending", "publishing", "inflight", "done")))
-            pipe.expire(key, ENDED_TTL_SECONDS)
-        pipe.execute()
-        batch = self.get(batch_id)
-        assert batch is not None
+        keys = [key, ACTIVE_KEY, WEBHOOKS_KEY, owner_active_key(owner.decode())]
+        flat = [item for pair in fields.items() for item in pair]
+        moved = self._set_status(keys=keys, args=[status, now_ms, ENDED_TTL_SECONDS, batch_id, *flat])
+        if not moved:
+            return None
+        batch = self.get(batch_id, mirrored=False)
+        if batch is None:
+            return None
         self.mirror(batch)
-        if status in ENDED:
+        if batch.ended:
             with contextlib.suppress(exceptions.NotFound):
                 self._bucket.blob(naming.BATCHES_ACTIVE_PREFIX + batch_id).delete()
         return batch
@@ -339,6 +447,11 @@ class BatchStore:
             return None  # lost with Redis: restored first (`restore`)
         return "taken" if self._redis.set(key, token, nx=True, px=ms) else None
 
+    def renew(self, batch_id: str, token: str, lease_seconds: float) -> bool:
+        """Extends a lease this process holds (False: it does not hold it any more)."""
+        key = f"{batch_key(batch_id)}:lease"
+        return self._renew(keys=[key], args=[token, int(lease_seconds * 1000)]) == 1
+
     def release(self, batch_id: str, token: str) -> None:
         script = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
         self._redis.eval(script, 1, f"{batch_key(batch_id)}:lease", token)
@@ -354,25 +467,44 @@ class BatchStore:
         offset: int, line: int,
     ) -> int:  # fmt: skip
         """1: taken (publish it now); 0: its custom_id was taken already; 2: answered before Redis lost the batch
-        (skipped); -1: the lease was lost."""
+        (skipped, the cursor moved past it); -1: the lease (or the record) was lost; -2: the batch is ending (a
+        cancel accepted, expired or failed): nothing more is taken."""
         keys = self._keys(batch_id, "seen", "publishing", "pending", "inflight", "done")
         args = [token, digest, request_id, json.dumps(message), json.dumps(pending), queue, offset, line]
         return int(self._take_valid(keys=keys, args=args))
+
+    def ending(self, batch_id: str) -> bool:
+        """Whether the batch is ending (a cancel accepted, expired, failed) or its record is gone."""
+        key = batch_key(batch_id)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hexists(key, "end_status")
+        pipe.hexists(key, "status")
+        ending, there = pipe.execute()
+        return bool(ending) or not there
 
     def published(self, batch_id: str, request_id: str) -> None:
         self._redis.hdel(f"{batch_key(batch_id)}:publishing", request_id)
 
     def take_invalid(self, batch_id: str, token: str, entries: list[tuple[str | None, dict, int, int, str]]) -> bool:
         """Invalid lines to the errors outbox, in file order, in one round trip: (custom_id digest, item, end
-        offset, line number, first error) each. False when the lease was lost."""
+        offset, line number, first error) each; a line already in a part file before Redis lost the batch is skipped.
+        False when the lease was lost or the batch is ending."""
         keys = self._keys(batch_id, "seen", "outbox:errors", "done")
         pipe = self._redis.pipeline(transaction=False)
         for digest, item, offset, line, first_error in entries:
-            marker = digest or f"L{line}"
             self._take_invalid(
-                keys=keys, args=[token, marker, json.dumps(item), offset, line, first_error], client=pipe
+                keys=keys, args=[token, digest or "", json.dumps(item), offset, line, first_error], client=pipe
             )
         return all(int(result) >= 1 for result in pipe.execute())
+
+    def take_unrun(self, batch_id: str, token: str, counter: str, entries: list[tuple[dict, int, int]]) -> bool:
+        """Lines never run (the batch was cancelled or expired first) to the errors outbox: (item, end offset, line
+        number) each, in file order, in one script. False when the lease was lost."""
+        args: list = [token, counter]
+        for item, offset, line in entries:
+            args += [json.dumps(item), offset, line]
+        keys = self._keys(batch_id, "outbox:errors", "done")
+        return int(self._take_unrun(keys=keys, args=args)) == 1
 
     def publishing(self, batch_id: str) -> dict[str, dict]:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:publishing")
@@ -386,12 +518,14 @@ class BatchStore:
         raw = self._redis.hgetall(f"{batch_key(batch_id)}:inflight")
         return {key.decode(): int(value) for key, value in raw.items()}
 
-    def collect(
-        self, batch_id: str, token: str, request_id: str, queue: str, kind: str, item: dict, counter: str
-    ) -> int:
-        """Moves a pending line to its outbox and counts it, once: 1 done, 0 collected already, -1 lease lost."""
-        keys = self._keys(batch_id, "pending", "inflight", f"outbox:{kind}", "publishing")
-        return int(self._collect(keys=keys, args=[token, request_id, queue, json.dumps(item), counter]))
+    def collect(self, batch_id: str, token: str, ends: list[tuple[str, str, str, dict, str]]) -> list[int]:
+        """Moves pending lines to their outboxes and counts them, each once, in order, in one round trip: (request
+        id, queue, kind, item, counter) each; per line 1 done, 0 collected already, -1 lease lost."""
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, queue, kind, item, counter in ends:
+            keys = self._keys(batch_id, "pending", "inflight", f"outbox:{kind}", "publishing")
+            self._collect(keys=keys, args=[token, request_id, queue, json.dumps(item), counter], client=pipe)
+        return [int(result) for result in pipe.execute()]
 
     def cut_part(self, batch_id: str, token: str, kind: str) -> str | None:
         keys = self._keys(batch_id, f"outbox:{kind}", "parts")

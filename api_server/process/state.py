@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -14,6 +15,7 @@ from flask import Flask, current_app
 from google.cloud import pubsub_v1
 
 from api_server.batches.inputs import BatchInputPolicy
+from api_server.batches.runner import IO_THREADS as BATCH_IO_THREADS
 from api_server.batches.runner import BatchRunner
 from api_server.batches.service import BatchService
 from api_server.batches.store import BatchStore
@@ -151,7 +153,10 @@ def build_app_state(settings: Settings) -> AppState:
         waiter = PerRequestReplyWaiter(subscriber, settings.project_id, results)
     publisher = google_clients.publisher_client()
     catalog = settings.catalog()
-    storage = google_clients.storage_client(settings)
+    # Request threads (gunicorn's `threads`, MAAS_API_THREADS: api_server/process/gunicorn_conf.py) and the batch
+    # runner's I/O pool and thread share it: a connection each.
+    api_threads = int(os.environ.get("MAAS_API_THREADS", "32"))
+    storage = google_clients.storage_client(settings, connections=api_threads + BATCH_IO_THREADS + 1)
     payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
     adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
@@ -210,7 +215,10 @@ def build_app_state(settings: Settings) -> AppState:
             storage, webhooks, subscriber, flows,
         )  # fmt: skip
     inputs = BatchInputPolicy(storage, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket})
-    batches = BatchService(batch_store, redis_state, inputs, targets, settings.batch_inline_max_lines, batch_runner)
+    batches = BatchService(
+        batch_store, redis_state, inputs, targets, settings.batch_inline_max_lines, batch_runner,
+        max_active_per_key=settings.batch_max_active_per_key,
+    )  # fmt: skip
     return AppState(
         settings=settings,
         catalog=catalog,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from contract import naming
@@ -15,16 +17,39 @@ class ResultStore:
         self._redis = client
         self._ttl = ttl_seconds
 
-    def put(self, reply: InferenceReply) -> bool:
+    def put(self, reply: InferenceReply, keep_until_ms: int | None = None) -> bool:
         """Stores the request's first answer; False when one was already stored (by a worker the request was
-        re-dispatched to, or the watchdog's `expired`): that one stands, so a request has one answer."""
-        return bool(
-            self._redis.set(naming.result_key(reply.request_id), reply.model_dump_json(), ex=self._ttl, nx=True)
-        )
+        re-dispatched to, or the watchdog's `expired`): that one stands, so a request has one answer.
+        `keep_until_ms`: a batch line's answer is kept until then at least (its batch's end: the collector may come
+        later than the usual TTL), and the usual TTL past it."""
+        ttl = self._ttl
+        if keep_until_ms:
+            ttl = max(ttl, int(keep_until_ms / 1000 - time.time()) + self._ttl)
+        return bool(self._redis.set(naming.result_key(reply.request_id), reply.model_dump_json(), ex=ttl, nx=True))
+
+    def collected(self, request_ids: list[str]) -> None:
+        """Answers taken by their batch's collector go back to the usual TTL (long enough for a redelivery)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.expire(naming.result_key(request_id), self._ttl, lt=True)
+        pipe.execute()
 
     def get(self, request_id: str) -> InferenceReply | None:
         raw = self._redis.get(naming.result_key(request_id))
         return InferenceReply.model_validate_json(raw) if raw else None
+
+    def note_failure(self, request_id: str, cause: str) -> int:
+        """Counts a failed run handed back for a retry and keeps its cause; the runs failed so far."""
+        key = naming.failure_key(request_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hincrby(key, "count", 1)
+        pipe.hset(key, "cause", cause[:512])
+        pipe.expire(key, self._ttl)
+        return int(pipe.execute()[0])
+
+    def failure_cause(self, request_id: str) -> str | None:
+        raw = self._redis.hget(naming.failure_key(request_id), "cause")
+        return raw.decode() if raw else None
 
     def put_progress(self, progress: list[Progress]) -> None:
         """One round trip for a whole batch's progress."""

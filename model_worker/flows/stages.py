@@ -151,7 +151,7 @@ def unanswered_flow_reply(data: bytes, reply: InferenceReply, kept: list[StageRe
 class FlowStages:
     """The finisher as the device loop sees it, with flows' stages routed on; anything else goes straight through.
 
-    `finish`, `answer` and `redis_trouble` are the finisher's interface (model_worker/serving/finisher.py)."""
+    `finish`, `answer`, `note_failure` and `redis_trouble` are the finisher's interface (model_worker/serving/finisher.py)."""
 
     def __init__(
         self,
@@ -186,6 +186,10 @@ class FlowStages:
     @property
     def redis_trouble(self):
         return self._finisher.redis_trouble
+
+    def note_failure(self, request_id: str, cause: str) -> int:
+        """A failed run handed back for a retry, counted with its cause (the finisher's)."""
+        return self._finisher.note_failure(request_id, cause)
 
     # --- intake --------------------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ from model_worker.serving.metrics import WorkerMetrics
 from model_worker.serving.stepping import RunningSet
 
 log = logging.getLogger(__name__)
+# A batch line whose run failed (handed back as possibly transient) this many times is answered failed.
+BATCH_LINE_RUNS = 2
 PROGRESS_INTERVAL_SECONDS = 0.25
 
 
@@ -345,7 +347,14 @@ class DeviceLoop:
             self._answer_error(pending, "bad_input", f"cannot run this request: {exc}")
             return
         # Possibly transient (device error, out of memory): Pub/Sub retries it with backoff, and after the
-        # catalog's max delivery attempts the dead-letter responder tells the client.
+        # catalog's max delivery attempts the dead-letter responder tells the client, with this cause. A batch line
+        # (nobody waits on it) is run at most BATCH_LINE_RUNS times: a poison line does not hold a Spot GPU 5 times.
+        cause = f"{type(exc).__name__}: {exc}"
+        failures = self._finisher.note_failure(pending.request_id, cause)
+        if pending.priority == "batch" and failures >= BATCH_LINE_RUNS:
+            log.error("batch line %s failed %d runs, for good: %s", pending.request_id, failures, cause, extra=traced)
+            self._answer_error(pending, "inference_failed", f"inference failed on {failures} runs: {cause}"[:1024])
+            return
         log.exception(
             "inference failed for %s (attempt %d of %d); handing it back",
             pending.request_id,

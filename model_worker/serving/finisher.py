@@ -68,6 +68,14 @@ class ReplyFinisher:
         self._publishing = 0
         self.redis_trouble = RedisTrouble()
 
+    def note_failure(self, request_id: str, cause: str) -> int:
+        """The runs of this request that failed and were handed back, this one included (1 when Redis cannot say)."""
+        try:
+            return self._results.note_failure(request_id, cause)
+        except Exception as exc:  # noqa: BLE001 - Redis down: the broker's delivery attempts still bound the runs
+            self.redis_trouble.warn("failure count", exc)
+            return 1
+
     def answer(self, message: HeldMessage, reply: InferenceReply, store: bool = True) -> Future:
         """Publish `reply` for `message` and ack it, in the background."""
         return self._pool.submit(self._answer, message, reply, store)
@@ -111,7 +119,9 @@ class ReplyFinisher:
             try:
                 # Every outcome is kept: a duplicate delivery gets the same answer, and a waiter that missed
                 # the notification finds it here.
-                first = self._results.put(reply)
+                batch_line = message.attributes.get(Attr.PRIORITY) == "batch"
+                keep_until = int(message.attributes.get(Attr.DEADLINE_MS) or 0) if batch_line else None
+                first = self._results.put(reply, keep_until_ms=keep_until)
             except Exception as exc:  # noqa: BLE001 - Redis down is not a request failure
                 self.redis_trouble.warn("store", exc)
                 self._metrics.errors.labels(kind="result_store").inc()

@@ -343,13 +343,18 @@ class DeadLetterResponder(SubscriptionLoop):
             self._finisher.answer(message, stored, store=False)
             return
         attempts = attributes.get("CloudPubSubDeadLetterSourceDeliveryCount") or str(self._spec.max_delivery_attempts)
-        log.error("request %s dead-lettered after %s attempts", request_id, attempts)
+        try:
+            cause = self._results.failure_cause(request_id) if request_id else None
+        except Exception as exc:  # noqa: BLE001 - Redis down: answered without the cause
+            self._finisher.redis_trouble.warn("lookup", exc)
+            cause = None
+        log.error("request %s dead-lettered after %s attempts: %s", request_id, attempts, cause)
         reply = self._replies.make(
             self._spec,
             request_id,
             message,
             status="error",
             error_kind="dead_lettered",
-            error=f"failed after {attempts} delivery attempts",
+            error=f"failed after {attempts} delivery attempts" + (f"; the last: {cause}" if cause else ""),
         )
         self._finisher.answer(message, reply)

@@ -201,6 +201,9 @@ def test_a_batch_cancelled_mid_way_keeps_what_finished_and_counts_the_rest_cance
     results, errors = _assert_each_custom_id_once(stack, auth_headers, final, {item["custom_id"] for item in lines})
     counts = final["request_counts"]
     assert counts["succeeded"] >= 16 and counts["cancelled"] > 0 and counts["failed"] == counts["expired"] == 0
+    # Every line of the file has its line: the never-read ones listed `cancelled`, counted in `total`.
+    assert counts["total"] == len(lines)
+    assert {item["custom_id"] for item in results + errors} == {item["custom_id"] for item in lines}
     assert {item["status"] for item in errors} == {"cancelled"}
     again = requests.delete(f"{stack.api_url}/v1/batches/{batch['id']}", headers=auth_headers, timeout=10)
     assert again.status_code == 409
@@ -215,6 +218,8 @@ def test_a_batch_past_its_window_expires_its_unfinished_lines_and_keeps_the_fini
     counts = final["request_counts"]
     assert counts["succeeded"] > 0 and counts["expired"] > 0, counts
     assert {item["status"] for item in errors} == {"expired"}
+    assert counts["total"] == len(lines)
+    assert {item["custom_id"] for item in results + errors} == {item["custom_id"] for item in lines}
 
 
 def test_the_sdk_and_the_cli_create_wait_list_and_read_a_batch(stack, tmp_path):

@@ -4,6 +4,7 @@ stage failing the flow with the stage named."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from contract.flows import plan_stages
 from contract.messages import FlowContext, InferenceRequest, RequestInstance
@@ -96,3 +97,12 @@ def test_a_flow_past_its_deadline_in_stage_2_stops_there_and_says_so():
     assert [(report.stage, report.status) for report in reply.stages] == [("draft", "ok"), ("finish", "expired")]
     assert reply.worker_started_ms == reply.stages[0].worker_started_ms is not None
     assert time.monotonic() - started < 10, "stopped at the next step of stage 2, not at its end"
+
+
+def test_the_flow_stages_pass_a_failed_runs_cause_to_the_finisher():
+    """The device loop counts a handed-back failure through whatever finisher it holds: the flow stages' too."""
+    noted: list[tuple[str, str]] = []
+    finisher = SimpleNamespace(note_failure=lambda request_id, cause: noted.append((request_id, cause)) or 2)
+    stages = FlowStages(finisher, None, None, UNITS)
+    assert stages.note_failure("r1", "RuntimeError: device lost") == 2
+    assert noted == [("r1", "RuntimeError: device lost")]

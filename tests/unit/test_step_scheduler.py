@@ -83,6 +83,9 @@ class Outcomes:
             self.images[pending.request_id], self.fields[pending.request_id] = images, fields
             self._changed.notify_all()
 
+    def note_failure(self, request_id: str, cause: str) -> int:
+        return 1
+
     def answer(self, message, reply, store: bool = True) -> None:
         with self._changed:
             self.answered[reply.request_id] = (reply.status, reply.error_kind, reply.error)

@@ -97,13 +97,20 @@ class Recorder:
         self.finished: dict[str, int] = {}
         self.answered: dict[str, tuple[str, str | None]] = {}
         self.released: list[str] = []
+        self.failures: dict[str, list[str]] = {}
+        self.errors: dict[str, str | None] = {}
         self.redis_trouble = SimpleNamespace(warn=lambda *args: None)
 
     def finish(self, pending, images, fields) -> None:
         self.finished[pending.request_id] = len(images)
 
+    def note_failure(self, request_id: str, cause: str) -> int:
+        self.failures.setdefault(request_id, []).append(cause)
+        return len(self.failures[request_id])
+
     def answer(self, message, reply, store: bool = True) -> None:
         self.answered[reply.request_id] = (reply.status, reply.error_kind)
+        self.errors[reply.request_id] = reply.error
 
     def release(self, message) -> None:
         self.released.append(message.ack_id)
@@ -150,6 +157,24 @@ def test_a_crash_that_may_be_transient_hands_the_request_back_for_a_retry():
     loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
     loop.run_batch([pending("flaky", spec=NOOP)])
     assert recorder.released == ["ack-flaky"] and recorder.answered == {} and recorder.finished == {}
+
+
+def test_a_batch_line_failing_every_run_is_answered_failed_with_its_cause_after_two_runs_not_five():
+    loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="poison"))
+    loop.run_batch([pending("poison", spec=NOOP, priority="batch")])
+    assert recorder.released == ["ack-poison"] and recorder.answered == {}, "the first failure may be transient"
+    loop.run_batch([pending("poison", spec=NOOP, priority="batch")])
+    assert recorder.released == ["ack-poison"] and recorder.answered == {"poison": ("error", "inference_failed")}
+    assert recorder.errors["poison"] == "inference failed on 2 runs: RuntimeError: device lost"
+    assert recorder.failures["poison"] == ["RuntimeError: device lost"] * 2
+
+
+def test_an_interactive_request_failing_is_handed_back_each_time_with_its_cause_kept():
+    loop, recorder = device_with(FailingRunner(NOOP, RuntimeError("device lost"), fail_on="flaky"))
+    for _ in range(3):
+        loop.run_batch([pending("flaky", spec=NOOP)])
+    assert recorder.released == ["ack-flaky"] * 3 and recorder.answered == {}
+    assert recorder.failures["flaky"] == ["RuntimeError: device lost"] * 3
 
 
 def test_a_version_configured_to_fail_every_call_is_a_worker_error_not_bad_input():
@@ -212,7 +237,7 @@ class FakeLeases:
 
 
 class DownResults:
-    def put(self, reply):
+    def put(self, reply, keep_until_ms=None):
         raise ConnectionError("redis down")
 
 
@@ -220,7 +245,7 @@ def finisher(log: list[str], fail_publish: bool = False, results=None) -> ReplyF
     return ReplyFinisher(
         FakePublisher(log, fail_publish),
         "projects/p/topics/maas-replies",
-        results or SimpleNamespace(put=lambda reply: log.append("store") or True),
+        results or SimpleNamespace(put=lambda reply, keep_until_ms=None: log.append("store") or True),
         SimpleNamespace(pack=lambda data, name: SimpleNamespace(b64="x")),
         FakeLeases(log),
         WorkerMetrics(),
@@ -236,6 +261,16 @@ def test_the_reply_is_stored_and_published_before_the_request_is_acked():
     log: list[str] = []
     finisher(log).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
     assert log == ["store", "publish", "ack"]
+
+
+def test_a_batch_lines_answer_is_kept_until_its_batchs_end_and_an_interactive_one_the_usual_ttl():
+    kept: dict[str, int | None] = {}
+    results = SimpleNamespace(put=lambda reply, keep_until_ms=None: kept.update({reply.request_id: keep_until_ms}))
+    log: list[str] = []
+    batch_line = HeldMessage("s", "a", {"priority": "batch", "deadline_ms": "1900000000000"}, b"", 1, 0.0)
+    finisher(log, results=results).answer(batch_line, reply("line")).result()
+    finisher(log, results=results).answer(HeldMessage("s", "b", {"deadline_ms": "5"}, b"", 1, 0.0), reply()).result()
+    assert kept == {"line": 1900000000000, "r1": None}
 
 
 def test_a_reply_that_cannot_be_published_hands_the_request_back():
@@ -322,3 +357,18 @@ def test_the_compile_cache_key_changes_with_the_adapter_slot_count_and_rank():
             compile_cache_key(spec.model_copy(update={"adapters": None}))}  # fmt: skip
     assert len(keys) == 4, keys
     assert compile_cache_key(with_slots(max_scale=1.0)) == compile_cache_key(spec)  # what compiling does not see
+
+
+def test_a_dead_lettered_answer_names_the_cause_of_the_last_failed_run():
+    from model_worker.serving.intake import DeadLetterResponder
+
+    recorder = Recorder()
+    results = SimpleNamespace(get=lambda request_id: None, failure_cause=lambda request_id: "RuntimeError: device lost")
+    responder = DeadLetterResponder(
+        None, "dead", NOOP, SimpleNamespace(hold=lambda message: None), results, recorder, ReplyFactory("w1", {}),
+        WorkerHealth(60),
+    )  # type: ignore[arg-type]  # fmt: skip
+    attributes = {"request_id": "poison", "CloudPubSubDeadLetterSourceDeliveryCount": "5"}
+    responder._answer(SimpleNamespace(message=SimpleNamespace(attributes=attributes), ack_id="ack-poison"))
+    assert recorder.answered == {"poison": ("error", "dead_lettered")}
+    assert recorder.errors["poison"] == "failed after 5 delivery attempts; the last: RuntimeError: device lost"

@@ -43,7 +43,7 @@ class BatchBody(BaseModel):
 
 
 class RequestCounts(BaseModel):
-    total: int = Field(description="lines read so far")
+    total: int = Field(description="lines read so far; once ended, every line of the file")
     succeeded: int
     failed: int = Field(description="invalid lines and lines the model failed")
     cancelled: int
@@ -92,12 +92,13 @@ def _batches():
 
 
 @bp.post("/v1/batches")
-@documented(Documented(HTTP_200=BatchView, **errors(400, 401, 422, 503)), json=BatchBody, tags=["batches"])
+@documented(Documented(HTTP_200=BatchView, **errors(400, 401, 422, 429, 503)), json=BatchBody, tags=["batches"])
 def submit():
     """Submit a batch
 
     A JSONL file in GCS (or the lines inline), run at batch priority on idle capacity; each line validated as
-    the predict route validates a body. Results and errors are written as they finish, one line per custom_id."""
+    the predict route validates a body. Results and errors are written as they finish, one line per custom_id.
+    429 when the key has MAAS_BATCH_MAX_ACTIVE_PER_KEY batches not yet ended."""
     body = request.get_json(silent=True)
     if body is None:
         raise ApiError(400, "body must be a JSON object (Content-Type: application/json)")
@@ -138,7 +139,7 @@ def cancel(batch_id: str):
     """Cancel a batch
 
     Nothing more is fed; lines in flight are answered cancelled; what finished stays in the results. 409 once
-    it has ended."""
+    it has ended, or once a cancel was accepted (the status never goes back from `cancelling`)."""
     service = _batches()
     return jsonify(service.cancel(service.get(batch_id, caller())))
 
