@@ -22,6 +22,7 @@ MODULES = (
     "google.auth.credentials",
     "redis",
     "prometheus_client",
+    "prometheus_client.core",
 )
 
 

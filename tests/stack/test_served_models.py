@@ -28,7 +28,7 @@ LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm"}
 FIXTURES = {
     "canary", "canary-sticky", "fallback", "rollback-bad", "rollback-good", "rollback-jobs", "shadowed",
     "shadowed-once", "sleep-long-ack", "sleep-steps", "sleep-calls", "relay-draft", "relay-finish", "relay-polish",
-    "relay-polish-canary",
+    "relay-polish-canary", "sleep-admitted",
 }  # fmt: skip
 # Locally, the flows' models share a worker group each (SD 1.5's two, the SDXL base and refiner); the others have a
 # deployment of their own, as in production.
@@ -82,7 +82,12 @@ def test_the_test_suites_stack_still_serves_the_fixture_models_its_tests_use(tmp
     assert names == set(PRODUCTION.names()) | LOCAL_ONLY | FIXTURES
     assert set(served(api_component(config).env)) == names
     workers = {worker.name: worker for worker in worker_components(config)}
-    assert set(workers) == USER_WORKERS | {"worker-rollouts", "worker-rollouts-shadow", "worker-relay"}
+    assert set(workers) == USER_WORKERS | {
+        "worker-rollouts",
+        "worker-rollouts-shadow",
+        "worker-relay",
+        "worker-admission",
+    }
     assert workers["worker-synthetic"].env["MAAS_MODELS"] == "noop,sleep,sleep-long-ack,sleep-steps,sleep-calls"
     # Probe ports: `make up`'s workers keep theirs, the fixtures' workers come after them.
     user = {worker.name: worker.port for worker in worker_components(make_up_config(tmp_path / "user"))}
