@@ -151,6 +151,8 @@ class Watchdog:
 
     def _redispatch(self, kept: KeptRequest) -> int:
         count = self._inflight.count_redispatch(kept.request_id)
+        if count is None:
+            return 0  # a worker took it since the sweep read it as lapsed: that holder answers it
         spec = self._catalog.get(kept.attributes.get(Attr.MODEL, ""))
         attempts = spec.max_delivery_attempts if spec is not None else DEFAULT_MAX_ATTEMPTS
         if count >= attempts:
