@@ -92,12 +92,11 @@ local row = redis.call('GET', KEYS[2])
 redis.call('DEL', KEYS[2])
 return row or ''
 """
-# Count a re-dispatch and drop the request from the held index, unless a worker took it since the watchdog read
-# it as lapsed (a redelivered copy, or a stalled holder's heartbeat): then it stays indexed under that holder.
-_REDISPATCH = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return false end
+# Count a published re-dispatch and drop the request from the held index, unless a worker holds it by now (the new
+# copy, a redelivered one, or a stalled holder's heartbeat): then the index entry is that holder's.
+_REDISPATCHED = """
 local count = redis.call('HINCRBY', KEYS[1], 'redispatches', 1)
-redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('ZREM', KEYS[2], ARGV[1]) end
 return count
 """
 # Renew the watchdog's leadership if this process holds it, else take it if it is free.
@@ -185,7 +184,7 @@ class InflightStore:
         self._let_go = client.register_script(_LET_GO)
         self._lead = client.register_script(_LEAD)
         self._claim_row = client.register_script(_CLAIM_ROW)
-        self._redispatch = client.register_script(_REDISPATCH)
+        self._redispatched = client.register_script(_REDISPATCHED)
 
     # The API's side.
 
@@ -370,22 +369,18 @@ class InflightStore:
         """Stops watching a request for want of a taker (it is held, or ended)."""
         self._redis.zrem(naming.INFLIGHT_UNCLAIMED_KEY, request_id)
 
-    def count_redispatch(self, request_id: str) -> int | None:
-        """Counts one more re-dispatch and drops the request from the held index until a worker takes it again;
-        None (nothing changed) when a worker holds it again since the watchdog read it as lapsed.
+    def count_redispatch(self, request_id: str) -> int:
+        """Counts a re-dispatch once its copy is published, and drops the request from the held index until a
+        worker takes it again, unless a worker already holds it.
 
         One script, not a check then a write: a worker taking the request between the two would otherwise lose
         its index entry while holding it, and if it died before its next heartbeat re-added it, no sweep would
-        ever find the request again (its copies dropped as duplicates of a live holder's)."""
-        count = self._redispatch(
+        ever find the request again (its other copies dropped as duplicates of a live hold)."""
+        count = self._redispatched(
             keys=[naming.inflight_key(request_id), naming.INFLIGHT_HELD_KEY, naming.holder_key(request_id)],
             args=[request_id],
         )
-        return None if count is None else int(count)
-
-    def mark_lapsed(self, request_id: str) -> None:
-        """Puts a request back in the held index as lapsed: its re-dispatch failed and is tried again."""
-        self._redis.zadd(naming.INFLIGHT_HELD_KEY, {request_id: 0})
+        return int(count)
 
     def forget(self, request_id: str) -> None:
         """Ends a request's record: answered, or nothing left to do for it."""

@@ -150,9 +150,10 @@ class Watchdog:
         return False
 
     def _redispatch(self, kept: KeptRequest) -> int:
-        count = self._inflight.count_redispatch(kept.request_id)
-        if count is None:
-            return 0  # a worker took it since the sweep read it as lapsed: that holder answers it
+        """Publishes the kept message again, then counts it: the request leaves the held index only once its copy
+        is out, and only if no worker holds it by then. A leader killed between the two, or a worker taking the
+        request meanwhile, must never leave a held-by-nobody request out of the index, where no sweep finds it."""
+        count = kept.redispatches + 1
         spec = self._catalog.get(kept.attributes.get(Attr.MODEL, ""))
         attempts = spec.max_delivery_attempts if spec is not None else DEFAULT_MAX_ATTEMPTS
         if count >= attempts:
@@ -164,9 +165,10 @@ class Watchdog:
         try:
             self._publisher.publish(kept.topic, kept.data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
         except Exception as exc:  # noqa: BLE001 - publish futures raise transport and timeout errors alike
+            # Still in the held index, lapsed: the next sweep tries again.
             log.warning("could not re-dispatch %s (%s); trying again at the next sweep", kept.request_id, exc)
-            self._inflight.mark_lapsed(kept.request_id)
             return 0
+        self._inflight.count_redispatch(kept.request_id)
         # The new copy can be lost the same way (pulled by a worker that dies before taking it): watched too.
         self._inflight.await_claim(kept.request_id, int(time.time() * 1000) + self.claim_wait_ms(kept))
         log.warning("request %s re-dispatched (attempt %d): its holder's lease lapsed", kept.request_id, count + 1)

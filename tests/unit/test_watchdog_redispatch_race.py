@@ -1,10 +1,11 @@
-"""The watchdog's re-dispatch against a worker taking the same request at that moment (issue 44).
+"""The watchdog's re-dispatch never leaves a request out of the held index while nobody answers it (issue 44).
 
-The sweep reads a request as lapsed (no holder), then counts its re-dispatch and drops it from the held index. A
-worker may take it in between: a redelivered copy, or a stalled holder's heartbeat. Dropping it from the index
-then would leave a held request no sweep can find: if that worker dies before its next heartbeat re-adds it, and
-the other copies were dropped as duplicates of its live hold, nobody answers it until the job's deadline. The
-interleaving is forced here (the worker takes it inside the count), on a real Redis: the check runs in a script.
+The sweep reads a request as lapsed (no holder), publishes it again and drops it from the held index. Two ways
+that lost requests: a worker taking it in between (a redelivered copy, or a stalled holder's heartbeat) lost its
+index entry while holding it, and a leader killed between dropping the entry and publishing left no copy at all.
+Either way, once the copies still in the broker were dropped as duplicates of a live hold, no sweep would ever
+find the request again: nobody answered it before the job's deadline. The interleavings are forced here, on a
+real Redis (the check runs in a script).
 """
 
 from __future__ import annotations
@@ -85,11 +86,19 @@ class TakenDuringTheSweep(InflightStore):
         return super().count_redispatch(request_id)
 
 
+class Killed(BaseException):
+    """The watchdog's process dying mid-sweep (a SIGKILL): nothing after this point of the sweep runs."""
+
+
 class Publisher:
-    def __init__(self) -> None:
+    def __init__(self, dies: bool = False) -> None:
         self.copies: list[dict] = []
+        self.dies = dies
 
     def publish(self, topic: str, data: bytes, **attributes) -> Future:
+        if self.dies:
+            self.dies = False
+            raise Killed
         self.copies.append(attributes)
         done: Future = Future()
         done.set_result("id")
@@ -100,28 +109,47 @@ def lapsed_ids(store: InflightStore) -> list[str]:
     return [state.request_id for state in store.lapsed()]
 
 
-def test_a_request_taken_while_the_watchdog_sweeps_it_stays_findable_when_its_new_holder_dies(client):
-    store = TakenDuringTheSweep(client)
-    catalog = local_catalog(test_fixtures=True)
-    publisher = Publisher()
+def watchdog_over(store: InflightStore, client: redis.Redis, publisher: Publisher) -> Watchdog:
     metrics = SimpleNamespace(watchdog=SimpleNamespace(labels=lambda **_: SimpleNamespace(inc=lambda: None)))
-    watchdog = Watchdog(store, ResultStore(client, 600), publisher, None, catalog, "w-dog", 6.0, metrics)  # type: ignore[arg-type]
-    attributes = {
-        Attr.REQUEST_ID: REQUEST,
-        Attr.MODEL: "sleep",
-        Attr.DEADLINE_MS: str(int(time.time() * 1000) + 600_000),
-    }
-    store.keep(REQUEST, "projects/p/topics/maas-requests-sleep", b"{}", attributes, int(attributes[Attr.DEADLINE_MS]))
+    catalog = local_catalog(test_fixtures=True)
+    return Watchdog(store, ResultStore(client, 600), publisher, None, catalog, "w-dog", 6.0, metrics)  # type: ignore[arg-type]
+
+
+def held_then_lapsed(store: InflightStore) -> None:
+    """A request published by the API, taken by worker-a-1, whose lease then lapsed (it died)."""
+    deadline_ms = int(time.time() * 1000) + 600_000
+    attributes = {Attr.REQUEST_ID: REQUEST, Attr.MODEL: "sleep", Attr.DEADLINE_MS: str(deadline_ms)}
+    store.keep(REQUEST, "projects/p/topics/maas-requests-sleep", b"{}", attributes, deadline_ms)
     assert store.take(REQUEST, "worker-a-1", LEASE_SECONDS) is None
     wait_until(lambda: REQUEST in lapsed_ids(store), "worker-a-1's lease to lapse (it died)")
 
-    # The sweep finds it lapsed, but worker-b-2 takes it first: no copy goes out, and it stays indexed under b.
-    assert watchdog.sweep() == (0, 0)
-    assert publisher.copies == []
+
+def test_a_request_taken_while_the_watchdog_sweeps_it_stays_findable_when_its_new_holder_dies(client):
+    store = TakenDuringTheSweep(client)
+    publisher = Publisher()
+    watchdog = watchdog_over(store, client, publisher)
+    held_then_lapsed(store)
+
+    # The sweep publishes a copy, but worker-b-2 took the request meanwhile: it stays indexed under b (the copy
+    # is dropped as a duplicate of b's live hold).
+    assert watchdog.sweep() == (1, 0)
     assert store.holders() == {REQUEST: "worker-b-2"}
 
     # worker-b-2 dies before any heartbeat: the next sweeps find the request and publish it again.
     wait_until(lambda: REQUEST in lapsed_ids(store), "worker-b-2's lease to lapse: the request must be found")
     assert watchdog.sweep() == (1, 0)
+    assert [copy[Attr.REDISPATCHES] for copy in publisher.copies] == ["1", "2"]
+    assert REQUEST not in store.holders()  # out of the index until a worker takes the new copy
+
+
+def test_a_watchdog_killed_before_its_copy_is_out_leaves_the_request_to_the_next_leader(client):
+    store = InflightStore(client)
+    held_then_lapsed(store)
+    with pytest.raises(Killed):
+        watchdog_over(store, client, Publisher(dies=True)).sweep()
+    # The next leader finds it still lapsed, and publishes it.
+    assert REQUEST in lapsed_ids(store)
+    publisher = Publisher()
+    assert watchdog_over(store, client, publisher).sweep() == (1, 0)
     assert [copy[Attr.REDISPATCHES] for copy in publisher.copies] == ["1"]
-    assert REQUEST not in store.holders()  # dropped from the index until the new copy's taker takes it
+    assert lapsed_ids(store) == []
