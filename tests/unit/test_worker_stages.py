@@ -383,6 +383,6 @@ def test_a_dead_lettered_answer_names_the_cause_of_the_last_failed_run():
         WorkerHealth(60),
     )  # type: ignore[arg-type]  # fmt: skip
     attributes = {"request_id": "poison", "CloudPubSubDeadLetterSourceDeliveryCount": "5"}
-    responder._answer(SimpleNamespace(message=SimpleNamespace(attributes=attributes), ack_id="ack-poison"))
+    responder._answer(SimpleNamespace(message=SimpleNamespace(attributes=attributes, data=b""), ack_id="ack-poison"))
     assert recorder.answered == {"poison": ("error", "dead_lettered")}
     assert recorder.errors["poison"] == "failed after 5 delivery attempts; the last: RuntimeError: device lost"
