@@ -165,7 +165,7 @@ def test_a_request_no_worker_takes_is_published_again_and_answered(stack, settin
     from contract.stores.inflight import InflightStore, RequestKeeper
 
     client = redis.Redis.from_url(settings.redis_url)
-    spec = settings.catalog().get("sleep")
+    spec = stack.catalog().get("sleep")  # a local model: the stack's catalog, not production's
     dispatcher = InferenceDispatcher(
         LosingPublisher(pubsub_v1.PublisherClient()), None, settings.project_id, RequestKeeper(InflightStore(client))
     )
@@ -174,7 +174,7 @@ def test_a_request_no_worker_takes_is_published_again_and_answered(stack, settin
         model="sleep",
         model_version=spec.version,
         instances=[RequestInstance(prompt="a copy lost with its worker")],
-        parameters=GenerationParameters.model_validate({"seed": 1, "width": 64, "height": 64}),
+        parameters=GenerationParameters(seed=1, num_inference_steps=2, guidance_scale=7.5, width=64, height=64),
     )
     dispatcher.submit(request, spec, int((time.time() + 900) * 1000), "normal")
     results = ResultStore(client, 60)

@@ -54,6 +54,9 @@ class Inflight:
     def lapsed(self) -> list:
         return []
 
+    def unclaimed(self, now_ms: int) -> list:
+        return []
+
     def overdue(self, now_ms: int) -> list[InflightState]:
         return [InflightState(self.kept.request_id, False, False, self.kept)]
 

@@ -86,6 +86,14 @@ class StageTimings(_Body):
     inference_ms: float
 
 
+class FallbackFrom(_Body):
+    """The model asked for, when it was overloaded and the request allowed a fallback (`allow_fallback`)."""
+
+    model: str
+    model_version: str
+    reason: str
+
+
 class PredictResponse(_Body):
     predictions: list[Prediction]
     model: str
@@ -93,6 +101,7 @@ class PredictResponse(_Body):
     request_id: str
     timings_ms: dict[str, float]
     stages: list[StageTimings] | None = None  # a flow's: every stage that ran, in order
+    fallback_from: FallbackFrom | None = None  # `model` and `model_version` are then the fallback's
 
 
 class JobLinks(_Body):
