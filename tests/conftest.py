@@ -10,10 +10,15 @@ import time
 import pytest
 
 from emulators.stack import StackConfig, configuring_variables, down, up
+from tests.port_blocks import claim_port_block
 
 # `make test` runs the files on parallel pytest-xdist workers (`-n`, `--dist loadfile`), each with a whole stack
 # of its own: every port the tests use is derived from MAAS_TEST_PORT_OFFSET, so each worker gets its own
-# offset before any test module reads it (500 apart keeps every stack's port set disjoint).
+# offset before any test module reads it (500 apart keeps every stack's port set disjoint). The session itself
+# (the xdist controller, before it starts its workers, who inherit the variable) claims a free block of offsets,
+# so a second `make test` in another clone on the same machine runs beside this one instead of on its ports.
+if not os.environ.get("PYTEST_XDIST_WORKER") and "MAAS_TEST_PORT_OFFSET" not in os.environ:
+    os.environ["MAAS_TEST_PORT_OFFSET"] = str(claim_port_block())
 if (_xdist_worker := os.environ.get("PYTEST_XDIST_WORKER", "")).startswith("gw"):
     os.environ["MAAS_TEST_PORT_OFFSET"] = str(
         int(os.environ.get("MAAS_TEST_PORT_OFFSET", "10000")) + 500 * int(_xdist_worker.removeprefix("gw"))
