@@ -107,27 +107,37 @@ def table(results: list[ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
-def row_copies(bigquery, settings, request_ids: list[str], wait_seconds: float) -> dict[str, int]:
-    """Rows per request id in the raw table (not a view: duplicates must show), waiting for late writes."""
+def row_copies(
+    bigquery, settings, request_ids: list[str], wait_seconds: float, poll_seconds: float = 1.0
+) -> dict[str, int]:
+    """Rows per request id in the raw table (not a view: duplicates must show), waiting for late writes.
+
+    A row is missing only when none has arrived for `wait_seconds`: the spool drains at whatever rate the machine
+    allows (thousands of rows after a BigQuery restart take minutes on a crowded machine), so each round that
+    finds more rows than the last starts the wait again. Only a stall, not a slow drain, ends it early."""
     if not request_ids:
         return {}
     table_name = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
     deadline = time.monotonic() + wait_seconds
     copies: dict[str, int] = {}
     while True:
-        copies = {}
+        found: dict[str, int] = {}
         for start in range(0, len(request_ids), 500):
             ids = ", ".join(f"'{request_id}'" for request_id in request_ids[start : start + 500])
             sql = f"SELECT request_id, COUNT(*) AS copies FROM {table_name} WHERE request_id IN ({ids}) GROUP BY 1"
             try:
                 rows = [dict(row) for row in bigquery.query(sql).result()]
                 # The emulator has been seen to answer right after a resume with a malformed row: ask again.
-                copies.update({row["request_id"]: row["copies"] for row in rows if "request_id" in row})
+                found.update({row["request_id"]: row["copies"] for row in rows if "request_id" in row})
             except Exception:  # noqa: BLE001 - a query sent while a fault still holds the emulator: ask again
-                time.sleep(0.5)
+                found.update({key: value for key, value in copies.items() if key in request_ids[start : start + 500]})
+                time.sleep(poll_seconds / 2)
+        if len(found) > len(copies):
+            deadline = time.monotonic() + wait_seconds  # still draining: a stall, not a slow drain, ends the wait
+        copies = found
         if len(copies) >= len(request_ids) or time.monotonic() > deadline:
             return copies
-        time.sleep(1.0)
+        time.sleep(poll_seconds)
 
 
 def late_runs(bigquery, settings, request_ids: list[str], timeouts: dict[str, float]) -> int:

@@ -8,7 +8,7 @@ from schemathesis.filters import parse_expression
 
 from chaos import fuzz
 from chaos.traffic import GRACE_SECONDS, Outcome
-from chaos.verdict import ScenarioResult, table
+from chaos.verdict import ScenarioResult, row_copies, table
 from tests.unit.test_openapi_document import documented_operations
 
 
@@ -189,3 +189,31 @@ def test_chaos_runs_in_a_test_slots_ports_and_folder_when_given_one():
     assert offset == PORT_OFFSET and folder.name == ".stack-chaos"
     offset, folder = chaos_place({"MAAS_TEST_PORT_OFFSET": "14000", "MAAS_CHAOS_PORT_OFFSET": "30000"})
     assert offset == 30000 and folder.name == ".stack-chaos"
+
+
+class _DrainingLog:
+    """A stand-in BigQuery whose raw table gains `per_query` more of the expected rows at each query, up to `until`."""
+
+    def __init__(self, request_ids: list[str], per_query: int, until: int) -> None:
+        self.request_ids, self.per_query, self.until, self.written = request_ids, per_query, until, 0
+
+    def query(self, sql: str):
+        self.written = min(self.written + self.per_query, self.until)
+        present = [rid for rid in self.request_ids[: self.written] if f"'{rid}'" in sql]
+
+        class _Job:
+            def result(self_inner):
+                return [{"request_id": rid, "copies": 1} for rid in present]
+
+        return _Job()
+
+
+_LOG_SETTINGS = type("LogSettings", (), {"project_id": "p", "dataset": "d", "log_table": "t"})()
+
+
+def test_rows_still_arriving_are_waited_for_past_the_wait_and_a_stall_ends_it():
+    ids = [f"r{i:04d}" for i in range(40)]
+    # Every query finds one more row: a slow drain that lasts far longer than the wait is followed to its end.
+    assert len(row_copies(_DrainingLog(ids, 1, 40), _LOG_SETTINGS, ids, wait_seconds=0.05, poll_seconds=0.1)) == 40
+    # A drain that stops at 25 rows: the wait ends with those 25, the other 15 are missing.
+    assert len(row_copies(_DrainingLog(ids, 5, 25), _LOG_SETTINGS, ids, wait_seconds=0.3, poll_seconds=0.01)) == 25
