@@ -3,6 +3,8 @@ fuzzer runs and what its report keeps."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from schemathesis.core.transforms import resolve_pointer
 from schemathesis.filters import parse_expression
 
@@ -200,12 +202,8 @@ class _DrainingLog:
     def query(self, sql: str):
         self.written = min(self.written + self.per_query, self.until)
         present = [rid for rid in self.request_ids[: self.written] if f"'{rid}'" in sql]
-
-        class _Job:
-            def result(self_inner):
-                return [{"request_id": rid, "copies": 1} for rid in present]
-
-        return _Job()
+        rows = [{"request_id": rid, "copies": 1} for rid in present]
+        return SimpleNamespace(result=lambda: rows)
 
 
 _LOG_SETTINGS = type("LogSettings", (), {"project_id": "p", "dataset": "d", "log_table": "t"})()
