@@ -6,7 +6,7 @@ beside a running batch, side by side in one run; p50 and p95 and their ratios pr
 Against a running stack (the real API under gunicorn on a port of its own, Pub/Sub, Redis and the model's worker):
 each round sends `--predicts` tiny `sd15-txt2img` predicts (64x64, 4 steps, fresh seeds: no cache hit), one after
 another, alone; then submits a `--lines`-line batch of the same model and, once its first line is answered (the
-worker is taking batch lines), sends the same number of predicts again; then cancels what is left of the batch. A
+worker is taking batch lines), sends the same number of predicts again; then waits for the batch to end. A
 predict counts as beside the batch only if the batch had not ended when it was sent (a GET before each, untimed);
 fewer than half of them beside it is a failed run (a larger `--lines` is needed on that machine), as is any predict
 that is not a 200. The numbers are the machine's: the load average is printed with them.
@@ -30,6 +30,7 @@ MODEL = "sd15-txt2img"
 INSTANCE = "bench-batch-beside"
 WARM_UP = 3
 FIRST_ANSWER_SECONDS = 300  # the batch's first line answered within this, or the run fails
+BATCH_END_SECONDS = 900  # and all of it within this
 
 
 class ScenarioError(Exception):
@@ -80,8 +81,14 @@ def one_round(api_url: str, model: str, predicts: int, lines: int) -> dict:
             beside.append(predict_ms(http, model))
         view = client.batches.get(batch.id)
         answered_during = view.request_counts.succeeded - answered_before
-        if not view.ended:
-            client.batches.cancel(batch.id)
+        # The batch runs to its end: a cancelled batch's published lines would still reach the worker (each
+        # discarded there) during the next round's lone predicts, or the suite's next scenario.
+        deadline = time.monotonic() + BATCH_END_SECONDS
+        while not (view := client.batches.get(batch.id)).ended:
+            if time.monotonic() > deadline:
+                client.batches.cancel(batch.id)
+                raise ScenarioError(f"batch {batch.id} still {view.status} after {BATCH_END_SECONDS}s")
+            time.sleep(0.5)
     if len(beside) < predicts / 2:
         raise ScenarioError(
             f"the {lines}-line batch ended after {len(beside)} of {predicts} predicts beside it: raise --lines"
@@ -90,6 +97,7 @@ def one_round(api_url: str, model: str, predicts: int, lines: int) -> dict:
     for name, fraction in (("p50_ratio", 0.5), ("p95_ratio", 0.95)):
         row[name] = round(percentile(beside, fraction) / percentile(alone, fraction), 2)
     row["predicts_after_batch_ended"] = after_end
+    row["batch_status"] = view.status
     return row
 
 

@@ -169,12 +169,13 @@ def test_interactive_beside_a_batch_is_in_the_suite_and_its_failure_fails_the_be
 
 
 class BesideStandIns:
-    """The SDK's clients as bench/batch_beside.py calls them: every predict a 200; the batch ends after `lasts` GETs."""
+    """The SDK's clients as bench/batch_beside.py calls them: every predict a 200; the batch ends after `lasts` GETs
+    or once `total` predicts were sent."""
 
-    def __init__(self, lasts: int) -> None:
+    def __init__(self, lasts: int, total: int) -> None:
         from types import SimpleNamespace
 
-        self.gets, self.lasts, self.predicts, self.cancelled = 0, lasts, 0, []
+        self.gets, self.lasts, self.total, self.predicts, self.cancelled = 0, lasts, total, 0, []
         self.batches = SimpleNamespace(create=self.create, get=self.get, cancel=self.cancelled.append)
 
     def __call__(self, *args, **kwargs):
@@ -203,21 +204,22 @@ class BesideStandIns:
 
         self.gets += 1
         counts = SimpleNamespace(succeeded=self.gets)
-        return SimpleNamespace(request_counts=counts, ended=self.gets > self.lasts)
+        ended = self.gets > self.lasts or self.predicts >= self.total
+        return SimpleNamespace(request_counts=counts, ended=ended, status="completed" if ended else "in_progress")
 
 
 def test_the_beside_scenario_reports_both_runs_and_fails_when_the_batch_ends_too_soon(monkeypatch):
     from bench import batch_beside
 
-    stand_ins = BesideStandIns(lasts=100)
+    stand_ins = BesideStandIns(lasts=100, total=12)
     monkeypatch.setattr(batch_beside, "bench_client", stand_ins)
     monkeypatch.setattr(batch_beside, "Client", stand_ins)
     row = batch_beside.one_round("http://api", "sd15-txt2img", predicts=6, lines=10)
-    assert stand_ins.predicts == 12 and stand_ins.cancelled == ["batch-1"]
+    assert stand_ins.predicts == 12 and stand_ins.cancelled == [] and row["batch_status"] == "completed"
     assert row["alone"]["count"] == row["beside"]["count"] == 6 and row["predicts_after_batch_ended"] == 0
     assert {"p50_ms", "p95_ms"} <= row["beside"].keys() and {"p50_ratio", "p95_ratio"} <= row.keys()
 
-    short = BesideStandIns(lasts=3)  # ended after two predicts beside it
+    short = BesideStandIns(lasts=3, total=12)  # ended after two predicts beside it
     monkeypatch.setattr(batch_beside, "bench_client", short)
     monkeypatch.setattr(batch_beside, "Client", short)
     with pytest.raises(batch_beside.ScenarioError, match="raise --lines"):
