@@ -122,12 +122,13 @@ def main() -> int:
               f"batch of the same model (load {os.getloadavg()[0]:.1f}):", flush=True)  # fmt: skip
         for number in range(1, args.rounds + 1):
             row = one_round(api.url, MODEL, args.predicts, args.lines)
+            row["load_avg"] = round(os.getloadavg()[0], 2)
             report["rounds"].append(row)
             alone, beside = row["alone"], row["beside"]
             print(f"  round {number}: alone p50 {alone['p50_ms']:.0f} / p95 {alone['p95_ms']:.0f} ms; beside the batch "
                   f"p50 {beside['p50_ms']:.0f} / p95 {beside['p95_ms']:.0f} ms ({beside['count']} predicts, "
                   f"{row['batch_lines_answered_during']} batch lines answered meanwhile): p50 {row['p50_ratio']:.2f}x, "
-                  f"p95 {row['p95_ratio']:.2f}x (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                  f"p95 {row['p95_ratio']:.2f}x (load {row['load_avg']:.1f})", flush=True)  # fmt: skip
     except ScenarioError as exc:
         print(f"  failed: {exc}", file=sys.stderr, flush=True)
         return 1
