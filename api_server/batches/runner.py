@@ -353,6 +353,7 @@ class BatchRunner:
             return True
         caller = Caller(batch.owner, batch.fields.get("digest", ""))
         in_flight = self._store.in_flight(batch_id)
+        bounds: dict[str, int] = {}  # per model, computed once a slice
         started, worked, invalid = time.monotonic(), False, []
         fail_fast = self._settings.batch_fail_fast_lines
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
@@ -376,7 +377,9 @@ class BatchRunner:
             if not self._take_invalid(batch, invalid):  # the cursor moves in file order
                 return worked
             queue = checked.spec.queue
-            if in_flight.get(queue, 0) >= self.in_flight_bound(checked.spec):
+            if queue not in bounds:
+                bounds[queue] = self.in_flight_bound(checked.spec)
+            if in_flight.get(queue, 0) >= bounds[queue]:
                 return worked  # this model's share is full: wait for answers
             taken = self._take_valid(batch, line, checked)
             if taken < 0:
