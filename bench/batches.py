@@ -210,7 +210,8 @@ def main() -> None:
     api = BenchApiProcess(config, config.api_port + 120, name="bench-api-batches")
     api.start(MAAS_API_WORKERS="1", MAAS_BATCH_FAIL_FAST_LINES="0", MAAS_INSTANCE_ID=INSTANCE)
     noop, sd, big = (2_000, 100, 100_000) if args.quick else (10_000, 500, 1_000_000)
-    report: dict = {"instance": INSTANCE, "max_in_flight": settings.batch_max_in_flight}
+    bound = settings.batch_max_in_flight or "derived: max replicas x max_batch_size x 4 (contract/batch_capacity.py)"
+    report: dict = {"instance": INSTANCE, "max_in_flight": bound}
     try:
         report["noop"] = compare(api, bucket, "noop", noop, timeout=900)
         report["sd15"] = compare(api, bucket, "sd15-txt2img", sd, timeout=900)

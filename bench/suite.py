@@ -73,8 +73,8 @@ class Suite:
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
         # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
-        # streams, batch jobs
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1
+        # streams, batch jobs, interactive beside a batch
+        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -217,9 +217,15 @@ class Suite:
         started = time.monotonic()
         out = self.out_dir / json_name
         argv = [sys.executable, "-m", module, "--json", str(out), *args]
-        done = subprocess.run(
-            argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
-        )
+        try:
+            done = subprocess.run(
+                argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            self.count += 1
+            print(f"[{self.count:>2}/{self.total}] {title}: gave up after {exc.timeout:.0f}s", flush=True)
+            self.failed.append(title)
+            return None
         self.count += 1
         if done.returncode != 0:
             print(f"[{self.count:>2}/{self.total}] {title}: failed\n{done.stderr[-2000:]}", flush=True)
@@ -281,6 +287,12 @@ class Suite:
         return self._module("batch jobs", "bench.batches", "batches.json", 2400, ["--quick"] if self.quick else [],
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
+    def batch_beside(self) -> dict | None:
+        """Sequential tiny SD 1.5 predicts alone and beside a 400-line batch of the same model (bench/batch_beside.py)."""
+        return self._module("interactive beside a batch", "bench.batch_beside", "batch_beside.json", 1200,
+                            ["--rounds", "1" if self.quick else "3"],
+                            {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
+
 
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -317,7 +329,7 @@ def main() -> int:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = flow_result = batch_jobs = None
+    direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = None
     sweeps: dict[str, dict] = {}
     try:
         if args.flows_only:
@@ -336,6 +348,7 @@ def main() -> int:
             adapters = suite.adapters()
             event_streams = suite.event_streams()
             batch_jobs = suite.batch_jobs()
+            batch_beside = suite.batch_beside()
         for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
                            ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
             if (result := run()) is not None:
@@ -364,6 +377,7 @@ def main() -> int:
         "open_loop": sweeps,
         "event_streams": event_streams,
         "batches": batch_jobs,
+        "batch_beside": batch_beside,
         "adapters": adapters,
         "flows": flow_result,
     }

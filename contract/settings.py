@@ -164,12 +164,15 @@ class Settings:
     # (0: the longest catalog request timeout plus ten minutes).
     janitor_interval_seconds: int = 0
     janitor_older_than_seconds: int = 0
-    # Batch jobs (issue 35): at most this many of one batch's lines in flight per model; a batch whose first
-    # `batch_fail_fast_lines` lines are all invalid fails; an inline batch holds at most this many lines; the
-    # feeder's Redis lease (another API process resumes a batch whose feeder stops renewing it); whether this
-    # process feeds and collects batches at all (CPU always allocated: README "Batch jobs"); how many batches not yet
-    # ended one API key may have (a submit past it is a 429).
-    batch_max_in_flight: int = 64
+    # Batch jobs (issue 35): at most this many of one batch's lines in flight per model (0: derived from the batch
+    # workers' capacity, contract/batch_capacity.py: max replicas x max_batch_size x 4); the most Spot batch workers
+    # per deployment, as the manifests were rendered with `--batch-max-replicas` (None: the catalog's replicas.max);
+    # a batch whose first `batch_fail_fast_lines` lines are all invalid fails; an inline batch holds at most this
+    # many lines; the feeder's Redis lease (another API process resumes a batch whose feeder stops renewing it);
+    # whether this process feeds and collects batches at all (CPU always allocated: README "Batch jobs"); how many
+    # batches not yet ended one API key may have (a submit past it is a 429).
+    batch_max_in_flight: int = 0
+    batch_worker_max_replicas: int | None = None
     batch_fail_fast_lines: int = 100
     batch_inline_max_lines: int = 1000
     batch_lease_seconds: float = 10.0
@@ -302,6 +305,9 @@ class Settings:
             janitor_interval_seconds=int(env.get("MAAS_JANITOR_INTERVAL_SECONDS") or 0),
             janitor_older_than_seconds=int(env.get("MAAS_JANITOR_OLDER_THAN_SECONDS") or 0),
             batch_max_in_flight=int(env.get("MAAS_BATCH_MAX_IN_FLIGHT") or cls.batch_max_in_flight),
+            batch_worker_max_replicas=(
+                int(env["MAAS_BATCH_WORKER_MAX_REPLICAS"]) if env.get("MAAS_BATCH_WORKER_MAX_REPLICAS") else None
+            ),
             batch_fail_fast_lines=int(env.get("MAAS_BATCH_FAIL_FAST_LINES") or cls.batch_fail_fast_lines),
             batch_inline_max_lines=int(env.get("MAAS_BATCH_INLINE_MAX_LINES") or cls.batch_inline_max_lines),
             batch_lease_seconds=float(env.get("MAAS_BATCH_LEASE_SECONDS") or cls.batch_lease_seconds),

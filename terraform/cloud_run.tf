@@ -88,6 +88,10 @@ resource "google_cloud_run_v2_service" "api" {
         value = tostring(var.batch_max_in_flight)
       }
       env {
+        name  = "MAAS_BATCH_WORKER_MAX_REPLICAS"
+        value = var.batch_worker_max_replicas == null ? "" : tostring(var.batch_worker_max_replicas)
+      }
+      env {
         name  = "MAAS_BATCH_INPUTS"
         value = join(",", flatten([for who, locations in var.batch_inputs : [for location in locations : "${who}=${location}"]]))
       }

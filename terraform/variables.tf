@@ -358,7 +358,13 @@ variable "batch_inputs" {
 }
 
 variable "batch_max_in_flight" {
-  description = "Lines of one batch job in flight per model at most (MAAS_BATCH_MAX_IN_FLIGHT): the batch feeder in the API publishes no more until answers come back, so a million-line file never crowds Pub/Sub or Redis."
+  description = "Lines of one batch job in flight per model at most (MAAS_BATCH_MAX_IN_FLIGHT): the batch feeder in the API publishes no more until answers come back. 0: derived from the batch workers' capacity (max replicas x max_batch_size x 4, contract/batch_capacity.py)."
   type        = number
-  default     = 64
+  default     = 0
+}
+
+variable "batch_worker_max_replicas" {
+  description = "The most Spot batch workers per deployment, as infra/k8s/render.py was run (--batch-max-replicas); null: the catalog's replicas.max. The API sizes its derived in-flight bound with it (MAAS_BATCH_WORKER_MAX_REPLICAS)."
+  type        = number
+  default     = null
 }

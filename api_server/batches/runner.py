@@ -9,7 +9,9 @@ Each step of a leased batch, in order:
 3. **Feed**: the next lines of the file (a stream from the cursor), each validated as the predict route does
    (`lines.py`): an invalid one goes to the errors file with the predict's status and message; a valid one is
    taken (cursor, custom_id and in-flight count in one script) and published at priority `batch` to its model's
-   batch topic, while that model has fewer than `MAAS_BATCH_MAX_IN_FLIGHT` of the batch's lines in flight.
+   batch topic, while that model has fewer than its bound of the batch's lines in flight: the capacity its batch
+   workers can use (contract/batch_capacity.py: their max replicas x max_batch_size x 4), or
+   `MAAS_BATCH_MAX_IN_FLIGHT` where set.
    The first `MAAS_BATCH_FAIL_FAST_LINES` lines all invalid fail the batch.
 4. **Collect**: the stored answers of the lines in flight (the worker's result store: a redelivered or re-run line
    has one answer), each moved once to its outbox with its completed log row.
@@ -47,9 +49,11 @@ from api_server.jobs.webhooks import WebhookNotifier
 from api_server.predict.inference import InferenceService, PreparedRequest
 from api_server.predict.serving import ServingStage
 from contract import naming
+from contract.batch_capacity import batch_in_flight_bound
 from contract.catalog import ModelCatalog
 from contract.generation import LOGGED_PARAMETERS
 from contract.messages import InferenceReply, InferenceRequest
+from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
 from contract.payloads import PayloadCodec
 from contract.settings import Settings
@@ -349,7 +353,7 @@ class BatchRunner:
             return True
         caller = Caller(batch.owner, batch.fields.get("digest", ""))
         in_flight = self._store.in_flight(batch_id)
-        limit = self._settings.batch_max_in_flight
+        bounds: dict[str, int] = {}  # per model, computed once a slice
         started, worked, invalid = time.monotonic(), False, []
         fail_fast = self._settings.batch_fail_fast_lines
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
@@ -373,7 +377,9 @@ class BatchRunner:
             if not self._take_invalid(batch, invalid):  # the cursor moves in file order
                 return worked
             queue = checked.spec.queue
-            if in_flight.get(queue, 0) >= limit:
+            if queue not in bounds:
+                bounds[queue] = self.in_flight_bound(checked.spec)
+            if in_flight.get(queue, 0) >= bounds[queue]:
                 return worked  # this model's share is full: wait for answers
             taken = self._take_valid(batch, line, checked)
             if taken < 0:
@@ -383,6 +389,13 @@ class BatchRunner:
             reader.held, worked = None, True
         self._take_invalid(batch, invalid)
         return worked
+
+    def in_flight_bound(self, spec: ModelSpec) -> int:
+        """Lines of one batch in flight for this model at most (contract/batch_capacity.py)."""
+        settings = self._settings
+        return batch_in_flight_bound(
+            self._catalog, spec, settings.batch_worker_max_replicas, settings.batch_max_in_flight
+        )
 
     def _take_invalid(self, batch: Batch, invalid: list[tuple[Line, InvalidLine]]) -> bool:
         """Writes the invalid lines read so far to the errors outbox (one round trip) and empties `invalid`; False

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from contract.batch_capacity import BATCH_BACKLOG_CALLS  # noqa: E402
 from contract.catalog import ModelCatalog, load_catalog  # noqa: E402
 from contract.hardware import MAX_SHARED_CLIENTS_PER_GPU  # noqa: E402
 from contract.memory_plan import deployment_plan  # noqa: E402
@@ -81,10 +82,10 @@ SPOT_TAINT_KEY = "maas-capacity"
 SPOT_TAINT_VALUE = "spot"
 # GKE gives a preempted Spot node's (non-system) pods 15 s; a larger grace period has no effect there.
 SPOT_TERMINATION_GRACE_SECONDS = 15
-# A batch worker's KEDA target: unacked batch lines per worker, this many full calls of its models. The feeder
-# bounds a batch's lines in flight per model, so that bound over this target is about the most Spot workers a
-# batch brings up; a line's window is hours, so there is no age trigger.
-BATCH_BACKLOG_CALLS = 4
+# A batch worker's KEDA target: unacked batch lines per worker, `BATCH_BACKLOG_CALLS` full calls of its models
+# (contract/batch_capacity.py). The feeder bounds a batch's lines in flight per model at the batch Deployment's
+# max replicas times that target, so a batch can bring up every Spot worker; a line's window is hours, so there is
+# no age trigger.
 BATCH_COOLDOWN_SECONDS = 300
 
 

@@ -143,3 +143,84 @@ def test_a_scenario_that_could_not_run_fails_the_bench(capsys):
     assert exit_status([]) == 0
     assert exit_status(["event streams"]) == 1
     assert "event streams" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("outcome", ["exit 1", "timeout"])
+def test_interactive_beside_a_batch_is_in_the_suite_and_its_failure_fails_the_bench(tmp_path, monkeypatch, outcome):
+    import subprocess
+    from types import SimpleNamespace
+
+    from bench import suite as bench_suite
+    from emulators.stack import StackConfig
+
+    ran = []
+
+    def run(argv, **kwargs):
+        ran.append(argv)
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
+        return SimpleNamespace(returncode=1, stdout="", stderr="no stack")
+
+    monkeypatch.setattr(bench_suite.subprocess, "run", run)
+    suite = bench_suite.Suite(StackConfig(stack_dir=tmp_path), quick=True, out_dir=tmp_path)
+    assert suite.batch_beside() is None
+    assert ran[0][2] == "bench.batch_beside" and ran[0][-2:] == ["--rounds", "1"]
+    assert suite.failed == ["interactive beside a batch"] and bench_suite.exit_status(suite.failed) == 1
+
+
+class BesideStandIns:
+    """The SDK's clients as bench/batch_beside.py calls them: every predict a 200; the batch ends after `lasts` GETs
+    or once `total` predicts were sent."""
+
+    def __init__(self, lasts: int, total: int) -> None:
+        from types import SimpleNamespace
+
+        self.gets, self.lasts, self.total, self.predicts, self.cancelled = 0, lasts, total, 0, []
+        self.batches = SimpleNamespace(create=self.create, get=self.get, cancel=self.cancelled.append)
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def raw(self, method: str, path: str, json: dict):
+        from types import SimpleNamespace
+
+        self.predicts += 1
+        return SimpleNamespace(status_code=200, text="")
+
+    def create(self, requests: list[dict]):
+        from types import SimpleNamespace
+
+        assert len(requests) == 10
+        return SimpleNamespace(id="batch-1")
+
+    def get(self, batch_id: str):
+        from types import SimpleNamespace
+
+        self.gets += 1
+        counts = SimpleNamespace(succeeded=self.gets)
+        ended = self.gets > self.lasts or self.predicts >= self.total
+        return SimpleNamespace(request_counts=counts, ended=ended, status="completed" if ended else "in_progress")
+
+
+def test_the_beside_scenario_reports_both_runs_and_fails_when_the_batch_ends_too_soon(monkeypatch):
+    from bench import batch_beside
+
+    stand_ins = BesideStandIns(lasts=100, total=12)
+    monkeypatch.setattr(batch_beside, "bench_client", stand_ins)
+    monkeypatch.setattr(batch_beside, "Client", stand_ins)
+    row = batch_beside.one_round("http://api", "sd15-txt2img", predicts=6, lines=10)
+    assert stand_ins.predicts == 12 and stand_ins.cancelled == [] and row["batch_status"] == "completed"
+    assert row["alone"]["count"] == row["beside"]["count"] == 6 and row["predicts_after_batch_ended"] == 0
+    assert {"p50_ms", "p95_ms"} <= row["beside"].keys() and {"p50_ratio", "p95_ratio"} <= row.keys()
+
+    short = BesideStandIns(lasts=3, total=12)  # ended after two predicts beside it
+    monkeypatch.setattr(batch_beside, "bench_client", short)
+    monkeypatch.setattr(batch_beside, "Client", short)
+    with pytest.raises(batch_beside.ScenarioError, match="raise --lines"):
+        batch_beside.one_round("http://api", "sd15-txt2img", predicts=6, lines=10)
