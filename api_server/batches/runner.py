@@ -271,7 +271,7 @@ class BatchRunner:
         error = {"code": spec.http_status, "message": f"the batch was {ending} before this line ran", "kind": ending}
         started, entries = time.monotonic(), []
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
-            line = next(reader.lines, None)
+            line = self._next_line(batch_id, reader)
             if line is not None:
                 custom_id = custom_id_of(line.data)
                 item = {
@@ -333,6 +333,16 @@ class BatchRunner:
             reader = self._readers[batch.batch_id] = Reader(stream, lines)
         return reader
 
+    def _next_line(self, batch_id: str, reader: Reader) -> Line | None:
+        """The reader's next line. A read that fails (GCS or BigQuery) drops the reader before the error goes up: a
+        generator that raised reads as the end of the input afterwards, which would end the feed early; the next step
+        reopens the input at the cursor in Redis instead."""
+        try:
+            return next(reader.lines, None)
+        except Exception:
+            self._drop(batch_id)
+            raise
+
     def _drop(self, batch_id: str) -> None:
         reader = self._readers.pop(batch_id, None)
         if reader is not None and reader.stream is not None:
@@ -364,7 +374,7 @@ class BatchRunner:
         fail_fast = self._settings.batch_fail_fast_lines
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
             if reader.held is None:
-                line = next(reader.lines, None)
+                line = self._next_line(batch_id, reader)
                 if line is None:
                     if not self._take_invalid(batch, invalid):
                         return True

@@ -163,6 +163,7 @@ class BigQuery:
     def __init__(self) -> None:
         self.tables: dict[str, list[dict]] = {}
         self.pages: list[tuple[int, int]] = []
+        self.fail_once_at: set[int] = set()  # page starts whose first fetch fails (a 503 after the client's retries)
 
     def get_table(self, table_id: str) -> SimpleNamespace:
         if table_id not in self.tables:
@@ -172,6 +173,9 @@ class BigQuery:
     def list_rows(self, table, start_index: int = 0, page_size: int = 100) -> Iterator[SimpleNamespace]:
         rows = self.tables[table.table_id]
         for start in range(start_index, len(rows), page_size):
+            if start in self.fail_once_at:
+                self.fail_once_at.discard(start)
+                raise ConnectionError(f"503 tabledata.list from row {start}: backend unavailable")
             page = rows[start : start + page_size]
             self.pages.append((start, len(page)))
             yield from (SimpleNamespace(items=row.items) for row in page)

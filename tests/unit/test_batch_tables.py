@@ -5,6 +5,7 @@ and the runner reading rows by position: exactly once after a Redis loss, unread
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 from google.api_core import exceptions
 from google.cloud.bigquery import SchemaField
 
+from api_server.batches import tables
 from api_server.batches.inputs import BatchInputPolicy
 from api_server.batches.lines import InvalidLine, line_request_id, validate_line
 from api_server.batches.tables import check_columns, row_line, table_lines
@@ -236,3 +238,24 @@ def test_a_cancelled_table_batch_lists_every_row_it_never_read_and_total_is_the_
     assert harness.counts(batch_id) == {"total": 7, "succeeded": 1, "failed": 0, "cancelled": 6, "expired": 0}
     errors = harness.output(batch_id, "errors")
     assert sorted((item["line"], item["custom_id"]) for item in errors) == [(n, f"t{n}") for n in range(2, 8)]
+
+
+def test_a_page_that_fails_mid_table_is_read_again_from_the_cursor_and_the_feed_does_not_end_early(client, monkeypatch):
+    monkeypatch.setattr(tables, "PAGE_ROWS", 2)
+    harness = Harness(client)
+    ids = [f"t{index}" for index in range(1, 8)]
+    batch_id = harness.submit_table(ids)
+    harness.bigquery.fail_once_at = {4}  # rows 5-6's page fails once
+    failures, deadline = 0, time.monotonic() + 30
+    while harness.fields(batch_id).get("feed_done") != "1":
+        assert time.monotonic() < deadline, "the feed did not end"
+        assert harness.store.acquire(batch_id, harness.runner._token, 10) is not None
+        try:
+            harness.runner.step(batch_id)
+        except ConnectionError:  # the runner's loop logs it and steps again
+            failures += 1
+    assert failures == 1 and harness.fields(batch_id)["total"] == "7", "every row read, none counted twice"
+    for custom_id in ids:
+        harness.answer(batch_id, custom_id)
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "completed")
+    assert sorted(item["custom_id"] for item in harness.output(batch_id, "results")) == ids
