@@ -76,7 +76,7 @@ class BatchInputPolicy:
                 f"input_table: {uri[:300]} is not a readable table in this key's batch input locations ({allowed})"
             )
             raise ApiError(422, message, "input_table")
-        if table.table_type not in (None, "TABLE"):
+        if table.table_type not in (None, "TABLE", "SNAPSHOT"):  # a view or an external table has no rows to list
             raise ApiError(422, f"input_table: {uri[:300]} is a {table.table_type}; name a table", "input_table")
         check_columns(table.schema)
         return uri  # type: ignore[return-value]
