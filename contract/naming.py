@@ -16,6 +16,9 @@ REPLIES_TOPIC = f"{PREFIX}-replies"
 BATCH_REPLIES_TOPIC = f"{PREFIX}-batch-replies"
 BATCH_REPLIES_SUBSCRIPTION = f"{PREFIX}-batch-replies-collector"
 DATASET = "maas"
+# The local stack's dataset of batch input tables, each key's tables named `{key_id}_...` (production: the callers'
+# own datasets, named per key in MAAS_BATCH_INPUTS).
+BATCH_INPUT_DATASET = "maas_batch_inputs"
 LOG_TABLE = "inference_log"
 REPLY_SUBSCRIPTION_LABEL = {"maas-purpose": "reply-wait"}
 

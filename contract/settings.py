@@ -61,20 +61,42 @@ def _key_limits(value: str | None) -> dict[str, tuple[int, int]]:
     return limits
 
 
-# Where a key may point a batch's `input_file` (MAAS_BATCH_INPUTS): `WHO=gs://bucket/prefix` entries, WHO a key's
-# SHA-256 digest or `*` (every key); `{key_id}` in a prefix is the key's id (its digest's first 12 characters).
+# Where a key may point a batch's input (MAAS_BATCH_INPUTS): `WHO=gs://bucket/prefix` (files) or
+# `WHO=bq://project.dataset[.table_prefix]` (BigQuery tables) entries, WHO a key's SHA-256 digest or `*` (every key);
+# `{key_id}` in a location is the key's id (its digest's first 12 characters).
 BATCH_INPUT_KEY_ID = "{key_id}"
 EVERY_KEY = "*"
+BATCH_INPUT_SCHEMES = ("gs://", "bq://")
 
 
-def _batch_inputs(value: str | None, default: str, service_buckets: set[str]) -> dict[str, tuple[str, ...]]:
-    """`WHO=gs://bucket[/prefix],...` into {digest or `*`: (gs:// locations)}; never one of the service's buckets."""
+def _batch_inputs(
+    value: str | None, default: str, service_buckets: set[str], service_datasets: set[str] = frozenset()
+) -> dict[str, tuple[str, ...]]:
+    """`WHO=gs://bucket[/prefix],WHO=bq://project.dataset[.prefix],...` into {digest or `*`: (locations)}; never one
+    of the service's buckets nor its own datasets (`project.dataset`: the inference log's)."""
     inputs: dict[str, list[str]] = {}
     for entry in _csv(value if value is not None else default):
         who, _, location = entry.partition("=")
         who, location = who.strip().lower(), location.strip()
+        scheme = location[:5]
+        if scheme == "bq://":
+            project, _, rest = location[5:].partition(".")
+            dataset = rest.partition(".")[0]
+            if (who != EVERY_KEY and len(who) != 64) or not project or not dataset:
+                raise ValueError(
+                    f"MAAS_BATCH_INPUTS: expected SHA256=bq://project.dataset[.prefix], got {entry[:40]!r}"
+                )
+            if f"{project}.{dataset}" in service_datasets:
+                raise ValueError(
+                    f"MAAS_BATCH_INPUTS: {project}.{dataset} is the service's own dataset; batch inputs never come "
+                    "from it"
+                )
+            if "." not in rest:
+                location += "."  # a whole dataset: `bq://p.logs` must not cover `bq://p.logs_other.t`
+            inputs.setdefault(who, []).append(location)
+            continue
         bucket = location.removeprefix("gs://").partition("/")[0]
-        if (who != EVERY_KEY and len(who) != 64) or not location.startswith("gs://") or not bucket:
+        if (who != EVERY_KEY and len(who) != 64) or scheme != "gs://" or not bucket:
             raise ValueError(f"MAAS_BATCH_INPUTS: expected SHA256=gs://bucket/prefix or *=gs://..., got {entry[:40]!r}")
         if bucket in service_buckets:
             raise ValueError(
@@ -177,9 +199,10 @@ class Settings:
     batch_inline_max_lines: int = 1000
     batch_lease_seconds: float = 10.0
     batch_runner: bool = True
-    # Where each key may point a batch's `input_file`: {SHA-256 digest or `*`: gs:// prefixes} (MAAS_BATCH_INPUTS;
-    # `{key_id}` in a prefix is the caller's key id). Never the model or payload bucket. Unset: none in production
-    # (inline `requests` only), each key's own prefix of the local stack's batch-inputs bucket locally.
+    # Where each key may point a batch's `input_file` or `input_table`: {SHA-256 digest or `*`: gs:// prefixes and
+    # bq://project.dataset.table prefixes} (MAAS_BATCH_INPUTS; `{key_id}` in a prefix is the caller's key id). Never
+    # the model or payload bucket nor the service's dataset. Unset: none in production (inline `requests` only); locally
+    # each key's own prefix of the batch-inputs bucket and its `{key_id}_` tables of the batch-inputs dataset.
     batch_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     batch_max_active_per_key: int = 10
     # Worker
@@ -247,7 +270,10 @@ class Settings:
             raise ValueError(f"MAAS_WORKER_PRIORITIES: {unknown} not among {list(naming.PRIORITIES)}")
         model_bucket = env.get("MAAS_MODEL_BUCKET") or naming.model_bucket(project_id)
         payload_bucket = env.get("MAAS_PAYLOAD_BUCKET") or naming.payload_bucket(project_id)
-        local_inputs = f"*=gs://{naming.batch_input_bucket(project_id)}/{BATCH_INPUT_KEY_ID}/"
+        local_inputs = (
+            f"*=gs://{naming.batch_input_bucket(project_id)}/{BATCH_INPUT_KEY_ID}/,"
+            f"*=bq://{project_id}.{naming.BATCH_INPUT_DATASET}.{BATCH_INPUT_KEY_ID}_"
+        )
         instance = env.get("MAAS_INSTANCE_ID") or f"{socket.gethostname()[:20]}-{uuid.uuid4().hex[:8]}"
         return cls(
             env=stage,  # type: ignore[arg-type]
@@ -314,7 +340,10 @@ class Settings:
             batch_max_active_per_key=int(env.get("MAAS_BATCH_MAX_ACTIVE_PER_KEY") or cls.batch_max_active_per_key),
             batch_runner=env.get("MAAS_BATCH_RUNNER", "1").strip() == "" or _flag(env.get("MAAS_BATCH_RUNNER", "1")),
             batch_inputs=_batch_inputs(
-                env.get("MAAS_BATCH_INPUTS"), local_inputs if stage == "local" else "", {model_bucket, payload_bucket}
+                env.get("MAAS_BATCH_INPUTS"),
+                local_inputs if stage == "local" else "",
+                {model_bucket, payload_bucket},
+                {f"{project_id}.{env.get('MAAS_DATASET', naming.DATASET)}"},
             ),
             models=tuple(_csv(env.get("MAAS_MODELS"))),
             weights_cache_dir=env.get("MAAS_WEIGHTS_CACHE_DIR", cls.weights_cache_dir),

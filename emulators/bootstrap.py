@@ -126,6 +126,8 @@ def bootstrap_bigquery(settings: Settings) -> list[str]:
         created.append(name)
 
     ensure(bigquery.Dataset(f"{settings.project_id}.{settings.dataset}"), client.create_dataset)
+    # The local stack's batch input tables: each key's named `{key_id}_...` (MAAS_BATCH_INPUTS's default).
+    ensure(bigquery.Dataset(f"{settings.project_id}.{naming.BATCH_INPUT_DATASET}"), client.create_dataset)
     table = bigquery.Table(f"{settings.project_id}.{settings.dataset}.{settings.log_table}", schema=bigquery_schema())
     table.time_partitioning = bigquery.TimePartitioning(field=PARTITION_FIELD)
     table.clustering_fields = CLUSTERING_FIELDS

@@ -347,13 +347,13 @@ variable "api_p99_latency_threshold_ms" {
 }
 
 variable "batch_inputs" {
-  description = "Where each API key may point a batch's input_file (MAAS_BATCH_INPUTS): key SHA-256 digest (or \"*\" for every key) -> gs://bucket/prefix locations; {key_id} in a prefix is the key's id (its digest's first 12 characters). The API's service account must be granted read access to those buckets by their owners. Never the service's own model or payload bucket (the API refuses to start). Empty: batches take their lines inline only. A refusal reads the same whether the object is missing or not the key's."
+  description = "Where each API key may point a batch's input_file or input_table (MAAS_BATCH_INPUTS): key SHA-256 digest (or \"*\" for every key) -> gs://bucket/prefix or bq://project.dataset[.table_prefix] locations; {key_id} in a prefix is the key's id (its digest's first 12 characters). The API's service account must be granted read access to those buckets (and bigquery.tables.get/getData on those datasets) by their owners. Never the service's own model or payload bucket nor its dataset (the API refuses to start). Empty: batches take their lines inline only. A refusal reads the same whether the object is missing or not the key's."
   type        = map(list(string))
   default     = {}
 
   validation {
-    condition     = alltrue([for locations in values(var.batch_inputs) : alltrue([for location in locations : startswith(location, "gs://")])])
-    error_message = "batch_inputs: every location is a gs://bucket/prefix."
+    condition     = alltrue([for locations in values(var.batch_inputs) : alltrue([for location in locations : startswith(location, "gs://") || startswith(location, "bq://")])])
+    error_message = "batch_inputs: every location is a gs://bucket/prefix or a bq://project.dataset[.table_prefix]."
   }
 }
 

@@ -1,11 +1,13 @@
-"""Which `gs://` objects a key may name as a batch's `input_file`: only those under the locations its settings give
-it (MAAS_BATCH_INPUTS), never the service's own buckets, and a refusal that reads the same whether the object is
-missing, forbidden or outside the key's locations, so the route cannot be used to probe for objects."""
+"""Which `gs://` objects a key may name as a batch's `input_file`, and which `bq://` tables as its `input_table`: only
+those under the locations its settings give it (MAAS_BATCH_INPUTS), never the service's own buckets or datasets, and
+a refusal that reads the same whether the object or table is missing, forbidden or outside the key's locations, so
+the route cannot be used to probe for them."""
 
 from __future__ import annotations
 
 import re
 
+from api_server.batches.tables import TABLE_URI, check_columns, table_id
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from contract.settings import BATCH_INPUT_KEY_ID, EVERY_KEY
@@ -14,17 +16,26 @@ URI = re.compile(r"gs://([a-z0-9][a-z0-9._-]{1,220})/(.{1,1024})")
 
 
 class BatchInputPolicy:
-    """Checks an `input_file` against the caller's locations, then that the service can read it."""
+    """Checks an `input_file` or `input_table` against the caller's locations, then that the service can read it."""
 
-    def __init__(self, storage_client, inputs: dict[str, tuple[str, ...]], service_buckets: set[str]) -> None:
+    def __init__(
+        self,
+        storage_client,
+        inputs: dict[str, tuple[str, ...]],
+        service_buckets: set[str],
+        bigquery_client=None,
+        service_datasets: set[str] = frozenset(),
+    ) -> None:
         self._storage = storage_client
         self._inputs = inputs
         self._service_buckets = frozenset(service_buckets)
+        self._bigquery = bigquery_client
+        self._service_datasets = frozenset(service_datasets)
 
-    def locations(self, caller: Caller) -> list[str]:
-        """The gs:// prefixes this caller may read batch inputs from (its own, then those of every key)."""
+    def locations(self, caller: Caller, scheme: str = "gs://") -> list[str]:
+        """The gs:// (or bq://) prefixes this caller may read batch inputs from (its own, then those of every key)."""
         granted = [*self._inputs.get(caller.digest, ()), *self._inputs.get(EVERY_KEY, ())]
-        return [location.replace(BATCH_INPUT_KEY_ID, caller.key_id) for location in granted]
+        return [location.replace(BATCH_INPUT_KEY_ID, caller.key_id) for location in granted if location[:5] == scheme]
 
     def check(self, uri: object, caller: Caller) -> str:
         """The URI, if the caller may name it and the object can be read; else the one 422 for every reason."""
@@ -46,6 +57,37 @@ class BatchInputPolicy:
             return self._storage.bucket(bucket).get_blob(name) is not None
         except Exception:  # noqa: BLE001 - forbidden, unreachable or missing: one answer for all (no probing)
             return False
+
+    def check_table(self, uri: object, caller: Caller) -> str:
+        """The `bq://project.dataset.table` URI, if the caller may name it and it is a table the service can read
+        (else the one 422 for every reason), whose columns are a batch line's (else a 422 naming the column: the
+        caller may read the table, so its columns are no secret)."""
+        match = TABLE_URI.fullmatch(uri) if isinstance(uri, str) else None
+        if match is None:
+            raise ApiError(422, "input_table: a bq://project.dataset.table URI of a BigQuery table", "input_table")
+        entitled = f"{match[1]}.{match[2]}" not in self._service_datasets and any(
+            uri.startswith(location) for location in self.locations(caller, "bq://")
+        )
+        table = self._table(uri) if entitled else None  # type: ignore[arg-type]
+        if table is None:
+            locations = self.locations(caller, "bq://")
+            allowed = f"this key's: {', '.join(locations)}" if locations else "none for this key"
+            message = (
+                f"input_table: {uri[:300]} is not a readable table in this key's batch input locations ({allowed})"
+            )
+            raise ApiError(422, message, "input_table")
+        if table.table_type not in (None, "TABLE", "SNAPSHOT"):  # a view or an external table has no rows to list
+            raise ApiError(422, f"input_table: {uri[:300]} is a {table.table_type}; name a table", "input_table")
+        check_columns(table.schema)
+        return uri  # type: ignore[return-value]
+
+    def _table(self, uri: str):
+        if self._bigquery is None:
+            return None
+        try:
+            return self._bigquery.get_table(table_id(uri))
+        except Exception:  # noqa: BLE001 - forbidden, unreachable or missing: one answer for all (no probing)
+            return None
 
     def _refusal(self, uri: str, caller: Caller) -> ApiError:
         locations = self.locations(caller)

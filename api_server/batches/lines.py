@@ -30,6 +30,7 @@ class Line:
     end_offset: int  # the byte just past this line's newline: where a resumed feeder starts
     data: bytes | None  # None: longer than the limit (skipped)
     start_offset: int = 0  # where the line's bytes begin (the blank lines before it skipped)
+    refused: ApiError | None = None  # a table row that is not a line (`tables.row_line`): an error line as it is
 
 
 def read_lines(stream: BinaryIO, start_offset: int, start_number: int, max_line_bytes: int) -> Iterator[Line]:
@@ -91,6 +92,8 @@ def validate_line(
 ) -> PreparedRequest | InvalidLine:
     """The line as the predict route would take its body: the same checks in the same order (model or flow, then
     body), the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first."""
+    if line.refused is not None:
+        return InvalidLine(custom_id_of(line.data), line.refused)
     if line.data is None:
         return InvalidLine(None, ApiError(413, f"request body exceeds {max_line_bytes} bytes"))
     try:

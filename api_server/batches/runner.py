@@ -37,6 +37,7 @@ from google.cloud import pubsub_v1
 
 from api_server.batches.lines import InvalidLine, Line, custom_id_digest, custom_id_of, read_lines, validate_line
 from api_server.batches.store import KINDS, Batch, BatchStore, view
+from api_server.batches.tables import read_table
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from api_server.flows.rows import rows_of
@@ -103,8 +104,10 @@ class BatchRunner:
         webhooks: WebhookNotifier | None = None,
         subscriber: pubsub_v1.SubscriberClient | None = None,
         flows: FlowService | None = None,
+        bigquery_client=None,
     ) -> None:
         self._settings = settings
+        self._bigquery = bigquery_client
         self._flows = flows
         self._store = store
         self._serving = serving
@@ -272,7 +275,7 @@ class BatchRunner:
         error = {"code": spec.http_status, "message": f"the batch was {ending} before this line ran", "kind": ending}
         started, entries = time.monotonic(), []
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
-            line = next(reader.lines, None)
+            line = self._next_line(batch_id, reader)
             if line is not None:
                 custom_id = custom_id_of(line.data)
                 item = {
@@ -319,7 +322,13 @@ class BatchRunner:
 
     def _reader(self, batch: Batch) -> Reader:
         reader = self._readers.get(batch.batch_id)
-        if reader is None:
+        if reader is None and batch.fields["input_file"].startswith("bq://"):
+            # A table: the cursor counts rows read (`tables.py`), each row a line.
+            lines = read_table(
+                self._bigquery, batch.fields["input_file"], batch.int("cursor_offset"), self._settings.max_request_bytes
+            )
+            reader = self._readers[batch.batch_id] = Reader(None, lines)
+        elif reader is None:
             bucket, _, name = batch.fields["input_file"].removeprefix("gs://").partition("/")
             stream = self._storage.bucket(bucket).blob(name).open("rb", chunk_size=1024 * 1024)
             offset = batch.int("cursor_offset")
@@ -328,9 +337,19 @@ class BatchRunner:
             reader = self._readers[batch.batch_id] = Reader(stream, lines)
         return reader
 
+    def _next_line(self, batch_id: str, reader: Reader) -> Line | None:
+        """The reader's next line. A read that fails (GCS or BigQuery) drops the reader before the error goes up: a
+        generator that raised reads as the end of the input afterwards, which would end the feed early; the next step
+        reopens the input at the cursor in Redis instead."""
+        try:
+            return next(reader.lines, None)
+        except Exception:
+            self._drop(batch_id)
+            raise
+
     def _drop(self, batch_id: str) -> None:
         reader = self._readers.pop(batch_id, None)
-        if reader is not None:
+        if reader is not None and reader.stream is not None:
             with contextlib.suppress(Exception):
                 reader.stream.close()
 
@@ -349,7 +368,8 @@ class BatchRunner:
         try:
             reader = self._reader(batch)
         except Exception as exc:  # noqa: BLE001 - the file went away or is unreadable: the batch fails
-            self._fail(batch_id, 422, f"input_file: cannot read {batch.fields['input_file']}: {exc}"[:1024])
+            field = "input_table" if batch.fields["input_file"].startswith("bq://") else "input_file"
+            self._fail(batch_id, 422, f"{field}: cannot read {batch.fields['input_file']}: {exc}"[:1024])
             return True
         caller = Caller(batch.owner, batch.fields.get("digest", ""))
         in_flight = self._store.in_flight(batch_id)
@@ -358,7 +378,7 @@ class BatchRunner:
         fail_fast = self._settings.batch_fail_fast_lines
         while time.monotonic() - started < FEED_SLICE_SECONDS and not self._stopped.is_set():
             if reader.held is None:
-                line = next(reader.lines, None)
+                line = self._next_line(batch_id, reader)
                 if line is None:
                     if not self._take_invalid(batch, invalid):
                         return True
@@ -513,7 +533,8 @@ class BatchRunner:
             return False  # lost with Redis: restored, then read again
         self._store.set_fields(batch_id, feed_done=1)
         if batch.int("total") == 0:
-            self._fail(batch_id, 422, "input_file: the file holds no lines")
+            empty = "input_table: the table holds no rows" if batch.fields["input_file"].startswith("bq://") else None
+            self._fail(batch_id, 422, empty or "input_file: the file holds no lines")
         elif not batch.fields.get("valid_seen"):
             self._fail(batch_id, 422, f"every line is invalid; {batch.fields.get('first_error', '')}"[:1024])
         return True

@@ -67,16 +67,11 @@ class BatchService:
             raise ApiError(422, f"{unknown[0]}: unknown field; expected {', '.join(BODY_FIELDS)}", unknown[0])
         sources = [name for name in ("input_file", "requests", "input_table") if name in body]
         if len(sources) != 1:
-            raise ApiError(
-                422, "input_file: give one of input_file (gs:// JSONL), requests (inline lines)", "input_file"
+            message = (
+                "input_file: give one of input_file (gs:// JSONL), requests (inline lines), input_table "
+                "(bq://project.dataset.table)"
             )
-        if sources == ["input_table"]:
-            raise ApiError(
-                422,
-                "input_table: BigQuery input is not supported yet; export the table as JSONL to GCS "
-                "(bq extract --destination_format NEWLINE_DELIMITED_JSON) and pass input_file",
-                "input_table",
-            )
+            raise ApiError(422, message, "input_file")
         window = body.get("completion_window", DEFAULT_WINDOW)
         seconds = window_seconds(window)
         webhook = body.get("webhook_url")
@@ -90,6 +85,8 @@ class BatchService:
         batch_id = f"batch-{uuid.uuid4().hex[:20]}"
         if "requests" in body:
             input_file = self._inline(batch_id, body["requests"])
+        elif "input_table" in body:
+            input_file = self._inputs.check_table(body["input_table"], caller)  # the record's input: a bq:// URI
         else:
             input_file = self._inputs.check(body["input_file"], caller)
         now_ms = int(time.time() * 1000)

@@ -560,6 +560,13 @@ class BatchStore:
         return bool(self._redis.srem(WEBHOOKS_KEY, batch_id))
 
 
+def input_fields(uri: str | None) -> dict:
+    """The record keeps its input's URI whichever it is; the view names a table `input_table` (and no file)."""
+    if uri is not None and uri.startswith("bq://"):
+        return {"input_file": None, "input_table": uri}
+    return {"input_file": uri}
+
+
 def view(batch: Batch, store: BatchStore) -> dict:
     """A batch as `GET /v1/batches/{id}`, its list and its webhook show it."""
     fields, batch_id = batch.fields, batch.batch_id
@@ -567,7 +574,7 @@ def view(batch: Batch, store: BatchStore) -> dict:
         "id": batch_id,
         "object": "batch",
         "status": batch.status,
-        "input_file": fields.get("input_file"),
+        **input_fields(fields.get("input_file")),
         "completion_window": fields.get("completion_window"),
         "request_counts": {name: batch.int(name) for name in COUNTS},
         "created_at": iso(batch.time("created")),

@@ -212,9 +212,12 @@ def build_app_state(settings: Settings) -> AppState:
     if settings.batch_runner:
         batch_runner = BatchRunner(
             settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
-            storage, webhooks, subscriber, flows,
+            storage, webhooks, subscriber, flows, bigquery,
         )  # fmt: skip
-    inputs = BatchInputPolicy(storage, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket})
+    inputs = BatchInputPolicy(
+        storage, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket}, bigquery,
+        {f"{settings.project_id}.{settings.dataset}"},
+    )  # fmt: skip
     batches = BatchService(
         batch_store, redis_state, inputs, targets, settings.batch_inline_max_lines, batch_runner,
         max_active_per_key=settings.batch_max_active_per_key,

@@ -55,3 +55,74 @@ def test_a_key_runs_only_its_own_inputs_and_cannot_tell_anothers_from_a_missing_
         assert refused(stack, OTHER_KEY, uri) == missing, uri
     # The owner itself cannot run the service's own copy of its inline input either: it resubmits the lines.
     assert refused(stack, auth_headers, inline["input_file"])[:2] == (422, "input_file")
+
+
+# A BigQuery table as the input (api_server/batches/tables.py).
+
+TABLE_SCHEMA = [("custom_id", "STRING"), ("model", "STRING"), ("instances", "STRING"), ("parameters", "STRING")]
+
+
+def make_table(bigquery, settings, key: str, rows: list[dict], columns=TABLE_SCHEMA) -> str:
+    """A table of the key's own (`{key_id}_...` in the local batch inputs dataset) holding `rows`, as bq://."""
+    from google.cloud.bigquery import SchemaField, Table
+
+    name = f"{settings.project_id}.{naming.BATCH_INPUT_DATASET}.{api_key_digest(key)[:12]}_rows_{uuid.uuid4().hex[:8]}"
+    bigquery.create_table(Table(name, schema=[SchemaField(column, kind) for column, kind in columns]))
+    if rows:
+        assert bigquery.insert_rows_json(name, rows) == []
+    return f"bq://{name}"
+
+
+def as_row(body: dict) -> dict:
+    """A batch line as a table row: instances and parameters as JSON text in STRING columns."""
+    return {**body, "instances": json.dumps(body["instances"]), "parameters": json.dumps(body.get("parameters", {}))}
+
+
+def test_a_batch_runs_a_bigquery_tables_rows_as_lines_and_counts_the_tables_rows(stack, settings, bigquery):
+    from maas_client import Client
+
+    rows = [as_row(line(f"row-{index}", seed=index)) for index in range(1, 5)]
+    rows.insert(2, {**as_row(line("bad-json")), "parameters": "{not json"})  # row 3: an error line, as bad JSONL
+    rows.append(as_row(line("unknown-model", model="no-such-model")))  # row 6: refused as its predict would be
+    table = make_table(bigquery, settings, TEST_API_KEYS[0], rows)
+    with Client(stack.api_url, TEST_API_KEYS[0]) as client:
+        view = client.batches.create(input_table=table)
+        assert (view.input_table, view.input_file) == (table, None)
+        done = client.batches.wait(view.id, timeout=60)
+        results, errors = client.batches.results(view.id), client.batches.errors(view.id)
+    assert done.status == "completed", done
+    counts = done.request_counts
+    assert (counts.total, counts.succeeded, counts.failed) == (6, 4, 2), "total: the table's row count"
+    by_line = {item["line"]: item["custom_id"] for item in results + errors}
+    assert by_line == {1: "row-1", 2: "row-2", 3: "bad-json", 4: "row-3", 5: "row-4", 6: "unknown-model"}
+    assert all(item["status"] == "succeeded" and item["images"] for item in results)
+    refused = {item["custom_id"]: item["error"] for item in errors}
+    assert refused["bad-json"] == {"code": 422, "message": "parameters: the cell is not JSON text (a JSON object)",
+                                   "field": "parameters"}  # fmt: skip
+    assert refused["unknown-model"]["code"] == 404
+
+
+def test_a_key_cannot_run_another_keys_table_nor_the_services_and_cannot_tell_them_from_a_missing_one(
+    stack, auth_headers, settings, bigquery
+):
+    def refused_table(headers: dict, uri: str) -> tuple[int, str | None, str]:
+        response = requests.post(f"{stack.api_url}/v1/batches", json={"input_table": uri}, headers=headers, timeout=30)
+        error = response.json()["error"]
+        return response.status_code, error.get("field"), error["message"].replace(uri, "URI")
+
+    own = make_table(bigquery, settings, TEST_API_KEYS[0], [as_row(line("own-1"))])
+    other_prefix = f"{settings.project_id}.{naming.BATCH_INPUT_DATASET}.{api_key_digest(TEST_API_KEYS[1])[:12]}_"
+    missing = refused_table(OTHER_KEY, f"bq://{other_prefix}no_such_{uuid.uuid4().hex[:8]}")
+    assert missing[:2] == (422, "input_table") and "not a readable table" in missing[2], missing
+    for uri in (
+        own,  # another key's table
+        f"bq://{settings.project_id}.{settings.dataset}.{settings.log_table}",  # the service's inference log
+        f"bq://{settings.project_id}.{settings.dataset}.{settings.audit_table}",
+    ):
+        assert refused_table(OTHER_KEY, uri) == missing, uri
+    # The owner is told precisely what is wrong with its own table's columns.
+    wrong = make_table(bigquery, settings, TEST_API_KEYS[0], [], [*TABLE_SCHEMA, ("prompt", "STRING")])
+    assert refused_table(auth_headers, wrong) == (
+        422, "input_table",
+        "input_table: column prompt is not a batch line field; expected custom_id, model, instances, parameters",
+    )  # fmt: skip

@@ -156,6 +156,31 @@ class Log:
         pass
 
 
+class BigQuery:
+    """Tables of rows (dicts, as the client's rows read), listed from a start index page by page as `tabledata.list`
+    lists them; `pages` records each page's (start, rows) read."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[dict]] = {}
+        self.pages: list[tuple[int, int]] = []
+        self.fail_once_at: set[int] = set()  # page starts whose first fetch fails (a 503 after the client's retries)
+
+    def get_table(self, table_id: str) -> SimpleNamespace:
+        if table_id not in self.tables:
+            raise LookupError(f"404 Not found: Table {table_id}")
+        return SimpleNamespace(table_id=table_id, table_type="TABLE", schema=[])
+
+    def list_rows(self, table, start_index: int = 0, page_size: int = 100) -> Iterator[SimpleNamespace]:
+        rows = self.tables[table.table_id]
+        for start in range(start_index, len(rows), page_size):
+            if start in self.fail_once_at:
+                self.fail_once_at.discard(start)
+                raise ConnectionError(f"503 tabledata.list from row {start}: backend unavailable")
+            page = rows[start : start + page_size]
+            self.pages.append((start, len(page)))
+            yield from (SimpleNamespace(items=row.items) for row in page)
+
+
 class Harness:
     """A store and a runner on one Redis and one in-memory bucket, stepped by the test (no background thread)."""
 
@@ -166,6 +191,7 @@ class Harness:
         self.serving = Serving()
         self.inference = Inference()
         self.log = Log()
+        self.bigquery = BigQuery()
         self.settings = replace(Settings(), instance_id="api-test", **settings)
         self.runner = self.new_runner()
 
@@ -173,7 +199,7 @@ class Harness:
         results = ResultStore(self.client, RESULT_TTL_SECONDS)
         return BatchRunner(
             self.settings, self.store, self.serving, self.inference, None, results, self.client, self.log,
-            CATALOG, Storage(self.bucket),
+            CATALOG, Storage(self.bucket), bigquery_client=self.bigquery,
         )  # type: ignore[arg-type]  # fmt: skip
 
     def submit(self, custom_ids: list[str | None], owner: str = "key-a", window_s: int = 3600) -> str:
@@ -186,6 +212,26 @@ class Harness:
         fields = {
             "owner": owner, "digest": "d", "status": "validating", "created_ms": now_ms,
             "expires_ms": now_ms + window_s * 1000, "input_file": f"gs://{BUCKET}/{name}", "completion_window": "1h",
+            "metadata": "{}", "cursor_offset": 0, "cursor_line": 0,
+        }  # fmt: skip
+        assert self.store.create(batch_id, fields, max_active=100) is not None
+        return batch_id
+
+    def submit_table(self, custom_ids: list[str | None], owner: str = "key-a", window_s: int = 3600) -> str:
+        """A batch naming a table of `sleep` rows, one per custom_id (None: a row whose `instances` text is not
+        JSON, with custom_id `bad`)."""
+        batch_id = f"batch-{len(self.bucket.objects) + len(self.bigquery.tables):020x}"
+        table = f"inputs.lines.{batch_id.replace('-', '_')}"
+        self.bigquery.tables[table] = [
+            {"custom_id": custom_id, "model": "sleep", "instances": f'[{{"prompt": "{custom_id}"}}]'}
+            if custom_id is not None
+            else {"custom_id": "bad", "model": "sleep", "instances": "[{not json"}
+            for custom_id in custom_ids
+        ]
+        now_ms = int(time.time() * 1000)
+        fields = {
+            "owner": owner, "digest": "d", "status": "validating", "created_ms": now_ms,
+            "expires_ms": now_ms + window_s * 1000, "input_file": f"bq://{table}", "completion_window": "1h",
             "metadata": "{}", "cursor_offset": 0, "cursor_line": 0,
         }  # fmt: skip
         assert self.store.create(batch_id, fields, max_active=100) is not None

@@ -248,3 +248,35 @@ def test_a_batch_lines_answer_outlives_the_usual_ttl_until_its_batch_ends_then_g
     harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "completed")
     assert 0 < client.ttl(naming.result_key(request_id)) <= RESULT_TTL_SECONDS, "collected: the usual TTL again"
     assert harness.counts(batch_id)["succeeded"] == 1
+
+
+def test_a_part_rewritten_by_the_next_lease_holder_after_a_crash_spools_the_same_rows_under_the_same_request_ids(
+    client,
+):
+    """The rows of a part whose bookkeeping a crash cut short are spooled again by the next lease holder: the same
+    rows under the same request ids, which `inference_log_unique` (one row per request id, read by every view)
+    counts once; tests/integration/test_analytics_views.py checks the views on such a duplicated batch row."""
+    harness = Harness(client)
+    ids = ["p1", "p2", "p3"]
+    batch_id = harness.submit(ids)
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("feed_done") == "1")
+    for custom_id in ids:
+        harness.answer(batch_id, custom_id)
+    crashed, part_written = harness.runner, harness.store.part_written
+
+    def crash(batch_id: str, part: str) -> None:
+        raise RuntimeError("killed after the part's upload and its rows' spool")
+
+    harness.store.part_written = crash
+    with pytest.raises(RuntimeError):
+        step_once(harness, batch_id)
+    first = [row.to_json() for row in harness.log.rows]
+    assert sorted(row.custom_id for row in harness.log.rows) == ids
+    harness.store.part_written = part_written
+    harness.store.release(batch_id, crashed._token)  # its lease lapsed: the next process takes the batch over
+    harness.runner = harness.new_runner()
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "completed")
+    again = [row.to_json() for row in harness.log.rows[len(first) :]]
+    assert again == first, "the same rows again, under the same request ids"
+    assert Counter(row.request_id for row in harness.log.rows) == {line_request_id(batch_id, c): 2 for c in ids}
+    assert sorted(item["custom_id"] for item in harness.output(batch_id, "results")) == ids, "the part's lines once"

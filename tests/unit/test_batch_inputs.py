@@ -107,8 +107,8 @@ def test_settings_refuse_a_location_in_the_services_own_buckets(bucket):
         policy(f"*=gs://{bucket}/")
 
 
-def test_the_local_stack_gives_each_key_its_own_prefix_of_the_batch_inputs_bucket_and_production_none():
+def test_the_local_stack_gives_each_key_its_own_prefix_of_the_batch_inputs_bucket_and_dataset_and_production_none():
     assert Settings.from_env({"MAAS_PROJECT_ID": "acme"}).batch_inputs == {
-        "*": ("gs://acme-maas-batch-inputs/{key_id}/",)
+        "*": ("gs://acme-maas-batch-inputs/{key_id}/", "bq://acme.maas_batch_inputs.{key_id}_")
     }
     assert Settings.from_env({"MAAS_PROJECT_ID": "acme", "MAAS_ENV": "production"}).batch_inputs == {}

@@ -37,13 +37,19 @@ class BatchBody(BaseModel):
     requests: list[BatchLine] | SkipJsonSchema[None] = Field(
         default=None, description="the lines inline instead: at most MAAS_BATCH_INLINE_MAX_LINES (1,000)"
     )
+    input_table: str | SkipJsonSchema[None] = Field(
+        default=None,
+        description="bq://project.dataset.table instead: each row a line, its columns the BatchLine's fields (custom_id "
+        "and model STRING; instances and parameters JSON, STRING of JSON text or RECORD), read by position; under one "
+        "of the key's batch input locations (MAAS_BATCH_INPUTS); anything else, missing or not, is one 422",
+    )
     completion_window: str = Field(default="24h", description="24h, 30m, 90s: from 5s to 168h")
     webhook_url: str | SkipJsonSchema[None] = Field(default=None, description="https URL called once at the end")
     metadata: dict[str, str] = Field(default_factory=dict, description="up to 16 keys, kept as given")
 
 
 class RequestCounts(BaseModel):
-    total: int = Field(description="lines read so far; once ended, every line of the file")
+    total: int = Field(description="lines read so far; once ended, every line of the file (row of the table)")
     succeeded: int
     failed: int = Field(description="invalid lines and lines the model failed")
     cancelled: int
@@ -59,7 +65,8 @@ class BatchView(BaseModel):
     id: str
     object: Literal["batch"]
     status: BatchStatus
-    input_file: str
+    input_file: str | None = Field(description="the gs:// input file (null for a table's batch)")
+    input_table: str | None = Field(default=None, description="the bq:// input table, for a table's batch")
     completion_window: str
     request_counts: RequestCounts
     created_at: str

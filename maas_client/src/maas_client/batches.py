@@ -34,17 +34,21 @@ class Batches:
         *,
         input_file: str | None = None,
         requests: Iterable[dict] | None = None,
+        input_table: str | None = None,
         completion_window: str = "24h",
         webhook_url: str | None = None,
         metadata: dict[str, str] | None = None,
     ) -> BatchView:
-        """A batch from a `gs://` JSONL file, or from `requests` inline (each `{"custom_id", "model", "instances",
-        "parameters"}`; the server caps how many: larger batches go through a file)."""
+        """A batch from a `gs://` JSONL file, from `requests` inline (each `{"custom_id", "model", "instances",
+        "parameters"}`; the server caps how many: larger batches go through a file), or from a BigQuery table
+        (`input_table`, `bq://project.dataset.table`: each row a line, its columns those fields)."""
         body: dict[str, Any] = {"completion_window": completion_window, "metadata": metadata or {}}
         if input_file is not None:
             body["input_file"] = input_file
         if requests is not None:
             body["requests"] = list(requests)
+        if input_table is not None:
+            body["input_table"] = input_table
         if webhook_url is not None:
             body["webhook_url"] = webhook_url
         # Not retried on its own: a retried POST could submit the batch twice.

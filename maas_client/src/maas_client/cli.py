@@ -416,7 +416,10 @@ def _batch_call(call: Callable[[Client], BatchView]) -> None:
 
 @batches_app.command("create")
 def batches_create(
-    source: Annotated[str, typer.Argument(help="gs://bucket/file.jsonl, or a local .jsonl file sent inline")],
+    source: Annotated[
+        str,
+        typer.Argument(help="gs://bucket/file.jsonl, bq://project.dataset.table, or a local .jsonl file sent inline"),
+    ],
     window: Annotated[str, typer.Option("--window", help="completion window: 24h, 30m, 90s")] = "24h",
     webhook: Annotated[str | None, typer.Option(help="https URL called once when the batch ends")] = None,
     metadata: Annotated[list[str] | None, typer.Option(help="KEY=VALUE, repeatable")] = None,
@@ -429,10 +432,12 @@ def batches_create(
                                "metadata": {key: value for key, _, value in pairs}}  # fmt: skip
     if source.startswith("gs://"):
         options["input_file"] = source
+    elif source.startswith("bq://"):
+        options["input_table"] = source
     else:
         path = Path(source)
         if not path.is_file():
-            _fail(InputError(f"{source}: neither gs://... nor a file here"))
+            _fail(InputError(f"{source}: neither gs://..., bq://... nor a file here"))
         try:
             options["requests"] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except ValueError as exc:

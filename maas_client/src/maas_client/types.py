@@ -225,7 +225,8 @@ class BatchView(_Body):
     id: str
     object: Literal["batch"]
     status: BatchStatus
-    input_file: str
+    input_file: str | None = None  # the gs:// file; None for a table's batch
+    input_table: str | None = None  # the bq:// table, for a table's batch
     completion_window: str
     request_counts: RequestCounts
     created_at: str
