@@ -117,3 +117,13 @@ def keep(
     text = "\n".join(lines) + "\n"
     (folder / "evidence.md").write_text(text)
     return folder / "evidence.md"
+
+
+def keep_evidence(ctx, result: ScenarioResult, outcomes: list[Outcome]) -> None:
+    """A failed scenario's evidence and the stack's logs (`ctx`: the scenario's ChaosContext), copied before the next
+    scenario reuses the stack."""
+    if result.passed or ctx.evidence_dir is None:
+        return
+    folder = ctx.evidence_dir / "".join(c if c.isalnum() else "-" for c in result.name).strip("-")
+    kept = keep(result, outcomes, ctx.held_by, ctx.registry.log_dir, folder)
+    result.notes.append(f"evidence kept in {kept}")

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 
+from chaos.evidence import keep_evidence
 from chaos.traffic import GRACE_SECONDS, Client, Outcome, predict_body
 from chaos.verdict import ScenarioResult, leaked_reply_subscriptions, row_copies
 
@@ -100,4 +101,5 @@ def overload(ctx, seconds: float = 60, concurrency: int = 64, model: str = OVERL
             f"503 answered in p50 {ordered[len(ordered) // 2] * 1000:.0f} ms, max {ordered[-1] * 1000:.0f} ms"
         )
     result.seconds = round(time.monotonic() - began, 1)
+    keep_evidence(ctx, result, outcomes)
     return result

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos import evidence
 from chaos.batches import batch_faults
+from chaos.evidence import keep_evidence
 from chaos.overload import overload
 from chaos.traffic import Outcome, Traffic, predict_body
 from chaos.verdict import ScenarioResult, late_runs, leaked_reply_subscriptions, row_copies
@@ -168,15 +168,6 @@ def run_scenario(
     result.seconds = round(time.monotonic() - began, 1)
     keep_evidence(ctx, result, outcomes)
     return result
-
-
-def keep_evidence(ctx: ChaosContext, result: ScenarioResult, outcomes: list[Outcome]) -> None:
-    """A failed scenario's evidence and the stack's logs, copied before the next scenario reuses the stack."""
-    if result.passed or ctx.evidence_dir is None:
-        return
-    folder = ctx.evidence_dir / "".join(c if c.isalnum() else "-" for c in result.name).strip("-")
-    kept = evidence.keep(result, outcomes, ctx.held_by, ctx.registry.log_dir, folder)
-    result.notes.append(f"evidence kept in {kept}")
 
 
 def _sigkill_worker(deployment: str) -> Callable[[ChaosContext], None]:

@@ -82,7 +82,8 @@ class RequestRecords:
         self._instance_id = instance_id
         self._reply_mode = reply_mode
 
-    def open(self, request_id: str, model: str, mode: Mode) -> InferenceCall:
+    def open(self, request_id: str, model: str, mode: Mode, started: float | None = None) -> InferenceCall:
+        """A call's record; `started`: when the request arrived (`time.perf_counter()`), now if not given."""
         row = InferenceLogRow(
             request_id=request_id,
             created_at=now_to_the_millisecond(),
@@ -94,7 +95,7 @@ class RequestRecords:
             endpoint=mode.value,
             reply_mode=self._reply_mode,
         )
-        return InferenceCall(row, mode)
+        return InferenceCall(row, mode, started=time.perf_counter() if started is None else started)
 
     def pending_row(self, call: InferenceCall) -> dict:
         """The row as it stands when the request is published: kept with it in Redis, so that if this process dies

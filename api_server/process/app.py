@@ -15,7 +15,7 @@ from api_server.process.routes import adapters, batches, docs, events, health, j
 from api_server.process.routes import metrics as metrics_routes
 from api_server.process.routes import status as status_routes
 from api_server.process.state import AppState, build_app_state, install
-from api_server.process.wsgi_bridge import EVERY_RESPONSE_HEADERS
+from api_server.process.wsgi_bridge import EVERY_RESPONSE_HEADERS, RECEIVED_AT
 from contract.jsonlog import bind_context, unbind_context
 from contract.settings import Settings
 from contract.tracing import reset_current_trace, set_current_trace, trace_from_headers
@@ -60,7 +60,8 @@ def create_app(settings: Settings | None = None, state: AppState | None = None) 
     @app.before_request
     def _start():
         g.request_id = uuid.uuid4().hex
-        g.started = time.perf_counter()
+        # From when the request was whole, before it waited for a thread (wsgi_bridge.py): its deadline runs from then.
+        g.started = request.environ.get(RECEIVED_AT) or time.perf_counter()
         # Every line logged while this request is handled carries its id and trace (contract/jsonlog.py).
         trace = trace_from_headers(request.headers)
         fields = {"request_id": g.request_id, **(trace.log_fields(settings.project_id) if trace else {})}

@@ -5,6 +5,9 @@ streamed back through the loop. An idle or slow client therefore costs no thread
 A long-lived body (an event stream) need not hold a thread either: a view that puts a factory of an async
 iterator of bytes in `environ[ASYNC_BODY]` and answers 200 has its WSGI body dropped unread; the bridge sends
 the head and then that iterator's chunks from the event loop, until it ends or the client disconnects.
+
+When every thread is busy, a whole request waits for one; `environ[RECEIVED_AT]` is when it became whole (its
+`time.perf_counter()`), so that the app counts that wait in the request's deadline (admission, the sync wait).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import io
 import json
 import logging
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 ASYNC_BODY = "maas.async_body"
+RECEIVED_AT = "maas.received_at"
 # Headers on every response the API sends, from the app, this bridge or gunicorn's own refusals: error bodies
 # echo what the client sent, so no browser may sniff them into something it would render or run.
 EVERY_RESPONSE_HEADERS = (("X-Content-Type-Options", "nosniff"),)
@@ -47,7 +52,9 @@ class WsgiBridge:
         if body is None:
             return
         loop = asyncio.get_running_loop()
-        async_body = await loop.run_in_executor(self._pool, self._run, self._environ(scope, body), send, loop)
+        environ = self._environ(scope, body)
+        environ[RECEIVED_AT] = time.perf_counter()  # before the wait for a thread
+        async_body = await loop.run_in_executor(self._pool, self._run, environ, send, loop)
         if async_body is not None:
             await _serve_async_body(async_body, receive, send)
 

@@ -4,6 +4,7 @@
 .venv/bin/python -m bench.capacity --trace day.csv --profile l4-sd15 # a recorded day (traffic.TRACE_SQL)
 .venv/bin/python -m bench.capacity --profile h100-sd15 --batching-gain profile  # as deployed on an H100
 .venv/bin/python -m bench.capacity --batch-images 200000 --batch-hour 20 # a batch submitted at 20:00 (issue 35)
+.venv/bin/python -m bench.capacity burst                             # only the overload bursts (issue 43)
 .venv/bin/python -m bench.capacity measure --model-dir DIR           # the CPU tiny pipeline's cost points
 .venv/bin/python -m bench.capacity validate --model-dir DIR          # against bench/open_loop.py, measured
 """
@@ -18,19 +19,32 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from api_server.predict.admission import SCAN_LIMIT
 from bench.capacity.profiles import load_profiles
-from bench.capacity.report import batch_table, hourly_table, plot, summarize, summary_table
+from bench.capacity.report import (
+    batch_table,
+    held_gpu_hours,
+    hourly_table,
+    overload_outcomes,
+    overload_table,
+    plot,
+    summarize,
+    summary_table,
+)
 from bench.capacity.scenario import (
+    FALLBACK_STEPS,
     SEED_MIX,
     SEED_REQUESTS,
     catalog_deployments,
     default_strengths,
+    fallback_class,
+    fallback_deployment,
     lone_seconds,
     profile_gain,
     with_backlog_target,
 )
-from bench.capacity.simulator import BatchBacklog, ModelDeployment, PodTiming, Simulation
-from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, trace_arrivals
+from bench.capacity.simulator import Admission, BatchBacklog, ModelDeployment, PodTiming, Simulation
+from bench.capacity.traffic import DayShape, RequestClass, day_arrivals, trace_arrivals, window
 from infra.k8s.render import BATCH_BACKLOG_CALLS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +52,8 @@ RESULTS = ROOT / "bench" / "results"
 SEED_GPUS = 150
 # More than the seed's day can absorb: what it does absorb by its end is the answer (README "Capacity").
 BATCH_IMAGES = 10_000_000
+# Issue 43's surges: from a quiet morning (the fleet scaled for a sixth of the surge's rate) and at the day's peak.
+SURGE_HOURS = [6.0, 15.0]
 
 
 def parse_mix(values: list[str] | None) -> list[RequestClass]:
@@ -125,6 +141,67 @@ def day_runs(args: argparse.Namespace) -> None:
     if batch_runs:
         print("\n" + batch_table(batch_runs))
     print(f"\nwritten: {out.with_suffix('.md')}, .json, .png")
+    burst_runs(args)
+
+
+def burst_runs(args: argparse.Namespace) -> list[dict]:
+    """Issue 43: the seed's day with a surge (`--surge-factor` times the busiest hour's rate for `--surge-minutes`)
+    at each of `--surge-hours`, the hour from the surge's start reported (the hour before simulated first): without
+    admission, with admission by predicted wait (the API's estimate, counting the backlog as the API does and
+    whole), and with admission and a fallback that every refused request allows, side by side on the same
+    arrivals and the deployed autoscaler."""
+    if not args.surge_hours:
+        return []
+    profile = load_profiles()[args.profile]
+    mix = parse_mix(args.mix)
+    models = {c.model for c in mix}
+    timing = PodTiming(args.node_provision, args.pod_start)
+    deployed = catalog_deployments(models, buffer_nodes=args.buffer_nodes, metric_delay_seconds=args.metric_delay)
+    # The API's estimate counts at most SCAN_LIMIT waiting requests a priority: a fleet answering more than that
+    # over a deadline is never refused. The same estimate counting the whole backlog beside it, with and without
+    # the fallback.
+    as_is = Admission(args.safety_factor, args.admission_window)
+    whole = replace(as_is, scan_limit=None)
+    fallbacks = {d.model: fallback_class(mix, d, args.fallback_steps) for d in deployed}
+    arms = [("no admission", deployed, None), (f"admission (at most {SCAN_LIMIT:,} counted, as the API)", deployed, as_is),
+            ("admission, the whole backlog counted", deployed, whole),
+            ("the same + fallback", deployed + [fallback_deployment(d) for d in deployed], replace(whole, fallback=fallbacks))]  # fmt: skip
+    runs = []
+    for hour in args.surge_hours:
+        shape = DayShape(args.requests, peak_hour=args.peak_hour, amplitude=args.amplitude, bursts=args.bursts,
+                         burst_factor=args.burst_factor, surge_hour=hour, surge_minutes=args.surge_minutes,
+                         surge_factor=args.surge_factor)  # fmt: skip
+        begin = hour * 3600
+        arrivals = window(day_arrivals(shape, mix, args.seed, warmup_s=0), begin, begin + 3600, warmup_s=3600)
+        for scheduling in args.burst_schedulings:
+            for arm, deployments, policy in arms:
+                began = time.perf_counter()
+                result = Simulation(arrivals, deployments, profile, scheduling, timing, args.overhead,
+                                    admission=policy).run()  # fmt: skip
+                run = {"surge_hour": hour, "scheduling": scheduling, "arm": arm,
+                       "outcomes": overload_outcomes(result, begin, begin + 3600),
+                       "gpu_hours": held_gpu_hours(result, begin, begin + 3600),
+                       "seconds": time.perf_counter() - began}  # fmt: skip
+                runs.append(run)
+                o = run["outcomes"]
+                print(f"  surge at {hour:g}:00, {scheduling}-level, {arm}: {o['in_time']:,} in time, {o['fallback_in_time']:,} "
+                      f"fell back, {o['refused']:,} refused, {o['expired']:,} expired ({o['wasted_gpu_seconds']:,.0f} GPU-s "
+                      f"on them) of {o['requests']:,} ({run['seconds']:.0f} s to simulate)", flush=True)  # fmt: skip
+    title = (f"A surge of {args.surge_factor:g}x the busiest hour's rate for {args.surge_minutes:g} minutes on the seed's "
+             f"day, profile {profile.name}; the hour from the surge's start")  # fmt: skip
+    text = f"## {title}\n\n"
+    for hour in args.surge_hours:
+        text += f"Surge at {hour:g}:00:\n\n{overload_table([r for r in runs if r['surge_hour'] == hour])}\n\n"
+    out = args.burst_out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"title": title, "profile": profile.name, "seed": args.seed, "surge_minutes": args.surge_minutes,
+            "surge_factor": args.surge_factor, "safety_factor": args.safety_factor,
+            "admission_window_s": args.admission_window, "fallback_steps": args.fallback_steps,
+            "load_average": os.getloadavg()}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=_jsonable))
+    out.with_suffix(".md").write_text(text)
+    print("\n" + text + f"written: {out.with_suffix('.md')}, .json")
+    return runs
 
 
 def batch_day_runs(args, arrivals, settings, profile, timing, slo, runs) -> list[dict]:
@@ -251,6 +328,16 @@ def main() -> None:
                         "default: max_batch_size)")  # fmt: skip
     parser.add_argument("--batch-schedulings", nargs="+", default=["step"],
                         help="schedulings to run the batch days on (each also in --schedulings)")  # fmt: skip
+    parser.add_argument("--surge-hours", nargs="*", type=float, default=SURGE_HOURS,
+                        help="hours of the day a surge starts (issue 43), one set of runs each; none: no surge runs")  # fmt: skip
+    parser.add_argument("--surge-minutes", type=float, default=20.0)
+    parser.add_argument("--surge-factor", type=float, default=2.0, help="times the busiest hour's mean rate")
+    parser.add_argument("--burst-schedulings", nargs="+", default=["step"], help="schedulings of the surge runs")
+    parser.add_argument("--safety-factor", type=float, default=1.0, help="admission's (the catalog's `safety_factor`)")
+    parser.add_argument("--admission-window", type=float, default=60.0, help="MAAS_ADMISSION_WINDOW_SECONDS")
+    parser.add_argument("--fallback-steps", type=int, default=FALLBACK_STEPS, help="steps of the fallback's requests")
+    parser.add_argument("--burst-out", type=Path, default=RESULTS / "capacity_burst")
+    sub.add_parser("burst", help="only the surge runs (issue 43): no admission, admission, admission + fallback")
     measure_parser = sub.add_parser("measure", help="time the CPU tiny pipeline; rewrite profiles.json")
     measure_parser.add_argument("--model-dir", type=Path, required=True)
     validate_parser = sub.add_parser("validate", help="simulate bench/open_loop.py's sweep and compare")
@@ -270,6 +357,8 @@ def main() -> None:
         measure(args)
     elif args.command == "validate":
         validate(args)
+    elif args.command == "burst":
+        burst_runs(args)
     else:
         day_runs(args)
 

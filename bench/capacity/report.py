@@ -6,14 +6,15 @@ import math
 
 import numpy as np
 
-from bench.capacity.simulator import EXPIRED, LATE, SimulationResult
+from bench.capacity.simulator import EXPIRED, LATE, ON_TIME, REFUSED, SimulationResult
 from bench.capacity.traffic import DAY_SECONDS
 
 
 def latencies(result: SimulationResult, mask: np.ndarray) -> np.ndarray:
-    """Seconds from arrival to answer; an expired request counts as infinitely late (open_loop.py's rule)."""
+    """Seconds from arrival to answer; an expired request counts as infinitely late (open_loop.py's rule), and so does
+    one refused by admission (answered at once, without an image)."""
     values = result.done[mask] - result.arrival[mask]
-    return np.where(result.outcome[mask] == EXPIRED, np.inf, values)
+    return np.where(np.isin(result.outcome[mask], (EXPIRED, REFUSED)), np.inf, values)
 
 
 def nearest_rank(sorted_values: np.ndarray, share: float) -> float:
@@ -164,5 +165,56 @@ def batch_table(runs: list[dict]) -> str:
             f"{batch['spot_gpu_hours']:,.0f} | {batch['on_demand_busy_gpu_hours']:,.0f} | "
             f"{model['slo_attainment']:.2%} ({base['slo_attainment']:.2%}) | {_seconds(model['p95_s'])} "
             f"({_seconds(base['p95_s'])}) |"
+        )
+    return "\n".join(lines)
+
+
+def overload_outcomes(result: SimulationResult, begin: float, end: float) -> dict:
+    """Issue 43: what became of the requests that arrived from `begin` to `end` (seconds): answered in time by the
+    model asked, answered in time by its fallback, refused at once, expired after waiting, answered late; the
+    device time spent on those that expired anyway, and the p95 latency of the answered."""
+    mask = (result.arrival >= begin) & (result.arrival < end)
+    outcome, fell_back = result.outcome[mask], result.fell_back[mask]
+    expired = outcome == EXPIRED
+    answered = np.isin(outcome, (ON_TIME, LATE))
+    waits = np.sort(result.done[mask][answered] - result.arrival[mask][answered])
+    return {
+        "requests": int(mask.sum()),
+        "in_time": int(((outcome == ON_TIME) & ~fell_back).sum()),
+        "fallback_in_time": int(((outcome == ON_TIME) & fell_back).sum()),
+        "refused": int((outcome == REFUSED).sum()),
+        "expired": int(expired.sum()),
+        "expired_fallback": int((expired & fell_back).sum()),
+        "late": int((outcome == LATE).sum()),
+        "wasted_gpu_seconds": float(result.spent[mask][expired].sum()),
+        "gpu_seconds": float(result.spent[mask].sum()),
+        "answered_p95_s": nearest_rank(waits, 0.95),
+    }
+
+
+def held_gpu_hours(result: SimulationResult, begin: float, end: float) -> float:
+    """GPU-hours held by every simulated deployment from `begin` to `end` (seconds), from the autoscaler's ticks."""
+    ticks = np.array(result.ticks)
+    inside = (ticks >= begin) & (ticks < end)
+    held = sum(np.array(v, dtype=float) for v in result.held.values())
+    return float(held[inside].mean() * (end - begin) / 3600) if inside.any() else math.nan
+
+
+def overload_table(runs: list[dict]) -> str:
+    """The arms of the burst side by side: the four outcomes, late answers, and the GPU time the expired took."""
+    lines = [
+        "| scheduling | arm | requests | answered in time | fell back (answered in time) | refused at once "
+        "| expired after waiting | answered late | GPU-s on requests that expired | GPU-hours held | p95 s of the answered |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        o = run["outcomes"]
+        total = max(o["requests"], 1)
+        lines.append(
+            f"| {run['scheduling']}-level | {run['arm']} | {o['requests']:,} | {o['in_time']:,} ({o['in_time'] / total:.1%}) "
+            f"| {o['fallback_in_time']:,} ({o['fallback_in_time'] / total:.1%}) | {o['refused']:,} ({o['refused'] / total:.1%}) "
+            f"| {o['expired']:,} ({o['expired'] / total:.1%}) | {o['late']:,} | {o['wasted_gpu_seconds']:,.0f} "
+            f"({o['wasted_gpu_seconds'] / max(o['gpu_seconds'], 1e-9):.1%} of {o['gpu_seconds']:,.0f}) "
+            f"| {run['gpu_hours']:,.1f} | {_seconds(o['answered_p95_s'])} |"
         )
     return "\n".join(lines)

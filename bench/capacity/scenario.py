@@ -22,6 +22,20 @@ SEED_MODEL = "sd15-img2img"
 # The seed's day: 1.4 million SD 1.5 image-to-image requests, 512x512, 25 steps, strength 0.75, one image each.
 SEED_REQUESTS = 1_400_000
 SEED_MIX = [RequestClass(SEED_MODEL, 25, 512, 512, 0.75)]
+# Issue 43's fallback in the simulation: the same model in a few steps (an LCM LoRA's 4), on a deployment of its own
+# scaled as the model's. The catalog names no image-to-image fallback yet: this is the one a catalog entry would add.
+FALLBACK_STEPS = 4
+
+
+def fallback_deployment(deployment: ModelDeployment) -> ModelDeployment:
+    """The fallback of a deployment: its model's few-step variant (`<model>-lcm`), batched and scaled as it is."""
+    return replace(deployment, model=f"{deployment.model}-lcm")
+
+
+def fallback_class(mix: list[RequestClass], deployment: ModelDeployment, steps: int = FALLBACK_STEPS) -> RequestClass:
+    """What a refused request of the model becomes on its fallback: its most frequent class in `steps` steps."""
+    first = max((c for c in mix if c.model == deployment.model), key=lambda c: c.share)
+    return replace(first, model=fallback_deployment(deployment).model, steps=steps)
 
 
 def deployed_scaler(manifests: list[dict], buffer_nodes: int) -> ScalerSettings:

@@ -28,6 +28,16 @@ any, run batch calls back to back, scaled from zero on the batch backlog Pub/Sub
 most `in_flight` lines there), `backlog_per_replica` lines each; Spot preemptions are not simulated. Batch work
 stops at the day's end: what is done by then is what the day absorbed.
 
+Admission by predicted wait (issue 43, `Admission`): when a request arrives, the API's own `judge`
+(api_server/predict/admission.py) is asked with what the API would see: the model's requests not yet taken by a
+worker (at most the API's scan limit), the answers of the last `window_seconds`, the most workers seen holding
+its requests in that window (after an idle window: the count last seen), and the smoothed run time of the
+replies (from a request's start on the device to its answer, as the worker reports `inference_ms`). A refused
+request is answered at once (`REFUSED`); with a fallback named for its model, it is judged again on the
+fallback's deployment (its own deadline from the arrival) and, when admitted there, queued there as the
+fallback's request class (`fell_back`). The device time spent on each request is kept (`spent`: a call's or a
+step segment's time shared by images), so that the time spent on requests that expired anyway can be counted.
+
 The event loop is a heap of (time, sequence, event); a running set's steps are not events one by one: a
 segment of identical steps runs to the next join, leave or deadline, and is cut short when a request that can
 join arrives. Costs come from a `CostProfile` (profiles.py).
@@ -42,11 +52,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from api_server.predict.admission import RUN_TIME_WEIGHT, SCAN_LIMIT, Backlog, judge
 from bench.capacity.profiles import CostProfile
-from bench.capacity.traffic import Arrivals
+from bench.capacity.traffic import Arrivals, RequestClass
 
-ON_TIME, LATE, EXPIRED = 0, 1, 2
+ON_TIME, LATE, EXPIRED, REFUSED = 0, 1, 2, 3
 UNRESOLVED = -1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Admission by predicted wait on every simulated deployment, as a catalog entry's `admission` block sets it:
+    the safety factor, the API's `MAAS_ADMISSION_WINDOW_SECONDS`, and per model the request class its refused
+    requests fall back to (a deployment of the simulation serves that class's model); `fallback_share` of the
+    callers allow a fallback (`allow_fallback`), drawn per request with `seed`."""
+
+    safety_factor: float = 1.0
+    window_seconds: float = 60.0
+    fallback: dict[str, RequestClass] = field(default_factory=dict)
+    fallback_share: float = 1.0
+    seed: int = 0
+    # The most waiting requests the estimate counts (the API's `SCAN_LIMIT`: its script looks at no more per
+    # priority); None counts them all.
+    scan_limit: int | None = SCAN_LIMIT
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,10 @@ class SimulationResult:
     buffer_nodes: int = 0
     max_replicas_seen: dict[str, int] = field(default_factory=dict)
     batch: BatchOutcome | None = None
+    # Admission (issue 43): which requests were answered by their model's fallback, and the device seconds spent on
+    # each request (GPU-seconds: a time-shared pod's share).
+    fell_back: np.ndarray | None = None
+    spent: np.ndarray | None = None
 
 
 class _Worker:
@@ -187,6 +219,12 @@ class _Deployment:
         self.recommendations: deque[tuple[float, int]] = deque()
         self.scale_events: deque[tuple[float, int]] = deque()  # (time, +added / -removed)
         self.replicas = 0
+        # What admission sees (issue 43): answers in its window, the workers holding requests (samples, a running
+        # maximum over the window), the count last seen, and the smoothed run time.
+        self.answered: deque[float] = deque()
+        self.holding: deque[tuple[float, int]] = deque()
+        self.last_holding = 0
+        self.run_seconds: float | None = None
 
 
 class Simulation:
@@ -201,6 +239,7 @@ class Simulation:
         initial_replicas: dict[str, int] | None = None,
         autoscale: bool = True,
         batch: BatchBacklog | None = None,
+        admission: Admission | None = None,
     ) -> None:
         if scheduling not in ("request", "step"):
             raise ValueError(f"scheduling must be request or step, not {scheduling!r}")
@@ -223,7 +262,24 @@ class Simulation:
             for c in mix
         ]
         n = len(arrivals)
-        self.cls = arrivals.classes
+        self.cls = arrivals.classes.copy()  # a request that falls back changes class
+        self.admission = admission
+        # Per deployment: the request class its refused requests fall back to (one more class in the tables above).
+        self._fallback_class: dict[int, int] = {}
+        for model, fallback in (admission.fallback if admission else {}).items():
+            if model not in by_model or fallback.model not in by_model:
+                raise ValueError(f"fallback {model} -> {fallback.model}: both need a deployment")
+            self._fallback_class[by_model[model]] = len(self.class_dep)
+            self.class_dep.append(by_model[fallback.model])
+            self.class_images.append(fallback.images)
+            image_input = deployments[by_model[fallback.model]].image_input
+            self.class_calls.append(profile.calls(fallback.steps, fallback.strength if image_input else None))
+            self.class_key.append((fallback.model, fallback.width, fallback.height) if scheduling == "step" else
+                                  (fallback.model, fallback.steps, fallback.width, fallback.height, fallback.strength))  # fmt: skip
+        self._allows_fallback = (
+            np.random.default_rng(admission.seed).random(n) < admission.fallback_share if admission else None
+        )
+        self.started = np.full(n, np.nan)
         self.at = arrivals.times
         timeouts = np.array([deployments[d].timeout_seconds for d in self.class_dep])
         self.deadline = self.at + timeouts[self.cls] if n else np.zeros(0)
@@ -240,6 +296,7 @@ class Simulation:
             scheduling, deployments[0].scaler.name if deployments else "", self.at, self.done, self.outcome,
             self.deadline, np.array(self.class_dep, dtype=np.int32)[self.cls] if n else np.zeros(0, np.int32),
             [d.model for d in deployments], arrivals.start, buffer_nodes=self._buffer_total,
+            fell_back=np.zeros(n, dtype=bool), spent=np.zeros(n),
         )  # fmt: skip
         self.batch = batch
         self.batch_left = 0  # lines submitted and not taken by a worker
@@ -299,8 +356,54 @@ class Simulation:
 
     def _on_arrival(self, request: int, now: float) -> None:
         dep = self.deps[self.class_dep[self.cls[request]]]
+        if self.admission is not None and not self._admitted(dep, self.deadline[request] - now, now):
+            fallback = self._fallback_class.get(dep.index)
+            if fallback is None or not self._allows_fallback[request]:
+                self._resolve(request, now, REFUSED)
+                return
+            dep = self.deps[self.class_dep[fallback]]
+            deadline = self.at[request] + dep.spec.timeout_seconds
+            if not self._admitted(dep, deadline - now, now):
+                self._resolve(request, now, REFUSED)  # the fallback is overloaded too: the refusal stands
+                return
+            self.cls[request], self.deadline[request] = fallback, deadline
+            self.result.fell_back[request] = True
         dep.queue.append(request)
         self._deliver(dep, now)
+
+    # -- admission (issue 43) ------------------------------------------------------------------------------
+
+    def _admitted(self, dep: _Deployment, left_seconds: float, now: float) -> bool:
+        """The API's verdict (`judge`) on a request with `left_seconds` to its deadline, from what the API sees."""
+        admission = self.admission
+        window = admission.window_seconds
+        while dep.answered and dep.answered[0] <= now - window:
+            dep.answered.popleft()
+        backlog = Backlog(
+            ahead=len(dep.queue) if admission.scan_limit is None else min(len(dep.queue), admission.scan_limit),
+            held=0,
+            workers=self._workers_seen(dep, now, window),
+            per_worker=dep.spec.max_batch_size,
+            answered=len(dep.answered),
+            window_seconds=window,
+            run_seconds=dep.run_seconds,
+        )
+        return judge(backlog, left_seconds, admission.safety_factor).admitted
+
+    @staticmethod
+    def _workers_seen(dep: _Deployment, now: float, window: float) -> int:
+        """The most workers seen holding the model's requests at once in the window; after an idle window, the
+        count last seen (the API keeps it an hour: a simulated burst is shorter)."""
+        holding = len(dep.workers) - len(dep.starting) - len(dep.idle)
+        samples = dep.holding  # decreasing counts: the window's maximum is the first
+        while samples and samples[-1][1] <= holding:
+            samples.pop()
+        samples.append((now, holding))
+        while samples[0][0] <= now - window:
+            samples.popleft()
+        if holding:
+            dep.last_holding = holding
+        return samples[0][1] or dep.last_holding
 
     def _deliver(self, dep: _Deployment, now: float) -> None:
         """Hands queued requests to workers with room: idle workers first (oldest first), then busy ones."""
@@ -418,6 +521,8 @@ class Simulation:
         if stopped:  # everyone gave up: the batch stops at the step after the last deadline
             end = max(now, latest)
         worker.running = [[r, 0] for r in batch]
+        self.started[batch] = now
+        self._charge(worker, batch, end - now)
         worker.seg_steps = 0 if stopped else 1
         worker.images = images
         worker.busy_until = end
@@ -439,6 +544,7 @@ class Simulation:
                 begin += self.profile.start(images, spec.image_input) * self._speed(worker)
                 worker.running.append([request, self.class_calls[self.cls[request]]])
                 worker.images += images
+                self.started[request] = now
         # Requests past their deadline leave before the step (stepping.py's `step`).
         if any(self.deadline[r] < now for r, _ in worker.running):
             for entry in [e for e in worker.running if self.deadline[e[0]] < now]:
@@ -463,6 +569,7 @@ class Simulation:
             steps = 1
         self._plan(worker, begin, step, steps)
         self._add_busy(worker, now, worker.seg_end - now)
+        self._charge(worker, [r for r, _ in worker.running], worker.seg_end - now)
 
     def _plan(self, worker: _Worker, begin: float, step: float, steps: int) -> None:
         finishing = sum(self.class_images[self.cls[r]] for r, left in worker.running if left == steps)
@@ -489,9 +596,11 @@ class Simulation:
         done = max(1, math.ceil((now - worker.seg_start) / worker.seg_step))
         if done >= worker.seg_steps:
             return
+        old_end = worker.seg_end
         self._add_busy(worker, worker.seg_start, -(worker.seg_end - worker.seg_start))
         self._plan(worker, worker.seg_start, worker.seg_step, done)
         self._add_busy(worker, worker.seg_start, worker.seg_end - worker.seg_start)
+        self._charge(worker, [r for r, _ in worker.running], worker.seg_end - old_end)
 
     def _on_segment(self, worker: _Worker, now: float, version: int) -> None:
         if version != worker.version:
@@ -524,6 +633,21 @@ class Simulation:
         """Off the device: PNG encoding (per image), then the way back to the client."""
         at = now + self.profile.reply_s * self.class_images[self.cls[request]] + self.overhead
         self._resolve(request, at, LATE if at > self.deadline[request] else ON_TIME)
+        if self.admission is not None:  # the API sees the reply: one more answer, and its run time
+            dep = self.deps[self.class_dep[self.cls[request]]]
+            dep.answered.append(now)
+            ran = now - self.started[request]
+            dep.run_seconds = (
+                ran if dep.run_seconds is None else dep.run_seconds + RUN_TIME_WEIGHT * (ran - dep.run_seconds)
+            )
+
+    def _charge(self, worker: _Worker, requests: list[int], seconds: float) -> None:
+        """Device seconds of a call or a step segment, shared among its requests by images."""
+        if seconds and requests:
+            images = sum(self.class_images[self.cls[r]] for r in requests)
+            share = seconds * worker.dep.spec.gpu_share / images
+            for request in requests:
+                self.result.spent[request] += share * self.class_images[self.cls[request]]
 
     def _resolve(self, request: int, at: float, outcome: int) -> None:
         self.outcome[request] = outcome

@@ -50,7 +50,9 @@ class RequestClass:
 @dataclass(frozen=True)
 class DayShape:
     """The rate over a day: `1 + amplitude x cos(2 pi (hour - peak_hour) / 24)`, times `burst_factor` during each of
-    `bursts` bursts of `burst_minutes` at random times, scaled so that the day's expected total is `requests`."""
+    `bursts` bursts of `burst_minutes` at random times, scaled so that the day's expected total is `requests`; then,
+    with `surge_hour`, a surge on top (issue 43's overload): `surge_minutes` from that hour at `surge_factor` times
+    the busiest clock hour's mean rate, more requests than `requests`."""
 
     requests: int
     peak_hour: float = 15.0
@@ -58,6 +60,9 @@ class DayShape:
     bursts: int = 6
     burst_minutes: float = 10.0
     burst_factor: float = 2.0
+    surge_hour: float | None = None
+    surge_minutes: float = 20.0
+    surge_factor: float = 2.0
 
 
 @dataclass
@@ -80,7 +85,12 @@ def minute_rates(shape: DayShape, seed: int) -> np.ndarray:
     draw = np.random.default_rng(seed + 7919)
     for begin in draw.uniform(0, 24 * 60 - shape.burst_minutes, shape.bursts):
         curve[int(begin) : int(begin + shape.burst_minutes)] *= shape.burst_factor
-    return curve * shape.requests / (curve.sum() * 60)
+    rates = curve * shape.requests / (curve.sum() * 60)
+    if shape.surge_hour is not None:
+        peak = rates.reshape(24, 60).mean(axis=1).max()
+        begin = int(shape.surge_hour * 60)
+        rates[begin : begin + int(shape.surge_minutes)] = shape.surge_factor * peak
+    return rates
 
 
 def day_arrivals(shape: DayShape, mix: list[RequestClass], seed: int, warmup_s: float = 3600.0) -> Arrivals:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 from flask import Flask, Response, request
 
-from api_server.process.wsgi_bridge import ASYNC_BODY, WsgiBridge
+from api_server.process.wsgi_bridge import ASYNC_BODY, RECEIVED_AT, WsgiBridge
 
 
 def flask_app(max_bytes: int = 100) -> Flask:
@@ -129,3 +131,53 @@ def test_an_async_body_is_served_from_the_loop_and_ends_when_the_client_leaves()
     asyncio.run(asyncio.wait_for(run(), 10))
     assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == b"first;"
     assert closed == [True]
+
+
+def test_a_request_that_waits_for_a_thread_carries_when_it_arrived_not_when_a_thread_took_it():
+    # One thread, held by a first request until a second has arrived: the second's arrival, as the app sees it, is
+    # before the moment the first let the thread go (the app counts that wait in the request's deadline).
+    app = Flask(__name__)
+    holding, second_arrived = threading.Event(), threading.Event()
+    seen: dict[str, float] = {}
+
+    @app.post("/hold")
+    def hold():
+        holding.set()
+        assert second_arrived.wait(30)
+        seen["released"] = time.perf_counter()
+        return "held"
+
+    @app.post("/next")
+    def after():
+        seen["received"] = request.environ[RECEIVED_AT]
+        seen["ran"] = time.perf_counter()
+        return "next"
+
+    bridge = WsgiBridge(app, threads=1, max_body_bytes=100, body_timeout=5)
+    whole = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def run() -> None:
+        async def one(path: str) -> None:
+            scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+            pending = list(whole)
+
+            async def receive() -> dict:
+                return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                pass
+
+            await bridge(scope, receive, send)
+
+        first = asyncio.create_task(one("/hold"))
+        assert await asyncio.to_thread(holding.wait, 30)  # the first holds the only thread
+        second = asyncio.create_task(one("/next"))
+        for _ in range(3000):  # until the second is whole and waits for the thread (30 s at most)
+            if bridge._pool._work_queue.qsize():
+                break
+            await asyncio.sleep(0.01)
+        second_arrived.set()
+        await asyncio.gather(first, second)
+
+    asyncio.run(run())
+    assert seen["received"] < seen["released"] < seen["ran"]

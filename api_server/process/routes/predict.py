@@ -25,7 +25,7 @@ JOB_ENDPOINT = "predict.submit_job"
 @bp.before_request
 def _open_record() -> None:
     model = (request.view_args or {}).get("model", "")
-    g.inference = app_state().records.open(g.request_id, model, _mode())
+    g.inference = app_state().records.open(g.request_id, model, _mode(), started=g.started)
 
 
 authenticated(bp)
