@@ -38,7 +38,9 @@ from contract.model_spec import ModelSpec
 log = logging.getLogger(__name__)
 # The priorities whose backlog is counted ahead of a request of each priority (batch lines are never judged).
 AHEAD: dict[str, tuple[str, ...]] = {"high": ("high",), "normal": ("high", "normal")}
-# At most this many kept requests per priority are looked at per estimate (a backlog beyond it is as long).
+# At most this many kept requests per priority are looked at per estimate (held or waiting, stale ones dropped);
+# the rest of the backlog beyond them is counted as waiting without a look (a fleet answering more than
+# SCAN_LIMIT per deadline must still be refused when its queue is longer than that).
 SCAN_LIMIT = 2000
 # An admitted request counts in its model's backlog from its decision until it is kept with its published message;
 # this long at most, if it never is (its publish failed).
@@ -82,6 +84,10 @@ for i = 5, #KEYS, 2 do
         waiting = waiting + 1
       end
     end
+  end
+  local unseen = redis.call('ZCARD', KEYS[i]) - waiting - running
+  if unseen > 0 then
+    waiting = waiting + unseen
   end
   local reservations = KEYS[i + 1]
   redis.call('ZREMRANGEBYSCORE', reservations, '-inf', now)
@@ -184,9 +190,10 @@ def judge(backlog: Backlog, left_seconds: float, safety_factor: float = 1.0) -> 
 class AdmissionLedger:
     """The Redis side: a model's backlog, answered requests and run time (the keys in `contract/naming.py`)."""
 
-    def __init__(self, client: redis.Redis, window_seconds: float) -> None:
+    def __init__(self, client: redis.Redis, window_seconds: float, scan_limit: int = SCAN_LIMIT) -> None:
         self._redis = client
         self._window_seconds = window_seconds
+        self._scan_limit = scan_limit
         self._backlog = client.register_script(_BACKLOG)
         self._ran = client.register_script(_RAN)
 
@@ -210,7 +217,7 @@ class AdmissionLedger:
         for priority in priorities:
             keys += [naming.backlog_key(queue, priority), naming.reservations_key(queue, priority)]
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
-        args = [int(self._window_seconds * 1000), SCAN_LIMIT, *prefixes, reserve, RESERVATION_SECONDS * 1000]
+        args = [int(self._window_seconds * 1000), self._scan_limit, *prefixes, reserve, RESERVATION_SECONDS * 1000]
         out = [int(value) for value in self._backlog(keys=keys, args=args)]
         counts = out[4:]
         run_ms = out[2]

@@ -157,14 +157,15 @@ def burst_runs(args: argparse.Namespace) -> list[dict]:
     models = {c.model for c in mix}
     timing = PodTiming(args.node_provision, args.pod_start)
     deployed = catalog_deployments(models, buffer_nodes=args.buffer_nodes, metric_delay_seconds=args.metric_delay)
-    # The API's estimate counts at most SCAN_LIMIT waiting requests a priority: a fleet answering more than that
-    # over a deadline is never refused. The same estimate counting the whole backlog beside it, with and without
-    # the fallback.
-    as_is = Admission(args.safety_factor, args.admission_window)
-    whole = replace(as_is, scan_limit=None)
+    # The API's estimate counts the whole backlog (the requests past its scan taken as waiting); beside it, the same
+    # estimate counting at most SCAN_LIMIT a priority, as the API did before: a fleet answering more than that over a
+    # deadline was never refused.
+    whole = Admission(args.safety_factor, args.admission_window)
+    capped = replace(whole, scan_limit=SCAN_LIMIT)
     fallbacks = {d.model: fallback_class(mix, d, args.fallback_steps) for d in deployed}
-    arms = [("no admission", deployed, None), (f"admission (at most {SCAN_LIMIT:,} counted, as the API)", deployed, as_is),
-            ("admission, the whole backlog counted", deployed, whole),
+    arms = [("no admission", deployed, None),
+            (f"admission counting at most {SCAN_LIMIT:,} waiting (the API before)", deployed, capped),
+            ("admission as the API counts (the whole backlog)", deployed, whole),
             ("the same + fallback", deployed + [fallback_deployment(d) for d in deployed], replace(whole, fallback=fallbacks))]  # fmt: skip
     runs = []
     for hour in args.surge_hours:

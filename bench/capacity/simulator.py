@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from api_server.predict.admission import RUN_TIME_WEIGHT, SCAN_LIMIT, Backlog, judge
+from api_server.predict.admission import RUN_TIME_WEIGHT, Backlog, judge
 from bench.capacity.profiles import CostProfile
 from bench.capacity.traffic import Arrivals, RequestClass
 
@@ -72,9 +72,9 @@ class Admission:
     fallback: dict[str, RequestClass] = field(default_factory=dict)
     fallback_share: float = 1.0
     seed: int = 0
-    # The most waiting requests the estimate counts (the API's `SCAN_LIMIT`: its script looks at no more per
-    # priority); None counts them all.
-    scan_limit: int | None = SCAN_LIMIT
+    # The most waiting requests the estimate counts; None counts them all, as the API does (its script looks at
+    # `SCAN_LIMIT` a priority and takes the rest as waiting). A number shows what a capped count would hide.
+    scan_limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def test_a_flood_past_what_one_worker_answers_by_its_deadline_is_refused_at_once
 
 
 def test_a_backlog_counted_only_up_to_a_scan_limit_hides_an_overload_beyond_it():
-    # The API's script counts at most SCAN_LIMIT waiting requests: here 20, which one worker answers in about 3 s,
+    # A count capped at 20 waiting requests (as the API's was, at SCAN_LIMIT), which one worker answers in about 3 s,
     # under the 5 s deadline. Counted so, the flood is admitted and expires; counted whole, it is refused.
     arrivals = flood()
     capped = simulate(arrivals, fleet(), Admission(scan_limit=20))
