@@ -16,7 +16,7 @@ from bench import gpu_check
 ROOT = Path(__file__).resolve().parents[2]
 # The lines the tiny run here covers: all but the compiled ones (compiling, even with torch.compile's eager backend,
 # takes minutes of a shared 2-core machine; `make gpu-check TINY=1` runs them).
-TINY_LINES = ["sd15", "batch", "open-loop", "flux.build", "flux.bf16"]
+TINY_LINES = ["sd15.", "batch", "open-loop", "flux.build", "flux.bf16"]
 # What a GPU image lacks: the service clients (and what only they pull in), the API's web stack, plotting.
 ABSENT = ("google.cloud", "google.api_core", "google.auth", "grpc", "redis", "flask", "prometheus_client", "matplotlib")
 BLOCKED = f"import sys; [sys.modules.__setitem__(m, None) for m in {ABSENT!r}]"
