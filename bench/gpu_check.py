@@ -47,7 +47,9 @@ SHARE_OF_DIRECT = 0.95
 LONE_RATIO = 1.05
 BATCH_LINE_RATIO = 1.3
 WARM_START_SECONDS = 60.0
-# The compiled SD line's share of the run: a default compile mode a worker can afford at start fits in it.
+# The compiled SD line's least share of the run: a default compile mode a worker can afford at start fits in it. It
+# gets more when the budget allows: what is left less what the selected lines after it need (`compile_cap`), so a
+# run of the compiled lines alone (`--lines sd15-compiled --budget 400`) gives inductor most of its budget.
 COMPILE_CAP = 100.0
 # A quantized model's measured memory against its plan: the plan's weights within this share.
 PLAN_TOLERANCE = 1.05
@@ -94,7 +96,8 @@ class Line:
 class Check:
     """The run's state: its deadline, the lines so far, what the lines share (the SD runner, measured rates)."""
 
-    def __init__(self, tiny: bool, budget: float, workdir: Path, out: Path, selected: list[str] | None) -> None:
+    def __init__(self, tiny: bool, budget: float, workdir: Path, out: Path, selected: list[str] | None,
+                 compile_cap: float | None = None) -> None:  # fmt: skip
         import torch
 
         self.tiny = tiny
@@ -104,6 +107,7 @@ class Check:
         self.deadline = self.started + budget
         self.workdir, self.out = workdir, out
         self.selected = selected
+        self.compile_cap = compile_cap  # `--compile-cap`: the compiled line's seconds, whatever the budget
         self.lines: list[Line] = []
         self.shared: dict = {}
         self.device = torch.cuda.get_device_name(0) if self.cuda else "cpu"
@@ -449,11 +453,12 @@ def line_sd15_compiled(check: Check) -> None:
             check.add(key, f"SD-1.5-sized compiled: {key.split('.')[1]}", MISS, refusal, "a catalog compile mode")
         return
     weights = sd15_weights(check)
+    cap = compile_cap(check)
     try:
-        result = run_child(check, "sd15-compiled", {"weights": str(weights)}, cap=COMPILE_CAP)
+        result = run_child(check, "sd15-compiled", {"weights": str(weights)}, cap=cap)
     except TimeoutError as exc:
         check.add(keys[0], f"SD-1.5-sized compiled ({mode}): compile and warm-up of buckets", MISS,
-                  f"stopped: {exc}", f"<= {COMPILE_CAP:.0f} s (this run's share)")  # fmt: skip
+                  f"stopped: {exc}", f"<= {cap:.0f} s (this run's share)")  # fmt: skip
         return
     check.shared["compiled"] = True
     check.add(keys[0], f"SD-1.5-sized compiled ({mode}): compile and warm-up of buckets", INFO,
@@ -466,6 +471,16 @@ def line_sd15_compiled(check: Check) -> None:
     graphs = result["adapters"]["recompiles"]
     check.add(keys[2], "SD-1.5-sized compiled, graphs made after warm-up, two adapters swapped",
               PASS if graphs == 0 else MISS, str(graphs), "0")  # fmt: skip
+
+
+def compile_cap(check: Check) -> float:
+    """The compiled SD line's seconds: `--compile-cap` if given, else what the budget has left less what the selected
+    lines after it need, and never less than COMPILE_CAP."""
+    if check.compile_cap is not None:
+        return check.compile_cap
+    later = LINES[[spec.run for spec in LINES].index(line_sd15_compiled) + 1 :]
+    reserved = sum(spec.needs for spec in later if selected(check, spec))
+    return max(COMPILE_CAP, check.remaining() - reserved - 5)
 
 
 def child_sd15_compiled(check: Check, args: dict) -> dict:
@@ -637,7 +652,7 @@ LINES = [
     LineSpec("open-loop", line_open_loop, 45.0),
     LineSpec("release-sd15", release_sd15, 0.0),
     LineSpec("sd15-compiled", line_sd15_compiled, 60.0),
-    LineSpec("sd15-compiled.warm-start", line_warm_start, 30.0),
+    LineSpec("sd15-compiled.warm-start", line_warm_start, WARM_START_SECONDS + 10),
     *flux_lines(),
 ]
 CHILDREN = {"sd15-compiled": child_sd15_compiled, "warm-start": child_warm_start, "flux-build": child_flux_build,
@@ -686,6 +701,11 @@ def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None 
     return result[-1]
 
 
+def selected(check: Check, spec: LineSpec) -> bool:
+    """Whether `--lines` selects this line (a key starting with one given, or one given starting with the key)."""
+    return not check.selected or any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected)
+
+
 def run_lines(check: Check, on_line: Callable[[], None] | None = None) -> None:
     """Each selected line in order, guarded; `on_line` after each (the results so far written: a run cut off
     still leaves them)."""
@@ -693,7 +713,7 @@ def run_lines(check: Check, on_line: Callable[[], None] | None = None) -> None:
         if spec.run is release_sd15:  # whatever is selected: the lines after it need the GPU's memory
             release_sd15(check)
             continue
-        if check.selected and not any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected):
+        if not selected(check, spec):
             continue
         left = check.remaining()
         needs = spec.needs if check.cuda else min(spec.needs, 2.0)
@@ -749,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (under two minutes)")
     parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 420, tiny 300)")
     parser.add_argument("--lines", nargs="+", help="only the lines whose key starts with one of these")
+    parser.add_argument("--compile-cap", type=float,
+                        help="seconds for the compiled SD line (default: what the budget leaves after the lines "
+                             f"selected after it, at least {COMPILE_CAP:.0f})")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=ROOT / ".gpu-bench", help="built weights, compile artifacts")
     parser.add_argument("--out", type=Path, help="results folder (bench/results/gpu-check, tiny: gpu-check-tiny)")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -765,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA GPU here: `make gpu-check TINY=1` runs the check at tiny sizes on a CPU.", flush=True)
         return 2
     budget = args.budget or DEFAULT_BUDGET["tiny" if args.tiny else "gpu"]
-    check = Check(args.tiny, budget, args.workdir, out, args.lines)
+    check = Check(args.tiny, budget, args.workdir, out, args.lines, args.compile_cap)
     if args.child:
         result = CHILDREN[args.child](check, json.loads(args.child_args))
         print("RESULT " + json.dumps(result, default=str), flush=True)

@@ -2,24 +2,33 @@
 
 The stand-in denoiser sleeps the H100's measured time for a guided SD-1.5-sized step of its rows (38 ms at 2 rows,
 55 ms at 16, linear between; `time.sleep` holds no lock, as a GPU call waiting on its kernels would not), and
-decodes to a 512x512 float image, so the worker's own threads (pool, device loop, finisher's PNG encode, store,
-publish) cost what they would beside a card. Prints img/s of each scheduling and their ratio.
+decodes to 512x512 float images (copies of noise images made once: the host's copy of a decoded image, not the
+stand-in's own random drawing, is what the device thread pays), so the worker's own threads (pool, device loop,
+finisher's PNG encode, store, publish) cost what they would beside a card. Prints, for each scheduling, img/s, the
+stand-in device's busy share and the images a model call; then their ratio.
 
-    .venv/bin/python -m bench.step_vs_request [--images 40] [--steps 25]
+The schedulings run in rounds of request, step, step, request (`--rounds`), so a machine whose load drifts during
+the run weighs on both alike; the ratio is of their summed rates.
+
+    .venv/bin/python -m bench.step_vs_request [--images 40] [--steps 25] [--rounds 1] [--png-level N]
+        [--finisher-nice N]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 
 from bench.worker_harness import worker_images_per_second
 from contract.messages import GenerationParameters
+from contract.settings import Settings
 from emulators.stack import local_catalog
 from model_worker.model.runners import RunningItem
 
 SIZE = 512
+NOISE_IMAGES = 8  # distinct decoded images, reused: PNGs of noise cost what the heaviest real ones do
 
 
 def step_seconds(rows: int) -> float:
@@ -33,21 +42,29 @@ class StandInRunner:
     accelerator = "stand-in-h100"
 
     def __init__(self, spec) -> None:
+        import numpy as np
+
         self.spec = spec
         self._device = threading.Lock()
+        self._images = [np.random.default_rng(seed).random((SIZE, SIZE, 3), dtype=np.float32)
+                        for seed in range(NOISE_IMAGES)]  # fmt: skip
+        self.calls: list[tuple[float, float, int]] = []  # (start, seconds, images) of each model call
 
     def warm_up(self) -> None: ...
 
     def _image(self, seed: int):
-        import numpy as np
+        return self._images[seed % NOISE_IMAGES].copy()
 
-        return np.random.default_rng(seed).random((SIZE, SIZE, 3), dtype=np.float32)
+    def _call(self, images: int) -> None:
+        seconds = step_seconds(2 * images)
+        self.calls.append((time.perf_counter(), seconds, images))
+        time.sleep(seconds)
 
     def generate(self, items, params, on_step) -> list:
         steps = params.num_inference_steps
         with self._device:
             for step in range(1, steps + 1):
-                time.sleep(step_seconds(2 * len(items)))
+                self._call(len(items))
                 on_step(step, steps)
         return [self._image(item.seed) for item in items]
 
@@ -56,9 +73,16 @@ class StandInRunner:
 
     def denoise_step(self, running: list[RunningItem]) -> None:
         with self._device:
-            time.sleep(step_seconds(2 * len(running)))
+            self._call(len(running))
         for r in running:
             r.done += 1
+
+    def busy(self) -> tuple[float, float]:
+        """(the device's busy share from its first call's start to its last's end, mean images a call)."""
+        start, end = self.calls[0][0], self.calls[-1][0] + self.calls[-1][1]
+        return sum(seconds for _, seconds, _ in self.calls) / (end - start), statistics.fmean(
+            images for _, _, images in self.calls
+        )
 
     def decode(self, running: list[RunningItem]) -> list:
         return [self._image(r.item.seed) for r in running]
@@ -84,22 +108,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--png-level", type=int, default=None, help="Pillow compress_level for the finisher's PNGs")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of request, step, step, request")
+    parser.add_argument("--finisher-nice", type=int, default=Settings.finisher_nice,
+                        help="the finisher threads' CPU priority below the device thread's (MAAS_FINISHER_NICE)")  # fmt: skip
     args = parser.parse_args()
     if args.png_level is not None:
         encode_at(args.png_level)
     base = local_catalog(test_fixtures=True).get("sd15-txt2img")
     params = GenerationParameters(seed=0, num_inference_steps=args.steps, guidance_scale=7.5, width=SIZE, height=SIZE)
-    results = {}
-    for scheduling in ("request", "step"):
+    rates: dict[str, list[float]] = {"request": [], "step": []}
+    for scheduling in ("request", "step", "step", "request") * args.rounds:
         spec = base.model_copy(update={"scheduling": scheduling, "max_batch_size": args.batch})
-        results[scheduling] = worker_images_per_second(
-            StandInRunner(spec), spec, params, args.batch, args.images, warmup_images=args.batch
-        )
-        r = results[scheduling]
-        print(f"{scheduling}-level: {r['images_per_s']:.2f} img/s ({r['images']} images, {r['pipeline_calls']} calls)")
+        runner = StandInRunner(spec)
+        r = worker_images_per_second(runner, spec, params, args.batch, args.images, warmup_images=args.batch,
+                                     finisher_nice=args.finisher_nice)  # fmt: skip
+        rates[scheduling].append(r["images_per_s"])
+        busy, per_call = runner.busy()
+        print(f"{scheduling}-level: {r['images_per_s']:.2f} img/s ({r['images']} images; device busy {busy:.0%} of "
+              f"its run, {len(runner.calls)} model calls, {per_call:.2f} images a call)", flush=True)  # fmt: skip
     ideal = args.batch / (args.steps * step_seconds(2 * args.batch))
     print(f"stand-in bound at batch {args.batch}: {ideal:.2f} img/s")
-    print(f"step / request: {results['step']['images_per_s'] / results['request']['images_per_s']:.1%}")
+    print(f"step / request: {sum(rates['step']) / sum(rates['request']):.1%}")
 
 
 if __name__ == "__main__":

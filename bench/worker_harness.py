@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec
+from contract.settings import Settings
 from contract.stores.results import ResultStore
 from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.model.runners import GenerationItem, Runner
@@ -143,6 +144,7 @@ def worker_images_per_second(
     warmup_images: int,
     finisher_threads: int = 4,
     inline_limit: int = 256 * 1024,
+    finisher_nice: int = Settings.finisher_nice,
 ) -> dict:
     """Images/s of the worker's path at `batch` images per pipeline call, fed single-image requests.
 
@@ -155,7 +157,8 @@ def worker_images_per_second(
     metrics = WorkerMetrics()
     results = ResultStore(MemoryRedis(), 3600)
     payloads = PayloadCodec(MemoryStorage(), "bench-payloads", inline_limit)
-    finisher = ReplyFinisher(publisher, "bench/replies", results, payloads, leases, metrics, finisher_threads)
+    finisher = ReplyFinisher(publisher, "bench/replies", results, payloads, leases, metrics, finisher_threads,
+                             finisher_nice)  # fmt: skip
     progress = ProgressReporter(results, finisher)
     health = WorkerHealth(stall_seconds=3600)
     replies = ReplyFactory("bench", {spec.name: runner.accelerator})
@@ -243,7 +246,7 @@ def interactive_latencies(
     metrics = WorkerMetrics()
     results = ResultStore(MemoryRedis(), 3600)
     payloads = PayloadCodec(MemoryStorage(), "bench-payloads", 256 * 1024)
-    finisher = ReplyFinisher(clock, "bench/replies", results, payloads, leases, metrics, 4)
+    finisher = ReplyFinisher(clock, "bench/replies", results, payloads, leases, metrics, 4, Settings.finisher_nice)
     progress = ProgressReporter(results, finisher)
     replies = ReplyFactory("bench", {spec.name: runner.accelerator})
     device = DeviceLoop({spec.name: runner}, pool, finisher, leases, replies, progress, metrics,

@@ -219,6 +219,9 @@ class Settings:
     torch_compile: bool | None = None
     # Worker threads that encode, upload, store and publish finished requests off the device thread.
     finisher_threads: int = 4
+    # How much lower the finisher threads' CPU priority is than the device thread's (Linux nice, 0 to 19; 0: equal).
+    # Their PNG encode releases the GIL but takes cores; where cores are short the device thread gets them first.
+    finisher_nice: int = 10
     # A worker's hold on a request lapses this long after its last heartbeat; the watchdog then re-dispatches it.
     holder_lease_seconds: float = 3.0
     # LoRA adapters a worker keeps in host memory, all its models together, in bytes of their files (each model's
@@ -353,6 +356,7 @@ class Settings:
             torch_threads=int(env.get("MAAS_TORCH_THREADS", "0")),
             torch_compile=_flag(env["MAAS_TORCH_COMPILE"]) if env.get("MAAS_TORCH_COMPILE") else None,
             finisher_threads=int(env.get("MAAS_FINISHER_THREADS", cls.finisher_threads)),
+            finisher_nice=int(env.get("MAAS_FINISHER_NICE", cls.finisher_nice)),
             holder_lease_seconds=float(env.get("MAAS_HOLDER_LEASE_SECONDS", cls.holder_lease_seconds)),
             scheduling=env.get("MAAS_SCHEDULING") or None,
             worker_priorities=tuple(p for p in naming.PRIORITIES if p in worker_priorities),

@@ -148,6 +148,7 @@ class WorkerService:
             self.leases,
             self.metrics,
             settings.finisher_threads,
+            settings.finisher_nice,
         )
         self.replies = ReplyFactory(worker_id, {name: runner.accelerator for name, runner in self.runners.items()})
         checkpoints = FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket))

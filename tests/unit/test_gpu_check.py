@@ -16,7 +16,7 @@ from bench import gpu_check
 ROOT = Path(__file__).resolve().parents[2]
 # The lines the tiny run here covers: all but the compiled ones (compiling, even with torch.compile's eager backend,
 # takes minutes of a shared 2-core machine; `make gpu-check TINY=1` runs them).
-TINY_LINES = ["sd15", "batch", "open-loop", "flux.build", "flux.bf16"]
+TINY_LINES = ["sd15.", "batch", "open-loop", "flux.build", "flux.bf16"]
 # What a GPU image lacks: the service clients (and what only they pull in), the API's web stack, plotting.
 ABSENT = ("google.cloud", "google.api_core", "google.auth", "grpc", "redis", "flask", "prometheus_client", "matplotlib")
 BLOCKED = f"import sys; [sys.modules.__setitem__(m, None) for m in {ABSENT!r}]"
@@ -102,3 +102,16 @@ def test_a_compile_mode_is_taken_from_the_catalog_or_reported_not_available(tmp_
     mode, refusal = gpu_check.compile_mode_or_refusal(check, spec)
     assert refusal is None
     assert mode == (gpu_check.catalog_compile_mode(spec) or "default (the catalog's default)")
+
+
+def test_the_compiled_line_gets_what_the_budget_leaves_after_the_selected_lines_after_it(tmp_path):
+    def check(budget: float, selected: list[str] | None, cap: float | None = None):
+        return gpu_check.Check(tiny=True, budget=budget, workdir=tmp_path, out=tmp_path / "out", selected=selected,
+                               compile_cap=cap)  # fmt: skip
+
+    # The compiled lines alone: all of the budget but the warm start's share (its own cap) and a margin.
+    alone = gpu_check.compile_cap(check(400, ["sd15-compiled"]))
+    assert 400 - gpu_check.WARM_START_SECONDS - 20 <= alone <= 400 - gpu_check.WARM_START_SECONDS - 10
+    # The whole check: the FLUX lines after it keep their time, the compiled line its least share.
+    assert gpu_check.compile_cap(check(420, None)) == gpu_check.COMPILE_CAP
+    assert gpu_check.compile_cap(check(420, ["sd15-compiled"], cap=250)) == 250

@@ -25,7 +25,10 @@ SCHEDULERS = [
     "PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
     "DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler", "LCMScheduler",
 ]  # fmt: skip
-VECTORISED = {"DDIMScheduler", "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"}
+VECTORISED = {
+    "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler",
+    "LCMScheduler",
+}  # fmt: skip
 SHAPE = (1, 4, 8, 8)
 
 
@@ -145,8 +148,9 @@ def test_a_step_of_the_running_set_reads_nothing_back_from_the_device(name):
     for r in running:  # the images joined on the host; from here on their tensors are the device's
         r.state["latents"] = r.state["latents"].to("meta")
         r.state["timesteps"] = r.state["timesteps"].to("meta")
-        if r.state["linear"] is not None:
-            r.state["linear"] = r.state["linear"].to("meta")
+        for key in ("linear", "noise"):
+            if r.state.get(key) is not None:
+                r.state[key] = r.state[key].to("meta")
     for _ in range(3):  # PNDM and DPM-Solver take other branches on their first steps
         inputs = model_inputs(running)
         worker.step_items(running, [torch.tanh(x) for x in inputs])
@@ -154,21 +158,38 @@ def test_a_step_of_the_running_set_reads_nothing_back_from_the_device(name):
         assert not failures, failures
 
 
-# Measured on an H100 (README "A step without host reads"): these two draw their noise on the CPU generator and
-# copy it with diffusers' blocking copy, a sync a step, until their noise is drawn on the device.
-SYNCS_ON_CUDA = {"EulerAncestralDiscreteScheduler", "LCMScheduler"}
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_step_of_the_running_set_copies_nothing_from_the_host(name, monkeypatch):
+    """Counting mode: every host-to-device copy during a step is counted (on CUDA a copy from pageable memory stops
+    the host). Euler ancestral and LCM draw their noise on each image's CPU generator: drawn for all its steps when
+    the image joins, and copied then, never per step."""
+    import torch
+
+    worker = denoiser()
+    running = worker.prepared([running_item(name, steps, seed) for steps, seed in ((5, 1), (8, 2))])
+    for r in running:
+        for key in ("latents", "timesteps", "linear", "noise"):
+            if r.state.get(key) is not None:
+                r.state[key] = r.state[key].to("meta")
+    copies = []
+    to = torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        moved = to(self, *args, **kwargs)
+        if self.device.type == "cpu" and moved.device.type != "cpu":
+            copies.append(tuple(self.shape))
+        return moved
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    for _ in range(3):
+        inputs = model_inputs(running)
+        worker.step_items(running, [torch.tanh(x) for x in inputs])
+        assert not [r.failure for r in running if r.failure is not None]
+    assert copies == []
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()")
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="noise copied from the CPU generator"))
-        if name in SYNCS_ON_CUDA
-        else name
-        for name in SCHEDULERS
-    ],
-)
+@pytest.mark.parametrize("name", SCHEDULERS)
 def test_on_cuda_a_step_makes_no_host_sync(name):
     import torch
 

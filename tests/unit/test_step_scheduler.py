@@ -374,3 +374,39 @@ def test_an_error_escaping_the_device_loop_answers_its_requests_and_the_loop_goe
     assert all(status == "error" and kind == "worker_error" and "KeyError" in error
                for status, kind, error in answered.values())  # fmt: skip
     assert set(worker.outcomes.images) == {"later"}
+
+
+def test_rows_padded_to_a_compiled_bucket_leave_the_real_images_those_of_an_unpadded_run(runners, monkeypatch):
+    """A compiled model runs static shapes: the running set's rows are padded to its bucket (copies of the last row,
+    dropped after the call) so that CUDA graphs can be captured per bucket. The real images must not see them: a
+    guided and an unguided request (three rows, other step counts) padded to eight rows give the unpadded run's
+    images."""
+    runner = runners[TXT2IMG.name]
+    denoiser = runner._denoiser
+    rows: list[int] = []
+    call_model = denoiser.call_model
+
+    def counted(sample, timestep, condition):
+        rows.append(sample.shape[0])
+        return call_model(sample, timestep, condition)
+
+    monkeypatch.setattr(denoiser, "call_model", counted)
+
+    def run(buckets: list[int] | None) -> list:
+        monkeypatch.setattr(denoiser, "_compiled_buckets", buckets)
+        running = []
+        for pending in (request("guided", TXT2IMG, steps=4, seed=5), request("plain", TXT2IMG, steps=3, guidance=1.0)):
+            running += runner.start_items(pending.items, pending.request.parameters)
+        images = []
+        while unfinished := [r for r in running if not r.finished]:
+            runner.denoise_step(unfinished)
+            images += runner.decode([r for r in unfinished if r.finished])
+        return images
+
+    unpadded = run(None)
+    assert rows == [3, 3, 3, 3, 2] and len(unpadded) == 2  # PNDM: one model call more than its steps
+    rows.clear()
+    padded = run([4])
+    assert rows == [8] * 5
+    for alone, beside in zip(unpadded, padded, strict=True):
+        assert np.abs(alone - beside).max() <= 1e-5, np.abs(alone - beside).max()

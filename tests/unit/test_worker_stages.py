@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import time
 import zlib
 from types import SimpleNamespace
@@ -269,6 +270,31 @@ def finisher(log: list[str], fail_publish: bool = False, results=None) -> ReplyF
 
 def reply(request_id: str = "r1"):
     return ReplyFactory("w1", {}).make(NOOP, request_id, status="ok")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_the_finisher_encodes_at_a_lower_cpu_priority_than_the_thread_that_feeds_the_device():
+    """Its PNG encode releases the GIL but takes cores: the device thread (here the test's) must keep its priority and
+    the finisher's threads run `nice` lower, the process's other threads untouched."""
+    import os
+    import threading
+
+    from contract.settings import Settings
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = niceness()
+    lowered = ReplyFinisher(FakePublisher([]), "t", SimpleNamespace(), SimpleNamespace(), FakeLeases([]),
+                            WorkerMetrics(), threads=2, nice=Settings.from_env({}).finisher_nice)  # fmt: skip
+    try:
+        seen = {lowered._pool.submit(niceness).result() for _ in range(4)}
+    finally:
+        lowered.close()
+    assert Settings.from_env({}).finisher_nice == 10
+    assert Settings.from_env({"MAAS_FINISHER_NICE": "0"}).finisher_nice == 0
+    assert seen == {min(19, mine + 10)}
+    assert niceness() == mine
 
 
 def test_the_reply_is_stored_and_published_before_the_request_is_acked():

@@ -21,6 +21,7 @@ from model_worker.model.compiled import batch_buckets, compile_model
 from model_worker.model.families.linear_steps import (
     coefficient_table,
     linear_coefficients,
+    noise_table,
     scaled_input,
     step_linear,
 )
@@ -172,13 +173,18 @@ class Denoiser:
     def prepared(self, running: list[RunningItem]) -> list[RunningItem]:
         """Computes once per image what its steps need, so that a step reads nothing back from the device: its
         timesteps as Python numbers (its own scheduler's `step` takes them), and, where its scheduler's step is
-        one formula (`linear_steps`), its per-step coefficients as one small device tensor."""
+        one formula (`linear_steps`), its per-step coefficients as one small device tensor, and the noise its
+        stochastic scheduler (Euler ancestral, LCM) adds at each step, drawn now from its generator."""
         for r in running:
             state = r.state
             state["step_timesteps"] = state["timesteps"].tolist()
             coefficients = linear_coefficients(state["scheduler"], state["step_timesteps"], state["step_kwargs"])
             linear = coefficients is not None
             state["linear"] = coefficient_table(coefficients, state["latents"].device) if linear else None
+            steps = len(state["step_timesteps"])
+            state["noise"] = (
+                noise_table(state["scheduler"], state["step_kwargs"], steps, state["latents"]) if linear else None
+            )
         return running
 
     def step_items(self, running: list[RunningItem], predictions: list) -> None:
