@@ -99,7 +99,7 @@ def served(stack, byom):
                                   "api_server.process.asgi:app"], api, cwd=ROOT)  # fmt: skip
         url = f"http://127.0.0.1:{api_port}"
         registry.wait_until(names[0], lambda: http_ok(health), timeout=180)
-        registry.wait_until(names[1], lambda: http_ok(f"{url}/healthz"), timeout=60)
+        registry.wait_until(names[1], lambda: http_ok(f"{url}/healthz"), timeout=180)  # a hang bound: a busy machine
         yield url
     finally:
         for name in names:
