@@ -26,8 +26,9 @@ if (_xdist_worker := os.environ.get("PYTEST_XDIST_WORKER", "")).startswith("gw")
 
 TEST_API_KEYS = ("test-key-primary", "test-key-secondary")
 TEST_ADMIN_KEY = "test-admin-key"
-# An adapter the tests register whose first load the stack's workers delay on purpose (a test hook).
-SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 8
+# An adapter the tests register whose first load the stack's workers delay on purpose (a test hook): long enough
+# that a base request sent during the load is answered before it ends even on a busy machine (an order the test checks).
+SLOW_ADAPTER, SLOW_ADAPTER_LOAD_SECONDS = "slow-probe", 20
 
 
 def stack_config(stack_dir) -> StackConfig:

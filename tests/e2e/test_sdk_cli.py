@@ -85,11 +85,12 @@ def test_cli_models_piped_shows_every_name_whole(stack, client):
 
 def test_cli_predict_as_a_user_first_types_it_answers_in_seconds(stack, tmp_path):
     """`maas predict sdxl-txt2img "a lighthouse at dawn"`, no options: the local stack's small defaults for its tiny
-    pipelines (256x256, 8 steps) answer in seconds; the catalog's 1024x1024 at 30 steps ran past 5 minutes on CPU."""
-    began = time.monotonic()
+    pipelines (256x256, 8 steps) answer in seconds; the catalog's 1024x1024 at 30 steps ran past 5 minutes on CPU.
+    Checked by what ran (the size and the steps the progress counted), not by a clock; `run_cli`'s 120 s ends a
+    run that took the catalog's defaults."""
     done = run_cli(stack, "predict", "sdxl-txt2img", "a lighthouse at dawn", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - began < 60
+    assert "8/8" in done.stderr and "/30" not in done.stderr, done.stderr
     [path] = tmp_path.glob("*.png")
     assert Image.open(path).size == (256, 256)
 

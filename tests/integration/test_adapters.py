@@ -317,8 +317,9 @@ def test_base_requests_are_served_while_an_adapter_loads(stack, auth_headers, ad
     thread = threading.Thread(target=slow)
     thread.start()
     # The worker holds the adapter request aside while its adapter loads (the worker's own gauge says so).
-    while held_requests(stack) < 1:
-        assert time.monotonic() - sent < SLOW_ADAPTER_LOAD_SECONDS, "the adapter request never reached the worker"
+    while held_requests(stack) < 1:  # held for the whole load (8 s), so a poll every 50 ms sees it
+        assert time.monotonic() - sent < 120, "the adapter request never reached the worker"  # bounds a hang only
+        assert "adapter" not in answered, "the adapter request was answered without being held while it loaded"
         time.sleep(0.05)
     latencies, first_answered = [], None
     for seed in range(3):
@@ -328,11 +329,11 @@ def test_base_requests_are_served_while_an_adapter_loads(stack, auth_headers, ad
         first_answered = first_answered or time.monotonic()
     thread.join(timeout=60)
     assert "adapter" in answered, "the adapter request was not answered once its adapter loaded"
-    # Had the device waited for the load, the first base request (sent at most a device-loop tick after the load
-    # began) would have waited for it too and been answered after the adapter request, which is older. Latency
-    # bounds tighter than the load itself are timing luck on a shared machine: the numbers go in the message.
+    # Had the device waited for the load, the first base request (sent while the adapter request was held for
+    # it) would have waited for it too and been answered after the adapter request, which is older: checked by
+    # that order. The base requests' latencies are printed, not bounded: a busy machine decides them.
+    print(f"base requests answered in {', '.join(f'{seconds:.2f}' for seconds in latencies)} s during the load")
     assert first_answered < answered["adapter"], latencies
-    assert max(latencies) < SLOW_ADAPTER_LOAD_SECONDS, latencies
     assert answered["adapter"] - sent >= SLOW_ADAPTER_LOAD_SECONDS
 
 

@@ -58,7 +58,8 @@ def test_reply_that_never_comes_times_out_and_the_subscription_is_deleted(waiter
     pending = waiter.expect(request_id)
     started = time.monotonic()
     assert pending.wait(timeout=1.5) is None
-    assert 1.4 <= time.monotonic() - started < 5
+    # Not before its timeout; the upper bound only ends a hang (a wait stuck on a pull), however busy the machine.
+    assert 1.4 <= time.monotonic() - started < 60
     pending.close()
     if waiter.mode == "per-request":
         assert not subscription_exists(settings, pending.subscription)
@@ -71,7 +72,7 @@ def test_reply_for_another_request_is_ignored(waiter, settings):
         publish_reply(settings, other, waiter.request_attributes())
         assert pending.wait(timeout=1.5) is None
         publish_reply(settings, mine, waiter.request_attributes())
-        reply = pending.wait(timeout=10)
+        reply = pending.wait(timeout=60)  # bounds a hang only
         assert reply is not None and reply.request_id == mine
     finally:
         pending.close()
@@ -85,7 +86,7 @@ def test_reply_missed_by_the_subscription_is_found_in_the_result_store(waiter, r
             request_id=request_id, model="sd15-txt2img", model_version="1", status="ok", worker_id="w"
         )
         results.put(stored)  # as the worker does before publishing; the notification itself never arrives
-        assert pending.wait(timeout=5) == stored
+        assert pending.wait(timeout=60) == stored  # found by the waiter's poll of the store; bounds a hang only
     finally:
         pending.close()
 
@@ -127,9 +128,9 @@ def test_per_instance_reply_stream_comes_back_after_its_subscription_vanishes(se
                 time.sleep(0.2)
         request_id = uuid.uuid4().hex
         pending = waiter.expect(request_id)
-        time.sleep(1.0)  # a new subscription only receives what is published after it exists
+        # Published once the re-created subscription exists (seen above), so it keeps the reply for the stream.
         publish_reply(settings, request_id, waiter.request_attributes())
-        reply = pending.wait(10)
+        reply = pending.wait(60)
         pending.close()
         assert reply is not None and reply.request_id == request_id
     finally:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import redis
 import requests
+
+from contract.stores.results import ResultStore
 
 pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"
@@ -23,14 +29,35 @@ def pixels(reply, index: int = 0) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
 
 
-def test_concurrent_compatible_requests_share_pipeline_calls_and_keep_their_images(worker_client):
+@contextmanager
+def backlog(worker_client, settings, model: str, **blocker) -> Iterator[None]:
+    """Requests sent inside wait, as a backlog, behind a long call of `model`'s worker that is cancelled (stopped at
+    its next step) once they are all published: a backlog by order, not by publishing faster than the worker
+    runs, which a busy machine may not do."""
+    results = ResultStore(redis.Redis.from_url(settings.redis_url), ttl_seconds=60)
+    blocking = worker_client.send(model, "blocker", timeout=600, **blocker)
+    deadline = time.monotonic() + 120
+    while results.get_progress(blocking) is None:  # running: the device is busy until it is cancelled
+        assert time.monotonic() < deadline and blocking not in worker_client.replies, "the blocker never ran"
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        results.cancel(blocking)
+    assert worker_client.wait([blocking], timeout=120)[blocking].status == "cancelled"
+
+
+def test_concurrent_compatible_requests_share_pipeline_calls_and_keep_their_images(worker_client, settings):
     prompts = [f"a lighthouse number {i}" for i in range(6)]
     alone = {}
     for seed, prompt in enumerate(prompts):
         request_id = worker_client.send(TXT2IMG, prompt, seed=seed)
         alone[seed] = worker_client.wait([request_id], timeout=60)[request_id]
-    together = {seed: worker_client.send(TXT2IMG, prompt, seed=seed) for seed, prompt in enumerate(prompts)}
-    replies = worker_client.wait(list(together.values()), timeout=60)
+    with backlog(worker_client, settings, TXT2IMG, width=512, height=512, steps=500):  # another size: no joining
+        together = {
+            seed: worker_client.send(TXT2IMG, prompt, seed=seed, timeout=120) for seed, prompt in enumerate(prompts)
+        }
+    replies = worker_client.wait(list(together.values()), timeout=120)
     assert {reply.status for reply in replies.values()} == {"ok"}
     batches = {reply.batch_id for reply in replies.values()}
     assert len(batches) < len(prompts), "concurrent compatible requests were not batched"
@@ -41,10 +68,14 @@ def test_concurrent_compatible_requests_share_pipeline_calls_and_keep_their_imag
         assert replies[request_id].predictions[0].seed == seed
 
 
-def test_incompatible_requests_are_not_batched_together(worker_client):
+def test_incompatible_requests_are_not_batched_together(worker_client, settings):
     shapes = [(64, 2), (128, 2), (64, 3), (64, 2), (128, 2), (64, 3)] * 2
-    sent = {worker_client.send("sleep", "p", width=width, steps=steps): (width, steps) for width, steps in shapes}
-    replies = worker_client.wait(list(sent), timeout=30)
+    with backlog(worker_client, settings, "sleep-steps", steps=3000):  # 0.1 s a step: up to 300 s, cancelled
+        sent = {
+            worker_client.send("sleep", "p", width=width, steps=steps, timeout=120): (width, steps)
+            for width, steps in shapes
+        }
+    replies = worker_client.wait(list(sent), timeout=120)
     members = defaultdict(set)
     for request_id, reply in replies.items():
         assert reply.status == "ok"
@@ -58,14 +89,15 @@ def test_lone_request_starts_at_once_without_a_batch_window(worker_client):
     request_id = worker_client.send("sleep", "alone")
     reply = worker_client.wait([request_id], timeout=30)[request_id]
     assert reply.status == "ok" and reply.batch_size == 1
-    # Pulled and started within one waiting-pull round trip (~50 ms here), far less than one 200 ms call.
-    assert reply.queue_ms < 500
+    # That the pool hands a lone request over at once, waiting for no batch to fill, is checked by order in
+    # tests/unit/test_batch_priority.py; how long the pull round trip takes is measured by the bench (`breakdown`).
 
 
-def test_high_priority_is_taken_first_from_a_backlog(worker_client):
-    normal = [worker_client.send("sleep", f"normal {i}") for i in range(32)]
-    high = [worker_client.send("sleep", f"high {i}", priority="high") for i in range(4)]
-    replies = worker_client.wait(normal + high, timeout=60)
+def test_high_priority_is_taken_first_from_a_backlog(worker_client, settings):
+    with backlog(worker_client, settings, "sleep-steps", steps=3000):
+        normal = [worker_client.send("sleep", f"normal {i}", timeout=120) for i in range(32)]
+        high = [worker_client.send("sleep", f"high {i}", priority="high", timeout=120) for i in range(4)]
+    replies = worker_client.wait(normal + high, timeout=120)
     # Compared by batch, not by request timestamps: requests of one batch share a start (equal milliseconds), and
     # the sleep runner runs one batch at a time, so the batches' order is the order they ran in.
     batches = sorted(
@@ -126,7 +158,7 @@ def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(worke
     # Pulled at once (held batch lines take no interactive room) and started at the batch call's next step, not
     # after the backlog: checked by order (most lines ran after it), not by how long it queued.
     assert reply.batch_size == 1, "an interactive request never shares a call with batch lines"
-    later = [request_id for request_id in lines if replies[request_id].worker_started_ms > reply.worker_finished_ms]
+    later = [request_id for request_id in lines if replies[request_id].worker_started_ms >= reply.worker_finished_ms]
     assert len(later) >= 8, f"only {len(later)} of 24 batch lines were left to run after the interactive request"
 
 

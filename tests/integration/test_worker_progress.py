@@ -48,11 +48,16 @@ def test_a_request_cancelled_before_pickup_never_runs(worker_client, results):
 
 def test_a_running_request_cancelled_stops_at_the_next_step(worker_client, results):
     request_id = worker_client.send(TXT2IMG, "cancel me", width=512, height=512, steps=50, timeout=60)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while results.get_progress(request_id) is None and time.monotonic() < deadline:
+        assert request_id not in worker_client.replies, "answered before it was seen running"
         time.sleep(0.05)
+    assert results.get_progress(request_id) is not None, "it never started"
     results.cancel(request_id)
-    cancelled_at = time.time()
-    reply = worker_client.wait([request_id], timeout=30)[request_id]
+    reply = worker_client.wait([request_id], timeout=60)[request_id]
     assert reply.status == "cancelled" and "while it ran" in reply.error
-    assert worker_client.answered_at(request_id) - cancelled_at < 10
+    # Stopped at a step, not at the end of its call: checked by the step it reached (its last is always written),
+    # not by how soon the answer came, which a busy machine decides.
+    last = results.get_progress(request_id)
+    assert last is not None and last.total == 50
+    assert last.step < last.total, f"the cancelled call ran to step {last.step} of {last.total}"

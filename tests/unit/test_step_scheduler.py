@@ -324,6 +324,32 @@ def test_priority_decides_who_joins_a_full_running_set_first():
     assert [p.request_id for p in joiners] == ["normal-new"]
 
 
+def test_a_lone_request_is_handed_to_the_device_at_once_without_waiting_for_a_batch_to_fill():
+    """No batch window: `take_batch` returns the one ready request however long it may wait for more, and a
+    device waiting on an empty pool is woken by an arrival, not by the end of its wait. Checked by order (each
+    call returns while its batch is far from full and no second request exists), not by how long it took: the
+    join's bound only ends a hang, and an hour's wait would outlast it."""
+    sleep = CATALOG.get("sleep")  # request-scheduled, max_batch_size 8
+    pool = RequestPool(capacity=8)
+    taken: list[list[str]] = []
+
+    def take() -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: taken.append([p.request_id for p in pool.take_batch(timeout=3600)[0]]), daemon=True
+        )
+        thread.start()
+        return thread
+
+    pool.add(request("held", sleep))
+    waiting = take()
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and taken == [["held"]], "a lone held request waited for others to join it"
+    waiting = take()  # an empty pool: the device waits for the next arrival
+    pool.add(request("arriving", sleep))
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and taken[1:] == [["arriving"]], "an arrival did not wake the waiting device"
+
+
 def test_a_pipeline_whose_scheduler_cannot_step_per_item_is_refused_at_load(runners):
     from model_worker.model.pipeline import DiffusionRunner
 
