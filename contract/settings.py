@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from contract import naming
+from contract.digits import ascii_digits
 
 ReplyMode = Literal["per-request", "per-instance"]
 LOCAL_DEFAULT_API_KEY = "local-dev-key"
@@ -55,7 +56,7 @@ def _key_limits(value: str | None) -> dict[str, tuple[int, int]]:
     for entry in _csv(value):
         digest, _, pair = entry.partition("=")
         per_minute, _, concurrent = pair.partition("/")
-        if len(digest.strip()) != 64 or not per_minute.strip().isdigit() or not concurrent.strip().isdigit():
+        if len(digest.strip()) != 64 or not ascii_digits(per_minute.strip()) or not ascii_digits(concurrent.strip()):
             raise ValueError(f"MAAS_KEY_LIMITS: expected SHA256=PER_MINUTE/CONCURRENT, got {entry[:20]!r}...")
         limits[digest.strip().lower()] = (int(per_minute), int(concurrent))
     return limits

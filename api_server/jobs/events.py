@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import redis
 
 from api_server.jobs.service import EXPIRY_GRACE_MS, JobState, JobStore
+from contract.digits import ascii_digits
 from contract.outcomes import FINISHED_JOB_STATES as ENDED
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class StreamCursor:
         value = value.strip()
         if value == END_ID:
             return cls(ended=True)
-        if not value.isdigit() or len(value) > 9:
+        if not ascii_digits(value) or len(value) > 9:
             raise InvalidLastEventIdError(f"Last-Event-ID {value!r}: expected 0, a step number or 'end'")
         return cls(step=int(value))
 

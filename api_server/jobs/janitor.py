@@ -38,6 +38,7 @@ from api_server.predict.dispatch import PUBLISH_TIMEOUT_SECONDS
 from api_server.predict.reply_waiter import CREATED_LABEL
 from contract import naming
 from contract.catalog import ModelCatalog
+from contract.digits import ascii_digits
 from contract.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def _delete_subscription(subscriber: pubsub_v1.SubscriberClient, name: str) -> b
 
 def _created(subscription) -> float | None:
     value = subscription.labels.get(CREATED_LABEL, "")
-    return float(value) if value.isdigit() and len(value) <= 12 else None
+    return float(value) if ascii_digits(value) and len(value) <= 12 else None
 
 
 class JanitorTask:

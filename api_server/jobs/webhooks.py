@@ -37,6 +37,7 @@ import urllib3
 
 from api_server.core.errors import ApiError
 from api_server.jobs.service import JobState, JobStore, job_view
+from contract.digits import ascii_digits
 
 log = logging.getLogger(__name__)
 MAX_URL_LENGTH = 2048
@@ -69,7 +70,7 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
 
 def verify(secret: str, timestamp: str, body: bytes, signature: str, tolerance_seconds: int = 300) -> bool:
     """What a receiver does: the signature matches and the timestamp is recent."""
-    if not timestamp.isdigit() or abs(time.time() - int(timestamp)) > tolerance_seconds:
+    if not ascii_digits(timestamp) or abs(time.time() - int(timestamp)) > tolerance_seconds:
         return False
     return hmac.compare_digest(sign(secret, int(timestamp), body), signature)
 

@@ -22,6 +22,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from contract.digits import ascii_digits
+
 log = logging.getLogger(__name__)
 ASYNC_BODY = "maas.async_body"
 RECEIVED_AT = "maas.received_at"
@@ -75,7 +77,7 @@ class WsgiBridge:
         chunked one is read up to the limit plus one byte, then handed on with that length (413 as well).
         """
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and ascii_digits(declared) and int(declared) > self.max_body_bytes:
             return b""
         chunks, size = [], 0
         deadline = asyncio.get_running_loop().time() + self.body_timeout
@@ -123,7 +125,7 @@ class WsgiBridge:
             key = name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{name}"
             environ[key] = f"{environ[key]},{value}" if key in environ and key.startswith("HTTP_") else value
         declared = environ.get("CONTENT_LENGTH", "")
-        if not (declared.isdigit() and int(declared) > self.max_body_bytes):
+        if not (ascii_digits(declared) and int(declared) > self.max_body_bytes):
             environ["CONTENT_LENGTH"] = str(len(body))
         return environ
 

@@ -156,6 +156,14 @@ def test_another_keys_batch_is_a_404_everywhere_and_absent_from_its_list(stack, 
     assert batch["id"] not in {item["id"] for item in listed}
     own = requests.get(f"{stack.api_url}/v1/batches", headers=auth_headers, timeout=10).json()["batches"]
     assert batch["id"] in {item["id"] for item in own}
+    # Digits int() refuses (a superscript passes str.isdigit()) are a 422 naming the parameter, not a 500.
+    for params, field in [
+        ({"before": "\u00b9"}, "before"),
+        ({"limit": "\u00b2"}, "limit"),
+        ({"before": "x"}, "before"),
+    ]:
+        refused = requests.get(f"{stack.api_url}/v1/batches", params=params, headers=auth_headers, timeout=10)
+        assert refused.status_code == 422 and refused.json()["error"]["field"] == field, (params, refused.text)
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,7 @@ def test_the_job_list_shows_only_the_callers_jobs_newest_first_in_pages(stack, a
         assert {job["status"] for job in succeeded} == {"succeeded"} and set(mine) <= {job["id"] for job in succeeded}
         assert all("result" not in job for job in succeeded)  # results are read one job at a time
         assert page(limit=100, state="queued", cursor=f"1_{mine[0]}")["jobs"] == []  # nothing is older than 1970
-        for params, field in [({"limit": "0"}, "limit"), ({"limit": "ten"}, "limit"), ({"limit": "101"}, "limit"),
+        for params, field in [({"limit": "0"}, "limit"), ({"limit": "ten"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "\u00b9"}, "limit"),
                               ({"state": "done"}, "state"), ({"cursor": "page-2"}, "cursor")]:  # fmt: skip
             refused = session.get(f"{stack.api_url}/v1/jobs", params=params, timeout=10)
             assert refused.status_code == 422 and refused.json()["error"]["field"] == field, (params, refused.text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from contract.digits import ascii_digits
 from contract.settings import PRODUCTION_RATE_LIMIT, Settings
 
 
@@ -37,3 +38,15 @@ def test_janitor_is_off_by_default_and_its_age_defaults_past_the_longest_request
     assert configured.janitor_interval_seconds == 600 and janitor_age(configured, catalog) == 3600
     with pytest.raises(ValueError, match="live waits"):
         janitor_age(Settings.from_env({"MAAS_JANITOR_OLDER_THAN_SECONDS": "100"}), catalog)
+
+
+@pytest.mark.parametrize("text", ["\u00b9", "\u00b2\u00b3", "12\u00b9", "", "-1", "1.5"])
+def test_only_ascii_digits_count_as_a_whole_number(text):
+    # A superscript is a digit to str.isdigit() and a ValueError to int(): it must be refused before int().
+    assert not ascii_digits(text)
+    with pytest.raises(ValueError, match="MAAS_KEY_LIMITS"):
+        Settings.from_env({"MAAS_KEY_LIMITS": f"{'a' * 64}={text or 'x'}/1"})
+
+
+def test_ascii_digits_are_a_whole_number():
+    assert ascii_digits("0") and ascii_digits("1795801520551")

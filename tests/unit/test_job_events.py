@@ -68,7 +68,7 @@ def test_last_event_id_resumes_after_it_and_end_leaves_nothing():
     assert parse(events_for(state("running", 6), cursor, view)) == [("running", "6")]
     assert StreamCursor.from_last_event_id("end").ended
     assert events_for(state("succeeded"), StreamCursor.from_last_event_id("end"), view) == []
-    for bad in ("-1", "five", "1e3", "9" * 12):
+    for bad in ("-1", "five", "1e3", "9" * 12, "\u00b9"):  # a superscript: a digit to isdigit(), not to int()
         with pytest.raises(InvalidLastEventIdError):
             StreamCursor.from_last_event_id(bad)
 

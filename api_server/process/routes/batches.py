@@ -14,6 +14,7 @@ from api_server.core.errors import ApiError
 from api_server.process.openapi import documented, errors
 from api_server.process.routes.access import authenticated, caller
 from api_server.process.state import app_state
+from contract.digits import ascii_digits
 
 bp = authenticated(Blueprint("batches", __name__))
 BatchStatus = Literal[
@@ -117,9 +118,9 @@ def submit():
 def list_batches():
     """List the caller's batches, newest first"""
     raw_limit, before = request.args.get("limit", "20"), request.args.get("before")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not ascii_digits(raw_limit) or not 1 <= int(raw_limit) <= 100:
         raise ApiError(422, f"limit {raw_limit[:20]!r}: a whole number from 1 to 100", "limit")
-    if before is not None and not (before.isdigit() and len(before) <= 15):
+    if before is not None and not (ascii_digits(before) and len(before) <= 15):
         raise ApiError(422, "before: pass the next_before of a previous page unchanged", "before")
     limit = int(raw_limit)
     batches = _batches().list(caller(), limit, int(before) if before else None)

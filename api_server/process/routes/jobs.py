@@ -15,6 +15,7 @@ from api_server.jobs.service import JobCursor
 from api_server.process.openapi import JobList, JobListQuery, JobStatus, JobView, documented, errors
 from api_server.process.routes.access import authenticated, caller
 from api_server.process.state import app_state
+from contract.digits import ascii_digits
 
 bp = authenticated(Blueprint("jobs", __name__))
 STATES = typing.get_args(JobStatus)
@@ -36,7 +37,7 @@ def list_jobs():
 def _list_query(args) -> tuple[int, str | None, JobCursor | None]:
     """limit, state and cursor, each checked; a bad one is a 422 naming it."""
     raw_limit = args.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not ascii_digits(raw_limit) or not 1 <= int(raw_limit) <= 100:
         raise ApiError(422, f"limit {raw_limit[:20]!r}: a whole number from 1 to 100", "limit")
     state = args.get("state") or None
     if state is not None and state not in STATES:
