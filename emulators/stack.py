@@ -65,14 +65,19 @@ def configuring_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name.startswith(CONFIGURING_PREFIXES)}
 
 
-def catalog_overlay(test_fixtures: bool = False) -> str:
+def catalog_overlay(test_fixtures: bool = False, extra_overlay: str = "") -> str:
     """The local stack's overlay files, as MAAS_CATALOG_OVERLAY names them (comma-separated, applied in order)."""
-    return ",".join(str(path) for path in (LOCAL_CATALOG_OVERLAY, *([TEST_CATALOG_OVERLAY] if test_fixtures else [])))
+    paths = [
+        LOCAL_CATALOG_OVERLAY,
+        *([TEST_CATALOG_OVERLAY] if test_fixtures else []),
+        *([extra_overlay] if extra_overlay else []),
+    ]
+    return ",".join(str(path) for path in paths)
 
 
-def local_catalog(test_fixtures: bool = False):
+def local_catalog(test_fixtures: bool = False, extra_overlay: str = ""):
     """What a local stack serves: `make up`'s models, and with `test_fixtures` the test suite's too."""
-    return load_catalog(None, catalog_overlay(test_fixtures))
+    return load_catalog(None, catalog_overlay(test_fixtures, extra_overlay))
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class StackConfig:
     tiny_model_dir: Path = ROOT / ".stack" / "tiny-model"
     # Serve the test suite's fixture models too (TEST_CATALOG_OVERLAY): the tests' stack, not a user's.
     test_fixtures: bool = False
+    # One more overlay file applied last (the chaos suite's own models), "" for none.
+    extra_overlay: str = ""
     # The configuring variables (`CONFIGURING_PREFIXES`) of the environment the stack was started from.
     environment: dict[str, str] = field(default_factory=lambda: configuring_variables(os.environ), repr=False)
 
@@ -134,11 +141,11 @@ class StackConfig:
 
     @property
     def catalog_overlay(self) -> str:
-        return catalog_overlay(self.test_fixtures)
+        return catalog_overlay(self.test_fixtures, self.extra_overlay)
 
     def catalog(self):
         """The catalog this stack serves (models.yaml and its overlays)."""
-        return local_catalog(self.test_fixtures)
+        return local_catalog(self.test_fixtures, self.extra_overlay)
 
     def port(self, default: int) -> int:
         return default + self.port_offset

@@ -215,3 +215,13 @@ def test_rows_still_arriving_are_waited_for_past_the_wait_and_a_stall_ends_it():
     assert len(row_copies(_DrainingLog(ids, 1, 40), _LOG_SETTINGS, ids, wait_seconds=0.05, poll_seconds=0.1)) == 40
     # A drain that stops at 25 rows: the wait ends with those 25, the other 15 are missing.
     assert len(row_copies(_DrainingLog(ids, 5, 25), _LOG_SETTINGS, ids, wait_seconds=0.3, poll_seconds=0.01)) == 25
+
+
+def test_the_chaos_stack_serves_the_overload_model_as_the_tests_do_and_none_of_the_failing_fixtures():
+    from chaos.__main__ import CHAOS_CATALOG_OVERLAY
+    from emulators.stack import local_catalog
+
+    chaos = local_catalog(extra_overlay=str(CHAOS_CATALOG_OVERLAY))
+    tests = local_catalog(test_fixtures=True)
+    assert chaos.get("sleep-admitted") is not None and chaos.get("sleep-admitted") == tests.get("sleep-admitted")
+    assert chaos.get("rollback-jobs") is None and tests.get("rollback-jobs") is not None
