@@ -45,7 +45,12 @@ def failed_requests(
     failed: list[FailedRequest] = []
     seen: set[str] = set()
     for outcome in result.unanswered_outcomes:
-        why = "unanswered" if not outcome.on_time else f"undocumented status {outcome.status}"
+        if not outcome.answered:
+            why = "unanswered"
+        elif not outcome.on_time:
+            why = f"answered late ({outcome.answered_at - outcome.sent_at:.2f} s after it was sent)"
+        else:
+            why = f"undocumented status {outcome.status}"
         if outcome.error:
             why += f" ({outcome.error})"
         failed.append(

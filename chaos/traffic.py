@@ -123,7 +123,7 @@ class Client:
                 time.sleep(0.5)
                 continue
             if view.status in JOB_TERMINAL:
-                outcome.job_status, outcome.answered_at = view.status, time.time()
+                outcome.job_status, outcome.answered_at, outcome.error = view.status, time.time(), None
                 return
             outcome.error = f"job still {view.status}"  # what a failed run's evidence reports if it never ends
             time.sleep(0.5)

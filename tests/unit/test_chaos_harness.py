@@ -161,15 +161,18 @@ def test_a_failed_scenarios_evidence_names_its_unanswered_and_unlogged_requests_
     silent.reference = "chaos 3c4d"  # no answer: no request id, only its prompt
     unlogged, fine = outcome(200, 1), outcome(200, 1)
     unlogged.request_id, fine.request_id = "no-row", "fine"
+    late = outcome(202, 40.02)  # a job that ended after its deadline plus the grace: answered, but late
+    late.request_id, late.job_id = "late-job", "late-job"
     result = ScenarioResult("worker SIGKILL every 10 s")
-    result.record([job, silent, unlogged, fine])
-    result.record_rows(["lost-job", "no-row", "fine"], {"fine": 1})
+    result.record([job, silent, unlogged, fine, late])
+    result.record_rows(["lost-job", "no-row", "fine", "late-job"], {"fine": 1, "late-job": 1})
     assert not result.passed
 
     folder = tmp_path / "runs" / "run-1" / "worker-kill"
     text = keep(
-        result, [job, silent, unlogged, fine], {"lost-job": "worker-synthetic (pid 42)"}, logs, folder
+        result, [job, silent, unlogged, fine, late], {"lost-job": "worker-synthetic (pid 42)"}, logs, folder
     ).read_text()
+    assert "| late-job | sleep | job | answered late (40.02 s after it was sent) |" in text
 
     assert "| lost-job | sleep | job | unanswered (job still queued) | worker-synthetic (pid 42) |" in text
     assert "| (none: no answer carried one) | sleep | sync | unanswered |" in text and "chaos 3c4d" in text
