@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import redis
 from flask import Request, Response
@@ -40,10 +40,11 @@ UNLOGGED_PATHS = ("/healthz", "/readyz")
 DEFERRED = (JobMade.SUBMITTED, JobMade.CONVERTED)
 
 
-def now_to_the_millisecond() -> datetime:
+def now_to_the_millisecond(ago_seconds: float = 0.0) -> datetime:
     """A row's `created_at`, truncated as the request's `published_at_ms` and the worker's times are: at full
-    precision, a request published within the same millisecond would be logged as published before it arrived."""
-    now = datetime.now(UTC)
+    precision, a request published within the same millisecond would be logged as published before it arrived.
+    `ago_seconds`: how long ago the request arrived (its wait for an API thread), as its job's `created_at` counts."""
+    now = datetime.now(UTC) - timedelta(seconds=ago_seconds)
     return now.replace(microsecond=now.microsecond - now.microsecond % 1000)
 
 
@@ -84,9 +85,10 @@ class RequestRecords:
 
     def open(self, request_id: str, model: str, mode: Mode, started: float | None = None) -> InferenceCall:
         """A call's record; `started`: when the request arrived (`time.perf_counter()`), now if not given."""
+        started = time.perf_counter() if started is None else started
         row = InferenceLogRow(
             request_id=request_id,
-            created_at=now_to_the_millisecond(),
+            created_at=now_to_the_millisecond(time.perf_counter() - started),
             model=model[:128],
             status="error",
             http_status=500,
@@ -95,7 +97,7 @@ class RequestRecords:
             endpoint=mode.value,
             reply_mode=self._reply_mode,
         )
-        return InferenceCall(row, mode, started=time.perf_counter() if started is None else started)
+        return InferenceCall(row, mode, started=started)
 
     def pending_row(self, call: InferenceCall) -> dict:
         """The row as it stands when the request is published: kept with it in Redis, so that if this process dies

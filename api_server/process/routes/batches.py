@@ -66,7 +66,7 @@ class BatchView(BaseModel):
     id: str
     object: Literal["batch"]
     status: BatchStatus
-    input_file: str | None = Field(description="the gs:// input file (null for a table's batch)")
+    input_file: str | None = Field(default=None, description="the gs:// input file (null for a table's batch)")
     input_table: str | None = Field(default=None, description="the bq:// input table, for a table's batch")
     completion_window: str
     request_counts: RequestCounts
