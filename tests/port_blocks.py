@@ -2,8 +2,8 @@
 
 Two `make test` runs in two clones on one machine must not start their emulators, Redis and API on the same ports.
 A session claims the first free block among `CANDIDATE_OFFSETS` with an exclusive lock file it holds until it
-exits (the kernel releases the lock when the process dies, however it dies), and skips a block whose API or
-Pub/Sub port something else already listens on. Each block spans two xdist workers' offsets (500 apart).
+exits (the kernel releases the lock when the process dies, however it dies), and skips a block whose API, Pub/Sub
+or Redis port something else already listens on (a redis-server a killed run left behind). Each block spans two xdist workers' offsets (500 apart).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 # offset + 9060 for each of the block's two workers, so these blocks share no port, and all stay below 32768,
 # where the kernel's ephemeral ports begin.
 CANDIDATE_OFFSETS = (10000, 16000, 20000)
-_PROBED_PORTS = (8080, 8085)  # the API's and the Pub/Sub emulator's, per worker offset
+_PROBED_PORTS = (8080, 8085, 6390)  # the API, the Pub/Sub emulator and Redis (a killed run can leave one), per offset
 _held: list[int] = []  # the lock's file descriptor, kept open for the session
 
 
