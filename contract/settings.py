@@ -232,6 +232,9 @@ class Settings:
     # Local-stack fault hook: adapter name -> seconds added to its first read from the bucket (a slow load, on
     # purpose; model_worker/serving/fault_hooks.py). MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; refused in production.
     adapter_load_delay: dict[str, float] = field(default_factory=dict)
+    # Local-stack fault hook: a directory of gates (model_worker/serving/fault_hooks.py). A synthetic call of a prompt
+    # `!hold <name>` waits after its first step until `<dir>/<name>` exists. MAAS_HOLD_DIR; refused in production.
+    hold_dir: str = ""
     # `step` or `request` for every model this worker serves, over the catalog's `scheduling` (unset: the
     # catalog's): a rollback without a catalog change, and the benchmark's side-by-side runs.
     scheduling: str | None = None
@@ -265,6 +268,8 @@ class Settings:
             raise ValueError("MAAS_WEBHOOK_ALLOW_LOOPBACK is for tests; production never calls loopback webhooks")
         if stage == "production" and _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")):
             raise ValueError("MAAS_ADAPTER_LOAD_DELAY is a local-stack fault hook; production never slows its loads")
+        if stage == "production" and env.get("MAAS_HOLD_DIR"):
+            raise ValueError("MAAS_HOLD_DIR is a local-stack fault hook; production never holds a call")
         host_cache_bytes = int(env.get("MAAS_ADAPTER_HOST_CACHE_BYTES") or ADAPTER_HOST_CACHE_BYTES)
         if host_cache_bytes < 1:
             raise ValueError(f"MAAS_ADAPTER_HOST_CACHE_BYTES must be positive, not {host_cache_bytes}")
@@ -367,4 +372,5 @@ class Settings:
                 name.strip(): float(seconds)
                 for name, _, seconds in (item.partition("=") for item in _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")))
             },
+            hold_dir=env.get("MAAS_HOLD_DIR", ""),
         )

@@ -6,6 +6,7 @@ import base64
 import io
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +46,21 @@ def stack_config(stack_dir) -> StackConfig:
             "MAAS_ADAPTER_LOAD_DELAY": f"{SLOW_ADAPTER}={SLOW_ADAPTER_LOAD_SECONDS}",
             # A dead API process's batches are resumed by another within seconds (the batch fault tests).
             "MAAS_BATCH_LEASE_SECONDS": "3",
+            # A synthetic call prompted `!hold <name>` waits after its first step until the test opens its gate.
+            "MAAS_HOLD_DIR": str(holds_dir(stack_dir)),
         },
     )
+
+
+def holds_dir(stack_dir) -> Path:
+    return Path(stack_dir) / "holds"
+
+
+def open_hold(stack: StackConfig, name: str) -> None:
+    """Lets a synthetic call held by a `!hold <name>` prompt go on (model_worker/serving/fault_hooks.py)."""
+    directory = holds_dir(stack.stack_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).touch()
 
 
 @pytest.fixture(scope="session")

@@ -225,6 +225,10 @@ class WorkerService:
                 self.health.report_problem(source, f"{exc} — not served until new weights are uploaded")
             else:
                 self.health.clear_problem(source)
+                if self.settings.hold_dir and runner.accelerator == "synthetic":  # the local stack's fault hook
+                    from model_worker.serving.fault_hooks import HeldCalls
+
+                    runner = HeldCalls(runner, self.settings.hold_dir)
                 return runner
             time.sleep(self.settings.weights_retry_seconds)
 

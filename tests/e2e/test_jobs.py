@@ -11,7 +11,7 @@ from datetime import datetime
 import pytest
 import requests
 
-from tests.conftest import TEST_API_KEYS
+from tests.conftest import TEST_API_KEYS, open_hold
 
 pytestmark = pytest.mark.stack
 OTHER_KEY = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}
@@ -27,27 +27,41 @@ def submit(stack, model: str, payload: dict, headers: dict) -> requests.Response
     return requests.post(f"{stack.api_url}/v1/models/{model}/jobs", json=payload, headers=headers, timeout=30)
 
 
-def poll(stack, location: str, headers: dict, timeout: float = 20.0) -> tuple[dict, list[dict]]:
-    """Reads the job until it is finished; returns the last view and every view seen."""
+def poll(
+    stack, location: str, headers: dict, timeout: float = 20.0, until: set[str] = TERMINAL
+) -> tuple[dict, list[dict]]:
+    """Reads the job until its status is one of `until` (finished); returns the last view and every view seen."""
     seen = []
     deadline = time.monotonic() + timeout
     with requests.Session() as session:
         while time.monotonic() < deadline:
             view = session.get(f"{stack.api_url}{location}", headers=headers, timeout=10).json()
             seen.append(view)
-            if view["status"] in TERMINAL:
+            if view["status"] in until:
                 return view, seen
             time.sleep(0.005)
-    raise AssertionError(f"job not finished in {timeout}s: {seen[-1]}")
+    raise AssertionError(f"job not {'/'.join(sorted(until))} in {timeout}s: {seen[-1]}")
+
+
+def held_job(stack, headers: dict, **parameters) -> tuple[requests.Response, str]:
+    """A `sleep` job whose call stops after its first step until `open_hold(stack, gate)`: (its 202, gate)."""
+    gate = f"job-{uuid.uuid4().hex}"
+    response = submit(stack, "sleep", body(f"!hold {gate}", **parameters), headers)
+    assert response.status_code == 202, response.text
+    return response, gate
 
 
 def test_job_is_accepted_then_runs_with_progress_and_succeeds(stack, auth_headers):
-    response = submit(stack, "sleep", body(f"job {uuid.uuid4().hex}", seed=4), auth_headers)
-    assert response.status_code == 202, response.text
+    response, gate = held_job(stack, auth_headers, seed=4)
     accepted = response.json()
     assert response.headers["Location"] == f"/v1/jobs/{accepted['id']}" == accepted["links"]["self"]
     assert accepted["status"] == "queued"
-    final, seen = poll(stack, response.headers["Location"], auth_headers)
+    # The call stops after its first step until the gate opens: the job is seen running whatever the machine's load.
+    _, seen = poll(stack, response.headers["Location"], auth_headers, until={"running", *TERMINAL})
+    assert seen[-1]["status"] == "running", seen[-1]
+    open_hold(stack, gate)
+    final, rest = poll(stack, response.headers["Location"], auth_headers)
+    seen += rest
     assert final["status"] == "succeeded", final
     [prediction] = final["result"]["predictions"]
     assert prediction["seed"] == 4 and prediction["image_b64"]
@@ -78,18 +92,16 @@ def test_another_key_cannot_see_or_cancel_a_job(stack, auth_headers):
 
 
 def test_cancelled_job_is_answered_cancelled_without_a_result(stack, auth_headers):
-    # Three batches of four images each keep the stand-in GPU busy, so the last job is still queued.
-    ahead = [
-        submit(
-            stack,
-            "sleep",
-            {**body(f"ahead {i} {uuid.uuid4().hex}"), "instances": [{"prompt": f"a{i}"}] * 4},
-            auth_headers,
-        )
-        for i in range(3)
-    ]
+    # A held call occupies the stand-in GPU (one call at a time) until its gate opens: the next job stays queued.
+    response, gate = held_job(stack, auth_headers)
+    ahead = response.headers["Location"]
+    poll(stack, ahead, auth_headers, until={"running", *TERMINAL})
     location = submit(stack, "sleep", body(f"cancel me {uuid.uuid4().hex}"), auth_headers).headers["Location"]
-    cancelled = requests.delete(f"{stack.api_url}{location}", headers=auth_headers, timeout=10)
+    try:
+        assert requests.get(f"{stack.api_url}{location}", headers=auth_headers, timeout=10).json()["status"] == "queued"
+        cancelled = requests.delete(f"{stack.api_url}{location}", headers=auth_headers, timeout=10)
+    finally:
+        open_hold(stack, gate)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     final, _ = poll(stack, location, auth_headers)
     assert final["status"] == "cancelled" and "result" not in final
@@ -104,8 +116,7 @@ def test_cancelled_job_is_answered_cancelled_without_a_result(stack, auth_header
     while (reply := store.get(job_id)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reply is not None and reply.status == "cancelled"
-    for response in ahead:
-        poll(stack, response.headers["Location"], auth_headers)
+    assert poll(stack, ahead, auth_headers)[0]["status"] == "succeeded"
 
 
 def test_a_finished_job_cannot_be_cancelled(stack, auth_headers):

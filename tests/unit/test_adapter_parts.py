@@ -220,6 +220,37 @@ def test_the_local_stacks_slow_adapter_reads_delay_only_the_first_read_of_the_na
     assert bucket.name == "models"  # everything else is the bucket's own
 
 
+def test_a_held_synthetic_call_waits_after_its_first_step_until_its_gate_opens(tmp_path):
+    """The local stack's `MAAS_HOLD_DIR` hook: a test sees a running request by order, not by outpacing a timer."""
+    import threading
+
+    from model_worker.model.runners import GenerationItem, SyntheticRunner
+    from model_worker.serving import fault_hooks as faults
+    from tests.unit.test_progress_steps import SLEEP, params
+
+    runner = faults.HeldCalls(SyntheticRunner(SLEEP), str(tmp_path))
+    assert runner.accelerator == "synthetic" and runner.spec is SLEEP  # everything else is the runner's own
+    steps: list[int] = []
+    done = threading.Event()
+    call = threading.Thread(
+        target=lambda: (runner.generate([GenerationItem("!hold gate-1", 1)], params(4), lambda s, t: steps.append(s)),
+                        done.set())
+    )  # fmt: skip
+    call.start()
+    assert not done.wait(0.3) and steps == [4]  # progress reported, then held (the runner has a single tick)
+    (tmp_path / "gate-1").touch()
+    assert done.wait(10)
+    call.join()
+    plain: list[int] = []
+    runner.generate(
+        [GenerationItem("!hold", 2), GenerationItem("!hold ../x", 3)], params(4), lambda s, t: plain.append(s)
+    )
+    assert plain == [4]  # no gate name (or not a plain one): not held
+    assert Settings.from_env({"MAAS_HOLD_DIR": str(tmp_path)}).hold_dir == str(tmp_path)
+    with pytest.raises(ValueError, match="MAAS_HOLD_DIR is a local-stack fault hook"):
+        Settings.from_env({"MAAS_ENV": "production", "MAAS_HOLD_DIR": str(tmp_path)})
+
+
 def with_adapters(request, adapters: AdapterSet):
     params = request.request.parameters.model_copy(update={"adapters": adapters.refs})
     request.request = request.request.model_copy(update={"parameters": params})
