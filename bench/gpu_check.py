@@ -3,7 +3,7 @@ target, in one table (`make gpu-check`; issue 42's item 6).
 
     python -m bench.gpu_check                 # a CUDA GPU: real sizes, random weights built here (~8 minutes)
     python -m bench.gpu_check --tiny          # a CPU: the same code at tiny sizes (under two minutes)
-    python -m bench.gpu_check --lines flux    # only the lines whose key starts with one of these
+    python -m bench.gpu_check --lines flux    # only these lines and those under them (`flux` selects `flux.bf16`)
 
 Lines, cheapest and most informative first (`LINES`): SD-1.5-sized eager (direct batch 8, the worker's pool, device
 loop and finisher at step and request level, lone 12- and 25-step requests, host reads per denoising step), batch
@@ -702,8 +702,13 @@ def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None 
 
 
 def selected(check: Check, spec: LineSpec) -> bool:
-    """Whether `--lines` selects this line (a key starting with one given, or one given starting with the key)."""
-    return not check.selected or any(spec.key.startswith(s) or s.startswith(spec.key) for s in check.selected)
+    """Whether `--lines` selects this line: its key given, a line under one given (`sd15` selects `sd15.direct`, not
+    `sd15-compiled`; `flux.bf16` not `flux.bf16-compiled`), or one given under it (the line a selected one needs)."""
+
+    def under(key: str, name: str) -> bool:
+        return key == name or key.startswith(name.rstrip(".") + ".")
+
+    return not check.selected or any(under(spec.key, s) or under(s, spec.key) for s in check.selected)
 
 
 def run_lines(check: Check, on_line: Callable[[], None] | None = None) -> None:
@@ -768,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on a CPU (under two minutes)")
     parser.add_argument("--budget", type=float, help="seconds for the whole run (GPU 420, tiny 300)")
-    parser.add_argument("--lines", nargs="+", help="only the lines whose key starts with one of these")
+    parser.add_argument("--lines", nargs="+", help="only these lines and those under them (sd15: sd15.direct ...)")
     parser.add_argument("--compile-cap", type=float,
                         help="seconds for the compiled SD line (default: what the budget leaves after the lines "
                              f"selected after it, at least {COMPILE_CAP:.0f})")  # fmt: skip

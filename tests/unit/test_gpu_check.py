@@ -115,3 +115,16 @@ def test_the_compiled_line_gets_what_the_budget_leaves_after_the_selected_lines_
     # The whole check: the FLUX lines after it keep their time, the compiled line its least share.
     assert gpu_check.compile_cap(check(420, None)) == gpu_check.COMPILE_CAP
     assert gpu_check.compile_cap(check(420, ["sd15-compiled"], cap=250)) == 250
+
+
+def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
+    def keys(*names: str) -> set[str]:
+        check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=list(names))
+        return {spec.key for spec in gpu_check.LINES if gpu_check.selected(check, spec) and spec.key != "release-sd15"}
+
+    assert keys("flux.bf16") == {"flux.bf16"}
+    assert keys("sd15") == keys("sd15.") == {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone",
+                                             "sd15.syncs"}  # fmt: skip
+    assert keys("sd15-compiled") == {"sd15-compiled", "sd15-compiled.warm-start"}
+    assert keys("sd15-compiled.warm-start") == {"sd15-compiled", "sd15-compiled.warm-start"}  # the line it needs
+    assert {"flux.build", "flux.bf16", "flux.bf16-compiled"} <= keys("flux")
