@@ -157,8 +157,9 @@ def worker_images_per_second(
     metrics = WorkerMetrics()
     results = ResultStore(MemoryRedis(), 3600)
     payloads = PayloadCodec(MemoryStorage(), "bench-payloads", inline_limit)
+    # The worker's bound on images waiting for the finisher (model_worker/serving/service.py).
     finisher = ReplyFinisher(publisher, "bench/replies", results, payloads, leases, metrics, finisher_threads,
-                             finisher_nice)  # fmt: skip
+                             finisher_nice, max_images=2 * batch)  # fmt: skip
     progress = ProgressReporter(results, finisher)
     health = WorkerHealth(stall_seconds=3600)
     replies = ReplyFactory("bench", {spec.name: runner.accelerator})

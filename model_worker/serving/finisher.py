@@ -9,6 +9,11 @@ part, turning an image into PNG bytes (numpy's conversion and Pillow's zlib enco
 holds the interpreter from the device thread; but it takes whole cores for tens of milliseconds an image, and where
 cores are short it took them from the device thread, which then woke late from each step and left the device idle
 (README "Step-level vs request-level on a stand-in H100"). Lowered, the encode gets what the device thread leaves.
+
+Lowered, it can also fall behind the device: images waiting for it are bounded (`max_images`, two of the worker's
+largest batches), so a finisher that cannot keep up makes the device thread wait (counted in
+`maas_worker_finisher_wait_seconds`) instead of holding ever more decoded images in memory; the pool then stops
+pulling, and other workers take the queue.
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ class ReplyFinisher:
         metrics: WorkerMetrics,
         threads: int,
         nice: int = 0,
+        max_images: int = 0,
     ) -> None:
+        """`max_images`: images handed to `finish` and not yet answered before it waits (0: no bound)."""
         self._publisher = publisher
         self._replies_topic = replies_topic
         self._results = results
@@ -77,6 +84,9 @@ class ReplyFinisher:
         )
         self._in_flight = threading.Condition()
         self._publishing = 0
+        self._max_images = max_images
+        self._room = threading.Condition()
+        self._images = 0
         self.redis_trouble = RedisTrouble()
 
     def note_failure(self, request_id: str, cause: str) -> int:
@@ -92,8 +102,25 @@ class ReplyFinisher:
         return self._pool.submit(self._answer, message, reply, store)
 
     def finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> Future:
-        """Encode a finished request's images and answer it, in the background."""
-        return self._pool.submit(self._finish, pending, images, reply_fields)
+        """Encode a finished request's images and answer it, in the background; first waits while the images not
+        yet answered would pass `max_images` (one request always gets in, however large)."""
+        count = len(images)
+        with self._room:
+            if self._max_images and self._images and self._images + count > self._max_images:
+                waited = time.monotonic()
+                self._room.wait_for(lambda: not self._images or self._images + count <= self._max_images)
+                self._metrics.finisher_wait_seconds.inc(time.monotonic() - waited)
+            self._images += count
+            self._metrics.finisher_images.set(self._images)
+        future = self._pool.submit(self._finish, pending, images, reply_fields)
+        future.add_done_callback(lambda _: self._answered(count))
+        return future
+
+    def _answered(self, count: int) -> None:
+        with self._room:
+            self._images -= count
+            self._metrics.finisher_images.set(self._images)
+            self._room.notify_all()
 
     def _finish(self, pending: PendingRequest, images: list, reply_fields: dict) -> None:
         with request_log_context(pending.message):

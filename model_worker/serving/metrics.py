@@ -43,6 +43,14 @@ class WorkerMetrics:
             "Seconds the device waited between pipeline calls",
             registry=self.registry,
         )
+        self.finisher_wait_seconds = Counter(
+            "maas_worker_finisher_wait_seconds",
+            "Seconds the device thread waited for the finisher's room (images it had not yet encoded and answered)",
+            registry=self.registry,
+        )
+        self.finisher_images = Gauge(
+            "maas_worker_finisher_images", "Images handed to the finisher and not yet answered", registry=self.registry
+        )
         self.step_images = Histogram(
             "maas_worker_step_images", "Images per denoising call of a step-scheduled model's running set",
             ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,

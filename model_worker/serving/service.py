@@ -149,6 +149,7 @@ class WorkerService:
             self.metrics,
             settings.finisher_threads,
             settings.finisher_nice,
+            max_images=2 * self.pool.capacity,  # one batch being encoded, the next one waiting
         )
         self.replies = ReplyFactory(worker_id, {name: runner.accelerator for name, runner in self.runners.items()})
         checkpoints = FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket))

@@ -297,6 +297,34 @@ def test_the_finisher_encodes_at_a_lower_cpu_priority_than_the_thread_that_feeds
     assert niceness() == mine
 
 
+def test_a_finisher_behind_the_device_makes_it_wait_instead_of_holding_ever_more_images():
+    """Images handed to `finish` and not yet answered are bounded: the device thread waits for room (and says so)."""
+    import threading
+
+    log: list[str] = []
+    gate = threading.Event()
+    slow = finisher(log)
+    slow._max_images = 3
+    slow._finish = lambda pending, images, fields: gate.wait(10)  # the encode of what is handed over, held back
+    message = HeldMessage("s", "a", {}, b"", 1, 0.0)
+    slow.finish(SimpleNamespace(message=message), [1, 2], {})
+    handed = threading.Event()
+    device = threading.Thread(target=lambda: (slow.finish(SimpleNamespace(message=message), [3, 4], {}), handed.set()))
+    device.start()
+    assert not handed.wait(0.3)  # 2 + 2 > 3: the device thread waits for the finisher
+    assert slow._metrics.finisher_images._value.get() == 2
+    gate.set()
+    assert handed.wait(10)
+    device.join()
+    slow.close()
+    assert slow._metrics.finisher_images._value.get() == 0 and slow._metrics.finisher_wait_seconds._value.get() > 0
+    lone = finisher(log)
+    lone._max_images = 1
+    lone._finish = lambda pending, images, fields: None
+    lone.finish(SimpleNamespace(message=message), [1, 2, 3], {}).result(10)  # more than the bound alone: it gets in
+    lone.close()
+
+
 def test_the_reply_is_stored_and_published_before_the_request_is_acked():
     log: list[str] = []
     finisher(log).answer(HeldMessage("s", "a", {}, b"", 1, 0.0), reply()).result()
