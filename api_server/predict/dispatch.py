@@ -29,6 +29,8 @@ class DispatchTimings:
     publish_ms: float = 0.0
     wait_ms: float = 0.0
     cleanup_ms: float = 0.0
+    # When the publish began (epoch ms): the log row's `published_at`, never after a worker could start the request.
+    published_ms: float | None = None
     # The request's partial log row is kept in Redis with its message: settled by this process when it answers,
     # adopted by another if this one dies first (`contract/stores/inflight.py`).
     row_kept: bool = False
@@ -78,7 +80,8 @@ class InferenceDispatcher:
             started = time.perf_counter()
             attributes = _traced(request_attributes(request, self._replies_topic, deadline_ms, priority))
             attributes.update(self._waiter.request_attributes())
-            timings.row_kept = self._publish(request, spec, attributes, priority, log_row)
+            timings.published_ms = time.time() * 1000
+            timings.row_kept = self._publish(request, spec, attributes, priority, log_row, timings.published_ms)
             timings.publish_ms = _ms_since(started)
             started = time.perf_counter()
             reply = pending.wait(max(0.0, wait_until - time.time()))
@@ -112,10 +115,13 @@ class InferenceDispatcher:
         attributes: dict,
         priority: naming.Priority,
         log_row: dict | None = None,
+        published_ms: float | None = None,
     ) -> bool:
-        """Publishes, then keeps the request in Redis; True when `log_row` was kept with it."""
+        """Publishes, then keeps the request in Redis; True when `log_row` was kept with it. The row's `published_at`
+        is when the publish began (`published_ms`, or now): a worker may start the request before the call returns."""
         topic = self._publisher.topic_path(self._project_id, naming.request_topic(spec.queue, priority))
         data = request.model_dump_json().encode()
+        published_ms = published_ms or time.time() * 1000
         try:
             self._publisher.publish(topic, data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
         except Exception as exc:  # publish futures raise transport and timeout errors alike
@@ -125,7 +131,7 @@ class InferenceDispatcher:
         if self._keeper is None:
             return False
         if log_row is not None:
-            log_row = {**log_row, "published_at": datetime.now(UTC).isoformat()}
+            log_row = {**log_row, "published_at": datetime.fromtimestamp(published_ms / 1000, UTC).isoformat()}
         # Watched for a taker (see `InflightStore.keep`), except batch lines: they wait in a backlog by design.
         unclaimed_after_ms = None if priority == "batch" else claim_wait_ms(spec.ack_deadline_seconds)
         # High and normal requests are counted in their model's backlog (admission); batch lines never wait on it.

@@ -599,7 +599,7 @@ class ServingStage:
         self, prepared: PreparedRequest, reply: InferenceReply, timings: DispatchTimings, request_id: str
     ) -> Answer:
         """The answer to `prepared` from the worker's reply to `request_id` (the request that ran the model)."""
-        published_ms = time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
+        published_ms = timings.published_ms or time.time() * 1000 - timings.wait_ms - timings.cleanup_ms
         outcome = Outcome.for_reply(reply.status, reply.error_kind)
         if outcome is not Outcome.OK:
             message = reply.error or f"model worker answered {reply.status}"

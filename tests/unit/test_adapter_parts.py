@@ -231,13 +231,18 @@ def test_a_held_synthetic_call_waits_after_its_first_step_until_its_gate_opens(t
     runner = faults.HeldCalls(SyntheticRunner(SLEEP), str(tmp_path))
     assert runner.accelerator == "synthetic" and runner.spec is SLEEP  # everything else is the runner's own
     steps: list[int] = []
-    done = threading.Event()
+    stepped, done = threading.Event(), threading.Event()
+
+    def on_step(step: int, total: int) -> None:
+        steps.append(step)
+        stepped.set()
+
     call = threading.Thread(
-        target=lambda: (runner.generate([GenerationItem("!hold gate-1", 1)], params(4), lambda s, t: steps.append(s)),
-                        done.set())
-    )  # fmt: skip
+        target=lambda: (runner.generate([GenerationItem("!hold gate-1", 1)], params(4), on_step), done.set())
+    )
     call.start()
-    assert not done.wait(0.3) and steps == [4]  # progress reported, then held (the runner has a single tick)
+    assert stepped.wait(10) and steps == [4]  # progress reported (the runner has a single tick) ...
+    assert not done.wait(0.3)  # ... then held
     (tmp_path / "gate-1").touch()
     assert done.wait(10)
     call.join()
