@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from api_server.core import metrics
 from api_server.core.redis_state import RedisState, api_redis_client
 from api_server.predict.flights import (
     CoordinationUnavailableError,
@@ -77,8 +78,24 @@ def test_identical_calls_across_processes_compute_once(two_processes):
     assert role is Role.STORED and record.body == b"answer 1" and model.calls == 1
 
 
+class ModelAnsweringOnceAllWait(SlowModel):
+    """Its first call answers once `waiters` callers wait for its flight: a failure (which is not kept) then reaches
+    each of them by order; a caller arriving after it would run the model again, and one descheduled past a timer
+    could. Later calls answer at once."""
+
+    def __init__(self, waiters: int, status: int) -> None:
+        super().__init__(status=status, seconds=0)
+        self._waiters = metrics.INFLIGHT_WAITS._value.get() + waiters
+
+    def __call__(self) -> ResponseRecord:
+        give_up = time.monotonic() + 30
+        while not self.calls and metrics.INFLIGHT_WAITS._value.get() < self._waiters and time.monotonic() < give_up:
+            time.sleep(0.01)
+        return super().__call__()
+
+
 def test_a_failure_reaches_the_waiting_callers_but_the_next_caller_runs_again(two_processes):
-    model, key = SlowModel(status=500), f"maas:test:{uuid.uuid4().hex}"
+    model, key = ModelAnsweringOnceAllWait(waiters=3, status=500), f"maas:test:{uuid.uuid4().hex}"
     results = run_together(list(two_processes) * 2, key, model)
     assert model.calls == 1 and {record.status for record, _ in results} == {500}
     _, role = two_processes[0].run(key, "", model, POLICY)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,13 @@ pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
+
+
+def wait_for(condition, what: str, timeout: float = 90.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < give_up, f"waited {timeout:.0f} s for {what}"
+        time.sleep(0.02)
 
 
 def pixels(reply, index: int = 0) -> np.ndarray:
@@ -143,12 +151,23 @@ def test_worker_metrics_count_requests_and_batches(stack):
     assert "maas_worker_device_idle_seconds_total" in body
 
 
-def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(worker_client):
+def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(stack, worker_client, settings):
     """Issue 35: batch lines run on what interactive traffic leaves; an interactive request overtakes their backlog."""
-    # `sleep-calls`: request-level, 1 s calls of 10 steps; 24 lines are three full calls (8 lines each, issue 42).
-    lines = [worker_client.send("sleep-calls", f"line {i}", priority="batch", timeout=120) for i in range(24)]
-    worker_client.wait(lines[:1], timeout=60)  # the worker is busy with the backlog now
-    interactive = worker_client.send("sleep-calls", "interactive")
+    from contract import naming
+    from tests.conftest import open_hold
+
+    # `sleep-calls`: request-level, 1 s calls of 10 steps; 24 lines are three full calls (8 lines each, issue 42). The
+    # call with line 0 stops after its first step until the gate opens: the interactive request arrives during it.
+    gate = f"backlog-{uuid.uuid4().hex}"
+    prompts = [f"!hold {gate}", *(f"line {i}" for i in range(1, 24))]
+    lines = [worker_client.send("sleep-calls", prompt, priority="batch", timeout=120) for prompt in prompts]
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        wait_for(lambda: client.exists(naming.progress_key(lines[0])), "the held batch call's first step")
+        interactive = worker_client.send("sleep-calls", "interactive")
+        wait_for(lambda: client.exists(naming.holder_key(interactive)), "the worker to take the interactive request")
+    finally:
+        open_hold(stack, gate)
     replies = worker_client.wait([*lines, interactive], timeout=120)
     assert {reply.status for reply in replies.values()} == {"ok"}
     for request_id in lines:  # run once: a redelivery may publish the stored reply again, never a second run
