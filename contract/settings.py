@@ -170,6 +170,10 @@ class Settings:
     admission_window_seconds: float = 60.0
     # After a Redis failure, the API stops trying Redis for this long, then tries again.
     redis_retry_seconds: float = 1.0
+    # How long the API waits for Pub/Sub to accept a request before answering 503 (MAAS_PUBLISH_TIMEOUT_SECONDS,
+    # 1 to 60): Pub/Sub's own acceptance takes milliseconds; the test suite's emulator, starved on a loaded machine,
+    # can take longer than the default.
+    publish_timeout_seconds: float = 10.0
     # The API's Redis pool per process: a request beyond it waits this long for a connection, then gets a 503.
     redis_max_connections: int = 100
     redis_pool_timeout_seconds: float = 2.0
@@ -321,6 +325,7 @@ class Settings:
             job_deadline_seconds=int(env.get("MAAS_JOB_DEADLINE_SECONDS", cls.job_deadline_seconds)),
             admission_window_seconds=float(env.get("MAAS_ADMISSION_WINDOW_SECONDS", cls.admission_window_seconds)),
             redis_retry_seconds=float(env.get("MAAS_REDIS_RETRY_SECONDS", cls.redis_retry_seconds)),
+            publish_timeout_seconds=_publish_timeout(env.get("MAAS_PUBLISH_TIMEOUT_SECONDS")),
             redis_max_connections=int(env.get("MAAS_REDIS_MAX_CONNECTIONS", cls.redis_max_connections)),
             redis_pool_timeout_seconds=float(
                 env.get("MAAS_REDIS_POOL_TIMEOUT_SECONDS", cls.redis_pool_timeout_seconds)
@@ -374,3 +379,13 @@ class Settings:
             },
             hold_dir=env.get("MAAS_HOLD_DIR", ""),
         )
+
+
+MAX_PUBLISH_TIMEOUT_SECONDS = 60.0
+
+
+def _publish_timeout(value: str | None) -> float:
+    seconds = float(value) if value else Settings.publish_timeout_seconds
+    if not 1 <= seconds <= MAX_PUBLISH_TIMEOUT_SECONDS:
+        raise ValueError(f"MAAS_PUBLISH_TIMEOUT_SECONDS must be 1 to {MAX_PUBLISH_TIMEOUT_SECONDS:.0f}, not {value}")
+    return seconds

@@ -46,6 +46,8 @@ def stack_config(stack_dir) -> StackConfig:
             "MAAS_ADAPTER_LOAD_DELAY": f"{SLOW_ADAPTER}={SLOW_ADAPTER_LOAD_SECONDS}",
             # A dead API process's batches are resumed by another within seconds (the batch fault tests).
             "MAAS_BATCH_LEASE_SECONDS": "3",
+            # Two suites' emulators on one loaded machine: the Pub/Sub emulator may take seconds to accept a publish.
+            "MAAS_PUBLISH_TIMEOUT_SECONDS": "60",
             # A synthetic call prompted `!hold <name>` waits after its first step until the test opens its gate.
             "MAAS_HOLD_DIR": str(holds_dir(stack_dir)),
         },

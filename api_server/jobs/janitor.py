@@ -34,17 +34,17 @@ import redis
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 
-from api_server.predict.dispatch import PUBLISH_TIMEOUT_SECONDS
 from api_server.predict.reply_waiter import CREATED_LABEL
 from contract import naming
 from contract.catalog import ModelCatalog
 from contract.digits import ascii_digits
-from contract.settings import Settings
+from contract.settings import MAX_PUBLISH_TIMEOUT_SECONDS, Settings
 
 log = logging.getLogger(__name__)
 REPLY_PREFIX = naming.reply_subscription("")
-# Publish and delete timeouts (10 s each) plus clock skew between the API and the janitor.
-MIN_MARGIN_SECONDS = 2 * PUBLISH_TIMEOUT_SECONDS + 40
+# Publish and delete timeouts (at most MAAS_PUBLISH_TIMEOUT_SECONDS's limit each) plus clock skew between the API and
+# the janitor.
+MIN_MARGIN_SECONDS = int(2 * MAX_PUBLISH_TIMEOUT_SECONDS + 40)
 DEFAULT_MARGIN_SECONDS = 600
 LEASE_KEY = "maas:janitor:lease"
 

@@ -43,8 +43,10 @@ class InferenceDispatcher:
         waiter: ReplyWaiter,
         project_id: str,
         keeper: RequestKeeper | None = None,
+        publish_timeout_seconds: float = PUBLISH_TIMEOUT_SECONDS,
     ) -> None:
         """`keeper`: keeps each published request in Redis, so a dead worker's requests are re-dispatched."""
+        self._publish_timeout = publish_timeout_seconds
         self._publisher = publisher
         self._keeper = keeper
         self._waiter = waiter
@@ -123,9 +125,9 @@ class InferenceDispatcher:
         data = request.model_dump_json().encode()
         published_ms = published_ms or time.time() * 1000
         try:
-            self._publisher.publish(topic, data, **attributes).result(timeout=PUBLISH_TIMEOUT_SECONDS)
+            self._publisher.publish(topic, data, **attributes).result(timeout=self._publish_timeout)
         except Exception as exc:  # publish futures raise transport and timeout errors alike
-            log.error("publish to %s failed: %s", topic, exc)
+            log.error("publish to %s failed: %s", topic, f"{type(exc).__name__} {exc}".strip())
             raise ApiError(503, "request queue unavailable, retry later", headers={"Retry-After": "5"}) from exc
         metrics.PUBLISHES.labels(spec.queue).inc()
         if self._keeper is None:

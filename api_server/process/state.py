@@ -168,6 +168,7 @@ def build_app_state(settings: Settings) -> AppState:
             waiter,
             settings.project_id,
             RequestKeeper(inflight, settings.redis_retry_seconds),
+            settings.publish_timeout_seconds,
         ),
         payloads,
         settings.job_deadline_seconds,

@@ -50,3 +50,11 @@ def test_only_ascii_digits_count_as_a_whole_number(text):
 
 def test_ascii_digits_are_a_whole_number():
     assert ascii_digits("0") and ascii_digits("1795801520551")
+
+
+def test_the_publish_timeout_defaults_to_ten_seconds_and_is_bounded():
+    assert Settings.from_env({}).publish_timeout_seconds == 10
+    assert Settings.from_env({"MAAS_PUBLISH_TIMEOUT_SECONDS": "60"}).publish_timeout_seconds == 60
+    for wrong in ("0", "61"):
+        with pytest.raises(ValueError, match="MAAS_PUBLISH_TIMEOUT_SECONDS must be 1 to 60"):
+            Settings.from_env({"MAAS_PUBLISH_TIMEOUT_SECONDS": wrong})
