@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from datetime import datetime
 
 import pytest
 import requests
 
-from tests.conftest import TEST_API_KEYS, query_rows
+from tests.conftest import TEST_API_KEYS, open_hold, query_rows
 
 pytestmark = pytest.mark.stack
 OTHER_KEY = {"Authorization": f"Bearer {TEST_API_KEYS[1]}"}
@@ -181,8 +182,14 @@ def test_a_bad_submission_is_a_422_naming_the_field(stack, auth_headers, body, f
     assert response.status_code == 422 and response.json()["error"]["field"] == field, response.text
 
 
-def _sleep_lines(prefix: str, count: int) -> list[dict]:
-    return [line(f"{prefix}-{index}", model="sleep", seed=index) for index in range(count)]
+def _sleep_lines(prefix: str, count: int, held_at: int | None = None, gate: str = "") -> list[dict]:
+    """`sleep` lines; the one at `held_at` is a `!hold <gate>` prompt: its call waits after its first step until the
+    test opens the gate (the stand-in GPU runs one call at a time), so the batch cannot end before that by order.
+    The feeder publishes it only once all but the in-flight bound's lines before it were answered (64 locally)."""
+    lines = [line(f"{prefix}-{index}", model="sleep", seed=index) for index in range(count)]
+    if held_at is not None:
+        lines[held_at]["instances"] = [{"prompt": f"!hold {gate}"}]
+    return lines
 
 
 def _assert_each_custom_id_once(stack, headers: dict, final: dict, expected_ids: set[str]) -> tuple[list, list]:
@@ -199,10 +206,14 @@ def _assert_each_custom_id_once(stack, headers: dict, final: dict, expected_ids:
 
 
 def test_a_batch_cancelled_mid_way_keeps_what_finished_and_counts_the_rest_cancelled(stack, auth_headers):
-    lines = _sleep_lines(f"cancel-{uuid.uuid4().hex[:6]}", 300)
+    gate = f"cancel-{uuid.uuid4().hex}"
+    lines = _sleep_lines(f"cancel-{uuid.uuid4().hex[:6]}", 300, held_at=150, gate=gate)
     batch = create(stack, auth_headers, requests=lines)
-    wait(stack, auth_headers, batch["id"], until=lambda view: view["request_counts"]["succeeded"] >= 16)
-    response = requests.delete(f"{stack.api_url}/v1/batches/{batch['id']}", headers=auth_headers, timeout=10)
+    try:
+        wait(stack, auth_headers, batch["id"], until=lambda view: view["request_counts"]["succeeded"] >= 16)
+        response = requests.delete(f"{stack.api_url}/v1/batches/{batch['id']}", headers=auth_headers, timeout=10)
+    finally:
+        open_hold(stack, gate)
     assert response.status_code == 200 and response.json()["status"] == "cancelling", response.text
     final = wait(stack, auth_headers, batch["id"])
     assert final["status"] == "cancelled" and final["cancelling_at"] and final["cancelled_at"], final
@@ -218,8 +229,16 @@ def test_a_batch_cancelled_mid_way_keeps_what_finished_and_counts_the_rest_cance
 
 
 def test_a_batch_past_its_window_expires_its_unfinished_lines_and_keeps_the_finished(stack, auth_headers):
-    lines = _sleep_lines(f"expire-{uuid.uuid4().hex[:6]}", 400)
-    batch = create(stack, auth_headers, requests=lines, completion_window="5s")
+    gate = f"expire-{uuid.uuid4().hex}"
+    lines = _sleep_lines(f"expire-{uuid.uuid4().hex[:6]}", 400, held_at=100, gate=gate)
+    batch = create(stack, auth_headers, requests=lines, completion_window="10s")
+    try:
+        # Lines run until the held one (at least 36 before it), which keeps the batch unfinished past its window.
+        wait(stack, auth_headers, batch["id"], until=lambda view: view["request_counts"]["succeeded"] > 0)
+        ends = datetime.fromisoformat(batch["expires_at"]).timestamp()
+        time.sleep(max(0.0, ends - time.time()))  # to the window's end, however long the lines before took
+    finally:
+        open_hold(stack, gate)
     final = wait(stack, auth_headers, batch["id"], timeout=60)
     assert final["status"] == "expired" and final["expired_at"], final
     results, errors = _assert_each_custom_id_once(stack, auth_headers, final, {item["custom_id"] for item in lines})

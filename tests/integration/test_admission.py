@@ -13,23 +13,23 @@ import redis
 import requests
 
 from contract.stores.inflight import InflightStore
-from tests.conftest import query_rows
+from tests.conftest import open_hold, query_rows
 
 pytestmark = pytest.mark.stack
 MODEL = "sleep-admitted"
 JOBS = 25  # 50 s of work ahead: far past a sync request's 30 s, well within a job's 900 s
 
 
-def body(**extra) -> dict:
-    return {"instances": [{"prompt": f"admission {uuid.uuid4().hex}"}], **extra}
+def body(prompt: str | None = None, **extra) -> dict:
+    return {"instances": [{"prompt": prompt or f"admission {uuid.uuid4().hex}"}], **extra}
 
 
 def predict(stack, headers: dict, **extra) -> requests.Response:
     return requests.post(f"{stack.api_url}/v1/models/{MODEL}:predict", json=body(**extra), headers=headers, timeout=60)
 
 
-def submit_job(stack, headers: dict) -> requests.Response:
-    return requests.post(f"{stack.api_url}/v1/models/{MODEL}/jobs", json=body(), headers=headers, timeout=30)
+def submit_job(stack, headers: dict, prompt: str | None = None) -> requests.Response:
+    return requests.post(f"{stack.api_url}/v1/models/{MODEL}/jobs", json=body(prompt), headers=headers, timeout=30)
 
 
 def wait_until_held(inflight: InflightStore, job_id: str, timeout: float = 30.0) -> None:
@@ -46,12 +46,15 @@ def test_an_overloaded_model_refuses_at_once_falls_back_when_allowed_and_still_a
     # One answered request: the model's run time is known (about 2 s).
     warm = predict(stack, auth_headers)
     assert warm.status_code == 200, warm.text
-    # A backlog: the first job is seen running (the fleet's capacity: one at a time), the rest wait behind it.
-    first = submit_job(stack, auth_headers)
+    # A backlog: the first job is seen running (the fleet's capacity: one at a time), the rest wait behind it. Its
+    # call is held after its first step until the test ends (a `!hold` prompt): nothing drains the backlog however
+    # slowly the test submits it on a loaded machine.
+    gate = f"admission-{uuid.uuid4().hex}"
+    first = submit_job(stack, auth_headers, prompt=f"!hold {gate}")
     assert first.status_code == 202, first.text
     jobs = [first.json()["id"]]
-    wait_until_held(inflight, jobs[0])
     try:
+        wait_until_held(inflight, jobs[0])
         for _ in range(JOBS - 1):
             job = submit_job(stack, auth_headers)
             assert job.status_code == 202, job.text  # judged against its 900 s: admitted
@@ -88,6 +91,7 @@ def test_an_overloaded_model_refuses_at_once_falls_back_when_allowed_and_still_a
     finally:
         for job_id in jobs:
             requests.delete(f"{stack.api_url}/v1/jobs/{job_id}", headers=auth_headers, timeout=10)
+        open_hold(stack, gate)
 
     refused_id, fallen_id = refused.json()["error"]["request_id"], answer["request_id"]
     table = f"`{settings.project_id}.{settings.dataset}.inference_log`"

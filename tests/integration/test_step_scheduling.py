@@ -36,8 +36,8 @@ def test_sigterm_finishes_the_running_set_and_hands_the_rest_back(stack, worker_
     while running_images(port) == 0:
         assert time.monotonic() < deadline, "the extra worker never started a running set"
         time.sleep(0.05)
+    signalled_ms = time.time() * 1000  # before the signal: what finishes after it ran during the drain
     os.kill(pid, signal.SIGTERM)
-    signalled_ms = time.time() * 1000
     while registry.is_running(name) and time.monotonic() < deadline + 60:
         time.sleep(0.1)
     assert not registry.is_running(name), "the worker did not exit after finishing its running set"
