@@ -1,6 +1,6 @@
 """`make bench`: the whole benchmark suite in one bounded run, every number measured side by side.
 
-    .venv/bin/python -m bench.suite            # full suite (under 10 minutes on 2 cores)
+    .venv/bin/python -m bench.suite            # full suite (README Performance says how long)
     .venv/bin/python -m bench.suite --quick    # a ~2-minute subset
 
 Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 12000 / .stack-bench) if it is running,
