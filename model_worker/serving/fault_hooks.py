@@ -56,10 +56,9 @@ class HeldCalls:
         self._directory = directory
 
     def generate(self, items, params, on_step):
-        gates = [os.path.join(self._directory, m.group(1)) for item in items if (m := HOLD_PROMPT.match(item.prompt))]
-        if not gates:
+        waiting = [os.path.join(self._directory, m.group(1)) for item in items if (m := HOLD_PROMPT.match(item.prompt))]
+        if not waiting:
             return self._runner.generate(items, params, on_step)
-        waiting = list(gates)
 
         def held_step(done: int, total: int) -> None:
             on_step(done, total)  # the progress (and a cancel's exception) first: the request shows as running

@@ -105,10 +105,14 @@ class ReplyFinisher:
         """Encode a finished request's images and answer it, in the background; first waits while the images not
         yet answered would pass `max_images` (one request always gets in, however large)."""
         count = len(images)
+
+        def room() -> bool:
+            return not self._max_images or not self._images or self._images + count <= self._max_images
+
         with self._room:
-            if self._max_images and self._images and self._images + count > self._max_images:
+            if not room():
                 waited = time.monotonic()
-                self._room.wait_for(lambda: not self._images or self._images + count <= self._max_images)
+                self._room.wait_for(room)
                 self._metrics.finisher_wait_seconds.inc(time.monotonic() - waited)
             self._images += count
             self._metrics.finisher_images.set(self._images)
