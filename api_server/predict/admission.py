@@ -51,9 +51,11 @@ RUN_TIME_WEIGHT = 0.3
 # KEYS: the answered set, the run-time key, the peak-workers key, the last-workers key (the count last seen, kept an
 # hour: after an idle window the fleet is taken to be what it last was), then per priority its backlog set and its
 # reservations (requests admitted and not yet kept: counted, so that requests judged at the same moment see each
-# other). ARGV: the window (ms), the scan limit, the key prefixes of in-flight records, holder leases and stored
-# results, and the request to reserve a place for in the last priority's reservations ('' for none) and for how
-# long (ms). Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen
+# other). ARGV: the window (ms), the scan limit, the key prefixes of in-flight records, holder leases, stored
+# results and cancel marks, and the request to reserve a place for in the last priority's reservations ('' for none) and for how
+# long (ms). A waiting request marked cancelled is dropped: a worker answers it unrun, so it is neither work ahead
+# nor an answer that says how fast the model drains (25 cancelled jobs once kept a model refusing for 50 s).
+# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen
 # holding its requests at once in the window, then waiting and held per priority.
 _BACKLOG = """
 local t = redis.call('TIME')
@@ -61,6 +63,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local inflight, holder, result = ARGV[3], ARGV[4], ARGV[5]
 local reserve, reserve_ms = ARGV[6], tonumber(ARGV[7])
+local cancel = ARGV[8]
 local out = {now, 0, tonumber(redis.call('GET', KEYS[2]) or '-1'), 0}
 local workers, count = {}, 0
 for i = 5, #KEYS, 2 do
@@ -80,6 +83,8 @@ for i = 5, #KEYS, 2 do
           workers[worker] = true
           count = count + 1
         end
+      elseif redis.call('EXISTS', cancel .. id) == 1 then
+        redis.call('ZREM', KEYS[i], id)
       else
         waiting = waiting + 1
       end
@@ -217,7 +222,8 @@ class AdmissionLedger:
         for priority in priorities:
             keys += [naming.backlog_key(queue, priority), naming.reservations_key(queue, priority)]
         prefixes = [naming.inflight_key(""), naming.holder_key(""), naming.result_key("")]
-        args = [int(self._window_seconds * 1000), self._scan_limit, *prefixes, reserve, RESERVATION_SECONDS * 1000]
+        window_ms, reserve_ms = int(self._window_seconds * 1000), RESERVATION_SECONDS * 1000
+        args = [window_ms, self._scan_limit, *prefixes, reserve, reserve_ms, naming.cancel_key("")]
         out = [int(value) for value in self._backlog(keys=keys, args=args)]
         counts = out[4:]
         run_ms = out[2]

@@ -35,3 +35,18 @@ def test_taken_and_finished_requests_within_the_scan_are_not_counted_as_waiting(
     redis_server.delete(naming.inflight_key("waiting-normal-1"))  # answered: dropped from the backlog
     backlog = AdmissionLedger(redis_server, window_seconds=60, scan_limit=5).backlog(QUEUE, "normal")
     assert (backlog.ahead, backlog.held) == (10, 1)
+
+
+def test_cancelled_requests_still_queued_are_neither_waiting_nor_answered_and_a_running_one_still_runs(redis_server):
+    redis_server.flushall()
+    _waiting(redis_server, 12)
+    redis_server.set(naming.holder_key("waiting-normal-0"), "worker-a")
+    for index in (0, 3, 4, 5):  # 0 is running: a cancel does not stop its call, it still holds the worker
+        redis_server.set(naming.cancel_key(f"waiting-normal-{index}"), "1")
+    ledger = AdmissionLedger(redis_server, window_seconds=60)
+    backlog = ledger.backlog(QUEUE, "normal")
+    assert (backlog.ahead, backlog.held, backlog.answered) == (8, 1, 0)
+    # Dropped for good: once its worker answers it `cancelled`, it is not counted as an answer either.
+    redis_server.delete(naming.inflight_key("waiting-normal-3"))
+    redis_server.set(naming.result_key("waiting-normal-3"), "cancelled")
+    assert ledger.backlog(QUEUE, "normal").answered == 0
