@@ -93,9 +93,22 @@ def test_with_redis_down_the_brokers_redelivery_still_answers_once(stack, worker
     registry = ProcessRegistry(stack.stack_dir)
     pid = registry.pid(victim)
     registry.stop("redis")
+    killed = threading.Event()
+
+    def kill_in_stride() -> None:
+        # Killed once it has answered a few under the traffic (so it is pulling, with more in its hands), however
+        # slowly a busy machine brought it its first messages; the traffic stops with the kill.
+        give_up = time.monotonic() + 60
+        while worker_client.answered_by(f"-{pid}") < 4 and time.monotonic() < give_up:
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
+
     try:
-        threading.Timer(2.0, lambda: os.kill(pid, signal.SIGKILL)).start()
-        sent = keep_sending(worker_client, seconds=5, concurrency=24)
+        killer = threading.Thread(target=kill_in_stride, daemon=True)
+        killer.start()
+        sent = keep_sending(worker_client, seconds=0, concurrency=24, until=killed)
+        killer.join()
     finally:
         start_redis(stack, registry)
         registry.wait_until("redis", lambda: redis_ok(stack.redis_port), timeout=15)

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,9 +17,12 @@ from contract import naming
 from contract.messages import Progress
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
+from tests.conftest import open_hold
 
 pytestmark = pytest.mark.stack
 SLEEP_TIMEOUT_SECONDS = 30  # the sleep model's request timeout in the local catalog
+# The held long call's deadline: it must reach the worker within it (it expires unstarted otherwise).
+LONG_DEADLINE_SECONDS = 15
 
 
 def keep_sending(
@@ -53,16 +57,6 @@ def assert_answered_in_time(worker_client, request_ids: list[str]) -> dict:
     return replies
 
 
-def answered_by(worker_client, pid: int) -> int:
-    """Replies so far from the worker process `pid` (worker ids are `{host}-{pid}`)."""
-    return sum(
-        1
-        for received in list(worker_client.replies.values())
-        for r in received
-        if r.reply.worker_id.endswith(f"-{pid}")
-    )
-
-
 def test_worker_sigkilled_mid_batch_has_its_requests_answered_by_the_other(stack, worker_client, extra_worker):
     victim = extra_worker("synthetic")
     pid = ProcessRegistry(stack.stack_dir).pid(victim)
@@ -73,7 +67,7 @@ def test_worker_sigkilled_mid_batch_has_its_requests_answered_by_the_other(stack
         # after a fixed time, which a busy machine may spend before it pulls anything.
         deadline = time.monotonic() + 120
         try:
-            while answered_by(worker_client, pid) < 8 and time.monotonic() < deadline:
+            while worker_client.answered_by(f"-{pid}") < 8 and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
             after_kill = len(worker_client.replies) + 24  # traffic goes on until the survivor has answered more
@@ -135,21 +129,27 @@ def test_poison_request_ends_on_the_dead_letter_topic_with_the_client_told(worke
     )
 
 
-def test_long_request_abandoned_at_its_deadline_frees_the_worker(worker_client, settings):
-    # 512x512 at 50 steps takes far longer than its 3 s deadline on the tiny CPU pipeline.
-    long = worker_client.send("sd15-txt2img", "huge", width=512, height=512, steps=50, timeout=3)
-    # The short one is sent once the long one runs (its progress is written), so it cannot join its batch.
+def test_long_request_abandoned_at_its_deadline_frees_the_worker(stack, worker_client, settings):
+    """A 50-step call held after its first step (a `!hold` prompt) until its deadline has passed: it is running
+    when its deadline passes by order, however slowly a busy machine brought it to the worker, and it stops at
+    its next step; the request sent behind it is answered."""
+    gate = f"long-{uuid.uuid4().hex}"
+    long = worker_client.send("sleep", f"!hold {gate}", steps=50, timeout=LONG_DEADLINE_SECONDS)
     progress = redis.Redis.from_url(settings.redis_url)
-    started = time.monotonic()
-    while not progress.exists(naming.progress_key(long)) and long not in worker_client.replies:
-        assert time.monotonic() - started < 30, "the long request never started"
-        time.sleep(0.05)
-    short = worker_client.send("sd15-txt2img", "small", timeout=60)
+    try:
+        while not progress.exists(naming.progress_key(long)):
+            assert long not in worker_client.replies, worker_client.replies[long][0].reply.error
+            time.sleep(0.05)
+        short = worker_client.send("sleep", "small", timeout=60)  # behind it: the call under way holds the device
+        while time.time() <= worker_client.published_at[long] + LONG_DEADLINE_SECONDS:  # its deadline is before
+            time.sleep(0.05)
+    finally:
+        open_hold(stack, gate)
     replies = worker_client.wait([long, short], timeout=60)
     assert replies[long].status == "expired" and "while it ran" in replies[long].error
-    assert replies[short].status == "ok"  # within its own 60 s deadline, behind a call of 50 steps at 512x512
+    assert replies[short].status == "ok"  # within its own 60 s deadline, once the long call stopped
     # Freed by order, not by a clock: the long call stopped at a step before its last (its last step reached is
-    # always written, and the short one ran after it), so the device never spent the rest of it.
+    # always written), so the device never spent the rest of it.
     last = Progress.model_validate_json(progress.get(naming.progress_key(long)))
     assert last.total == 50 and last.step < last.total, f"the abandoned call ran to step {last.step} of {last.total}"
 

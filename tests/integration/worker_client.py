@@ -126,6 +126,16 @@ class WorkerClient:
         with self._lock:
             return self.replies[request_id][0].at
 
+    def answered_by(self, worker_id_suffix: str) -> int:
+        """Replies received so far from the worker whose id ends with `worker_id_suffix` (`-<pid>`: worker ids are
+        `{host}-{pid}`)."""
+        with self._lock:
+            return sum(
+                received.reply.worker_id.endswith(worker_id_suffix)
+                for replies in self.replies.values()
+                for received in replies
+            )
+
     def close(self) -> None:
         self._streaming.cancel()
         with contextlib.suppress(Exception):
