@@ -17,6 +17,7 @@ from contract.settings import Settings, api_key_digest
 from tests.conftest import query_rows
 
 pytestmark = pytest.mark.stack
+LEASE_SECONDS = 3.0  # a crashed holder's slot lease
 RATE_KEY, CONCURRENCY_KEY, VIP_KEY = "limits-rate-key", "limits-concurrency-key", "limits-vip-key"
 
 
@@ -85,11 +86,12 @@ def test_a_crashed_holders_slot_frees_itself_after_its_lease(stack):
     client = redis.Redis.from_url(stack.client_env()["MAAS_REDIS_URL"])
     limiter = RequestLimiter(RedisState(client), KeyLimits(0, 1), lease_margin_seconds=0)
     key_id = uuid.uuid4().hex[:12]
-    limiter.admit(key_id, "digest", hold_seconds=0.5)  # never released: its process "died"
+    # A lease long enough that the refusal below is surely asked within it, even on a machine that stalls.
+    limiter.admit(key_id, "digest", hold_seconds=LEASE_SECONDS)  # never released: its process "died"
     with pytest.raises(Exception, match="concurrent"):
-        limiter.admit(key_id, "digest", hold_seconds=0.5)
-    time.sleep(0.6)
-    limiter.release(limiter.admit(key_id, "digest", hold_seconds=0.5))
+        limiter.admit(key_id, "digest", hold_seconds=LEASE_SECONDS)
+    time.sleep(LEASE_SECONDS + 0.1)
+    limiter.release(limiter.admit(key_id, "digest", hold_seconds=LEASE_SECONDS))
 
 
 def test_limits_fail_open_while_redis_is_unreachable():

@@ -97,21 +97,26 @@ def test_pubsub_restart_makes_api_and_workers_unready_until_the_bootstrap(stack,
         # true answer for that moment. What is asserted is that it then names the missing topics.
         status, body = wait_for(
             lambda: (probe := api_readyz(stack))[0] == 503 and "pubsub topic" in probe[1] and probe,
-            timeout=15,
+            timeout=60,
             what="the API reports its topics missing",
         )
         assert "missing (run the bootstrap)" in body
+        # The same for the worker: "pubsub unreachable" may come first; the missing subscription is then named.
         status, body = wait_for(
-            lambda: (probe := worker_readyz(stack, "synthetic"))[0] == 503 and probe,
-            timeout=15,
-            what="the worker reports not ready",
+            lambda: (
+                (probe := worker_readyz(stack, "synthetic"))[0] == 503
+                and "subscription does not exist" in probe[1]
+                and probe
+            ),
+            timeout=60,
+            what="the worker reports its subscription missing",
         )
         assert "subscription does not exist (run the bootstrap)" in body
     finally:
         bootstrapped = stack_command(stack, "bootstrap")
     assert bootstrapped.returncode == 0, bootstrapped.stderr
     assert "maas-requests-noop-workers" in bootstrapped.stderr  # what it re-created, one line each
-    wait_for(lambda: everything_ready(stack), timeout=30, what="the API and every worker are ready again")
+    wait_for(lambda: everything_ready(stack), timeout=120, what="the API and every worker are ready again")
     assert predict_noop(stack, auth_headers, "after the bootstrap").status_code == 200
 
 
