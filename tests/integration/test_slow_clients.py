@@ -22,7 +22,9 @@ def test_a_predict_beside_a_hundred_idle_connections_is_answered_within_its_dead
     host, port = stack.api_url.removeprefix("http://").rsplit(":", 1)
     deadline = local_catalog().models["noop"].request_timeout_seconds
     with SlowClients(host, int(port), 100, auth_headers["Authorization"]) as slow:
-        assert slow.open_now == 100
+        # All opened, none refused (one the API closed at its header timeout is opened again at once, so a count of
+        # those open now could catch one in between on a slow machine).
+        assert slow.opened >= 100 and slow.refused == 0, (slow.opened, slow.refused)
         for attempt in range(3):
             response = requests.post(
                 f"{stack.api_url}/v1/models/noop:predict",
