@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +74,17 @@ class WorkerHealth:
         return 404, "not found"
 
 
+class ProbeServer(ThreadingHTTPServer):
+    """A probe that gave up before its answer (its timeout passed while a model loads and holds the interpreter)
+    is not an error of the worker: one debug line, not the traceback `socketserver` prints for any exception."""
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            log.debug("a probe from %s left before its answer", client_address[0])
+            return
+        super().handle_error(request, client_address)
+
+
 def serve_health(
     health: WorkerHealth, port: int, host: str = "0.0.0.0", metrics: Callable[[], bytes] | None = None
 ) -> ThreadingHTTPServer:
@@ -92,6 +104,6 @@ def serve_health(
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = ProbeServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
     return server

@@ -53,6 +53,26 @@ def test_the_probes_answer_utf8_text_saying_so():
     assert response.status_code == 503 and response.text == "not ready: weights of m v1: gs://b/m/1: x — not served"
 
 
+def test_a_probe_that_left_before_its_answer_prints_no_traceback_and_other_errors_still_do(capsys):
+    from model_worker.serving.health import ProbeServer
+
+    server = ProbeServer(("127.0.0.1", 0), None)
+    try:
+        for gone in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "Connection reset by peer")):
+            try:
+                raise gone
+            except OSError:
+                server.handle_error(None, ("127.0.0.1", 4242))
+        assert capsys.readouterr().err == ""
+        try:
+            raise ValueError("a real fault")
+        except ValueError:
+            server.handle_error(None, ("127.0.0.1", 4242))
+        assert "ValueError: a real fault" in capsys.readouterr().err
+    finally:
+        server.server_close()
+
+
 def test_a_stalled_loop_fails_liveness():
     health = WorkerHealth(stall_seconds=0.01)
     health.started = True
