@@ -6,6 +6,7 @@ import base64
 import io
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,15 @@ def query_rows(client, sql: str, expected: int, timeout: float = 15.0) -> list[d
         if len(rows) >= expected or time.monotonic() > deadline:
             return rows
         time.sleep(0.3)
+
+
+def wait_for(condition: Callable[[], object], what: str = "the condition", timeout: float = 120.0):
+    """`condition()`'s first true value, polled; `timeout` only ends a hang (the test fails naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.05)
+    return value
 
 
 def png_b64(width: int = 64, height: int = 64, noise: bool = False) -> str:

@@ -52,11 +52,11 @@ RUN_TIME_WEIGHT = 0.3
 # hour: after an idle window the fleet is taken to be what it last was), then per priority its backlog set and its
 # reservations (requests admitted and not yet kept: counted, so that requests judged at the same moment see each
 # other). ARGV: the window (ms), the scan limit, the key prefixes of in-flight records, holder leases, stored
-# results and cancel marks, and the request to reserve a place for in the last priority's reservations ('' for none) and for how
-# long (ms). A waiting request marked cancelled is dropped: a worker answers it unrun, so it is neither work ahead
-# nor an answer that says how fast the model drains (25 cancelled jobs once kept a model refusing for 50 s).
-# Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most workers seen
-# holding its requests at once in the window, then waiting and held per priority.
+# results and cancel marks, and the request to reserve a place for in the last priority's reservations ('' for
+# none) and for how long (ms). A waiting request marked cancelled is dropped: a worker answers it unrun, so it is
+# neither work ahead nor an answer that says how fast the model drains (25 cancelled jobs once kept a model
+# refusing for 50 s). Returns: now (ms), answered in the window, the smoothed run time (ms, or -1), the most
+# workers seen holding its requests at once in the window, then waiting and held per priority.
 _BACKLOG = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

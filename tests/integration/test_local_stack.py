@@ -9,15 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import pytest
 import requests
 
 from emulators.processes import ProcessRegistry, http_probe
 from emulators.stack import ROOT, SUPERVISOR, StackConfig
-from tests.conftest import query_rows
+from tests.conftest import query_rows, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -27,17 +25,6 @@ def stack_command(stack: StackConfig, *args: str) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, "-m", "emulators.stack", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f}s: {what}")
-        time.sleep(0.1)
 
 
 def worker_readyz(stack: StackConfig, deployment: str) -> tuple[int, str]:

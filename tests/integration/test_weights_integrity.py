@@ -17,6 +17,7 @@ import requests
 from emulators.processes import ProcessRegistry
 from emulators.stack import ROOT, worker_env
 from model_worker.weights.store import MANIFEST, WeightsIntegrityError, download_weights
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.stack
 WEIGHTS = "flux-versions/2"
@@ -37,15 +38,6 @@ def readyz(url: str) -> tuple[int, str]:
         return response.status_code, response.text
     except requests.RequestException as exc:
         return 0, str(exc)
-
-
-def wait_for(condition, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.3)
-    raise AssertionError("condition not reached in time")
 
 
 def test_the_stack_uploads_each_model_with_a_manifest_that_matches_its_files(bucket, settings, tmp_path):

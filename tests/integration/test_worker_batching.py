@@ -15,19 +15,14 @@ import pytest
 import redis
 import requests
 
+from contract import naming
 from contract.stores.results import ResultStore
+from tests.conftest import open_hold, wait_for
 
 pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
-
-
-def wait_for(condition, what: str, timeout: float = 90.0) -> None:
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.02)
 
 
 def pixels(reply, index: int = 0) -> np.ndarray:
@@ -153,9 +148,6 @@ def test_worker_metrics_count_requests_and_batches(stack):
 
 def test_a_worker_with_a_batch_backlog_serves_an_interactive_request_first(stack, worker_client, settings):
     """Issue 35: batch lines run on what interactive traffic leaves; an interactive request overtakes their backlog."""
-    from contract import naming
-    from tests.conftest import open_hold
-
     # `sleep-calls`: request-level, 1 s calls of 10 steps; 24 lines are three full calls (8 lines each, issue 42). The
     # call with line 0 stops after its first step until the gate opens: the interactive request arrives during it.
     gate = f"backlog-{uuid.uuid4().hex}"

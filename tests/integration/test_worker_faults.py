@@ -17,7 +17,7 @@ from contract import naming
 from contract.messages import Progress
 from emulators.processes import ProcessRegistry, redis_ok
 from emulators.stack import start_redis
-from tests.conftest import open_hold
+from tests.conftest import open_hold, wait_for
 
 pytestmark = pytest.mark.stack
 SLEEP_TIMEOUT_SECONDS = 30  # the sleep model's request timeout in the local catalog
@@ -137,9 +137,8 @@ def test_long_request_abandoned_at_its_deadline_frees_the_worker(stack, worker_c
     long = worker_client.send("sleep", f"!hold {gate}", steps=50, timeout=LONG_DEADLINE_SECONDS)
     progress = redis.Redis.from_url(settings.redis_url)
     try:
-        while not progress.exists(naming.progress_key(long)):
-            assert long not in worker_client.replies, worker_client.replies[long][0].reply.error
-            time.sleep(0.05)
+        wait_for(lambda: progress.exists(naming.progress_key(long)) or long in worker_client.replies, "the long call")
+        assert long not in worker_client.replies, worker_client.replies[long][0].reply.error
         short = worker_client.send("sleep", "small", timeout=60)  # behind it: the call under way holds the device
         while time.time() <= worker_client.published_at[long] + LONG_DEADLINE_SECONDS:  # its deadline is before
             time.sleep(0.05)
