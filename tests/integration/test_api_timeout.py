@@ -80,7 +80,9 @@ def test_reply_that_never_comes_hands_over_a_job_and_the_subscription_is_deleted
     ended = client.get(response.headers["Location"], headers=auth_headers).get_json()
     assert ended["status"] == "expired" and ended["started_at"] is None
     assert datetime.fromisoformat(ended["finished_at"]).timestamp() == (int(answered * 1000) + 500) / 1000
-    assert serving.job_log.finish_ended() >= 1
+    # Written now, or already by the app's own job-log round (on a busy machine it may claim the row first): the row
+    # query below finds it exactly once either way.
+    serving.job_log.finish_ended()
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
     columns = "status, http_status, endpoint, job_id, worker_id, created_at, replied_at, total_ms"
     [row] = query_rows(bigquery, f"SELECT {columns} FROM {table} WHERE request_id = '{accepted['id']}'", 1)

@@ -96,10 +96,11 @@ def test_with_redis_down_the_brokers_redelivery_still_answers_once(stack, worker
     killed = threading.Event()
 
     def kill_in_stride() -> None:
-        # Killed once it has answered a few under the traffic (so it is pulling, with more in its hands), however
-        # slowly a busy machine brought it its first messages; the traffic stops with the kill.
-        give_up = time.monotonic() + 60
-        while worker_client.answered_by(f"-{pid}") < 4 and time.monotonic() < give_up:
+        # Killed once it has answered a full batch's worth under the traffic (past its first, possibly partial,
+        # pull: it holds its next batch while one runs), however slowly a busy machine brought it its first
+        # messages; the traffic stops with the kill.
+        give_up = time.monotonic() + 120
+        while worker_client.answered_by(f"-{pid}") < 8 and time.monotonic() < give_up:
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         killed.set()
