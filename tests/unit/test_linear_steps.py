@@ -26,20 +26,22 @@ SCHEDULERS = [
     "DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler", "LCMScheduler",
 ]  # fmt: skip
 VECTORISED = {
+    "PNDMScheduler", "DPMSolverMultistepScheduler",
     "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler",
     "LCMScheduler",
 }  # fmt: skip
 SHAPE = (1, 4, 8, 8)
 
 
-def new_scheduler(name: str, steps: int):
+def new_scheduler(name: str, steps: int, overrides: dict | None = None, begin: int = 0):
+    """The image's scheduler as the pipeline sets it; `begin` > 0 starts it there, as image-to-image does."""
     import diffusers
 
-    config = FLOW_CONFIG if name.startswith("FlowMatch") else UNET_CONFIG
+    config = {**(FLOW_CONFIG if name.startswith("FlowMatch") else UNET_CONFIG), **(overrides or {})}
     scheduler = getattr(diffusers, name).from_config(config)
     scheduler.set_timesteps(steps)
     if hasattr(scheduler, "set_begin_index"):
-        scheduler.set_begin_index(0)
+        scheduler.set_begin_index(begin)
     return scheduler
 
 
@@ -68,28 +70,28 @@ def prediction(x, t):
     return torch.tanh(x * 0.7 + 0.001 * float(t)) * 0.9
 
 
-def running_item(name: str, steps: int, seed: int, device: str = "cpu") -> RunningItem:
+def running_item(name: str, steps: int, seed: int, device: str = "cpu", overrides=None, begin=0) -> RunningItem:
     import torch
 
-    scheduler = new_scheduler(name, steps)
+    scheduler = new_scheduler(name, steps, overrides, begin)
     latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(device)
     state = {
-        "scheduler": scheduler, "timesteps": scheduler.timesteps.to(device), "latents": latents,
+        "scheduler": scheduler, "timesteps": scheduler.timesteps[begin:].to(device), "latents": latents,
         "step_kwargs": step_kwargs(scheduler, seed),
     }  # fmt: skip
-    total = len(scheduler.timesteps)
+    total = len(scheduler.timesteps) - begin
     return RunningItem(GenerationItem(prompt="p", seed=seed), total=total, requested=total, state=state)
 
 
-def reference(name: str, steps: int, seed: int) -> list:
+def reference(name: str, steps: int, seed: int, overrides=None, begin=0) -> list:
     """The image's latents after each step, its own diffusers scheduler stepped as the pipeline steps it."""
     import torch
 
-    scheduler = new_scheduler(name, steps)
+    scheduler = new_scheduler(name, steps, overrides, begin)
     kwargs = step_kwargs(scheduler, seed)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
     out = []
-    for t in scheduler.timesteps:
+    for t in scheduler.timesteps[begin:]:
         eps = prediction(scale(scheduler, x, t), t)
         x = scheduler.step(eps, t, x, **kwargs, return_dict=False)[0]
         out.append(x)
@@ -113,15 +115,57 @@ def model_inputs(running: list[RunningItem]) -> list:
 
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_the_running_sets_step_equals_each_images_own_diffusers_scheduler(name):
+    # (steps, seed, the step of the others at which it joins)
+    assert_steps_equal_diffusers(name, [(5, 1, 0), (8, 2, 0), (6, 3, 2)])
+    assert (worker_linear(name) is not None) == (name in VECTORISED)
+
+
+# The multistep schedulers' other configurations the formula covers: prediction types, DPM-Solver's solver type,
+# order, sigmas and final step, long schedules (DPM-Solver's lower-order final step only under 15 steps), and
+# images starting part-way into their schedule (image-to-image's strength).
+VARIANTS = [
+    ("PNDMScheduler", {"prediction_type": "v_prediction"}, 0),
+    ("PNDMScheduler", {"timestep_spacing": "trailing"}, 0),
+    ("PNDMScheduler", {}, 3),
+    ("DPMSolverMultistepScheduler", {"prediction_type": "v_prediction"}, 0),
+    ("DPMSolverMultistepScheduler", {"solver_type": "heun", "use_karras_sigmas": True}, 0),
+    ("DPMSolverMultistepScheduler", {"final_sigmas_type": "sigma_min", "lower_order_final": False}, 0),
+    ("DPMSolverMultistepScheduler", {"euler_at_final": True, "timestep_spacing": "trailing"}, 0),
+    ("DPMSolverMultistepScheduler", {"solver_order": 1}, 0),
+    ("DPMSolverMultistepScheduler", {"prediction_type": "sample"}, 0),
+    ("DPMSolverMultistepScheduler", {}, 4),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "begin"), VARIANTS)
+def test_the_multistep_schedulers_other_configurations_equal_diffusers(name, overrides, begin):
+    assert_steps_equal_diffusers(name, [(9, 1, 0), (20, 2, 0), (16, 3, 3)], overrides, begin)
+    assert denoiser().prepared([running_item(name, 20, 1, overrides=overrides)])[0].state["linear"] is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("PNDMScheduler", {"skip_prk_steps": False}), ("DPMSolverMultistepScheduler", {"solver_order": 3}),
+     ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"})],
+)  # fmt: skip
+def test_configurations_outside_the_formula_keep_their_own_scheduler_and_still_equal_diffusers(name, overrides):
+    assert denoiser().prepared([running_item(name, 20, 1, overrides=overrides)])[0].state["linear"] is None
+    if overrides.get("algorithm_type") is None:  # the SDE draws from the global generator: no oracle
+        assert_steps_equal_diffusers(name, [(20, 1, 0), (16, 3, 3)], overrides)
+
+
+def assert_steps_equal_diffusers(name: str, plan: list, overrides=None, begin: int = 0) -> None:
+    """Steps the running set, images joining at their step of the clock, and compares every image's latents after
+    every step with its own diffusers scheduler's."""
     import torch
 
     worker = denoiser()
-    plan = [(5, 1, 0), (8, 2, 0), (6, 3, 2)]  # (steps, seed, the step of the others at which it joins)
-    expected = {seed: reference(name, steps, seed) for steps, seed, _ in plan}
+    expected = {seed: reference(name, steps, seed, overrides, begin) for steps, seed, _ in plan}
     running: list[RunningItem] = []
     clock = 0
     while clock == 0 or running:
-        running += worker.prepared([running_item(name, s, seed) for s, seed, join in plan if join == clock])
+        joining = [running_item(name, s, seed, overrides=overrides, begin=begin) for s, seed, j in plan if j == clock]
+        running += worker.prepared(joining)
         inputs = model_inputs(running)
         predictions = [prediction(x, r.state["step_timesteps"][r.done]) for r, x in zip(running, inputs, strict=True)]
         worker.step_items(running, predictions)
@@ -131,7 +175,6 @@ def test_the_running_sets_step_equals_each_images_own_diffusers_scheduler(name):
             assert torch.allclose(r.state["latents"], want, atol=1e-4, rtol=1e-4), (name, r.item.seed, r.done)
         running = [r for r in running if r.done < r.total]
         clock += 1
-    assert (worker_linear(name) is not None) == (name in VECTORISED)
 
 
 def worker_linear(name: str):
@@ -204,3 +247,15 @@ def test_on_cuda_a_step_makes_no_host_sync(name):
             assert not [r.failure for r in running if r.failure is not None]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_step_launches_as_many_operations_for_eight_images_as_for_two(name):
+    """The scheduler arithmetic of the whole running set at once: the non-view operations of a step (each a kernel
+    launch on a GPU) do not grow with the images in it (`bench/scheduler_steps.py` prints them)."""
+    from bench.scheduler_steps import measure
+
+    two, eight = (measure(name, images, 8, "cpu", vectorised=True)["operations"] for images in (2, 8))
+    assert eight == two, (name, two, eight)
+    per_image = measure(name, 8, 8, "cpu", vectorised=False)["operations"]
+    assert per_image > eight or name == "FlowMatchEulerDiscreteScheduler", (name, per_image, eight)

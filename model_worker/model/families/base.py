@@ -173,13 +173,15 @@ class Denoiser:
     def prepared(self, running: list[RunningItem]) -> list[RunningItem]:
         """Computes once per image what its steps need, so that a step reads nothing back from the device: its
         timesteps as Python numbers (its own scheduler's `step` takes them), and, where its scheduler's step is
-        one formula (`linear_steps`), its per-step coefficients as one small device tensor, and the noise its
+        one formula (`linear_steps`), its per-step coefficients (Python numbers, and the same as one small device
+        tensor), and the noise its
         stochastic scheduler (Euler ancestral, LCM) adds at each step, drawn now from its generator."""
         for r in running:
             state = r.state
             state["step_timesteps"] = state["timesteps"].tolist()
             coefficients = linear_coefficients(state["scheduler"], state["step_timesteps"], state["step_kwargs"])
             linear = coefficients is not None
+            state["steps"] = coefficients
             state["linear"] = coefficient_table(coefficients, state["latents"].device) if linear else None
             steps = len(state["step_timesteps"])
             state["noise"] = (

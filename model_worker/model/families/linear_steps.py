@@ -1,43 +1,76 @@
 """Scheduler steps that are one formula, done for the whole running set at once without reading the device.
 
-Diffusers' DDIM (eta 0), Euler, Euler ancestral, flow-matching Euler and LCM steps are, for one image,
-`x_prev = a * x + b * eps + c * noise` (Euler's and Euler ancestral's model input scaled by `1 / sqrt(sigma^2 + 1)`),
-where `a`, `b`, `c` and the input scale depend only on the image's schedule and its step. They are computed once per
-image when it joins, from its own diffusers scheduler after `set_timesteps` (Python numbers, then one small tensor
-on the device), so a step of the running set gathers each image's coefficients by index on the device and runs one
-multiply-add for all images: no `.item()`, no comparison of a device tensor in Python, no per-image scheduler call.
-Each image's coefficients are exactly the ones its diffusers scheduler would apply (tests/unit/test_linear_steps.py
-compares them step by step).
+Every scheduler the catalog lets a model step per item has, for one image and its configurations below, a step
+that is linear in what it is given and what it kept:
 
-The stochastic two (Euler ancestral, LCM) add noise each step, which diffusers draws from the image's own CPU
-generator and copies to the device with a blocking copy, a host sync a step. Here an image's noise for all its
-steps is drawn when it joins, from the same generator in the same order and dtype as diffusers draws it (so the
-images stay diffusers' at the same seed), and copied to the device once; a step indexes it.
+    x' = a x + b eps + c noise + d saved + w1 h1 + w2 h2 + w3 h3
 
-A scheduler, or a configuration, outside this formula (PNDM, DPM-Solver++ 2M, DDIM with eta, clipping or
-thresholding, a stochastic step without a generator) returns None here and keeps its own diffusers scheduler,
-stepped per image with its timesteps as Python numbers (`Denoiser.step_items`), which keeps their arithmetic on the
-host's scalars.
+where `x` is the image's latents, `eps` the model's output for it this step, `noise` the stochastic schedulers'
+draw (Euler ancestral, LCM), `saved` the latents PNDM keeps from its first step for its second, and `h1..h3` the
+vectors the multistep schedulers keep from earlier steps (most recent first): PNDM's past model outputs,
+DPM-Solver++'s past data predictions. After the step an image pushes `u x + v eps` on its history when the
+scheduler keeps one (PNDM's output as given; DPM-Solver++'s data prediction `x0 = p x + q eps`). DDIM (eta 0),
+Euler, Euler ancestral, flow-matching Euler and LCM keep nothing; Euler's and Euler ancestral's model input is
+scaled by `1 / sqrt(sigma^2 + 1)`.
+
+Every coefficient depends only on the image's schedule and its step, so they are computed once per image when it
+joins, from its own diffusers scheduler after `set_timesteps` (Python numbers, then one small tensor on the
+device). A step of the running set gathers each image's row by index on the device and runs one multiply-add per
+term for all images: no `.item()`, no comparison of a device tensor in Python, no per-image scheduler call. Each
+image's coefficients are exactly the ones its diffusers scheduler would apply (tests/unit/test_linear_steps.py
+steps both side by side, every scheduler, mixed step counts, images joining mid-run).
+
+The stochastic two add noise each step, which diffusers draws from the image's own CPU generator and copies to the
+device with a blocking copy, a host sync a step. Here an image's noise for all its steps is drawn when it joins,
+from the same generator in the same order and dtype as diffusers draws it (so the images stay diffusers' at the
+same seed), and copied to the device once; a step indexes it.
+
+A configuration outside these formulas (PNDM's Runge-Kutta warm-up, DPM-Solver of order 3 or with noise, DDIM with
+eta, clipping or thresholding, a stochastic step without a generator) and the schedulers not written out here
+(DDPM, LMS, UniPC) return None and keep their own diffusers scheduler, stepped per image with its timesteps as
+Python numbers (`Denoiser.step_items`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 # The scheduler classes the formula covers, and the configurations it covers them in.
 LINEAR_SCHEDULERS = frozenset(
     {"DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler",
-     "LCMScheduler"}
+     "LCMScheduler", "PNDMScheduler", "DPMSolverMultistepScheduler"}
 )  # fmt: skip
-# Those whose step adds noise drawn from the image's generator (the fourth coefficient, `c`).
+# Those whose step adds noise drawn from the image's generator (the coefficient `c`).
 NOISED_SCHEDULERS = frozenset({"EulerAncestralDiscreteScheduler", "LCMScheduler"})
-Coefficients = tuple[float, float, float, float]  # (input scale, a, b, c)
+# The most earlier vectors a step combines (PNDM's fourth-order step: three, and this step's output).
+HISTORY = 3
 
 
-def linear_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any]) -> list[Coefficients] | None:
-    """Per step of this image's `timesteps` (its scheduler's from its `begin_index`): (input scale, a, b, c), or None
-    when the scheduler or its configuration is not the plain formula."""
+class Step(NamedTuple):
+    """One step's coefficients for one image (see the module's formula). `save` and `push` are 1.0 or 0.0."""
+
+    scale: float  # of the model's input
+    a: float  # of the latents
+    b: float  # of the model's output
+    c: float = 0.0  # of this step's noise
+    d: float = 0.0  # of the saved latents
+    w1: float = 0.0  # of the history, most recent first
+    w2: float = 0.0
+    w3: float = 0.0
+    u: float = 0.0  # the pushed vector: u x + v eps
+    v: float = 0.0
+    push: float = 0.0  # whether this step pushes onto the history
+    save: float = 0.0  # whether this step keeps its latents as `saved`
+
+
+# The columns of the device table a step of the running set reads.
+A, B, C, D, W1, U, V = (Step._fields.index(name) for name in ("a", "b", "c", "d", "w1", "u", "v"))
+
+
+def linear_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any]) -> list[Step] | None:
+    """Per step of this image's `timesteps` (its scheduler's from its `begin_index`): its `Step`, or None when the
+    scheduler or its configuration is not one of the formulas."""
     name = type(scheduler).__name__
     if name not in LINEAR_SCHEDULERS:
         return None
@@ -49,6 +82,10 @@ def linear_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any])
         return ddim_coefficients(scheduler, timesteps, step_kwargs)
     if name == "LCMScheduler":
         return lcm_coefficients(scheduler, begin, steps)
+    if name == "PNDMScheduler":
+        return pndm_coefficients(scheduler, timesteps)
+    if name == "DPMSolverMultistepScheduler":
+        return dpm_coefficients(scheduler, begin, steps)
     if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler"):
         if config.prediction_type not in ("epsilon", "v_prediction") or step_kwargs.get("s_churn", 0.0):
             return None
@@ -63,18 +100,18 @@ def linear_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any])
             scale = 1 / math.sqrt(sigma**2 + 1)
             dt = following - sigma
             if config.prediction_type == "epsilon":  # x0 = x - sigma eps; x' = x + (x - x0) / sigma * dt
-                out.append((scale, 1.0, dt, up))
+                out.append(Step(scale, 1.0, dt, up))
             else:  # x0 = eps * (-sigma / sqrt(sigma^2 + 1)) + x / (sigma^2 + 1)
                 skip, gain = 1 / (sigma**2 + 1), -sigma * scale
-                out.append((scale, 1 + (1 - skip) * dt / sigma, -gain * dt / sigma, up))
+                out.append(Step(scale, 1 + (1 - skip) * dt / sigma, -gain * dt / sigma, up))
         return out
     if config.get("stochastic_sampling", False) or getattr(scheduler, "_per_token_timesteps", None) is not None:
         return None
     sigmas = scheduler.sigmas.tolist()  # flow matching: x' = x + (sigma_next - sigma) v
-    return [(1.0, 1.0, sigmas[k + 1] - sigmas[k], 0.0) for k in range(begin, begin + steps)]
+    return [Step(1.0, 1.0, sigmas[k + 1] - sigmas[k]) for k in range(begin, begin + steps)]
 
 
-def lcm_coefficients(scheduler, begin: int, steps: int) -> list[Coefficients] | None:
+def lcm_coefficients(scheduler, begin: int, steps: int) -> list[Step] | None:
     """LCM: denoised = c_out x0 + c_skip x; x' = sqrt(a_prev) denoised + sqrt(1 - a_prev) noise, or the denoised
     itself at the schedule's last step (diffusers draws no noise there)."""
     config = scheduler.config
@@ -97,9 +134,92 @@ def lcm_coefficients(scheduler, begin: int, steps: int) -> list[Coefficients] | 
             x0_x, x0_eps = 0.0, 1.0
         a, b = c_out * x0_x + c_skip, c_out * x0_eps
         if index == scheduler.num_inference_steps - 1:
-            out.append((1.0, a, b, 0.0))
+            out.append(Step(1.0, a, b))
         else:
-            out.append((1.0, math.sqrt(a_prev) * a, math.sqrt(a_prev) * b, math.sqrt(1 - a_prev)))
+            out.append(Step(1.0, math.sqrt(a_prev) * a, math.sqrt(a_prev) * b, math.sqrt(1 - a_prev)))
+    return out
+
+
+# PNDM's linear multistep (PLMS) weights of this step's output and its history, by how many outputs it keeps.
+PLMS_WEIGHTS = {0: (1.0,), 1: (1.5, -0.5), 2: (23 / 12, -16 / 12, 5 / 12), 3: (55 / 24, -59 / 24, 37 / 24, -9 / 24)}
+
+
+def pndm_coefficients(scheduler, timesteps: list) -> list[Step] | None:
+    """PNDM with `skip_prk_steps` (Stable Diffusion's): diffusers' `step_plms`. Its counter starts at the image's
+    first step; the first step is an Euler step that keeps its latents, the second restarts from them with the mean
+    of the two outputs (and keeps no output), later ones combine up to four outputs; each is `_get_prev_sample`,
+    `x' = s x - k M` (v-prediction first turns M into a noise prediction with the sample)."""
+    config = scheduler.config
+    if not config.skip_prk_steps or config.prediction_type not in ("epsilon", "v_prediction"):
+        return None
+    alphas, final = scheduler.alphas_cumprod.tolist(), float(scheduler.final_alpha_cumprod)
+    ratio = config.num_train_timesteps // scheduler.num_inference_steps
+    out, kept = [], 0
+    for k, timestep in enumerate(timesteps):
+        t, previous = (timestep + ratio, timestep) if k == 1 else (timestep, timestep - ratio)
+        a_t = alphas[t]
+        a_prev = alphas[previous] if previous >= 0 else final
+        s = (a_prev / a_t) ** 0.5
+        m = (a_prev - a_t) / (a_t * (1 - a_prev) ** 0.5 + (a_t * (1 - a_t) * a_prev) ** 0.5)
+        if config.prediction_type == "v_prediction":  # M_eps = sqrt(a_t) M + sqrt(1 - a_t) sample
+            s, m = s - m * (1 - a_t) ** 0.5, m * a_t**0.5
+        weights = (0.5, 0.5) if k == 1 else PLMS_WEIGHTS[kept]
+        history = [-m * w for w in weights[1:]] + [0.0] * (HISTORY + 1 - len(weights))
+        if k == 1:  # from the first step's latents; its output is not kept
+            out.append(Step(1.0, 0.0, -m * weights[0], 0.0, s, *history))
+        else:
+            out.append(Step(1.0, s, -m * weights[0], 0.0, 0.0, *history, 0.0, 1.0, 1.0, float(k == 0)))
+            kept = min(kept + 1, HISTORY)
+    return out
+
+
+def dpm_coefficients(scheduler, begin: int, steps: int) -> list[Step] | None:
+    """DPM-Solver++ (diffusers' `DPMSolverMultistepScheduler`, algorithm `dpmsolver++`, order 1 or 2, either solver
+    type): each step converts the output to a data prediction `m = p x + q eps` and keeps it; a first-order step is
+    `x' = (sigma_t / sigma_s) x - alpha_t (e^-h - 1) m`, a second-order one also takes the previous `m`. The
+    coefficients are computed with the scheduler's own float32 arithmetic (`_sigma_to_alpha_sigma_t`, its log
+    lambdas), so a final step to sigma 0 is its first-order step to the data prediction, as in diffusers."""
+    import torch
+
+    config = scheduler.config
+    if (
+        config.algorithm_type != "dpmsolver++" or config.solver_order not in (1, 2) or config.thresholding
+        or config.solver_type not in ("midpoint", "heun") or config.variance_type in ("learned", "learned_range")
+        or config.prediction_type not in ("epsilon", "v_prediction", "sample", "flow_prediction")
+    ):  # fmt: skip
+        return None
+    sigmas, count = scheduler.sigmas.to(torch.float32), len(scheduler.timesteps)
+
+    def alpha_sigma_lambda(index: int):
+        alpha, sigma = scheduler._sigma_to_alpha_sigma_t(sigmas[index])
+        return alpha, sigma, torch.log(alpha) - torch.log(sigma)
+
+    out = []
+    for k in range(steps):
+        index = begin + k
+        alpha_t, sigma_t, lambda_t = alpha_sigma_lambda(index + 1)
+        alpha_s0, sigma_s0, lambda_s0 = alpha_sigma_lambda(index)
+        raw = float(sigmas[index])
+        p, q = {
+            "epsilon": (1 / float(alpha_s0), -float(sigma_s0) / float(alpha_s0)),
+            "v_prediction": (float(alpha_s0), -float(sigma_s0)),
+            "sample": (0.0, 1.0),
+            "flow_prediction": (1.0, -raw),
+        }[config.prediction_type]
+        final = index == count - 1 and (
+            config.euler_at_final or (config.lower_order_final and count < 15) or config.final_sigmas_type == "zero"
+        )
+        h = lambda_t - lambda_s0
+        carry, gain = float(sigma_t / sigma_s0), float(alpha_t * (torch.exp(-h) - 1.0))
+        if config.solver_order == 1 or k < 1 or final:  # x' = carry x - gain m
+            keep, previous = -gain, 0.0
+        else:  # D0 = m, D1 = (m - m_prev) / r0
+            _, _, lambda_s1 = alpha_sigma_lambda(index - 1)
+            r0 = float((lambda_s0 - lambda_s1) / h)
+            heun = float(alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0))
+            d1 = -0.5 * gain if config.solver_type == "midpoint" else heun  # the coefficient of D1
+            keep, previous = -gain + d1 / r0, -d1 / r0
+        out.append(Step(1.0, carry + keep * p, keep * q, 0.0, 0.0, previous, 0.0, 0.0, p, q, 1.0))
     return out
 
 
@@ -152,13 +272,13 @@ def ddim_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any]):
         else:  # x0 = sqrt(a_t) x - sqrt(1 - a_t) v; eps = sqrt(a_t) v + sqrt(1 - a_t) x
             a = math.sqrt(a_prev) * math.sqrt(a_t) + math.sqrt(1 - a_prev) * math.sqrt(1 - a_t)
             b = -math.sqrt(a_prev) * math.sqrt(1 - a_t) + math.sqrt(1 - a_prev) * math.sqrt(a_t)
-        out.append((1.0, a, b, 0.0))
+        out.append(Step(1.0, a, b))
     return out
 
 
-def coefficient_table(coefficients: list[Coefficients], device):
-    """The image's coefficients as one (steps, 4) float32 tensor on the device: copied once, when the image joins."""
-    return host_values(coefficients, device)
+def coefficient_table(coefficients: list[Step], device):
+    """The image's coefficients as one (steps, fields) float32 tensor on the device: copied once, when it joins."""
+    return host_values([list(step) for step in coefficients], device)
 
 
 def host_values(values: list, device):
@@ -172,34 +292,52 @@ def host_values(values: list, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def gathered(running, column: int):
-    """Each image's coefficient of its current step, as an [N, 1, ...] device tensor of the latents' rank (views gathered by index and
-    stacked: no host read)."""
-    import torch
-
-    rank = running[0].state["latents"].dim()
-    return torch.stack([r.state["linear"][r.done, column] for r in running]).view(-1, *[1] * (rank - 1))
-
-
 def step_linear(running, predictions: list) -> None:
-    """One step of every image in `running` (all with a coefficient table): x' = a x + b eps (+ c noise, its step's
-    row of its noise table) in float32, cast back to the prediction's dtype as diffusers' Euler steps do."""
+    """One step of every image in `running` (all with a coefficient table) in float32, cast back to the prediction's
+    dtype as diffusers' Euler and DPM-Solver steps do: each term of the formula is one multiply-add over the whole
+    set, and only the terms some image uses this step (its Python coefficients say which) are computed. An image
+    missing a term (a history shorter than another's) gets zeros there."""
     import torch
 
     latents = torch.cat([r.state["latents"] for r in running])
     eps = torch.cat(predictions)
-    stepped = gathered(running, 1) * latents.to(torch.float32) + gathered(running, 2) * eps.to(torch.float32)
+    x, e = latents.to(torch.float32), eps.to(torch.float32)
+    rows = torch.stack([r.state["linear"][r.done] for r in running])  # (N, fields): views gathered on the device
+    steps = [r.state["steps"][r.done] for r in running]  # the same numbers on the host, to choose the terms
+
+    def column(index: int):
+        return rows[:, index].view(-1, *[1] * (latents.dim() - 1))
+
+    stepped = column(A) * x + column(B) * e
+    zero = None
     if any(r.state.get("noise") is not None for r in running):
-        noise = torch.cat([
-            r.state["noise"][r.done : r.done + 1] if r.state.get("noise") is not None
-            else torch.zeros_like(r.state["latents"])
-            for r in running
-        ])  # fmt: skip
-        stepped = stepped + gathered(running, 3) * noise.to(torch.float32)
+        zero = torch.zeros_like(running[0].state["latents"])
+        noise = torch.cat([r.state["noise"][r.done : r.done + 1] if r.state.get("noise") is not None else zero
+                           for r in running])  # fmt: skip
+        stepped = stepped + column(C) * noise.to(torch.float32)
+    for index in (D, *range(W1, W1 + HISTORY)):
+        if not any(step[index] for step in steps):
+            continue
+        zero = zero if zero is not None else torch.zeros_like(running[0].state["latents"])
+        terms = torch.cat([kept(r, index) if kept(r, index) is not None else zero for r in running])
+        stepped = stepped + column(index) * terms.to(torch.float32)
+    pushed = (column(U) * x + column(V) * e).to(eps.dtype) if any(step.push for step in steps) else None
     stepped = stepped.to(eps.dtype)
-    for index, r in enumerate(running):
+    for index, (r, step) in enumerate(zip(running, steps, strict=True)):
+        if step.save:
+            r.state["saved"] = latents[index : index + 1]
+        if step.push:
+            r.state["history"] = [pushed[index : index + 1], *r.state.get("history", ())][:HISTORY]
         r.state["latents"] = stepped[index : index + 1]
         r.done += 1
+
+
+def kept(r, index: int):
+    """What an image kept for the term in column `index`: its saved latents (D) or an earlier vector (W1...)."""
+    if index == D:
+        return r.state.get("saved")
+    history = r.state.get("history", ())
+    return history[index - W1] if len(history) > index - W1 else None
 
 
 def scaled_input(r, sample):
