@@ -234,8 +234,12 @@ def worker_line(check: Check, scheduling: str) -> None:
     spec = sd15_spec(check, scheduling)
     guess = check.shared.get("direct", 2.0)
     images = max(3 * sizes.batch, int(sizes.seconds * guess) // sizes.batch * sizes.batch)
-    measured = worker_images_per_second(runner, spec, params(spec, sizes.steps, sizes.size), sizes.batch, images,
+    timer = PhaseTimer(runner)  # no sync: it only records each model call's images
+    measured = worker_images_per_second(timer, spec, params(spec, sizes.steps, sizes.size), sizes.batch, images,
                                         warmup_images=sizes.batch)  # fmt: skip
+    began, ended = measured["window"]
+    counted = [images for at, images in timer.calls if began < at <= ended]
+    measured["images_per_call"] = statistics.mean(counted) if counted else float("nan")
     rate = measured["images_per_s"]
     check.shared[f"worker_{scheduling}"] = rate
     direct = check.shared.get("direct")
@@ -244,7 +248,8 @@ def worker_line(check: Check, scheduling: str) -> None:
     calls = measured["pipeline_calls"]
     check.add(f"sd15.worker-{scheduling}", f"SD-1.5-sized eager, worker {scheduling}-level, single-image requests",
               check.judged(share is not None and share >= SHARE_OF_DIRECT) if share else MISS,
-              f"{shown}, {calls} model calls for {measured['images']} images",
+              f"{shown}, {calls} model calls for {measured['images']} images, "
+              f"{measured['images_per_call']:.1f} images a call while measured",
               f">= {SHARE_OF_DIRECT:.0%} of direct batch {sizes.batch}", **measured, share_of_direct=share)  # fmt: skip
 
 
@@ -274,6 +279,91 @@ def line_lone(check: Check) -> None:
         check.add(f"sd15.lone-{steps}", f"SD-1.5-sized eager, lone {steps}-step request, step / request-level",
                   check.judged(ratio <= LONE_RATIO), f"{ratio:.2f}x ({step:.0f} / {request:.0f} ms)",
                   f"<= {LONE_RATIO}x", step_ms=step, request_ms=request)  # fmt: skip
+    steps = sizes.lone_steps[-1]
+    phases = lone_phases(check, runner, steps)
+    step, request = phases["step"], phases["request"]
+    check.add(f"sd15.lone-{steps}-phases", f"lone {steps}-step request, where the time goes (each phase synchronized)",
+              INFO, f"step-level: start {step['start']:.0f}, {step['calls']} steps {step['step']:.0f} "
+              f"({step['step'] / max(step['calls'], 1):.1f} each), decode {step['decode']:.0f}, to the reply "
+              f"{step['reply']:.0f} ms; request-level: call {request['generate']:.0f} (to its first step's end "
+              f"{request.get('to_first_step', 0):.0f}, after its last {request.get('after_last_step', 0):.0f}), to "
+              f"the reply {request['reply']:.0f} ms", "diagnosis", **phases)  # fmt: skip
+
+
+class PhaseTimer:
+    """The runner with each of its device calls timed: with `sync` (CUDA's synchronize) after each, so that a phase
+    holds its own GPU work (the lone latencies above are measured without this), or none, to see what the device
+    loop asks of the model without changing it. `calls`: (when it returned, images) of each model call."""
+
+    def __init__(self, runner, sync=None) -> None:
+        self._runner, self._sync = runner, sync or (lambda: None)
+        self.phases: dict[str, float] = {}
+        self.calls: list[tuple[float, int]] = []
+        self.returned = 0.0  # when the last device call returned: the finisher's part starts there
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+    def _timed(self, phase: str, images: int, call, *args):
+        began = time.perf_counter()
+        out = call(*args)
+        self._sync()
+        self.returned = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + (self.returned - began) * 1000
+        if phase in ("step", "generate"):
+            self.calls.append((self.returned, images))
+        return out
+
+    def start_items(self, items, params):
+        return self._timed("start", len(items), self._runner.start_items, items, params)
+
+    def denoise_step(self, running) -> None:
+        return self._timed("step", len(running), self._runner.denoise_step, running)
+
+    def decode(self, running):
+        return self._timed("decode", len(running), self._runner.decode, running)
+
+    def generate(self, items, params, on_step):
+        """The pipeline call, its steps' ends marked (synchronized) through its step callback: the part before
+        its first step's end (encoding, latents, one step) and after its last (the decode) show apart."""
+        marks: list[float] = []
+
+        def marked(step: int, total: int) -> None:
+            self._sync()
+            marks.append(time.perf_counter())
+            on_step(step, total)
+
+        began = time.perf_counter()
+        out = self._timed("generate", len(items), self._runner.generate, items, params, marked)
+        if marks:
+            self.phases["to_first_step"] = (marks[0] - began) * 1000
+            self.phases["after_last_step"] = (self.returned - marks[-1]) * 1000
+        return out
+
+
+def lone_phases(check: Check, runner, steps: int, repeats: int = 3) -> dict[str, dict]:
+    """Per scheduling, the median over `repeats` lone requests of each phase's milliseconds (start, steps, decode;
+    or the pipeline call) and of the finisher's part (the last device call's return to the reply's publish)."""
+    from bench import open_loop
+
+    timer = PhaseTimer(runner, check.sync)
+    worker_size = check.sizes.size
+    out: dict[str, dict] = {}
+    backend = open_loop.InProcessBackend(timer, sd15_spec(check), (steps,), worker_size)
+    try:
+        for scheduling, worker in backend.workers.items():
+            seen: list[dict] = []
+            for repeat in range(repeats):
+                timer.phases, timer.calls = {}, []
+                pending = open_loop.pending_request(worker.spec, steps, 2000 + repeat, worker.size)
+                worker.submit(pending)
+                worker.wait([pending.request_id], timeout=120)
+                reply = (worker.answered[pending.request_id] - timer.returned) * 1000
+                seen.append({**timer.phases, "calls": len(timer.calls), "reply": reply})
+            out[scheduling] = {key: statistics.median(row[key] for row in seen) for key in seen[0]}
+    finally:
+        backend.close()
+    return out
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -202,6 +202,7 @@ def worker_images_per_second(
         "images_per_s": counted / seconds if seconds > 0 else float("nan"),
         "pipeline_calls": device.calls + device.running.calls,  # request-level calls or denoising steps
         "handed_back": leases.released,
+        "window": (stamps[warmup_images - 1] if warmup_images else stamps[0], stamps[total - 1]),  # perf_counter
     }
 
 
