@@ -23,6 +23,7 @@ from pathlib import Path
 from contract.messages import GenerationParameters
 from contract.model_spec import ModelSpec
 from model_worker.adapters.lora import LoraSets, Slots
+from model_worker.model.attention import without_attention_introspection
 from model_worker.model.compiled import (
     DEFAULT_COMPILE_MODE,
     CompileCache,
@@ -96,6 +97,7 @@ class DiffusionRunner:
                 weights_dir, torch_dtype=dtype, use_safetensors=True, **load_kwargs
             ).to(self._device)
         self._pipeline.set_progress_bar_config(disable=True)
+        without_attention_introspection(self._pipeline)
         self._pipeline.scheduler = configured_scheduler(spec, self._pipeline.scheduler)
         self._denoiser = denoiser(spec, self._pipeline, self._device)
         self._denoiser.check_loaded()
