@@ -51,7 +51,7 @@ def running_set(name: str, images: int, steps: int, device: str, vectorised: boo
                  "step_kwargs": kwargs}  # fmt: skip
         total = len(scheduler.timesteps)
         running.append(RunningItem(GenerationItem(prompt="p", seed=seed), total=total, requested=total, state=state))
-    Denoiser.prepared(None, running)
+    Denoiser.__new__(Denoiser).prepared(running)  # prepared and step_items use no pipeline
     if not vectorised:
         for r in running:
             r.state["linear"] = r.state["noise"] = None
