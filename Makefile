@@ -16,7 +16,7 @@ step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done
 # The virtualenvs install side by side (pip is much of the time unpacking and writing files): `make test` from a
 # bare clone about 25 s sooner on two cores. The Debian packages come first, one apt-get at a time.
 install: system-deps
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VENV_BQ)/.installed
+	@$(MAKE) --no-print-directory --silent -j2 $(VENV)/.installed $(VENV_BQ)/.installed
 
 # Redis comes from Debian; the Pub/Sub emulator (Cloud SDK) and Java are expected on the machine.
 system-deps:
@@ -78,7 +78,7 @@ browser-deps:
 
 # The infrastructure tests run checkov from its own virtualenv.
 test: system-deps browser-deps
-	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed $(VENV_BQ)/.installed $(VENV_CHECKOV)/.installed
+	@$(MAKE) --no-print-directory --silent -j3 $(VENV)/.installed $(VENV_BQ)/.installed $(VENV_CHECKOV)/.installed
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 # The layering contracts ([tool.importlinter] in pyproject.toml) also run in `make test` (tests/unit/test_layering.py).
