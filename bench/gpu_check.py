@@ -377,6 +377,7 @@ class HostReads:
         self.cuda = cuda
         self.reads: dict[str, int] = {}
         self.syncs = 0
+        self.sync_sites: dict[str, int] = {}
         self._thread = threading.get_ident()
 
     def __enter__(self) -> HostReads:
@@ -409,7 +410,12 @@ class HostReads:
 
         if self.cuda:
             torch.cuda.set_sync_debug_mode("default")
-            self.syncs = sum(1 for w in self._seen if "synchroniz" in str(w.message))
+            synced = [w for w in self._seen if "synchroniz" in str(w.message)]
+            self.syncs = len(synced)
+            # Where each came from: the Python line that made the synchronizing call (the warning's frame).
+            for w in synced:
+                where = f"{Path(w.filename).name}:{w.lineno}"
+                self.sync_sites[where] = self.sync_sites.get(where, 0) + 1
             self._warnings.__exit__(*exc)
         for name, saved in self._saved.items():
             if saved is None:
@@ -440,11 +446,12 @@ def line_syncs(check: Check) -> None:
     reads = sum(counted.reads.values())
     per_step = max(reads, counted.syncs) / steps  # a device tensor's `.item()` is both a read and a sync
     what = ", ".join(f"{name} {count}" for name, count in sorted(counted.reads.items())) or "none"
-    cuda = f"; CUDA syncs {counted.syncs / steps:.1f}/step" if check.cuda else ""
+    sites = ", ".join(f"{site} x{count}" for site, count in sorted(counted.sync_sites.items()))
+    cuda = f"; CUDA syncs {counted.syncs / steps:.1f}/step{f' at {sites}' if sites else ''}" if check.cuda else ""
     check.add("sd15.syncs", f"SD-1.5-sized eager, host reads per denoising step (batch {len(running)}, "
               f"{'/'.join(map(str, mix))} steps)", PASS if per_step == 0 else MISS,
               f"{per_step:.1f}/step (reads: {what}{cuda})", "0", reads=counted.reads, cuda_syncs=counted.syncs,
-              steps=steps)  # fmt: skip
+              sync_sites=counted.sync_sites, steps=steps)  # fmt: skip
 
 
 # --- batch lines and the open loop ---------------------------------------------------------------------------

@@ -79,6 +79,17 @@ def test_host_reads_are_counted_while_active_and_the_tensor_methods_restored():
     assert counted.reads == {"item": 1, "__bool__": 1}
 
 
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()")
+def test_on_cuda_a_sync_is_counted_with_the_line_that_made_it():
+    import torch
+
+    tensor = torch.ones(3, device="cuda")
+    with gpu_check.HostReads(cuda=True) as counted:
+        tensor.sum().item()
+    assert counted.syncs >= 1
+    assert any(site.startswith("test_gpu_check.py:") for site in counted.sync_sites), counted.sync_sites
+
+
 def test_a_compile_mode_is_taken_from_the_catalog_or_reported_not_available(tmp_path):
     from pydantic import BaseModel
 
