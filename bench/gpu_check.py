@@ -454,6 +454,28 @@ def line_syncs(check: Check) -> None:
               sync_sites=counted.sync_sites, steps=steps)  # fmt: skip
 
 
+def line_scheduler_steps(check: Check) -> None:
+    """The scheduler step alone at batch 8, SD-1.5-sized latents, each of the seven steppable schedulers: the whole
+    running set at once (what the worker does) against each image's own diffusers scheduler; operations dispatched
+    (a kernel launch each) and milliseconds per step (synchronized on CUDA)."""
+    from bench.scheduler_steps import SCHEDULERS, host_ms, measure
+
+    device = "cuda" if check.cuda else "cpu"
+    images, steps = check.sizes.batch, 8
+    rows, shown = {}, []
+    for name in SCHEDULERS:
+        row = {}
+        for vectorised in (True, False):
+            label = "set" if vectorised else "per_image"
+            row[f"{label}_ops"] = measure(name, images, steps, device, vectorised)["operations"]
+            row[f"{label}_ms"] = host_ms(name, images, steps, device, vectorised)
+        rows[name] = row
+        shown.append(f"{name.removesuffix('Scheduler')} {row['set_ops']:.0f}/{row['set_ms']:.2f} "
+                     f"({row['per_image_ops']:.0f}/{row['per_image_ms']:.2f})")  # fmt: skip
+    check.add("sd15.scheduler-steps", f"scheduler step of {images} images: ops / ms, whole set (per image)", INFO,
+              "; ".join(shown), "reference", **rows)  # fmt: skip
+
+
 # --- batch lines and the open loop ---------------------------------------------------------------------------
 
 
@@ -745,6 +767,7 @@ LINES = [
     LineSpec("sd15.worker-step", line_worker_step, 10.0),
     LineSpec("sd15.lone", line_lone, 15.0),
     LineSpec("sd15.syncs", line_syncs, 5.0),
+    LineSpec("sd15.scheduler-steps", line_scheduler_steps, 5.0),
     LineSpec("batch.interactive", line_batch_lines, 25.0),
     LineSpec("open-loop", line_open_loop, 45.0),
     LineSpec("release-sd15", release_sd15, 0.0),

@@ -33,11 +33,13 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     document = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     lines = {line["key"]: line for line in document["lines"]}
     expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
-                "sd15.lone-4-phases", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16"}  # fmt: skip
+                "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16"}  # fmt: skip
     assert expected <= set(lines), sorted(set(lines))
     phases = lines["sd15.lone-4-phases"]["detail"]
     assert phases["step"]["calls"] == 5 and phases["step"]["start"] > 0 and phases["step"]["decode"] > 0
     assert phases["request"]["generate"] >= phases["request"]["to_first_step"] > 0
+    steps = lines["sd15.scheduler-steps"]["detail"]
+    assert len(steps) == 7 and all(row["set_ops"] < row["per_image_ops"] for n, row in steps.items() if "Flow" not in n)
     errors = {key: line["measured"] for key, line in lines.items() if line["measured"].startswith(("error", "skipped"))}
     assert errors == {}
     assert all(line["result"] in ("PASS", "MISS", "INFO") for line in lines.values())
