@@ -11,7 +11,7 @@ The schedulings run in rounds of request, step, step, request (`--rounds`), so a
 the run weighs on both alike; the ratio is of their summed rates.
 
     .venv/bin/python -m bench.step_vs_request [--images 40] [--steps 25] [--rounds 1] [--png-level N]
-        [--finisher-nice N]
+        [--finisher-nice N] [--lone REPEATS]
 """
 
 from __future__ import annotations
@@ -111,10 +111,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of request, step, step, request")
     parser.add_argument("--finisher-nice", type=int, default=Settings.finisher_nice,
                         help="the finisher threads' CPU priority below the device thread's (MAAS_FINISHER_NICE)")  # fmt: skip
+    parser.add_argument("--lone", type=int, default=0, metavar="REPEATS",
+                        help="instead: a lone 12- and 25-step request's latency in both schedulings (median of REPEATS)")  # fmt: skip
     args = parser.parse_args()
     if args.png_level is not None:
         encode_at(args.png_level)
     base = local_catalog(test_fixtures=True).get("sd15-txt2img")
+    if args.lone:
+        lone_latencies(base.model_copy(update={"max_batch_size": args.batch}), args.lone)
+        return
     params = GenerationParameters(seed=0, num_inference_steps=args.steps, guidance_scale=7.5, width=SIZE, height=SIZE)
     rates: dict[str, list[float]] = {"request": [], "step": []}
     for scheduling in ("request", "step", "step", "request") * args.rounds:
@@ -129,6 +134,22 @@ def main() -> None:
     ideal = args.batch / (args.steps * step_seconds(2 * args.batch))
     print(f"stand-in bound at batch {args.batch}: {ideal:.2f} img/s")
     print(f"step / request: {sum(rates['step']) / sum(rates['request']):.1%}")
+
+
+def lone_latencies(spec, repeats: int) -> None:
+    """A lone request through the worker's pool, device loop, running set and finisher (the two schedulings
+    interleaved): what the worker's own machinery adds to a request alone, the stand-in's steps being equal."""
+    from bench import open_loop
+
+    backend = open_loop.InProcessBackend(StandInRunner(spec), spec, (12, 25), SIZE)
+    try:
+        lone = backend.lone(repeats)
+    finally:
+        backend.close()
+    for steps in ("12", "25"):
+        step, request = lone["step"][steps], lone["request"][steps]
+        print(f"lone {steps}-step request: step-level {step:.0f} ms, request-level {request:.0f} ms "
+              f"({step / request:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
