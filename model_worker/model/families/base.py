@@ -173,9 +173,9 @@ class Denoiser:
     def prepared(self, running: list[RunningItem]) -> list[RunningItem]:
         """Computes once per image what its steps need, so that a step reads nothing back from the device: its
         timesteps as Python numbers (its own scheduler's `step` takes them), and, where its scheduler's step is
-        one formula (`linear_steps`), its per-step coefficients (Python numbers, and the same as one small device
-        tensor), and the noise its
-        stochastic scheduler (Euler ancestral, LCM) adds at each step, drawn now from its generator."""
+        one formula (`linear_steps`), its per-step coefficients (Python numbers, which say which terms a step
+        needs, and the same as one small device tensor) and the noise its stochastic scheduler (Euler ancestral,
+        LCM) adds at each step, drawn now from its generator."""
         for r in running:
             state = r.state
             state["step_timesteps"] = state["timesteps"].tolist()
