@@ -133,6 +133,11 @@ VARIANTS = [
     ("DPMSolverMultistepScheduler", {"euler_at_final": True, "timestep_spacing": "trailing"}, 0),
     ("DPMSolverMultistepScheduler", {"solver_order": 1}, 0),
     ("DPMSolverMultistepScheduler", {"prediction_type": "sample"}, 0),
+    (
+        "DPMSolverMultistepScheduler",
+        {"use_flow_sigmas": True, "prediction_type": "flow_prediction", "flow_shift": 3.0},
+        0,
+    ),
     ("DPMSolverMultistepScheduler", {}, 4),
 ]
 

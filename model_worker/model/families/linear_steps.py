@@ -82,10 +82,13 @@ def linear_coefficients(scheduler, timesteps: list, step_kwargs: dict[str, Any])
         return ddim_coefficients(scheduler, timesteps, step_kwargs)
     if name == "LCMScheduler":
         return lcm_coefficients(scheduler, begin, steps)
-    if name == "PNDMScheduler":
-        return pndm_coefficients(scheduler, timesteps)
-    if name == "DPMSolverMultistepScheduler":
-        return dpm_coefficients(scheduler, begin, steps)
+    if name in ("PNDMScheduler", "DPMSolverMultistepScheduler"):
+        try:
+            if name == "PNDMScheduler":
+                return pndm_coefficients(scheduler, timesteps)
+            return dpm_coefficients(scheduler, begin, steps)
+        except ZeroDivisionError:  # a schedule at an end point (alpha 0): diffusers' own arithmetic, per image
+            return None
     if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler"):
         if config.prediction_type not in ("epsilon", "v_prediction") or step_kwargs.get("s_churn", 0.0):
             return None
