@@ -140,7 +140,7 @@ def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
 
     assert keys("flux.bf16") == {"flux.bf16"}
     assert keys("sd15") == keys("sd15.") == {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone",
-                                             "sd15.syncs"}  # fmt: skip
+                                             "sd15.syncs", "sd15.scheduler-steps"}  # fmt: skip
     assert keys("sd15-compiled") == {"sd15-compiled", "sd15-compiled.warm-start"}
     assert keys("sd15-compiled.warm-start") == {"sd15-compiled", "sd15-compiled.warm-start"}  # the line it needs
     assert {"flux.build", "flux.bf16", "flux.bf16-compiled"} <= keys("flux")
