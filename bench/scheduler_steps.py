@@ -83,16 +83,22 @@ class Counted:
         self._mode.__exit__(*exc)
 
 
+def stepping(name: str, images: int, steps: int, device: str, vectorised: bool) -> tuple:
+    """(a pipeline-less denoiser, the running set, each image's fixed model output) for `running_set`'s images."""
+    import torch
+
+    from model_worker.model.families.base import Denoiser
+
+    running = running_set(name, images, steps, device, vectorised)
+    return Denoiser.__new__(Denoiser), running, [torch.tanh(r.state["latents"]) for r in running]
+
+
 def measure(name: str, images: int, steps: int, device: str, vectorised: bool) -> dict:
     """Operations and host milliseconds per step of the set, over its steps after the first two (the multistep
     schedulers' warm-up branches), each image's model output a fixed tensor of its own."""
     import torch
 
-    running = running_set(name, images, steps, device, vectorised)
-    outputs = [torch.tanh(r.state["latents"]) for r in running]
-    from model_worker.model.families.base import Denoiser
-
-    worker = Denoiser.__new__(Denoiser)
+    worker, running, outputs = stepping(name, images, steps, device, vectorised)
     operations, seconds, counted = 0, 0.0, 0
     for step in range(steps):
         if device == "cuda":
@@ -112,11 +118,7 @@ def host_ms(name: str, images: int, steps: int, device: str, vectorised: bool) -
     """Host milliseconds per step without the counting mode (which costs more than the step)."""
     import torch
 
-    from model_worker.model.families.base import Denoiser
-
-    running = running_set(name, images, steps, device, vectorised)
-    outputs = [torch.tanh(r.state["latents"]) for r in running]
-    worker = Denoiser.__new__(Denoiser)
+    worker, running, outputs = stepping(name, images, steps, device, vectorised)
     times = []
     for _ in range(steps):
         began = time.perf_counter()

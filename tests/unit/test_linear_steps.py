@@ -12,24 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from bench.scheduler_steps import FLOW_CONFIG, SCHEDULERS, UNET_CONFIG
 from model_worker.model.families.base import Denoiser
 from model_worker.model.runners import GenerationItem, RunningItem
 
-# SD 1.5's scheduler configuration (what `from_config` of its PNDM gets), and a flow-matching one as FLUX's.
-UNET_CONFIG = {
-    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "clip_sample": False,
-}  # fmt: skip
-FLOW_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
-SCHEDULERS = [
-    "PNDMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
-    "DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler", "LCMScheduler",
-]  # fmt: skip
-VECTORISED = {
-    "PNDMScheduler", "DPMSolverMultistepScheduler",
-    "DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler",
-    "LCMScheduler",
-}  # fmt: skip
+# Every scheduler the catalog lets a model step per item, all of them stepped for the whole set at once.
+VECTORISED = set(SCHEDULERS)
 SHAPE = (1, 4, 8, 8)
 
 

@@ -322,7 +322,7 @@ def step_linear(running, predictions: list) -> None:
         if not any(step[index] for step in steps):
             continue
         zero = zero if zero is not None else torch.zeros_like(running[0].state["latents"])
-        terms = torch.cat([kept(r, index) if kept(r, index) is not None else zero for r in running])
+        terms = torch.cat([vector if (vector := kept(r, index)) is not None else zero for r in running])
         stepped = stepped + column(index) * terms.to(torch.float32)
     pushed = (column(U) * x + column(V) * e).to(eps.dtype) if any(step.push for step in steps) else None
     stepped = stepped.to(eps.dtype)
