@@ -233,6 +233,16 @@ INFLIGHT_UNCLAIMED_KEY = f"{PREFIX}:inflight:unclaimed"
 INFLIGHT_UNLOGGED_KEY = f"{PREFIX}:inflight:unlogged"
 
 
+# Redis sorted sets per request topic (its short name): the workers pulling it by last beat, and by when their
+# latest empty pull began (epoch ms): how the watchdog tells a request queued behind busy workers from a lost one.
+def pullers_key(topic: str) -> str:
+    return f"{PREFIX}:pullers:{topic}"
+
+
+def empty_pulls_key(topic: str) -> str:
+    return f"{PREFIX}:pullers:{topic}:empty"
+
+
 # Redis sorted sets for admission by predicted wait (api_server/predict/admission.py): a model's published
 # requests by priority, by deadline (epoch ms), kept with each request (`keep`); its answered ones by when the
 # API saw them answered (the completion rate); its recent run time per request (ms, smoothed); and the most

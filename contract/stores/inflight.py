@@ -99,6 +99,21 @@ local count = redis.call('HINCRBY', KEYS[1], 'redispatches', 1)
 if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('ZREM', KEYS[2], ARGV[1]) end
 return count
 """
+# Watch a kept request for a taker until ARGV[2], counting a copy (ARGV[3]) and its publish time (ARGV[4]); a record
+# ended meanwhile (answered) is left alone, not re-created without its expiry.
+_AWAIT_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+if ARGV[3] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'unclaimed_republishes', 1)
+end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'published_ms', ARGV[4])
+end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
 # Renew the watchdog's leadership if this process holds it, else take it if it is free.
 _LEAD = """
 local holder = redis.call('GET', KEYS[1])
@@ -124,6 +139,8 @@ class KeptRequest:
     attributes: dict[str, str]
     deadline_ms: int
     redispatches: int
+    # When its latest copy was published (epoch ms); None for a record kept before this was stored.
+    published_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +202,7 @@ class InflightStore:
         self._lead = client.register_script(_LEAD)
         self._claim_row = client.register_script(_CLAIM_ROW)
         self._redispatched = client.register_script(_REDISPATCHED)
+        self._await_claim = client.register_script(_AWAIT_CLAIM)
 
     # The API's side.
 
@@ -206,6 +224,7 @@ class InflightStore:
         `backlog_key`: its model's backlog at its priority, which admission counts (`naming.backlog_key`)."""
         key = naming.inflight_key(request_id)
         expiry_ms = deadline_ms + KEEP_PAST_DEADLINE_SECONDS * 1000
+        now_ms = int(time.time() * 1000)
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(
             key,
@@ -215,12 +234,13 @@ class InflightStore:
                 "attributes": json.dumps(attributes),
                 "deadline_ms": deadline_ms,
                 "redispatches": 0,
+                "published_ms": now_ms,
             },
         )
         pipe.pexpireat(key, expiry_ms)
         pipe.zadd(naming.INFLIGHT_DEADLINES_KEY, {request_id: deadline_ms})
         if unclaimed_after_ms is not None:
-            pipe.zadd(naming.INFLIGHT_UNCLAIMED_KEY, {request_id: int(time.time() * 1000) + unclaimed_after_ms})
+            pipe.zadd(naming.INFLIGHT_UNCLAIMED_KEY, {request_id: now_ms + unclaimed_after_ms})
         if row is not None:
             pipe.set(naming.inflight_row_key(request_id), json.dumps(row), pxat=expiry_ms)
             pipe.zadd(naming.INFLIGHT_UNLOGGED_KEY, {request_id: deadline_ms})
@@ -351,15 +371,17 @@ class InflightStore:
         ids = self._redis.zrangebyscore(naming.INFLIGHT_UNCLAIMED_KEY, "-inf", now_ms, start=0, num=limit)
         return self.states([raw.decode() for raw in ids])
 
-    def await_claim(self, request_id: str, due_ms: int, republished_unclaimed: bool = False) -> None:
-        """Marks a request just published again as untaken until `due_ms`; `republished_unclaimed`: it was
-        published again because nobody took it (counted: the watchdog doubles its wait each time, so a request
-        that only waits in a backlog is copied rarely)."""
-        pipe = self._redis.pipeline(transaction=True)
-        if republished_unclaimed:
-            pipe.hincrby(naming.inflight_key(request_id), "unclaimed_republishes", 1)
-        pipe.zadd(naming.INFLIGHT_UNCLAIMED_KEY, {request_id: due_ms})
-        pipe.execute()
+    def await_claim(
+        self, request_id: str, due_ms: int, republished_unclaimed: bool = False, published_ms: int | None = None
+    ) -> None:
+        """Marks a request as untaken until `due_ms`; `republished_unclaimed`: it was published again because
+        nobody took it (counted: the watchdog doubles its wait each time, so a request that only waits in a
+        backlog is copied rarely). `published_ms`: when its latest copy was published (None: no new copy, it
+        still waits in its queue)."""
+        self._await_claim(
+            keys=[naming.inflight_key(request_id), naming.INFLIGHT_UNCLAIMED_KEY],
+            args=[request_id, due_ms, "1" if republished_unclaimed else "0", published_ms or ""],
+        )
 
     def unclaimed_republishes(self, request_id: str) -> int:
         """How often the watchdog published `request_id` again because no worker took it."""
@@ -410,6 +432,7 @@ def _kept(request_id: str, record: dict) -> KeptRequest | None:
         attributes=json.loads(record[b"attributes"]),
         deadline_ms=int(record[b"deadline_ms"]),
         redispatches=int(record.get(b"redispatches", 0)),
+        published_ms=int(record[b"published_ms"]) if b"published_ms" in record else None,
     )
 
 

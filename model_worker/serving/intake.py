@@ -18,6 +18,7 @@ from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from pydantic import ValidationError
 
+from contract import naming
 from contract.images import InputImageError, decode_input_image
 from contract.messages import Attr, InferenceReply, InferenceRequest, Payload
 from contract.model_spec import ModelSpec
@@ -31,6 +32,7 @@ from model_worker.held.pool import HeldMessage, PendingRequest, RequestPool
 from model_worker.model.runners import GenerationItem
 from model_worker.serving.finisher import ReplyFinisher
 from model_worker.serving.health import WorkerHealth
+from model_worker.serving.presence import PullerPresence
 
 log = logging.getLogger(__name__)
 # Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
@@ -207,8 +209,9 @@ class SubscriptionLoop:
     def _run(self) -> None:
         raise NotImplementedError
 
-    def _pull(self, max_messages: int) -> list:
-        """One waiting pull; [] when nothing came or it failed (reported to readiness, then backed off)."""
+    def _pull(self, max_messages: int) -> list | None:
+        """One waiting pull: what came ([] when the queue had nothing for it), or None when it failed (reported to
+        readiness, then backed off)."""
         try:
             response = self._subscriber.pull(
                 request={"subscription": self.subscription, "max_messages": max_messages}, timeout=PULL_WAIT_SECONDS
@@ -217,10 +220,10 @@ class SubscriptionLoop:
             response = None
         except exceptions.NotFound:
             self._failed("subscription does not exist (run the bootstrap)")
-            return []
+            return None
         except exceptions.GoogleAPICallError as exc:
             self._failed(f"pull failed: {type(exc).__name__}")
-            return []
+            return None
         self._health.clear_problem(self.subscription)
         self._failures = 0
         return list(response.received_messages) if response is not None else []
@@ -233,7 +236,7 @@ class SubscriptionLoop:
 
 class SubscriptionPuller(SubscriptionLoop):
     """Pulls one subscription into the pool, never more than the pool has room for (a batch subscription: only
-    into an empty pool, `RequestPool.room`)."""
+    into an empty pool, `RequestPool.room`), and tells `presence` when a pull found the queue empty."""
 
     def __init__(
         self,
@@ -245,8 +248,11 @@ class SubscriptionPuller(SubscriptionLoop):
         leases: LeaseKeeper,
         triage: Triage,
         health: WorkerHealth,
+        presence: PullerPresence | None = None,
     ) -> None:
         super().__init__(subscriber, subscription, health, f"pull-{spec.queue}-{priority}")
+        self._presence = presence
+        self._topic = naming.request_topic(spec.queue, priority)  # type: ignore[arg-type]
         self._spec = spec
         self._priority = priority
         self._pool = pool
@@ -259,7 +265,11 @@ class SubscriptionPuller(SubscriptionLoop):
             room = self._pool.wait_for_room(self._priority, timeout=1.0)
             if room <= 0 or self.stopping.is_set():
                 continue
-            for received in self._pull(room):
+            started_ms = int(time.time() * 1000)
+            received_messages = self._pull(room)
+            if received_messages == [] and self._presence is not None:
+                self._presence.pulled_empty(self._topic, started_ms)
+            for received in received_messages or []:
                 self._take(received)
         log.info("stopped pulling %s", self.subscription)
 
@@ -319,7 +329,7 @@ class DeadLetterResponder(SubscriptionLoop):
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            for received in self._pull(10):
+            for received in self._pull(10) or []:
                 self._answer(received)
 
     def _answer(self, received) -> None:

@@ -60,7 +60,8 @@ class WorkerMetrics:
         )
         self.errors = Counter("maas_worker_errors", "Errors by kind", ["kind"], registry=self.registry)
         self.watchdog = Counter(
-            "maas_worker_watchdog_requests", "Requests the watchdog re-dispatched, expired or failed, by action",
+            "maas_worker_watchdog_requests",
+            "Requests the watchdog re-dispatched, copied, expired, failed or left queued, by action",
             ["action"], registry=self.registry,
         )  # fmt: skip
         self.held_requests = Gauge(

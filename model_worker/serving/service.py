@@ -22,6 +22,7 @@ from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec
 from contract.settings import Settings
 from contract.stores.inflight import InflightStore
+from contract.stores.pullers import PullerStore
 from contract.stores.results import ResultStore
 from model_worker.adapters.loader import AdapterLoader
 from model_worker.flows.stages import FlowStages
@@ -34,6 +35,7 @@ from model_worker.serving.finisher import ReplyFinisher
 from model_worker.serving.health import WorkerHealth, serve_health
 from model_worker.serving.intake import PULL_WAIT_SECONDS, DeadLetterResponder, ReplyFactory, SubscriptionPuller, Triage
 from model_worker.serving.metrics import WorkerMetrics
+from model_worker.serving.presence import PullerPresence
 from model_worker.serving.watchdog import Watchdog
 
 log = logging.getLogger("model_worker")
@@ -153,9 +155,18 @@ class WorkerService:
         )
         self.replies = ReplyFactory(worker_id, {name: runner.accelerator for name, runner in self.runners.items()})
         checkpoints = FlowCheckpoints(redis_client, self._storage.bucket(settings.payload_bucket))
+        pullers = PullerStore(redis_client)
+        # Which topics this worker pulls, and when a pull found one empty: how the watchdog tells a request queued
+        # behind busy workers (no copy) from one lost with a dead worker's pull.
+        self.presence = PullerPresence(
+            pullers,
+            worker_id,
+            [naming.request_topic(name, priority) for name, priority in subscriptions],
+            settings.holder_lease_seconds,
+        )
         self.watchdog = Watchdog(
             inflight, self.results, self.publisher, self.finisher, settings.catalog(), worker_id,
-            settings.holder_lease_seconds, self.metrics, checkpoints.reports,
+            settings.holder_lease_seconds, self.metrics, checkpoints.reports, pullers,
         )  # fmt: skip
         # Adapters load from the model bucket off the device thread; a request joins once its set is ready.
         adapter_bucket = self._storage.bucket(settings.model_bucket)
@@ -180,7 +191,15 @@ class WorkerService:
         triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows)
         self.pullers = [
             SubscriptionPuller(
-                self.subscriber, path, by_name[name], priority, self.pool, self.leases, triage, self.health
+                self.subscriber,
+                path,
+                by_name[name],
+                priority,
+                self.pool,
+                self.leases,
+                triage,
+                self.health,
+                self.presence,
             )
             for (name, priority), path in subscriptions.items()
         ]
@@ -301,6 +320,7 @@ class WorkerService:
         self.adapters.start()
         self.progress.start()
         self.watchdog.start()
+        self.presence.start()
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.start()
         self.health.started = True
@@ -323,6 +343,7 @@ class WorkerService:
             self.leases.release(pending.message)
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.join(PULL_WAIT_SECONDS + 1)
+        self.presence.stop()
         self.flows.close()
         self.finisher.close()
         self.adapters.stop()

@@ -15,6 +15,10 @@ fast as a dead worker's requests lapse). A sweep looks at two things the API and
   again, the wait doubling each time. A copy a worker pulled but died before taking (no holder lease yet) is
   invisible to the lapse check, and the emulator has been seen never to deliver it again: before this, such a
   request (a sync request turned job, deadline 15 minutes away) waited for its deadline, its client long gone.
+  Not while it is only queued behind busy workers (`contract.stores.pullers`: its topic's pullers are alive,
+  none found the queue empty and none died since it was published): under overload, admission admits requests
+  expected to start up to their deadline, and a copy would only lengthen the queue. It is looked at again an
+  ack deadline later.
 
 A flow's answer (expired or dead-lettered) names the flow and the stage it was at, as a worker's would, and
 carries the reports its finished stages kept in Redis: their rows are written, and past the deadline between
@@ -38,6 +42,7 @@ from google.cloud import pubsub_v1
 from contract.catalog import ModelCatalog
 from contract.messages import Attr, InferenceReply, StageReport
 from contract.stores.inflight import InflightState, InflightStore, KeptRequest, RedisOutage, claim_wait_ms
+from contract.stores.pullers import PullerStore, TopicPullers
 from contract.stores.results import ResultStore
 from model_worker.flows.stages import unanswered_flow_reply
 from model_worker.serving.finisher import ReplyFinisher
@@ -62,9 +67,12 @@ class Watchdog:
         lease_seconds: float,
         metrics: WorkerMetrics,
         flow_reports: Callable[[str], list[StageReport]] | None = None,
+        pullers: PullerStore | None = None,
     ) -> None:
         """`flow_reports(request_id)`: the reports a flow's finished stages left in Redis (`FlowCheckpoints.reports`),
-        so an answer for a flow names the stage it was at and carries those stages (their rows)."""
+        so an answer for a flow names the stage it was at and carries those stages (their rows). `pullers`: who
+        pulls each topic (`model_worker.serving.presence`); without it every untaken request is copied."""
+        self._pullers = pullers
         self._flow_reports = flow_reports
         self._inflight = inflight
         self._results = results
@@ -116,12 +124,27 @@ class Watchdog:
             # A live holder answers its own request at the deadline (the device loop abandons it).
             if not state.held and not self._settled(state):
                 ended += self._expire(state.kept)
+        topics: dict[str, TopicPullers] = {}  # read once per sweep
         for state in self._inflight.unclaimed(now_ms):
             if state.held or state.kept is None or state.kept.deadline_ms <= now_ms:
                 self._inflight.unclaim(state.request_id)  # taken, or ended (the sweeps above see to it)
-            elif not self._settled(state):
+            elif self._settled(state):
+                continue
+            elif self._queued_behind_busy(state.kept, now_ms, topics):
+                self._inflight.await_claim(state.request_id, now_ms + self.claim_wait_ms(state.kept) // 2)
+                self._metrics.watchdog.labels(action="left_queued").inc()
+            else:
                 redispatched += self._republish_unclaimed(state.kept, now_ms)
         return redispatched, ended
+
+    def _queued_behind_busy(self, kept: KeptRequest, now_ms: int, topics: dict[str, TopicPullers]) -> bool:
+        """True when an untaken request only waits its turn (`TopicPullers.queued_behind_busy`): no copy."""
+        if self._pullers is None or kept.published_ms is None:
+            return False  # no way to tell: copied, as before
+        topic = kept.topic.rsplit("/", 1)[-1]
+        if topic not in topics:
+            topics[topic] = self._pullers.pullers(topic)
+        return topics[topic].queued_behind_busy(kept.published_ms, now_ms, int(self._lease_seconds * 1000))
 
     def claim_wait_ms(self, kept: KeptRequest) -> int:
         """How long a published copy may go untaken before it is published again: twice the model's ack deadline
@@ -137,7 +160,9 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001 - publish futures raise transport and timeout errors alike
             log.warning("could not publish untaken %s again (%s); trying again at the next sweep", kept.request_id, exc)
             return 0
-        self._inflight.await_claim(kept.request_id, now_ms + self.claim_wait_ms(kept) * 2 ** (times + 1), True)
+        self._inflight.await_claim(
+            kept.request_id, now_ms + self.claim_wait_ms(kept) * 2 ** (times + 1), True, published_ms=now_ms
+        )
         log.warning("request %s published again: no worker took it (time %d)", kept.request_id, times + 1)
         self._metrics.watchdog.labels(action="republished_untaken").inc()
         return 1
@@ -170,7 +195,8 @@ class Watchdog:
             return 0
         self._inflight.count_redispatch(kept.request_id)
         # The new copy can be lost the same way (pulled by a worker that dies before taking it): watched too.
-        self._inflight.await_claim(kept.request_id, int(time.time() * 1000) + self.claim_wait_ms(kept))
+        published_ms = int(time.time() * 1000)
+        self._inflight.await_claim(kept.request_id, published_ms + self.claim_wait_ms(kept), published_ms=published_ms)
         log.warning("request %s re-dispatched (attempt %d): its holder's lease lapsed", kept.request_id, count + 1)
         self._metrics.watchdog.labels(action="redispatched").inc()
         return 1
