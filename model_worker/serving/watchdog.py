@@ -163,7 +163,8 @@ class Watchdog:
         self._inflight.await_claim(
             kept.request_id, now_ms + self.claim_wait_ms(kept) * 2 ** (times + 1), True, published_ms=now_ms
         )
-        log.warning("request %s published again: no worker took it (time %d)", kept.request_id, times + 1)
+        model = kept.attributes.get(Attr.MODEL, "")
+        log.warning("request %s of %s published again: no worker took it (time %d)", kept.request_id, model, times + 1)
         self._metrics.watchdog.labels(action="republished_untaken").inc()
         return 1
 
