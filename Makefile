@@ -11,7 +11,7 @@ step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done
 
 .PHONY: analytics capacity chaos gpu-check import-model install run up down test test-fast lint format bench clean system-deps
 
-.PHONY: status restart bootstrap browser-deps
+.PHONY: status restart bootstrap browser-deps docs docs-serve
 
 # The virtualenvs install side by side (pip is much of the time unpacking and writing files): `make test` from a
 # bare clone about 25 s sooner on two cores. The Debian packages come first, one apt-get at a time.
@@ -27,7 +27,7 @@ system-deps:
 	@command -v java >/dev/null || { echo "Java is required by the Pub/Sub emulator" >&2; exit 1; }
 	@command -v gcloud >/dev/null || { echo "The Google Cloud SDK (Pub/Sub emulator) is required" >&2; exit 1; }
 
-$(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt maas_client/pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-worker.txt requirements-dev.txt requirements-docs.txt maas_client/pyproject.toml
 	$(call step,Creating the virtualenv $(VENV),test -d $(VENV) || $(PYTHON) -m venv $(VENV))
 	$(call step,Installing requirements-dev.txt into $(VENV) (torch CPU and diffusers: about two minutes the first time),$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt)
 	@touch $@
@@ -122,5 +122,15 @@ chaos: install
 analytics: $(VENV)/.installed
 	$(PY) -m analytics --stack .stack --since $(or $(SINCE),7d) $(if $(MODEL),--model $(MODEL),)
 
+# The documentation site (mkdocs.yml): built offline with --strict into .site/ (a broken link, a page missing from the
+# nav or a failing reference generator is an error); docs-serve serves the built site on http://127.0.0.1:8000.
+DOCS_PORT ?= 8000
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+docs-serve: docs
+	@echo "The documentation: http://127.0.0.1:$(DOCS_PORT)/ (Ctrl-C stops it)"
+	@$(PY) -m http.server $(DOCS_PORT) --bind 127.0.0.1 --directory .site
+
 clean:
-	rm -rf .stack .pytest_cache .ruff_cache
+	rm -rf .stack .pytest_cache .ruff_cache .site

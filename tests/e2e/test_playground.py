@@ -77,7 +77,7 @@ def test_generate_an_image_with_progress_then_refuse_a_bad_size_and_never_run_a_
     assert prompt in caption  # shown as text...
     assert browser.execute_script("return window.pwned") is None  # ...never run
     assert not browser.find_elements(By.CSS_SELECTOR, "#results script, #results img[src='x']")
-    if screenshot := os.environ.get("MAAS_PLAYGROUND_SCREENSHOT"):  # how the README's picture is made
+    if screenshot := os.environ.get("MAAS_PLAYGROUND_SCREENSHOT"):  # how the README's and the docs' picture is made
         browser.save_screenshot(screenshot)
 
     fill(browser, "size", "4096x64")

@@ -83,7 +83,7 @@ def test_same_seeded_request_gives_byte_identical_images(stack, auth_headers):
     }
     first = predict(stack, TXT2IMG, body, auth_headers).json()["predictions"][0]["image_b64"]
     again = predict(stack, TXT2IMG, body, auth_headers)
-    # What the README promises: the same bytes through the cache (a batch may move a pixel value by 1/255).
+    # What the docs promise (docs/guides/requests.md): the same bytes through the cache (a batch may move a pixel value by 1/255).
     assert again.headers.get("X-Cache") == "hit"
     second = again.json()["predictions"][0]["image_b64"]
     other = {**body, "parameters": {**body["parameters"], "seed": 1235}}

@@ -41,7 +41,7 @@ NARROWABLE = {
     if key != "version"
 }
 # Bounds a hang only: each process re-reads the splits every MAAS_TRAFFIC_REFRESH_SECONDS (0.5 s), and how soon a
-# change is in force on a busy machine is no test's business (the README states it).
+# change is in force on a busy machine is no test's business (docs/guides/versions-and-rollouts.md states it).
 IN_FORCE_SECONDS = 60.0
 
 

@@ -74,8 +74,8 @@ def test_make_targets_run_the_stack_commands(target, command):
     assert command in result.stdout
 
 
-def test_make_status_with_nothing_running_fails_with_the_status_the_readme_gives(tmp_path):
-    # make exits 2 whenever a command fails, whatever the command's own status: the README must say so.
+def test_make_status_with_nothing_running_fails_with_the_status_the_docs_give(tmp_path):
+    # make exits 2 whenever a command fails, whatever the command's own status: the local stack's page must say so.
     result = subprocess.run(
         ["make", "-s", "-o", ".venv/.installed", "status"],
         cwd=ROOT,
@@ -85,7 +85,8 @@ def test_make_status_with_nothing_running_fails_with_the_status_the_readme_gives
         timeout=60,
     )
     assert result.returncode == 2 and "Nothing is running" in result.stdout
-    [row] = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `make status`")]
+    page = ROOT / "docs" / "getting-started" / "local-stack.md"
+    [row] = [line for line in page.read_text().splitlines() if line.startswith("| `make status`")]
     promised = {int(code) for code in re.findall(r"`make status` exits (\d)", row)}
     assert promised == {2}, row
     assert "3 when nothing runs" in row  # `python -m emulators.stack status`, the command itself

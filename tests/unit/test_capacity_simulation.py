@@ -158,10 +158,10 @@ def test_the_deployed_target_keeps_up_with_the_seed_s_peak_hour_on_the_l4_profil
 
 def test_on_the_h100_profile_the_deployed_target_keeps_its_result(seed_peak_hour):
     # Deployed on an H100, where a batch of four runs at 3.1 times one image's rate in this profile: the catalog
-    # entry with that batching_gain, rendered. Request-level, as README "Capacity" reports the H100's result (95% of the day in
+    # entry with that batching_gain, rendered. Request-level, as the docs' capacity results (docs/results/capacity.md) report the H100's result (95% of the day in
     # time with nothing expired, at the GPU-hours of one batch per replica): at least that SLO, on no more GPUs
     # than one batch per replica takes in the same hour. (Step-level on this profile pays a 280 ms decode
-    # floor per group of requests finishing together and swings hour by hour under either target; README.)
+    # floor per group of requests finishing together and swings hour by hour under either target; docs/results/capacity.md.)
     h100 = load_profiles()["h100-sd15"]
     gain = profile_gain(h100, SEED_MIX, catalog_deployments({IMG2IMG})[0])
     assert gain > 2

@@ -124,7 +124,7 @@ def test_flux_dev_at_1024_matches_the_measured_loaded_and_peak_memory_in_bf16_an
     assert bf16.total_bytes / GIB == pytest.approx(36.2, rel=0.05)
     fp8 = unit_plan(catalog(tmp_path, {"flux": flux(hardware="h100")}).get("flux"))
     assert fp8.total_bytes / GIB == pytest.approx(21.5, rel=0.05)
-    # The weights alone come out 6% under the blog's 17.0 GiB (16.0): README "Memory plan" says so.
+    # The weights alone come out 6% under the blog's 17.0 GiB (16.0): docs/concepts/memory-plan.md says so.
     assert fp8.weights_bytes / GIB == pytest.approx(17.0, rel=0.07)
 
 

@@ -4,11 +4,13 @@ For SD 1.5, SDXL, FLUX.1 [schnell] and [dev] and SD 3.5 (tiny random-weight pipe
 as the local stack serves them; the UNets' timestep made to matter, `family_references.UNET_SHARPENING`), a
 request's images made by the worker's device loop, alone and in a running set beside requests with other step
 counts and guidance, in both schedulings, equal what the pipeline itself returns for the same prompt, seed and
-parameters, within the README's tolerance. And the oracle can tell: a worker broken on purpose (every row given
+parameters, within the docs' tolerance (docs/guides/model-families.md). And the oracle can tell: a worker broken on purpose (every row given
 the first row's timestep, a zero timestep, no guidance, a wrong schedule shift) misses it by far more.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -411,3 +413,8 @@ def test_a_negative_prompt_shares_steps_with_a_request_without_one_and_both_equa
         assert_close(images[pending.request_id], reference_images(pipelines, name, pending))
     difference = np.abs(np.asarray(images["plain"][0]) - np.asarray(images["negative"][0])).max() * 255
     assert difference > PIXEL_TOLERANCE, "the negative prompt changed nothing"
+
+
+def test_the_families_page_states_the_tolerance_this_test_holds_the_worker_to():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "model-families.md").read_text()
+    assert f"**within {PIXEL_TOLERANCE}/255 per pixel**" in page

@@ -1,4 +1,4 @@
-"""The outcome table (`contract/outcomes.py`) is the vocabulary the log schema, the README and the views use."""
+"""The outcome table (`contract/outcomes.py`) is the vocabulary the log schema, the docs and the views use."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from contract.outcomes import FINISHED_JOB_STATES, OUTCOMES, Outcome
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def readme_status_table() -> dict[int, str]:
-    """The README's `| status | when |` table: HTTP status to what it says."""
-    text = (ROOT / "README.md").read_text()
+# The page that tells a caller what each HTTP status means (the docs site's requests guide).
+STATUS_PAGE = ROOT / "docs" / "guides" / "requests.md"
+
+
+def documented_status_table() -> dict[int, str]:
+    """The requests guide's `| status | when |` table: HTTP status to what it says."""
+    text = STATUS_PAGE.read_text()
     table = text.split("| status | when |", 1)[1].split("\n\n", 1)[0]
     return {int(match[1]): match[2] for match in re.finditer(r"^\| (\d{3}) \| (.+) \|$", table, re.MULTILINE)}
 
@@ -23,8 +27,8 @@ def test_every_outcome_has_one_mapping():
     assert {"succeeded", "failed", "expired", "cancelled"} == FINISHED_JOB_STATES
 
 
-def test_the_readme_status_table_lists_every_status_an_outcome_answers_with_202_included():
-    table = readme_status_table()
+def test_the_documented_status_table_lists_every_status_an_outcome_answers_with_202_included():
+    table = documented_status_table()
     assert {spec.http_status for spec in OUTCOMES.values()} <= set(table)
     assert "job" in table[202]
 

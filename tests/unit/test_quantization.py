@@ -1,7 +1,7 @@
 """Quantization at load (the catalog's `quantization:`) on the tiny SD 1.5 and FLUX.1 pipelines, on the CPU.
 
 int8 weight-only quantizes the named components' Linear layers while diffusers loads them (torchao tensors in
-the model, the weights on disk unchanged), and the worker's images stay within the README's tolerance of the
+the model, the weights on disk unchanged), and the worker's images stay within the docs' tolerance of the
 unquantized pipeline's, in both schedulings, with an adapter (diffusers' LoRA layers on the quantized ones), and
 compiled (torch.compile's eager backend, the adapter slots on quantized layers); FLUX.1 with its transformer and
 T5 quantized likewise, with an adapter. torchao runs float8 weight-only
@@ -11,6 +11,7 @@ capability 8.9 (an A100): both are refused before anything loads, with the reaso
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,8 +23,8 @@ from tests.unit.test_adapter_parts import loaded_by_the_worker, with_adapters
 from tests.unit.test_model_families import DEV, SD15, differences, reference_images
 from tests.unit.test_step_scheduler import Worker, request
 
-# The largest pixel difference (of 255) of a quantized model's image from the unquantized pipeline's: README
-# "Quantization at load". Measured on the tiny pipelines: int8 about 1-3, float8 weight-only about 6-10.
+# The largest pixel difference (of 255) of a quantized model's image from the unquantized pipeline's: the docs'
+# "Quantization at load" (docs/guides/quantization-and-compile.md, checked below). Measured on the tiny pipelines: int8 about 1-3, float8 weight-only about 6-10.
 QUANTIZED_TOLERANCE = {"int8_weight_only": 6.0, "float8_weight_only": 16.0}
 SIZE = 64
 SPEC = SD15.model_copy(update={"name": "sd15-quantized"})
@@ -207,3 +208,9 @@ def test_a_quantized_model_keeps_its_compile_artifacts_apart_from_the_unquantize
     int8, fp8 = quantized("int8_weight_only"), quantized("float8_weight_only")
     keys = {compile_cache_key(SPEC), compile_cache_key(int8), compile_cache_key(fp8)}
     assert len(keys) == 3 and compile_cache_key(int8).endswith("-int8_weight_only-text_encoder+unet")
+
+
+def test_the_quantization_page_states_the_tolerances_this_test_holds_the_worker_to():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "quantization-and-compile.md").read_text()
+    assert f"**{QUANTIZED_TOLERANCE['int8_weight_only']:.0f}/255 per pixel**" in page
+    assert f"**{QUANTIZED_TOLERANCE['float8_weight_only']:.0f}/255**" in page
