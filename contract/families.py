@@ -45,7 +45,14 @@ class Family:
     # Whether its pipelines take diffusers' `denoising_end` (text-to-image) and `denoising_start`
     # (image-to-image): the base + refiner handoff of a partly denoised latent.
     denoising_handoff: bool = False
+    # The scheduler saved with the family's published weights (class, and the config keys that bound its step
+    # count: contract/step_limits.py): what a catalog entry that names none runs, checked when the catalog loads.
+    scheduler: str = "FlowMatchEulerDiscreteScheduler"
+    scheduler_config: tuple[tuple[str, object], ...] = (("num_train_timesteps", 1000),)
 
+
+# runwayml/stable-diffusion-v1-5's PNDM and stable-diffusion-xl-base-1.0's Euler both save these.
+SAVED_UNET_SCHEDULER = (("num_train_timesteps", 1000), ("timestep_spacing", "leading"), ("steps_offset", 1))
 
 FAMILIES: dict[str, Family] = {
     family.name: family
@@ -60,6 +67,8 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("unet", "text_encoder"),
             latent_space="sd15-vae: 4 channels, scaling 0.18215",
+            scheduler="PNDMScheduler",
+            scheduler_config=SAVED_UNET_SCHEDULER,
         ),
         Family(
             "sdxl",
@@ -74,6 +83,8 @@ FAMILIES: dict[str, Family] = {
             optional_components=("text_encoder",),
             latent_space="sdxl-vae: 4 channels, scaling 0.13025",
             denoising_handoff=True,
+            scheduler="EulerDiscreteScheduler",
+            scheduler_config=SAVED_UNET_SCHEDULER,
         ),
         Family(
             "flux",

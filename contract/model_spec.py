@@ -15,6 +15,7 @@ from contract.families import Family, Guidance, family_of, unknown_pipeline_erro
 from contract.generation import defaults_model
 from contract.hardware import HARDWARE, HardwareName
 from contract.quantization import FLOAT8_MIN_COMPUTE_CAPABILITY, Quantization
+from contract.step_limits import steps_problem
 
 Task = Literal["text-to-image", "image-to-image"]
 # `noop` and `sleep` are synthetic runners that go through the worker's whole path: benchmarks and tests.
@@ -260,6 +261,7 @@ class ModelSpec(BaseModel):
         self._check_synthetic_fields()
         if self.pipeline is not None:
             self._check_family()
+            self._check_step_limit()
         self._check_quantization()
         if self.max_instances_per_request > self.max_batch_size:
             raise ValueError(
@@ -273,6 +275,22 @@ class ModelSpec(BaseModel):
                 f"request_timeout_seconds {self.request_timeout_seconds}, or a crashed worker's requests time out"
             )
         return self
+
+    @property
+    def scheduler_settings(self) -> tuple[str, dict[str, object]]:
+        """The scheduler class and config it runs with, as far as the catalog knows: its family's saved one (the
+        published weights') under the catalog's class and overrides; the worker checks the loaded one itself."""
+        family = self.family
+        return self.scheduler or family.scheduler, {
+            **dict(family.scheduler_config),
+            **self.scheduler_config.overrides(),
+        }
+
+    def _check_step_limit(self) -> None:
+        """A request may ask for any step count up to the limit, so the limit must be one its scheduler can run."""
+        scheduler, config = self.scheduler_settings
+        if (problem := steps_problem(self.name, self.limits.max_inference_steps, scheduler, config)) is not None:
+            raise ValueError(problem)
 
     def _check_synthetic_fields(self) -> None:
         """The synthetic runners' test switches are refused where they would do nothing, so a catalog never

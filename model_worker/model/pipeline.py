@@ -22,6 +22,7 @@ from pathlib import Path
 
 from contract.messages import GenerationParameters
 from contract.model_spec import ModelSpec
+from contract.step_limits import steps_problem
 from model_worker.adapters.lora import LoraSets, Slots
 from model_worker.model.attention import without_attention_introspection
 from model_worker.model.compiled import (
@@ -223,14 +224,18 @@ class DiffusionRunner:
 
 def configured_scheduler(spec: ModelSpec, scheduler):
     """The pipeline's scheduler as the catalog configures it: its class (`scheduler`, from the saved config) and
-    `scheduler_config`'s overrides (a distilled model's `timestep_spacing: trailing`); unchanged when it sets none."""
+    `scheduler_config`'s overrides (a distilled model's `timestep_spacing: trailing`); unchanged when it sets none.
+    Refused when the catalog's step limit is more than it can run (contract/step_limits.py)."""
     import diffusers
 
     overrides = spec.scheduler_config.overrides()
     name = spec.scheduler or type(scheduler).__name__
-    if name == type(scheduler).__name__ and not overrides:
-        return scheduler
-    return getattr(diffusers, name).from_config(scheduler.config, **overrides)
+    if name != type(scheduler).__name__ or overrides:
+        scheduler = getattr(diffusers, name).from_config(scheduler.config, **overrides)
+    # The catalog checked its limit against the family's published scheduler; these weights may have saved another.
+    if (problem := steps_problem(spec.name, spec.limits.max_inference_steps, name, scheduler.config)) is not None:
+        raise ValueError(problem)
+    return scheduler
 
 
 def _step_callback(on_step: StepCallback, requested: int) -> Callable:
