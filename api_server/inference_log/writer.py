@@ -2,7 +2,7 @@
 
 A request's row is validated against the schema file (the emulator accepts bad rows silently; a bad row
 is logged in full at ERROR and dropped alone), queued in memory, and every `spool_interval` written to
-the on-disk spool (`log_spool.py`). A second thread sends spooled segments in order through the Storage
+the on-disk spool (`spool.py`). A second thread sends spooled segments in order through the Storage
 Write API (`bigquery_write.py`) and deletes each once BigQuery has it; while BigQuery is unreachable the
 rows wait on disk and are retried with backoff; on SIGTERM the memory queue is spooled; after a restart
 the spool is sent first. A full spool refuses rows loudly (ERROR with the full row, and a counter).
