@@ -613,6 +613,8 @@ class BatchRunner:
         status = {Outcome.CANCELLED: "cancelled", Outcome.EXPIRED: "expired"}.get(outcome, "failed")
         message = row.error or (reply.error if reply else None) or outcome.value
         line.update(status=status, error={"code": outcome.spec.http_status, "message": message, "kind": row.error_kind})
+        if reply is not None and reply.stages:  # a flow's line that did not finish, as its job's error
+            line["error"]["stages"] = stage_timings(reply)
         return "errors", status, _item(line, row, stage_rows, entry)
 
     def _save_images(self, batch_id: str, line_number: int, reply: InferenceReply) -> list[tuple[str, int]]:

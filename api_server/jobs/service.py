@@ -92,8 +92,10 @@ class JobState:
         """When it ended: its answer became available, it was cancelled, or (unanswered) its deadline passed."""
         if self.status == "cancelled" and self.cancelled_ms is not None:
             return self.cancelled_ms
-        if self.reply is not None:
+        if self.reply is not None and (self.reply.answered_ms or self.reply.worker_finished_ms):
             return self.reply.answered_ms or self.reply.worker_finished_ms
+        # Unanswered past its deadline, or an expiry answer that says no time (a flow's, from a watchdog before
+        # its answers carried one): it ended when its deadline passed.
         return self.deadline_ms if self.status == "expired" else None
 
 
@@ -360,10 +362,12 @@ def _iso(epoch_ms: int | None) -> str | None:
 
 
 def stage_timings(reply: InferenceReply) -> list[dict]:
-    """A flow's answer's `stages` (sync, job and batch line alike): every stage that ran, in order."""
+    """A flow's answer's `stages` (sync, job and batch line alike): every stage that ran, in order; the one it
+    ended in, when it did not finish, with its `status` and `error_kind`."""
     return [
         {"stage": stage.stage, "model": stage.model, "model_version": stage.model_version,
-         "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2)}
+         "queue_ms": round(stage.queue_ms, 2), "inference_ms": round(stage.inference_ms, 2),
+         **({} if stage.finished else {"status": stage.status, "error_kind": stage.error_kind})}
         for stage in reply.stages
     ]  # fmt: skip
 
@@ -401,4 +405,6 @@ def job_view(job: JobState, predictions) -> dict:
             "message": reply.error or f"model worker answered {reply.status}",
             "kind": reply.error_kind,
         }
+        if reply.stages:  # a flow's that did not finish: the stages that ran before it ended (its error names where)
+            view["error"]["stages"] = stage_timings(reply)
     return view

@@ -94,6 +94,11 @@ class JobError(BaseModel):
     code: int
     message: str
     kind: str | None = None
+    stages: list[StageTimings] | None = Field(
+        default=None,
+        description="a flow's that did not finish: the stages that ran, in order; the message names "
+        "the stage it ended in",
+    )
 
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "expired", "cancelled"]
@@ -175,6 +180,10 @@ class StageTimings(BaseModel):
     model_version: str
     queue_ms: float
     inference_ms: float
+    status: Literal["error", "expired", "cancelled"] | None = Field(
+        default=None, description="the stage a flow ended in without finishing (a worker held it); absent: finished"
+    )
+    error_kind: str | None = Field(default=None, description="with `status`: how the stage ended")
 
 
 class ModelInfo(BaseModel):

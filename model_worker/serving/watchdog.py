@@ -224,6 +224,8 @@ class Watchdog:
             error=error,
             worker_id=self.worker_id,
             attempt=kept.redispatches + 1,
+            # A job's end (`finished_at`) and its row's: the finisher stamps its answers; this one is stored here.
+            answered_ms=int(time.time() * 1000),
         )
         reply = unanswered_flow_reply(kept.data, reply, self._kept_reports(kept.request_id))
         if self._results.put(reply):

@@ -144,3 +144,22 @@ def test_a_flow_held_in_its_first_stage_is_counted_for_the_later_stages_group_un
     assert b'maas_worker_flows_ahead{priority="high",queue="relay-polish"} 1.0' in metrics.render()
     stages._forget("held")  # noqa: SLF001 - answered: nothing of it is held any more
     assert stages.ahead() == {}
+
+
+def test_a_flow_job_that_expired_in_the_handoff_has_its_end_and_the_stages_that_ran():
+    from api_server.jobs.service import JobState, job_view
+
+    before = int(time.time() * 1000)
+    reply = watchdog_answer(kept_request(across_message("handoff-job")), [draft_report()])
+    assert reply.answered_ms is not None and reply.answered_ms >= before  # the watchdog's answer says when
+    job = JobState("handoff-job", "relay-across", "", created_ms=STARTED_MS - 10, deadline_ms=before - 1,
+                   status="expired", reply=reply)  # fmt: skip
+    view = job_view(job, predictions=None)
+    assert view["started_at"] is not None and view["finished_at"] is not None
+    assert job.finished_ms == reply.answered_ms
+    assert [(stage["stage"], stage["model"]) for stage in view["error"]["stages"]] == [("draft", "relay-draft")]
+    assert "handoff from stage draft" in view["error"]["message"]
+    # An expiry answer stored without a time (before the watchdog stamped one) ends at the deadline, not never.
+    unstamped = JobState("old", "relay-across", "", STARTED_MS - 10, before - 1, "expired",
+                         reply=reply.model_copy(update={"answered_ms": None}))  # fmt: skip
+    assert unstamped.finished_ms == before - 1

@@ -84,6 +84,9 @@ class StageTimings(_Body):
     model_version: str
     queue_ms: float
     inference_ms: float
+    # The stage a flow ended in without finishing (a worker held it): error, expired or cancelled; None: finished.
+    status: str | None = None
+    error_kind: str | None = None
 
 
 class FallbackFrom(_Body):
@@ -134,6 +137,7 @@ class JobError(_Body):
     code: int
     message: str
     kind: str | None = None
+    stages: list[StageTimings] | None = None  # a flow's that did not finish: the stages that ran, in order
 
 
 class JobView(_Body):
