@@ -173,6 +173,10 @@ class InferenceReply(BaseModel):
     attempt: int = 0
     worker_started_ms: int | None = None
     worker_finished_ms: int | None = None
+    # When the worker's previous call ended, if this request was already published then (the worker went on from
+    # that call to this one): worker_finished_ms minus this is what a call costs a busy worker, gaps included
+    # (admission's call time, api_server/predict/admission.py). None: the worker was idle, or steps requests.
+    previous_call_ended_ms: int | None = None
     # When this answer became available (stored, then published): a job's end, its log row's end-to-end time.
     answered_ms: int | None = None
     # A flow's final reply (`model` the flow's name, `model_version` ""): every stage that ran, once each.

@@ -245,8 +245,8 @@ def empty_pulls_key(topic: str) -> str:
 
 # Redis sorted sets for admission by predicted wait (api_server/predict/admission.py): a model's published
 # requests by priority, by deadline (epoch ms), kept with each request (`keep`); its answered ones by when the
-# API saw them answered (the completion rate); its recent run time per request (ms, smoothed); and the most
-# workers seen holding its requests at once lately (its capacity).
+# API saw them answered (the completion rate); its recent call time per request (ms, smoothed), that time's spread
+# and the answer's trip back; and the most workers seen holding its requests at once lately (its capacity).
 def backlog_key(queue: str, priority: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:{priority}"
 
@@ -261,6 +261,24 @@ def answered_key(queue: str) -> str:
 
 def run_time_key(queue: str) -> str:
     return f"{PREFIX}:backlog:{{{queue}}}:run_ms"
+
+
+def run_spread_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:run_spread_ms"
+
+
+def answer_trip_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:trip_ms"
+
+
+# Redis: the workers ready to serve a model's queue, by when their word lapses (epoch ms on Redis's clock), and the
+# requests each runs at once (contract/stores/ready_workers.py; admission's capacity).
+def ready_workers_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:ready"
+
+
+def ready_batches_key(queue: str) -> str:
+    return f"{PREFIX}:backlog:{{{queue}}}:ready_batches"
 
 
 def peak_workers_key(queue: str) -> str:

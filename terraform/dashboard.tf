@@ -4,8 +4,9 @@
 # and p95 (queue wait and inference, from the workers' own metrics), and images per pipeline call beside the
 # GPU busy share. The workers' series come from Managed Service for Prometheus (gke.tf), queried in PromQL.
 
-# Admission's refusals and fallbacks (api_server/predict/admission.py logs one line per decision with its model):
-# Cloud Run does not export the API's Prometheus metrics, so the dashboard counts these lines instead.
+# Admission's refusals and fallbacks (api_server/predict/admission.py logs one line per refused request, with its model
+# and what became of it: `refused`, its 503, or `fallback`, answered by the fallback; never both): Cloud Run does not
+# export the API's Prometheus metrics, so the dashboard counts these lines instead.
 resource "google_logging_metric" "admission_decisions" {
   name   = "maas-admission-decisions"
   filter = "resource.type = \"cloud_run_revision\" AND resource.labels.service_name = \"${local.api_service_name}\" AND jsonPayload.admission:*"
@@ -22,7 +23,7 @@ resource "google_logging_metric" "admission_decisions" {
     labels {
       key         = "decision"
       value_type  = "STRING"
-      description = "refused (503 at once) or fallback (answered by the model's fallback)"
+      description = "refused (503 at once) or fallback (answered by the model's fallback instead): one per request"
     }
   }
   label_extractors = {

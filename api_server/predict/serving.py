@@ -467,34 +467,48 @@ class ServingStage:
         verdict = self._verdict(prepared, left_seconds)
         if verdict is None or verdict.admitted:
             return None
-        refusal = _overload_refusal(prepared, verdict, "its wait")
-        policy = prepared.spec.admission
-        if not prepared.body.allow_fallback or policy is None or policy.fallback is None:
-            return refusal
-        fallback = self._catalog.get(policy.fallback)
-        if fallback is None:
-            return refusal
-        try:
-            retry = self.prepare(fallback, prepared.payload, prepared.request_id, prepared.caller,
-                                 received=prepared.received, log_row=prepared.log_row)  # fmt: skip
-        except ApiError as error:  # the request is not one the fallback takes: the refusal stands
-            log.info("request %s cannot fall back to %s: %s", prepared.request_id, fallback.name, error.message)
-            return refusal
-        left = prepared.received + fallback.request_timeout_seconds - time.perf_counter()
-        fallback_verdict = self._verdict(retry, left)
-        if fallback_verdict is not None and not fallback_verdict.admitted:
-            return refusal
+        retry = self._fallback_for(prepared)
+        if retry is None:  # no fallback (not allowed, none, the request not one it takes, or it is overloaded too)
+            return self._refused(prepared, verdict, "its wait")
+        fallback = retry.spec
         reason = _overload_message(prepared, verdict, "its wait")
         log.warning("%s overloaded for request %s (%s); answered by its fallback %s", prepared.spec.name,
                     prepared.request_id, reason, fallback.name)  # fmt: skip
         if self._admission is not None:
-            self._admission.fell_back(prepared.spec)
+            self._admission.decided(prepared.spec, "fallback", verdict)
         deadline_ms = self._inference.job_deadline_ms()
         timings = DispatchTimings()
         answer = self._ask(retry, deadline_ms, timings)
         if answer is None:
             answer = replace(self._hand_over_as_job(retry, deadline_ms), row_kept=timings.row_kept)
         return _fallen_back(answer, OverloadFallback(prepared.spec, fallback, reason))
+
+    def _fallback_for(self, prepared: PreparedRequest) -> PreparedRequest | None:
+        """The request prepared for the model's fallback, when its caller allows one, the catalog names one, the
+        request is one the fallback takes and the fallback itself is admitted; else None."""
+        policy = prepared.spec.admission
+        if not prepared.body.allow_fallback or policy is None or policy.fallback is None:
+            return None
+        fallback = self._catalog.get(policy.fallback)
+        if fallback is None:
+            return None
+        try:
+            retry = self.prepare(fallback, prepared.payload, prepared.request_id, prepared.caller,
+                                 received=prepared.received, log_row=prepared.log_row)  # fmt: skip
+        except ApiError as error:  # the request is not one the fallback takes: the refusal stands
+            log.info("request %s cannot fall back to %s: %s", prepared.request_id, fallback.name, error.message)
+            return None
+        left = prepared.received + fallback.request_timeout_seconds - time.perf_counter()
+        fallback_verdict = self._verdict(retry, left)
+        if fallback_verdict is not None and not fallback_verdict.admitted:
+            return None  # the request's one decision is the model's refusal (`_refused`), not a second line
+        return retry
+
+    def _refused(self, prepared: PreparedRequest, verdict: Verdict, deadline: str) -> Answer:
+        """The 503 of a request admission refused, counted and logged once as `refused`."""
+        if self._admission is not None:
+            self._admission.decided(prepared.spec, "refused", verdict)
+        return _overload_refusal(prepared, verdict, deadline)
 
     def _on_stable(
         self, prepared: PreparedRequest, answer: Answer
@@ -592,7 +606,7 @@ class ServingStage:
         if reply is None:
             return None
         if self._admission is not None and reply.status == "ok":
-            self._admission.ran(prepared.spec, reply.inference_ms)
+            self._admission.ran(prepared.spec, reply, timings.published_ms)
         return replace(self._replied(prepared, reply, timings, request_id), row_kept=timings.row_kept)
 
     def _replied(
@@ -661,7 +675,7 @@ class ServingStage:
         deadline_ms = self._inference.job_deadline_ms()
         verdict = self._verdict(prepared, deadline_ms / 1000 - time.time())
         if verdict is not None and not verdict.admitted:
-            return _overload_refusal(prepared, verdict, "its job deadline")
+            return self._refused(prepared, verdict, "its job deadline")
         try:
             message = self._inference.message(prepared)
         except ApiError as error:

@@ -172,6 +172,8 @@ class DeviceLoop:
         self._health = health
         self.stopping = threading.Event()
         self.calls = 0
+        # When the last pipeline call ended (epoch s): a reply says it when its request was waiting by then.
+        self._last_call_ended: float | None = None
         self.running = RunningSet(
             runners, progress, metrics, health, replies.worker_id,
             finish=self._finisher.finish, fail=self._fail_alone, abandon=self._answer_abandoned,
@@ -283,6 +285,7 @@ class DeviceLoop:
         self._progress.begin(batch, started)
         self._pool.interactive_running(not preemptible)
         began = time.perf_counter()
+        previous_end = self._last_call_ended
         try:
             self.calls += 1
             images = runner.generate(items, params, on_step)
@@ -302,6 +305,7 @@ class DeviceLoop:
             self._failed(batch, exc)
             return
         finally:
+            self._last_call_ended = time.time()
             self._progress.end()
             self._pool.interactive_running(False)
         seconds = time.perf_counter() - began
@@ -323,6 +327,7 @@ class DeviceLoop:
                 "attempt": pending.message.delivery_attempt,
                 "worker_started_ms": int(started * 1000),
                 "worker_finished_ms": int(finished * 1000),
+                "previous_call_ended_ms": _went_on_from(previous_end, pending),
             }
             self._finisher.finish(pending, images[offset : offset + pending.size], fields)
             offset += pending.size
@@ -382,3 +387,11 @@ class DeviceLoop:
         reply = self._replies.make(pending.spec, pending.request_id, pending.message, status=status, error_kind=kind,
                                    error=error)  # fmt: skip
         self._finisher.answer(pending.message, reply)
+
+
+def _went_on_from(previous_end: float | None, pending: PendingRequest) -> int | None:
+    """The previous call's end (epoch ms) when `pending` was published before it: this worker went on from that
+    call to this one, so the time between their ends is what a call costs it when busy; else None (it was idle)."""
+    if previous_end is None or pending.request.published_at_ms > previous_end * 1000:
+        return None
+    return int(previous_end * 1000)

@@ -23,6 +23,7 @@ from contract.payloads import PayloadCodec
 from contract.settings import Settings
 from contract.stores.inflight import InflightStore
 from contract.stores.pullers import PullerStore
+from contract.stores.ready_workers import ReadinessBeacon, ReadyWorkers
 from contract.stores.results import ResultStore
 from model_worker.adapters.loader import AdapterLoader
 from model_worker.flows.stages import FlowStages
@@ -141,6 +142,9 @@ class WorkerService:
         worker_id = f"{socket.gethostname()}-{os.getpid()}"
         inflight = InflightStore(redis_client)
         self.leases = LeaseKeeper(self.subscriber, deadlines, inflight, worker_id, settings.holder_lease_seconds)
+        # Admission's capacity: this worker says it is ready for each of its models while /readyz says so.
+        ready_workers = ReadyWorkers(redis_client, worker_id, {spec.queue: spec.max_batch_size for spec in specs})
+        self.readiness = ReadinessBeacon(ready_workers, lambda: self.health.status("/readyz")[0] == 200)
         self.pool = RequestPool(capacity=max(spec.max_batch_size for spec in specs), batch_images=settings.batch_images)
         self.finisher = ReplyFinisher(
             self.publisher,
@@ -324,6 +328,7 @@ class WorkerService:
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.start()
         self.health.started = True
+        self.readiness.start()
         log.info("worker for %s ready", ", ".join(f"{s.name} v{s.version}" for s in self.specs))
         self.device.run()
         self._drain()
@@ -331,6 +336,7 @@ class WorkerService:
     def stop(self) -> None:
         """Stop pulling now; `serve` finishes the running batch, answers it and hands back what was held."""
         self.health.draining = True
+        self.readiness.stop()
         for worker in [*self.pullers, *self.dead_letter_responders]:
             worker.stopping.set()
         self.device.stopping.set()

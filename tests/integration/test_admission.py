@@ -1,19 +1,27 @@
 """Admission by predicted wait on the real stack: `sleep-admitted` (tests/models.fixtures.yaml) runs one request at a
-time, 2 s each, on a worker of its own, with `noop` as its fallback. A known backlog of jobs makes a known wait: a
-sync request that cannot start and end within its 30 s is refused at once (or answered by `noop` when it allows
-it), a job with its long deadline is still admitted, and each is logged as what happened to it."""
+time, 2 s each, on a worker of its own, with `noop` as its fallback and the catalog's default margin. A known backlog
+of jobs makes a known wait: a sync request that cannot start and end within its 30 s is refused at once (or answered
+by `noop` when it allows it), a job with its long deadline is still admitted, and each is logged as what happened to
+it. The workers say they are ready before any request; a sequential client's answered requests are gone from the
+backlog at once; a burst is refused or admitted so that no admitted request outlives its wait, and the dashboard's
+admission series counts exactly the burst's 503s and fallbacks."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 import uuid
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
 import requests
 
 from contract.stores.inflight import InflightStore
-from tests.conftest import open_hold, query_rows
+from emulators.stack import StackConfig
+from tests.conftest import open_hold, query_rows, wait_for
 
 pytestmark = pytest.mark.stack
 MODEL = "sleep-admitted"
@@ -107,3 +115,155 @@ def test_an_overloaded_model_refuses_at_once_falls_back_when_allowed_and_still_a
     fallen_row = rows[fallen_id]
     assert (fallen_row["model"], fallen_row["model_version"], fallen_row["status"]) == ("noop", "1", "ok")
     assert fallen_row["overload_fallback_from"] == f"{MODEL}/1"
+
+
+# The workers' word, the backlog a sequential client leaves, a burst, and the dashboard's count of it.
+
+
+def model_load(stack, headers: dict, model: str = MODEL) -> dict:
+    view = requests.get(f"{stack.api_url}/v1/status", headers=headers, timeout=10)
+    assert view.status_code == 200, view.text
+    (load,) = [entry for entry in view.json()["models"] if entry["model"] == model]
+    return load
+
+
+def ready_models(stack: StackConfig) -> set[str]:
+    """The queues of the stack's deployments whose first worker says /readyz 200 now."""
+    ready = set()
+    for index, (_, specs) in enumerate(stack.catalog().deployments().items()):
+        try:
+            probe = requests.get(f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz", timeout=5)
+        except requests.RequestException:
+            continue
+        if probe.status_code == 200:
+            ready |= {spec.queue for spec in specs}
+    return ready
+
+
+def test_every_ready_workers_models_count_it_before_any_request(stack, auth_headers):
+    # Most of the stack's models are never asked anything by this module: their workers are up and idle. Each
+    # counts its ready worker, so a first burst is judged by the fleet it has, not refused for want of history.
+    queues = {(spec.name, spec.version): spec.queue for spec in stack.catalog().units()}
+
+    def uncounted() -> list[str]:
+        view = requests.get(f"{stack.api_url}/v1/status", headers=auth_headers, timeout=10).json()["models"]
+        ready = ready_models(stack)
+        assert len(ready) >= 5, ready  # most of the stack's workers are up (a test may have just restarted one)
+        return [queue for entry in view if (queue := queues[entry["model"], entry["model_version"]]) in ready
+                and entry["workers"] < 1]  # fmt: skip
+
+    wait_for(lambda: not uncounted(), "every ready worker's models counting it", timeout=30)
+
+
+def test_a_sequential_clients_answered_requests_leave_the_backlog_at_once_and_none_is_refused(stack, auth_headers):
+    wait_for(lambda: model_load(stack, auth_headers)["held"] == 0 and not sum(
+        model_load(stack, auth_headers)["waiting"].values()), "an idle sleep-admitted", timeout=120)  # fmt: skip
+    for _ in range(4):
+        answer = predict(stack, auth_headers)
+        assert answer.status_code == 200, answer.text  # never refused: nothing else is in flight
+        load = model_load(stack, auth_headers)
+        # Answered: neither waiting nor held, the moment its caller has the answer.
+        assert (load["waiting"], load["held"]) == ({"high": 0, "normal": 0}, 0), load
+        assert load["workers"] >= 1 and load["predicted_start_seconds"] == 0.0
+
+
+BURST = 32  # about twice what one worker answers in a 30 s wait at 2 s a request
+
+
+@pytest.fixture(scope="module")
+def burst(stack, auth_headers) -> list[dict]:
+    """`BURST` sync requests sent at once to an idle `sleep-admitted` whose call time is known, half allowing the
+    fallback: each one's status, request id, the model that answered it and how long it took."""
+    wait_for(lambda: model_load(stack, auth_headers)["held"] == 0 and not sum(
+        model_load(stack, auth_headers)["waiting"].values()), "an idle sleep-admitted", timeout=120)  # fmt: skip
+    for _ in range(2):  # its call time (and spread) known, as a model that has served has
+        assert predict(stack, auth_headers).status_code == 200
+    start = threading.Barrier(BURST)
+    outcomes: list[dict] = [{} for _ in range(BURST)]
+
+    def send(index: int) -> None:
+        body_ = body(f"burst {index} {uuid.uuid4().hex}", allow_fallback=index % 2 == 0)
+        start.wait()
+        sent = time.monotonic()
+        response = requests.post(f"{stack.api_url}/v1/models/{MODEL}:predict", json=body_, headers=auth_headers,
+                                 timeout=90)  # fmt: skip
+        answer = response.json()
+        outcomes[index] = {
+            "status": response.status_code,
+            "request_id": response.headers.get("X-Request-Id"),
+            "model": answer.get("model"),
+            "fallback": "fallback_from" in answer,
+            "seconds": time.monotonic() - sent,
+        }
+
+    threads = [threading.Thread(target=send, args=(index,)) for index in range(BURST)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert all(outcomes), "a burst request got no answer"
+    return outcomes
+
+
+def test_no_request_admission_lets_through_in_a_burst_becomes_a_job(burst):
+    statuses = Counter(outcome["status"] for outcome in burst)
+    by_model = [outcome for outcome in burst if outcome["status"] == 200 and not outcome["fallback"]]
+    fell_back = [outcome for outcome in burst if outcome["fallback"]]
+    # Twice the capacity of its wait: some answered by the model, the rest refused at once or answered by `noop`.
+    assert by_model and (statuses[503] or fell_back), statuses
+    # No admitted request was handed back as a 202 job: each was answered by the model within its 30 s wait.
+    assert statuses[202] == 0, burst
+    assert set(statuses) <= {200, 503} and all(outcome["seconds"] < 30 for outcome in by_model), burst
+    assert all(outcome["model"] == "noop" for outcome in fell_back)
+
+
+def admission_series(line: dict, metric: dict) -> tuple[str, ...] | None:
+    """The labels the log-based metric (terraform's `google_logging_metric`) gives one JSON log line, or None when
+    its filter leaves the line out. Its filter's clauses on the line (jsonPayload) are applied; the others name the
+    Cloud Run service, which every line of the local API process is."""
+    for clause in metric["filter"].split(" AND "):
+        if clause.startswith("jsonPayload."):
+            path, operator = clause.removeprefix("jsonPayload.").split(":", 1)
+            assert operator == "*", f"a filter clause this test does not read: {clause}"
+            if _field(line, path) is None:
+                return None
+        else:
+            assert clause.startswith("resource."), f"a filter clause this test does not read: {clause}"
+    labels = []
+    for label, extractor in sorted(metric["label_extractors"].items()):
+        path = extractor.removeprefix("EXTRACT(jsonPayload.").removesuffix(")")
+        assert extractor == f"EXTRACT(jsonPayload.{path})", extractor
+        labels.append(f"{label}={_field(line, path)}")
+    return tuple(labels)
+
+
+def _field(line: dict, path: str):
+    for part in path.split("."):
+        line = line.get(part) if isinstance(line, dict) else None
+    return line
+
+
+def test_the_dashboards_admission_series_count_the_bursts_503s_and_fallbacks(stack: StackConfig, burst):
+    from tests.infra.test_terraform import resource
+
+    metric = resource("google_logging_metric", "admission_decisions")
+    ids = {outcome["request_id"] for outcome in burst}
+    lines = []
+    for raw in (Path(stack.stack_dir) / "logs" / "api.log").read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and line.get("request_id") in ids:
+            lines.append(line)
+    series = [(line["request_id"], admission_series(line, metric)) for line in lines]
+    counted = Counter(labels for _, labels in series if labels is not None)
+    refused = sum(outcome["status"] == 503 for outcome in burst)
+    fell_back = sum(outcome["fallback"] for outcome in burst)
+    # The tile's series for the model, by decision: exactly what the burst's callers got, one line per request.
+    expected = Counter(
+        {("decision=refused", f"model={MODEL}"): refused, ("decision=fallback", f"model={MODEL}"): fell_back}
+    )
+    assert counted == +expected, series
+    per_request = Counter(request_id for request_id, labels in series if labels is not None)
+    assert max(per_request.values(), default=1) == 1

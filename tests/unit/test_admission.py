@@ -26,27 +26,29 @@ MODEL = "sleep-admitted"
 
 
 def backlog(
-    ahead: int, workers: int = 1, run_seconds: float | None = 2.0, answered: int = 0, per_worker: int = 1
+    ahead: int, workers: int = 1, run_seconds: float | None = 2.0, answered: int = 0, per_worker: int = 1, **more
 ) -> Backlog:
-    return Backlog(ahead=ahead, held=workers, workers=workers, per_worker=per_worker, answered=answered,
-                   window_seconds=60.0, run_seconds=run_seconds)  # fmt: skip
+    """`ahead` waiting behind `workers` busy workers (each holding what it runs at once)."""
+    return Backlog(ahead=ahead, held=workers * per_worker, workers=workers, per_worker=per_worker,
+                   answered=answered, window_seconds=60.0, run_seconds=run_seconds, **more)  # fmt: skip
 
 
 # The decision, from a known backlog and rate.
 
 
 def test_a_request_whose_predicted_finish_is_past_its_deadline_is_refused_with_a_retry_after_from_the_estimate():
-    # 20 waiting ahead, one request at a time at 2 s each: it starts in 40 s and ends in 42 s; 30 s are left.
+    # One worker busy, 20 waiting ahead at 2 s each: the running call counts whole (2 s), then 40 s of backlog:
+    # it starts in 42 s and ends in 44 s; 30 s are left.
     verdict = judge(backlog(20), left_seconds=30)
     assert not verdict.admitted
-    assert (verdict.start_seconds, verdict.finish_seconds) == (40.0, 42.0)
-    # 12 s from now the 6 requests ahead that are too many are gone: then it ends in exactly its 30 s.
-    assert verdict.retry_after == 12
+    assert (verdict.start_seconds, verdict.finish_seconds) == (42.0, 44.0)
+    # 14 s from now the 7 requests ahead that are too many are gone: then it ends in exactly its 30 s.
+    assert verdict.retry_after == 14
 
 
 def test_a_request_whose_deadline_can_be_met_is_admitted():
     verdict = judge(backlog(10), left_seconds=30)
-    assert verdict.admitted and verdict.finish_seconds == 22.0
+    assert verdict.admitted and verdict.finish_seconds == 24.0
 
 
 def test_the_same_backlog_is_admitted_against_a_jobs_long_deadline():
@@ -56,22 +58,65 @@ def test_the_same_backlog_is_admitted_against_a_jobs_long_deadline():
 def test_the_safety_factor_refuses_earlier():
     assert judge(backlog(10), left_seconds=30, safety_factor=1.0).admitted
     refused = judge(backlog(10), left_seconds=30, safety_factor=1.5)
-    assert not refused.admitted and refused.finish_seconds == 33.0 and refused.retry_after == 2
+    assert not refused.admitted and refused.finish_seconds == 36.0 and refused.retry_after == 4
 
 
-def test_the_rate_is_the_answered_rate_when_it_is_more_than_the_capacity_seen_running():
-    # 120 answered in the last minute (2/s) beats one worker running one request at 2 s a request (0.5/s).
-    assert backlog(20, answered=120).rate == 2.0
-    assert judge(backlog(20, answered=120), left_seconds=30).admitted
+def test_the_default_margin_counts_each_call_at_its_time_plus_two_mean_deviations_and_the_answers_trip():
+    # 2 s calls that spread by 0.25 s count 2.5 s each; the answer reaches the API 0.5 s after its call ends.
+    spread = backlog(10, spread_seconds=0.25, trip_seconds=0.5)
+    assert spread.call_seconds == 2.5
+    verdict = judge(spread, left_seconds=30)
+    # (1 running + 10 ahead) calls of 2.5 s before it starts, its own, and the trip: 30.5 s, past its 30 s.
+    assert (verdict.start_seconds, verdict.finish_seconds, verdict.admitted) == (27.5, 30.5, False)
+    # The same backlog on the point estimate (no spread, no trip) was admitted: 24 s.
+    assert judge(backlog(10), left_seconds=30).admitted
 
 
-def test_the_capacity_is_the_workers_seen_times_what_one_runs_at_once_over_the_run_time():
+def test_what_a_worker_holds_beyond_what_it_runs_is_ahead_of_a_new_request():
+    # One worker running one request and holding 3 more in its hands, 5 waiting in the queue: 8 ahead.
+    held = Backlog(ahead=5, held=4, workers=1, per_worker=1, answered=0, window_seconds=60, run_seconds=2.0)
+    assert (held.queued, held.free) == (8, 0)
+    assert judge(held, left_seconds=30).start_seconds == 2.0 + 8 * 2.0
+
+
+def test_a_free_place_takes_a_request_at_once_however_long_a_call_is():
+    # Ten workers of 20 s calls, one busy, two waiting: the new request is the third for eight free workers.
+    fleet = Backlog(ahead=2, held=1, workers=10, per_worker=1, answered=0, window_seconds=60, run_seconds=20.0)
+    verdict = judge(fleet, left_seconds=30)
+    assert verdict.admitted and verdict.start_seconds == 0.0
+
+
+def test_the_ready_workers_batch_sizes_are_the_capacity():
+    # Two ready workers that run 4 and 8 at once, at 0.5 s a call: 24 requests a second, whatever max_batch_size.
+    ready = Backlog(ahead=0, held=0, workers=2, per_worker=1, answered=0, window_seconds=60, run_seconds=0.5, slots=12)
+    assert (ready.capacity, ready.rate) == (12, 24.0)
+
+
+def test_the_answered_rate_is_used_only_while_no_capacity_is_known():
+    # 120 answered in the last minute (2/s), no worker known: 20 ahead start in 2 s + 10 s.
+    unknown = backlog(20, workers=0, answered=120)
+    assert unknown.rate == 2.0 and judge(unknown, left_seconds=30).admitted
+    # One busy worker known at 2 s a call: its 0.5/s is what drains the backlog, not the window's answers.
+    assert backlog(20, answered=120).rate == 0.5
+
+
+def test_the_capacity_is_the_workers_seen_times_what_one_runs_at_once_over_the_call_time():
     # Two workers of 8-image batches at 0.2 s a call, after an idle minute (one answered): 80 requests a second.
     assert backlog(100, workers=2, per_worker=8, run_seconds=0.2, answered=1).rate == 80.0
 
 
 def test_a_model_with_no_rate_seen_yet_is_admitted_without_an_estimate():
     verdict = judge(backlog(50, workers=0, run_seconds=None), left_seconds=30)
+    assert verdict.admitted and not verdict.known
+
+
+def test_a_model_with_ready_workers_and_no_history_is_admitted():
+    # Its workers said they are ready; nothing answered yet: nothing ahead, it starts at once.
+    fresh = Backlog(ahead=0, held=0, workers=2, per_worker=1, answered=0, window_seconds=60, run_seconds=None, slots=2)
+    assert judge(fresh, left_seconds=1).admitted
+    # A burst before any answer: admitted without an estimate (no call time to judge by).
+    burst = Backlog(ahead=40, held=2, workers=2, per_worker=1, answered=0, window_seconds=60, run_seconds=None, slots=2)
+    verdict = judge(burst, left_seconds=30)
     assert verdict.admitted and not verdict.known
 
 
@@ -93,8 +138,8 @@ class Ledger:
     def release(self, queue: str, priority: str, request_id: str) -> None:
         self.released.append((queue, request_id))
 
-    def ran(self, queue: str, inference_ms: float) -> None:
-        self.run_times.append((queue, inference_ms))
+    def ran(self, queue: str, call_ms: float, trip_ms: float | None = None) -> None:
+        self.run_times.append((queue, call_ms))
 
 
 class RedisUp:
@@ -191,8 +236,8 @@ def test_an_overloaded_sync_request_is_refused_at_once_and_nothing_is_published(
     serving, inference = stage(admission)
     answer = serving._run_sync(prepared(serving))
     assert answer.outcome is Outcome.OVERLOADED and answer.record.status == 503
-    # The estimate's 12 s (see above), rounded up past the moment already spent of its 30 s.
-    assert answer.record.headers["Retry-After"] in ("12", "13")
+    # The estimate's 14 s (see above), rounded up past the moment already spent of its 30 s.
+    assert answer.record.headers["Retry-After"] in ("14", "15")
     assert "overloaded" in json.loads(answer.record.body)["error"]["message"]
     assert inference.runs == [] and inference.published == []
     assert ledger.released == [(MODEL, "r")]  # its place in the backlog, taken when judged, is given back
@@ -279,10 +324,52 @@ def test_a_fallback_that_is_overloaded_too_leaves_the_refusal():
 
 
 def test_time_already_spent_counts_against_a_sync_requests_wait():
-    admission, _ = control(normal=13)  # ends in 28 s: admitted with 30 s left, refused with 25 s
+    admission, _ = control(normal=12)  # ends in 28 s: admitted with 30 s left, refused with 25 s
     serving, _ = stage(admission)
     fresh = prepared(serving)
     assert serving._run_sync(fresh).outcome is Outcome.OK
     late = prepared(serving)
     late.received = time.perf_counter() - 5
     assert serving._run_sync(late).outcome is Outcome.OVERLOADED
+
+
+# One decision, one count and one log line (what the dashboard's admission series counts).
+
+
+def admission_lines(caplog) -> list[dict]:
+    return [record.fields["admission"] for record in caplog.records if "admission" in getattr(record, "fields", {})]
+
+
+def test_a_fallback_is_one_decision_logged_once_as_a_fallback(caplog):
+    admission, _ = control()
+    serving, _ = stage(admission)
+    with caplog.at_level("INFO", logger="api_server.predict.admission"):
+        assert serving._run_sync(prepared(serving, allow_fallback=True)).outcome is Outcome.OK
+    assert [(line["model"], line["decision"]) for line in admission_lines(caplog)] == [(MODEL, "fallback")]
+
+
+def test_a_refusal_is_one_decision_logged_once_as_refused(caplog):
+    admission, _ = control()
+    serving, _ = stage(admission)
+    with caplog.at_level("INFO", logger="api_server.predict.admission"):
+        assert serving._run_sync(prepared(serving, allow_fallback=False)).outcome is Outcome.OVERLOADED
+        assert serving._submit_job(prepared(serving)).outcome is Outcome.ACCEPTED  # admitted: no line
+    (line,) = admission_lines(caplog)
+    assert (line["model"], line["decision"]) == (MODEL, "refused") and line["retry_after"] in (14, 15)
+
+
+def test_a_busy_workers_call_time_runs_from_its_previous_calls_end_and_the_trip_is_what_the_worker_did_not_count():
+    admission, ledger = control()
+    trips: list[float | None] = []
+    ledger.ran = lambda queue, call_ms, trip_ms=None: (ledger.run_times.append((queue, call_ms)), trips.append(trip_ms))
+    spec = CATALOG.get(MODEL)
+    now_ms = time.time() * 1000
+    busy = InferenceReply(request_id="r", model=MODEL, model_version="1", status="ok", queue_ms=4000.0,
+                          inference_ms=2000.0, worker_finished_ms=int(now_ms) - 300,
+                          previous_call_ended_ms=int(now_ms) - 2450)  # fmt: skip
+    # Published 6.5 s ago: 4 s queued, 2 s running, so the answer took 0.5 s to come back.
+    admission.ran(spec, busy, published_ms=now_ms - 6500)
+    idle = busy.model_copy(update={"previous_call_ended_ms": None})
+    admission.ran(spec, idle)
+    assert ledger.run_times == [(MODEL, 2150), (MODEL, 2000.0)]
+    assert 500 <= trips[0] < 1500 and trips[1] is None

@@ -50,3 +50,80 @@ def test_cancelled_requests_still_queued_are_neither_waiting_nor_answered_and_a_
     redis_server.delete(naming.inflight_key("waiting-normal-3"))
     redis_server.set(naming.result_key("waiting-normal-3"), "cancelled")
     assert ledger.backlog(QUEUE, "normal").answered == 0
+
+
+def _kept_and_taken(client, request_id: str) -> None:
+    """What the API and a worker record: the request kept with its message, then held by the worker."""
+    client.zadd(naming.backlog_key(QUEUE, "normal"), {request_id: int(time.time() * 1000) + 600_000})
+    client.hset(naming.inflight_key(request_id), mapping={"queue": QUEUE})
+    client.set(naming.holder_key(request_id), "worker-a")
+
+
+def test_a_sequential_clients_answered_requests_are_absent_from_the_backlog_at_once(redis_server):
+    # Each request is judged (a reservation), kept, taken and answered before the next one is judged: no estimate
+    # looks in between. Nothing is ever queued, so each must see nothing ahead and nothing held.
+    redis_server.flushall()
+    ledger = AdmissionLedger(redis_server, window_seconds=60)
+    assert ledger.backlog(QUEUE, "normal", reserve="first").ahead == 0
+    _kept_and_taken(redis_server, "first")
+    # Answered: its result stored; its worker has not let go yet (its ack and lease end follow the reply).
+    redis_server.set(naming.result_key("first"), "ok")
+    backlog = ledger.backlog(QUEUE, "normal", reserve="second")
+    assert (backlog.ahead, backlog.held, backlog.answered) == (0, 0, 1)
+    _kept_and_taken(redis_server, "second")
+    # Answered, and let go (its in-flight record ended) before the next estimate.
+    redis_server.set(naming.result_key("second"), "ok")
+    redis_server.delete(naming.inflight_key("second"), naming.holder_key("second"))
+    backlog = ledger.backlog(QUEUE, "normal", reserve="third")
+    assert (backlog.ahead, backlog.held, backlog.answered) == (0, 0, 2)
+
+
+def test_the_ready_workers_are_the_capacity_before_any_request(redis_server):
+    from contract.stores.ready_workers import ReadyWorkers
+
+    redis_server.flushall()
+    ReadyWorkers(redis_server, "worker-a", {QUEUE: 1, "other": 8}).announce()
+    ReadyWorkers(redis_server, "worker-b", {QUEUE: 4}).announce()
+    ReadyWorkers(redis_server, "worker-gone", {QUEUE: 16}).announce(seconds=0.001)
+    time.sleep(0.01)  # worker-gone's word lapses (a worker that died stops renewing it)
+    ledger = AdmissionLedger(redis_server, window_seconds=60)
+    backlog = ledger.backlog(QUEUE, "normal", per_worker=1)
+    assert (backlog.workers, backlog.capacity, backlog.held, backlog.answered) == (2, 5, 0, 0)
+    ReadyWorkers(redis_server, "worker-b", {QUEUE: 4}).leave()  # draining: not counted from now on
+    assert ledger.backlog(QUEUE, "normal").capacity == 1
+
+
+def test_the_call_time_keeps_its_spread_and_the_answers_trip(redis_server):
+    redis_server.flushall()
+    ledger = AdmissionLedger(redis_server, window_seconds=60)
+    ledger.ran(QUEUE, 2000, trip_ms=400)
+    first = ledger.backlog(QUEUE, "normal")
+    # One call says nothing of the spread: half its time, as TCP's first round trip.
+    assert (first.run_seconds, first.spread_seconds, first.trip_seconds) == (2.0, 1.0, 0.4)
+    for _ in range(30):
+        ledger.ran(QUEUE, 2000)
+    settled = ledger.backlog(QUEUE, "normal")
+    assert settled.run_seconds == 2.0 and settled.spread_seconds < 0.01 and settled.trip_seconds == 0.4
+    ledger.ran(QUEUE, 3000)  # a slow call widens the spread at once
+    assert ledger.backlog(QUEUE, "normal").spread_seconds > 0.2
+
+
+def test_a_worker_says_it_is_ready_while_its_probe_does_and_leaves_when_it_stops(redis_server):
+    from contract.stores.ready_workers import ReadinessBeacon, ReadyWorkers
+
+    redis_server.flushall()
+    ledger = AdmissionLedger(redis_server, window_seconds=60)
+    ready = [True]
+    beacon = ReadinessBeacon(ReadyWorkers(redis_server, "worker-a", {QUEUE: 2}), lambda: ready[0])
+    beacon.start()
+    try:
+        assert ledger.backlog(QUEUE, "normal").capacity == 2  # counted from its start, before any request
+        ready[0] = False  # e.g. its weights failed a reload: /readyz says 503
+        beacon.beat()
+        assert ledger.backlog(QUEUE, "normal").workers == 0
+        ready[0] = True
+        beacon.beat()
+        assert ledger.backlog(QUEUE, "normal").workers == 1
+    finally:
+        beacon.stop()
+    assert ledger.backlog(QUEUE, "normal").workers == 0  # drained: gone at once, not when its word lapses

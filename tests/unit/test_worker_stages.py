@@ -440,3 +440,18 @@ def test_a_dead_lettered_answer_names_the_cause_of_the_last_failed_run():
     responder._answer(SimpleNamespace(message=SimpleNamespace(attributes=attributes, data=b""), ack_id="ack-poison"))
     assert recorder.answered == {"poison": ("error", "dead_lettered")}
     assert recorder.errors["poison"] == "failed after 5 delivery attempts; the last: RuntimeError: device lost"
+
+
+def test_a_reply_says_when_the_workers_previous_call_ended_only_when_its_request_was_waiting_by_then():
+    # Admission's call time of a busy worker runs from one call's end to the next's (api_server/predict/admission.py).
+    loop, recorder = device_with(SyntheticRunner(NOOP))
+    fields: dict[str, dict] = {}
+    recorder.finish = lambda pending_, images, reply_fields: fields.__setitem__(pending_.request_id, reply_fields)
+    first, waiting, later = pending("first", spec=NOOP), pending("waiting", spec=NOOP), pending("later", spec=NOOP)
+    loop.run_batch([first])
+    loop.run_batch([waiting])  # published before the first call ended: the worker went straight on to it
+    later.request.published_at_ms = fields["waiting"]["worker_finished_ms"] + 1000  # published to an idle worker
+    loop.run_batch([later])
+    assert fields["first"]["previous_call_ended_ms"] is None  # no call before it
+    assert abs(fields["waiting"]["previous_call_ended_ms"] - fields["first"]["worker_finished_ms"]) <= 5
+    assert fields["later"]["previous_call_ended_ms"] is None

@@ -21,10 +21,17 @@ class ModelLoad(BaseModel):
     admission: bool = Field(description="admission by predicted wait is on for it (the catalog's `admission`)")
     waiting: dict[str, int] = Field(description="requests published and not yet taken by a worker, by priority")
     held: int = Field(description="requests its workers hold: running, or next in a worker's hands")
-    workers: int = Field(description="the most workers seen holding its requests at once lately")
+    workers: int = Field(
+        description="its ready workers (each says so while it serves); before any says so, the most workers seen "
+        "holding its requests at once lately"
+    )
     answered_per_second: float = Field(description="requests answered per second over MAAS_ADMISSION_WINDOW_SECONDS")
     rate_per_second: float | None = Field(description="the rate admission divides by (None: not known yet)")
-    run_seconds: float | None = Field(description="its recent run time per request (None: no reply seen yet)")
+    run_seconds: float | None = Field(
+        description="its recent call time per request, a busy worker's gaps between calls included (None: no reply "
+        "seen yet)"
+    )
+    run_spread_seconds: float = Field(description="the mean deviation of that call time (admission's margin)")
     predicted_start_seconds: float | None = Field(description="the wait a normal-priority request would have now")
 
 
