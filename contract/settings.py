@@ -120,19 +120,26 @@ def _admin_digests(env, stage: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything configurable; see the README's configuration table."""
+    """Everything configurable; the docs' configuration reference is generated from these fields and their comments."""
 
+    # `local` or `production`; production refuses to start without API keys.
     env: Literal["local", "production"] = "local"
+    # The Google Cloud project.
     project_id: str = "maas-local"
+    # The model catalog (unset: contract/models.yaml).
     catalog_path: str | None = None
     # Overlay files over the catalog, comma-separated (the local stack's, contract/catalog.py); unset in production.
     catalog_overlay: str | None = None
+    # Redis for stored results, progress, jobs, leases and limits.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # GCS buckets (unset: `{project}-maas-models` and `{project}-maas-payloads`).
     model_bucket: str = ""
     payload_bucket: str = ""
+    # The BigQuery dataset of the inference log, the audit table and the views.
     dataset: str = naming.DATASET
     # Set locally to the BigQuery emulator's REST address; unset in production.
     bigquery_endpoint: str | None = None
+    # The inference log table: one row per request.
     log_table: str = naming.LOG_TABLE
     # Who changed a model's traffic split, and every automatic rollback (contract/rollout_audit_schema.json).
     audit_table: str = naming.AUDIT_TABLE
@@ -145,17 +152,24 @@ class Settings:
     # The inference log's write-ahead spool: rows wait here while BigQuery is unreachable.
     log_spool_dir: str = "/tmp/maas-log-spool"
     log_spool_max_bytes: int = 256 * 1024 * 1024
+    # `per-request` (a reply subscription per request) or `per-instance` (one per API process).
     reply_mode: ReplyMode = "per-request"
     # Inputs and outputs above this many bytes travel through the payload bucket, not the message.
     inline_payload_limit: int = 256 * 1024
+    # The largest request body the API accepts.
     max_request_bytes: int = 8 * 1024 * 1024
+    # How long workers keep results, progress and job records by request id (a batch line's answer: until its
+    # batch's end plus this, back to this once collected).
     result_ttl_seconds: int = 3600
+    # API keys by SHA-256 digest (production, from Secret Manager); MAAS_API_KEYS (plain keys) is for local use,
+    # unset locally means `local-dev-key`.
     api_key_sha256: frozenset[str] = field(default_factory=frozenset)
     # API keys (by SHA-256 digest) allowed to send `priority: high`; MAAS_HIGH_PRIORITY_KEYS for local use.
     high_priority_key_sha256: frozenset[str] = field(default_factory=frozenset)
     # Admin keys (by SHA-256 digest): the only ones allowed to change a model's traffic split or register
     # adapters. An admin key is also an API key. MAAS_ADMIN_KEYS (plain keys) is for local use.
     admin_key_sha256: frozenset[str] = field(default_factory=frozenset)
+    # The API process's id (its reply subscription in `per-instance` mode); unset: host name and a random suffix.
     instance_id: str = ""
     # API: cache, idempotency, jobs
     # Cached predict responses live this long; entries larger than the cap are never cached.
@@ -163,6 +177,7 @@ class Settings:
     cache_max_entry_bytes: int = 4 * 1024 * 1024
     # A Redis of its own for the cache (maxmemory + allkeys-lru); unset: the shared MAAS_REDIS_URL.
     cache_redis_url: str | None = None
+    # How long an `Idempotency-Key` answer is kept.
     idempotency_ttl_seconds: int = 24 * 3600
     # How long a queued job (or a sync request turned into one) may wait for a worker before it expires.
     job_deadline_seconds: int = 900
@@ -191,12 +206,12 @@ class Settings:
     # (0: the longest catalog request timeout plus ten minutes).
     janitor_interval_seconds: int = 0
     janitor_older_than_seconds: int = 0
-    # Batch jobs (issue 35): at most this many of one batch's lines in flight per model (0: derived from the batch
+    # Batch jobs: at most this many of one batch's lines in flight per model (0: derived from the batch
     # workers' capacity, contract/batch_capacity.py: max replicas x max_batch_size x 4); the most Spot batch workers
     # per deployment, as the manifests were rendered with `--batch-max-replicas` (None: the catalog's replicas.max);
     # a batch whose first `batch_fail_fast_lines` lines are all invalid fails; an inline batch holds at most this
     # many lines; the feeder's Redis lease (another API process resumes a batch whose feeder stops renewing it);
-    # whether this process feeds and collects batches at all (CPU always allocated: README "Batch jobs"); how many
+    # whether this process feeds and collects batches at all (CPU always allocated: docs/guides/batch-jobs.md); how many
     # batches not yet ended one API key may have (a submit past it is a 429).
     batch_max_in_flight: int = 0
     batch_worker_max_replicas: int | None = None
@@ -209,14 +224,19 @@ class Settings:
     # the model or payload bucket nor the service's dataset. Unset: none in production (inline `requests` only); locally
     # each key's own prefix of the batch-inputs bucket and its `{key_id}_` tables of the batch-inputs dataset.
     batch_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Batches not yet ended one API key may have; one more submit is a 429 naming this cap.
     batch_max_active_per_key: int = 10
     # Worker
+    # The catalog models this worker process serves (one deployment, see the catalog's `worker_group`).
     models: tuple[str, ...] = ()
+    # Where the worker downloads weights.
     weights_cache_dir: str = "/tmp/maas-weights"
     # Weights that fail their manifest check are downloaded and checked again after this many seconds.
     weights_retry_seconds: float = 30.0
+    # The worker's probe and metrics server (/startupz, /readyz, /livez, /metrics); the local stack binds 127.0.0.1.
     worker_health_port: int = 8081
     worker_health_host: str = "0.0.0.0"  # noqa: S104 - kubelet probes reach the pod IP; the local stack binds loopback
+    # The worker's CPU threads for torch (0: torch's default).
     torch_threads: int = 0
     # MAAS_TORCH_COMPILE over the catalog's `compile:` modes (CUDA only; artifacts cached in the model bucket): unset,
     # each model as its catalog entry says; `0` every model eager (a rollback without a catalog change); `1` every
@@ -248,7 +268,7 @@ class Settings:
     # Batch images a worker holds or runs at once (MAAS_BATCH_IMAGES; 0, the default: its models' max_batch_size).
     # An idle worker fills its device with batch lines; an interactive request that arrives takes the device at the
     # running set's next step (or the batch call's next step), after at most one batched step plus an encode or
-    # decode already under way (README "Batch lines"). 1 caps that wait at one image's step, at batch 1's rate.
+    # decode already under way (docs/guides/batch-jobs.md). 1 caps that wait at one image's step, at batch 1's rate.
     batch_images: int = 0
 
     def catalog(self):

@@ -49,25 +49,36 @@ def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """The `# ...` lines right above each field of a class body: how this codebase documents a field."""
+def field_comments(cls: type, covers_following: bool = False) -> dict[str, str]:
+    """The `# ...` lines right above each field of a class body: how this codebase documents a field. A short first
+    line without a full stop over more comment lines is a section's title (`# Worker`), not the field's. With
+    `covers_following`, a comment also describes the fields right after it that have none of their own (a group:
+    `cache_ttl_seconds` and `cache_max_entry_bytes`), as the settings object writes them."""
     comments: dict[str, str] = {}
     pending: list[str] = []
+    last = ""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):  # a class made at run time (pydantic's create_model) has no source to read
         return comments
     for line in textwrap.dedent(source).splitlines()[1:]:
         stripped = line.strip()
-        if not line.startswith("    ") or line.startswith("     "):
-            pending = [] if not line.startswith("     ") else pending
+        if not stripped or not line.startswith("    ") or line.startswith("     "):
+            if not line.startswith("     "):
+                pending, last = [], ""
             continue
         if stripped.startswith("#"):
             pending.append(stripped.lstrip("#").strip())
             continue
         match = re.match(r"(\w+)\s*:", stripped)
         if match:
-            comments[match.group(1)] = " ".join(pending)
+            if len(pending) > 1 and len(pending[0]) < 40 and not pending[0].endswith((".", ")", ";", ":")):
+                pending = pending[1:]
+            own = " ".join(pending)
+            comments[match.group(1)] = own or (last if covers_following else "")
+            last = comments[match.group(1)]
+        else:
+            last = ""
         pending = []
     return comments
 
@@ -124,6 +135,7 @@ def settings_variables(settings_cls: type) -> dict[str, list[str]]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cls"
     ]
     variables: dict[str, list[str]] = {}
+    claimed: set[str] = set()  # a variable is its first field's: `batch_inputs` also reads MAAS_DATASET, `dataset`'s
     for keyword in construction.keywords:
         names = _environment_names(keyword.value)
         for call in (n for n in ast.walk(keyword.value) if isinstance(n, ast.Call)):
@@ -132,7 +144,8 @@ def settings_variables(settings_cls: type) -> dict[str, list[str]]:
         if not names:
             for name in (n.id for n in ast.walk(keyword.value) if isinstance(n, ast.Name)):
                 names += [n for n in local.get(name, []) if n not in names]
-        variables[keyword.arg] = names
+        variables[keyword.arg] = [name for name in names if name not in claimed] or names
+        claimed.update(names)
     return variables
 
 
@@ -157,7 +170,7 @@ def configuration_page(settings_cls: type | None = None, extra_reads: dict[str, 
         from contract.settings import Settings
 
         settings_cls = Settings
-    comments = field_comments(settings_cls)
+    comments = field_comments(settings_cls, covers_following=True)
     variables = settings_variables(settings_cls)
     rows = []
     for field in dataclasses.fields(settings_cls):
