@@ -200,6 +200,9 @@ def path_exists(path: str) -> bool:
 
 def names_given(text: str) -> dict[str, set[str]]:
     names: dict[str, set[str]] = {"path": set(), "file": set(), "module": set(), "make": set(), "import": set()}
+    # A file named in the prose too ("DESIGN.md's numbers"), not only in code.
+    prose = SPAN.sub(" ", FENCE.sub(" ", re.sub(r"\]\([^)]*\)|<!--.*?-->|https?://\S+", " ", text)))
+    names["file"].update(name for name in FILE.findall(prose) if not RUN_TIME.search(name))
     for code in code_of(text):
         for match in PATH.findall(code):
             if match.split("/", 1)[0] in TOP_LEVEL and not RUN_TIME.search(match):
@@ -229,10 +232,14 @@ def test_every_file_module_make_target_and_import_a_page_names_exists(page):
 
 
 def test_the_names_check_finds_a_name_that_no_longer_exists():
-    stale = "The request path: `api_server/serving.py`, `log_spool.py`, `python -m api_server.records`, `make spool`."
+    stale = (
+        "The request path: `api_server/serving.py`, `log_spool.py`, `python -m api_server.records`, `make spool`; "
+        "the numbers from DESIGN.md."
+    )
     names = names_given(stale)
     assert not path_exists("api_server/serving.py") and "log_spool.py" not in FILE_NAMES
     assert not written_by_the_code("log_spool.py") and written_by_the_code("maas-manifest.json")
-    assert names["path"] == {"api_server/serving.py"} and "log_spool.py" in names["file"]
+    assert names["path"] == {"api_server/serving.py"} and {"log_spool.py", "DESIGN.md"} <= names["file"]
+    assert "DESIGN.md" not in FILE_NAMES and not written_by_the_code("DESIGN.md")
     assert names["module"] == {"api_server.records"} and not module_exists("api_server.records")
     assert names["make"] == {"spool"} and "spool" not in make_targets()
