@@ -72,9 +72,16 @@ class LeaseKeeper:
             return sum(len(ack_ids) for ack_ids in self._held.values())
 
     def take(self, message: HeldMessage, request_id: str) -> bool:
-        """Takes the holder lease on a request about to be held for the device; False when another live worker
-        holds it (a duplicate delivery: that worker answers it, or the watchdog re-dispatches it if it dies).
-        Redis down: True, run without a lease (the broker's redelivery covers this worker's death)."""
+        """Takes the holder lease on a request about to be held for the device; False when this worker already runs
+        it under another delivery, or another live worker holds it (a duplicate delivery: that run answers it, or
+        the watchdog re-dispatches it if its worker dies). Redis down: True, run without a lease (the broker's
+        redelivery covers this worker's death)."""
+        with self._lock:
+            # Its own hold first: a Redis that lost its records (restarted without persistence) says nobody holds
+            # what this worker is running, and a batch restored from GCS publishes its unanswered lines again.
+            if request_id and request_id in self._taken.values():
+                return False
+            self._taken[message.ack_id] = request_id
         if self._inflight is not None and request_id:
             try:
                 other = self._inflight.take(request_id, self._holder, self._holder_lease)
@@ -82,9 +89,9 @@ class LeaseKeeper:
                 self._redis_outage.failed(exc)
                 other = None  # the heartbeat takes the lease once Redis answers again
             if other is not None:
+                with self._lock:
+                    self._taken.pop(message.ack_id, None)
                 return False
-        with self._lock:
-            self._taken[message.ack_id] = request_id
         return True
 
     def _forget(self, message: HeldMessage) -> str | None:

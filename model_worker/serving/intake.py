@@ -156,18 +156,23 @@ class Triage:
             adapters = self._adapters.request(spec, params.adapters)  # loads in the background if not cached
         items = []
         for index, instance in enumerate(request.instances):
-            image = None
+            image = mask = None
             if inputs is not None:
                 image = inputs[index]
             elif spec.needs_image:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
+            if spec.takes_mask:
+                if instance.mask is None:
+                    raise PayloadError("inpaint needs a mask")
+                mask = self._image(instance.mask, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(
                 GenerationItem(
                     prompt=instance.prompt,
                     seed=params.seed + index,
                     negative_prompt=params.negative_prompt,
                     image=image,
+                    mask=mask,
                     adapters=adapters,
                 )
             )
@@ -298,9 +303,10 @@ class SubscriptionPuller(SubscriptionLoop):
         if pending is None:
             return
         if not self._leases.take(message, pending.request_id):
-            # Another live worker holds this request (the broker redelivered it, or the watchdog re-dispatched
-            # it, while its holder only stalled): that one answers it, so this copy is dropped, not run twice.
-            log.info("request %s is held by another worker; dropping this copy", pending.request_id)
+            # This worker or another live one holds this request (the broker redelivered it, the watchdog
+            # re-dispatched it while its holder only stalled, or a batch restored after a Redis loss published it
+            # again): that run answers it, so this copy is dropped, not run twice.
+            log.info("request %s is held already; dropping this copy", pending.request_id)
             self._leases.ack(message, answered=False)
             return
         self._pool.add(pending)
