@@ -17,7 +17,9 @@ from contract.hardware import HARDWARE, HardwareName
 from contract.quantization import FLOAT8_MIN_COMPUTE_CAPABILITY, Quantization
 from contract.step_limits import steps_problem
 
-Task = Literal["text-to-image", "image-to-image"]
+# `inpaint`: an image, a mask (white repaints, black keeps) and a prompt; outpainting is an inpaint request whose
+# image the API pads (api_server/predict/masks.py).
+Task = Literal["text-to-image", "image-to-image", "inpaint"]
 # `noop` and `sleep` are synthetic runners that go through the worker's whole path: benchmarks and tests.
 RunnerKind = Literal["diffusers", "noop", "sleep"]
 # How the worker batches a model's requests. `request`: a batch starts together and runs all its steps
@@ -194,8 +196,13 @@ class ModelSpec(BaseModel):
 
     @property
     def needs_image(self) -> bool:
-        """Its requests carry an input image (image-to-image): decoded at intake, passed to the pipeline."""
-        return self.task == "image-to-image"
+        """Its requests carry an input image (image-to-image, inpaint): decoded at intake, passed to the pipeline."""
+        return self.task in ("image-to-image", "inpaint")
+
+    @property
+    def takes_mask(self) -> bool:
+        """Its requests carry a mask beside the image (inpaint)."""
+        return self.task == "inpaint"
 
     @property
     def guidance_mode(self) -> Guidance:

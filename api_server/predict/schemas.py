@@ -25,7 +25,11 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class InstanceIn(BaseModel):
     model_config = STRICT
     prompt: str = Field(min_length=1, max_length=2000)
-    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image only")
+    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image and inpaint only")
+    mask: str | None = Field(
+        default=None,
+        description="inpaint only: base64 PNG the image's size; white repaints, black keeps, grey in between",
+    )
 
 
 # Every generation parameter, optional (contract/generation.py), and one that is not: `priority` picks the
@@ -112,6 +116,12 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
             422, f"parameters.strength: only for image-to-image models, not {spec.name}", "parameters.strength"
         )
     for index, instance in enumerate(body.instances):
+        if instance.mask is not None and not spec.takes_mask:
+            raise ApiError(
+                422,
+                f"instances.{index}.mask: {spec.name} is a {spec.task} model and takes no mask (inpaint models do)",
+                f"instances.{index}.mask",
+            )
         if spec.task == "image-to-image" and not instance.image:
             raise ApiError(
                 422,

@@ -11,7 +11,19 @@ from werkzeug.routing import BaseConverter
 from api_server.core.errors import register_error_handlers
 from api_server.inference_log import records
 from api_server.process.chunked import ChunkedBodyReader
-from api_server.process.routes import adapters, batches, docs, events, health, jobs, models, playground, predict, usage
+from api_server.process.routes import (
+    adapters,
+    batches,
+    docs,
+    events,
+    health,
+    images,
+    jobs,
+    models,
+    playground,
+    predict,
+    usage,
+)
 from api_server.process.routes import metrics as metrics_routes
 from api_server.process.routes import status as status_routes
 from api_server.process.state import AppState, build_app_state, install
@@ -31,6 +43,7 @@ BLUEPRINTS = (
     models.bp,
     adapters.bp,
     predict.bp,
+    images.bp,
     jobs.bp,
     batches.bp,
     events.bp,

@@ -190,7 +190,7 @@ class ModelInfo(BaseModel):
     name: str
     version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
     versions: list[str] = Field(description="every live version, each pinnable (`/versions/{version}:predict`)")
-    task: Literal["text-to-image", "image-to-image"]
+    task: Literal["text-to-image", "image-to-image", "inpaint"]
     family: str | None = Field(description="the model family (sd15, sdxl, flux); null for the synthetic models")
     guidance: Literal["cfg", "embedded", "none"] = Field(
         description="what `guidance_scale` means: classifier-free guidance (a negative prompt is taken), guidance "
@@ -399,7 +399,7 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
                 operation["responses"].pop("422", None)
             for status, response in operation["responses"].items():
                 headers = {**REQUEST_ID_HEADER, **STATUS_HEADERS.get(status, {})}
-                if ":predict" in path or path.endswith("/jobs"):
+                if ":predict" in path or path.endswith("/jobs") or path.startswith("/v1/images/"):
                     headers.update(CACHE_HEADERS if status in ("200", "202") else {})
                 response["headers"] = headers
             if path in TEXT_BODIES:

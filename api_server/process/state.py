@@ -37,6 +37,7 @@ from api_server.predict.flights import SharedFlights
 from api_server.predict.inference import InferenceService
 from api_server.predict.limits import KeyLimits, RequestLimiter
 from api_server.predict.reply_waiter import PerInstanceReplyWaiter, PerRequestReplyWaiter, ReplyWaiter
+from api_server.predict.result_links import ResultLinks
 from api_server.predict.serving import ServingStage
 from api_server.versions.rollouts import AuditLog, RollbackGuard, RolloutObservations, Rollouts
 from api_server.versions.shadow import ShadowTraffic
@@ -51,6 +52,8 @@ from contract.stores.results import ResultStore
 
 log = logging.getLogger(__name__)
 EXTENSION = "maas"
+# How long a signed URL of an answered image stays valid (OpenAI's image URLs: an hour).
+RESULT_LINK_SECONDS = 3600
 
 
 @dataclass
@@ -89,6 +92,8 @@ class AppState:
     flows: FlowService | None = None
     # Admission by predicted wait (api_server/predict/admission.py): also what GET /v1/status reads.
     admission: AdmissionControl | None = None
+    # Signed URLs of answered images (the OpenAI Images API's `response_format: url`).
+    result_links: ResultLinks | None = None
     # Built on first use by the routes that need them (readiness probe, OpenAPI document).
     lazy: dict = field(default_factory=dict)
 
@@ -265,6 +270,7 @@ def build_app_state(settings: Settings) -> AppState:
         rollback_guard=RollbackGuard(rollouts, redis_client, settings.rollback_check_seconds, settings.instance_id),
         cache_redis=cache_redis,
         adapters=adapters,
+        result_links=ResultLinks(storage, settings.payload_bucket, RESULT_LINK_SECONDS),
     )
 
 

@@ -32,6 +32,9 @@ EXAMPLES = {
     "GET /v1/models/{model}": 10,
     "POST /v1/models/{model}/versions/{version}:predict": 40,
     "DELETE /v1/models/{model}/traffic": 5,
+    # The OpenAI Images routes: the same serving path as :predict, fuzzed for their own body shapes.
+    "POST /v1/images/generations": 80,
+    "POST /v1/images/edits": 40,
 }
 CASES = {"count": 0}
 STATUSES: Counter[str] = Counter()
@@ -48,6 +51,9 @@ def api_schema(stack):
         for parameter in operation.get("parameters", []):
             if parameter["name"] == "model":
                 parameter["schema"]["enum"] = ["noop"]
+    # The OpenAI Images routes name the model in the body: the same pin.
+    for body in ("ImageGenerationBody", "ImageEditForm"):
+        document["components"]["schemas"][body]["properties"]["model"]["enum"] = ["noop"]
     schema = schemathesis.openapi.from_dict(document)
     schema.config.update(base_url=stack.api_url)
     return schema

@@ -23,7 +23,8 @@ JOB_ENDPOINT = "predict.submit_job"
 
 
 @bp.before_request
-def _open_record() -> None:
+def open_record() -> None:
+    """The call's log row, opened before anything can refuse it (a 401 is logged too)."""
     model = (request.view_args or {}).get("model", "")
     g.inference = app_state().records.open(g.request_id, model, _mode(), started=g.started)
 
@@ -33,24 +34,30 @@ authenticated(bp)
 
 @bp.before_request
 def _admit() -> None:
+    args = request.view_args or {}
+    admit(args["model"], args.get("version"))
+
+
+def admit(model: str, version: str | None = None) -> None:
+    """The model (or flow, or pinned version) that serves the call, and the key's lease on it (or a 4xx)."""
     call: InferenceCall = g.inference
     call.caller = caller()
     serving = app_state().serving
-    args = request.view_args or {}
     flows = app_state().flows
-    if "version" in args:
-        call.spec = serving.pinned(args["model"], args["version"])
-    elif flows is not None and (flow := flows.get(args["model"])) is not None:
+    if version is not None:
+        call.spec = serving.pinned(model, version)
+    elif flows is not None and (flow := flows.get(model)) is not None:
         # A flow: each stage's unit chosen as for a single call to its model; then served like a model.
         call.flow = flows.call(flow, g.request_id, call.caller)
         call.spec = call.flow.spec
     else:
-        call.spec = serving.model(args["model"], g.request_id, call.caller)
+        call.spec = serving.model(model, g.request_id, call.caller)
     call.lease = serving.admit(call.caller, call.spec)
 
 
 @bp.after_request
-def _close_record(response: Response) -> Response:
+def close_record(response: Response) -> Response:
+    """The lease released and the call's log row closed, whatever the answer (a refusal included)."""
     call: InferenceCall = g.inference
     state = app_state()
     state.serving.release(call.lease)
@@ -98,12 +105,17 @@ def _mode() -> Mode:
 
 
 def _serve() -> Response:
+    return _render(serve(_json_body()))
+
+
+def serve(payload: object) -> Answer:
+    """A predict body (`payload`) served for the admitted call: validated, then answered by the serving stage."""
     call: InferenceCall = g.inference
     state = app_state()
     serving = state.serving
     call.prepared = serving.prepare(
         call.spec,
-        _json_body(),
+        payload,
         g.request_id,
         call.caller,
         idempotency_key=request.headers.get("Idempotency-Key"),
@@ -114,7 +126,7 @@ def _serve() -> Response:
         flow=call.flow,
     )
     call.answer = serving.answer(call.prepared, call.mode)
-    return _render(call.answer)
+    return call.answer
 
 
 def _json_body() -> object:

@@ -46,7 +46,7 @@ class ModelInfo(_Body):
     name: str
     version: str  # the stable one
     versions: list[str]  # every live version
-    task: Literal["text-to-image", "image-to-image"]
+    task: Literal["text-to-image", "image-to-image", "inpaint"]
     family: str | None  # sd15, sdxl, flux, sd3; None for the synthetic models
     guidance: Literal["cfg", "embedded", "none"]  # what guidance_scale means for the model
     size_multiple: int  # width and height must be multiples of this
