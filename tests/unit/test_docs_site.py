@@ -195,7 +195,11 @@ def path_exists(path: str) -> bool:
     path = path.split("::", 1)[0].rstrip("/.")
     if "*" in path:
         return any(ROOT.glob(path))
-    return (ROOT / path).exists() or (path.startswith(OUTPUT_FOLDERS) and written_by_the_code(path))
+    if (ROOT / path).exists() or (path.startswith(OUTPUT_FOLDERS) and written_by_the_code(path)):
+        return True
+    # A place the tree keeps for what its commands write (.gitignore names it: infra/k8s/rendered/, .stack/).
+    ignored = subprocess.run(["git", "check-ignore", path, f"{path}/"], cwd=ROOT, capture_output=True)
+    return ignored.returncode == 0
 
 
 def names_given(text: str) -> dict[str, set[str]]:
@@ -238,6 +242,7 @@ def test_the_names_check_finds_a_name_that_no_longer_exists():
     )
     names = names_given(stale)
     assert not path_exists("api_server/serving.py") and "log_spool.py" not in FILE_NAMES
+    assert path_exists("infra/k8s/rendered/") and not path_exists("infra/k8s/rendred/")
     assert not written_by_the_code("log_spool.py") and written_by_the_code("maas-manifest.json")
     assert names["path"] == {"api_server/serving.py"} and {"log_spool.py", "DESIGN.md"} <= names["file"]
     assert "DESIGN.md" not in FILE_NAMES and not written_by_the_code("DESIGN.md")
