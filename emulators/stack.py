@@ -360,6 +360,9 @@ def api_component(config: StackConfig) -> Component:
         "MAAS_API_HOST": LOCAL_HOST,
         "MAAS_API_WORKERS": str(config.api_workers),
     }
+    # A batch's in-flight bound is sized by the workers that can take its lines (contract/batch_capacity.py): here
+    # the stack's own, not the catalog's `replicas.max`, which no local stack starts.
+    env.setdefault("MAAS_BATCH_WORKER_MAX_REPLICAS", str(max(1, config.worker_replicas)))
     argv = (
         sys.executable,
         "-m",

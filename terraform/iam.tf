@@ -83,6 +83,24 @@ resource "google_bigquery_dataset_iam_member" "api_writes_inference_log" {
   member     = google_service_account.api.member
 }
 
+# A batch from a BigQuery table reads a snapshot of it taken at submit (api_server/batches/tables.py): a copy job
+# (this role: running a job, nothing else) into the service's dataset (the role above); the table's owner grants
+# bigquery.tables.createSnapshot on it.
+resource "google_project_iam_custom_role" "batch_table_snapshots" {
+  role_id     = "maasBatchTableSnapshots"
+  title       = "Model-as-a-Service batch table snapshots"
+  description = "Run the copy job that snapshots a batch's input table at submit."
+  permissions = ["bigquery.jobs.create"]
+
+  depends_on = [google_project_service.enabled]
+}
+
+resource "google_project_iam_member" "api_snapshots_batch_tables" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.batch_table_snapshots.id
+  member  = google_service_account.api.member
+}
+
 resource "google_storage_bucket_iam_member" "api_uses_payloads" {
   bucket = google_storage_bucket.payloads.name
   role   = "roles/storage.objectAdmin"

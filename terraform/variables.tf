@@ -347,7 +347,7 @@ variable "api_p99_latency_threshold_ms" {
 }
 
 variable "batch_inputs" {
-  description = "Where each API key may point a batch's input_file or input_table (MAAS_BATCH_INPUTS): key SHA-256 digest (or \"*\" for every key) -> gs://bucket/prefix or bq://project.dataset[.table_prefix] locations; {key_id} in a prefix is the key's id (its digest's first 12 characters). The API's service account must be granted read access to those buckets (and bigquery.tables.get/getData on those datasets) by their owners. Never the service's own model or payload bucket nor its dataset (the API refuses to start). Empty: batches take their lines inline only. A refusal reads the same whether the object is missing or not the key's."
+  description = "Where each API key may point a batch's input_file or input_table (MAAS_BATCH_INPUTS): key SHA-256 digest (or \"*\" for every key) -> gs://bucket/prefix or bq://project.dataset[.table_prefix] locations; {key_id} in a prefix is the key's id (its digest's first 12 characters). The API's service account must be granted read access to those buckets (and bigquery.tables.get, getData and createSnapshot on those datasets: a batch reads a snapshot taken at submit) by their owners. Never the service's own model or payload bucket nor its dataset (the API refuses to start). Empty: batches take their lines inline only. A refusal reads the same whether the object is missing or not the key's."
   type        = map(list(string))
   default     = {}
 

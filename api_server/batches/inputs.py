@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import re
 
-from api_server.batches.tables import TABLE_URI, check_columns, table_id
+from api_server.batches.tables import (
+    SNAPSHOT_GRACE_MS,
+    TABLE_URI,
+    check_columns,
+    snapshot_table,
+    snapshot_uri,
+    table_id,
+)
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from contract.settings import BATCH_INPUT_KEY_ID, EVERY_KEY
@@ -80,6 +87,21 @@ class BatchInputPolicy:
             raise ApiError(422, f"input_table: {uri[:300]} is a {table.table_type}; name a table", "input_table")
         check_columns(table.schema)
         return uri  # type: ignore[return-value]
+
+    def snapshot(self, uri: str, batch_id: str, expires_ms: int) -> str:
+        """The table as it is now, for the batch to read (`tables.snapshot_table`): its snapshot's bq:// URI; a 422
+        when it holds no rows, a 503 when the snapshot cannot be taken."""
+        project, dataset = next(iter(sorted(self._service_datasets))).split(".")
+        snapshot = snapshot_uri(project, dataset, batch_id)
+        try:
+            has_rows = snapshot_table(self._bigquery, uri, snapshot, expires_ms + SNAPSHOT_GRACE_MS)
+        except Exception as exc:  # noqa: BLE001 - the caller's table was readable a moment ago: the service's trouble
+            raise ApiError(503, f"input_table: the table's snapshot could not be taken ({type(exc).__name__}); "
+                           "submit again", "input_table", headers={"Retry-After": "10"}) from exc  # fmt: skip
+        if not has_rows:
+            self._bigquery.delete_table(table_id(snapshot), not_found_ok=True)
+            raise ApiError(422, f"input_table: {uri[:300]} holds no rows", "input_table")
+        return snapshot
 
     def _table(self, uri: str):
         if self._bigquery is None:

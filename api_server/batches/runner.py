@@ -323,10 +323,9 @@ class BatchRunner:
     def _reader(self, batch: Batch) -> Reader:
         reader = self._readers.get(batch.batch_id)
         if reader is None and batch.fields["input_file"].startswith("bq://"):
-            # A table: the cursor counts rows read (`tables.py`), each row a line.
-            lines = read_table(
-                self._bigquery, batch.fields["input_file"], batch.int("cursor_offset"), self._settings.max_request_bytes
-            )
+            # A table: the cursor counts rows read (`tables.py`), each row a line; read from its snapshot at submit.
+            table = batch.fields.get("input_snapshot") or batch.fields["input_file"]
+            lines = read_table(self._bigquery, table, batch.int("cursor_offset"), self._settings.max_request_bytes)
             reader = self._readers[batch.batch_id] = Reader(None, lines)
         elif reader is None:
             bucket, _, name = batch.fields["input_file"].removeprefix("gs://").partition("/")

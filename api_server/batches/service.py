@@ -83,13 +83,16 @@ class BatchService:
         if self._stored(lambda: self._store.active_count(caller.key_id)) >= self._max_active:
             raise self._at_cap()  # before writing inline lines; `create` checks again, atomically
         batch_id = f"batch-{uuid.uuid4().hex[:20]}"
+        now_ms = int(time.time() * 1000)
+        snapshot = {}
         if "requests" in body:
             input_file = self._inline(batch_id, body["requests"])
         elif "input_table" in body:
             input_file = self._inputs.check_table(body["input_table"], caller)  # the record's input: a bq:// URI
+            # What the batch reads: the table as it is now (rows added or changed later are not the batch's).
+            snapshot["input_snapshot"] = self._inputs.snapshot(input_file, batch_id, now_ms + seconds * 1000)
         else:
             input_file = self._inputs.check(body["input_file"], caller)
-        now_ms = int(time.time() * 1000)
         fields = {
             "owner": caller.key_id,
             "digest": caller.digest,
@@ -101,6 +104,7 @@ class BatchService:
             "metadata": json.dumps(metadata),
             "cursor_offset": 0,
             "cursor_line": 0,
+            **snapshot,
             **({"webhook_url": webhook} if webhook else {}),
         }
         batch = self._stored(lambda: self._store.create(batch_id, fields, self._max_active))

@@ -3,8 +3,10 @@
 A row's columns are a line's fields (`lines.LINE_FIELDS`): `custom_id` and `model` (STRING, required), `instances`
 (a JSON array: a JSON column, a STRING column holding its JSON text, or a REPEATED RECORD such as
 `ARRAY<STRUCT<prompt STRING>>`) and `parameters` (a JSON object: JSON, STRING of JSON text, or RECORD; optional).
-The columns are checked when the batch is submitted (a 422 naming the column); a NULL cell is an absent field. A
-row is read by its position (`tabledata.list` from a start index, one page at a time, never the whole table), so
+The columns are checked when the batch is submitted (a 422 naming the column); a NULL cell is an absent field. The
+batch reads the table as it was when it was submitted: a BigQuery table snapshot taken then, in the service's dataset
+(`snapshot_table`), so rows written or changed while it runs change nothing, and a table with no rows is refused
+then (a 422), not in the runner. A row is read by its position (`tabledata.list` from a start index, one page at a time, never the whole table), so
 the row's 1-based position is its line number and the feeder's cursor is the number of rows read, as a file's is
 its byte offset: a resumed reader starts at that row.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 
 from api_server.batches.lines import LINE_FIELDS, Line
 from api_server.core.errors import ApiError
@@ -26,6 +29,28 @@ REQUIRED_COLUMNS = ("custom_id", "model")
 TEXT_COLUMNS = ("custom_id", "model")
 # instances: a JSON array; parameters: a JSON object.
 JSON_COLUMNS = {"instances": "a JSON array", "parameters": "a JSON object"}
+
+
+# A batch's snapshot outlives the batch's window by this, then BigQuery drops it (no cleanup to forget).
+SNAPSHOT_GRACE_MS = 24 * 3600 * 1000
+SNAPSHOT_TIMEOUT_SECONDS = 60
+
+
+def snapshot_uri(project: str, dataset: str, batch_id: str) -> str:
+    """The batch's input snapshot, in the service's own dataset (a table name takes letters, digits, underscores)."""
+    return f"bq://{project}.{dataset}.batch_input_{batch_id.replace('-', '_')}"
+
+
+def snapshot_table(client, uri: str, snapshot: str, expires_ms: int) -> bool:
+    """Takes a snapshot of the table as it is now (a copy job with `operation_type=SNAPSHOT`: no storage is copied
+    until the table changes) at `snapshot`, dropped by BigQuery at `expires_ms`; whether it holds any row (its
+    first row listed: `num_rows` can lag behind recent streaming inserts)."""
+    from google.cloud import bigquery
+
+    expires = datetime.fromtimestamp(expires_ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    config = bigquery.CopyJobConfig(operation_type="SNAPSHOT", destination_expiration_time=expires)
+    client.copy_table(table_id(uri), table_id(snapshot), job_config=config).result(timeout=SNAPSHOT_TIMEOUT_SECONDS)
+    return next(iter(client.list_rows(table_id(snapshot), max_results=1)), None) is not None
 
 
 def table_id(uri: str) -> str:

@@ -12,7 +12,7 @@ import requests
 
 from contract import google_clients, naming
 from contract.settings import api_key_digest
-from tests.conftest import TEST_API_KEYS
+from tests.conftest import TEST_API_KEYS, open_hold
 from tests.e2e.test_batches import OTHER_KEY, create, line, output, wait
 
 pytestmark = pytest.mark.stack
@@ -126,3 +126,38 @@ def test_a_key_cannot_run_another_keys_table_nor_the_services_and_cannot_tell_th
         422, "input_table",
         "input_table: column prompt is not a batch line field; expected custom_id, model, instances, parameters",
     )  # fmt: skip
+
+
+def test_rows_added_to_the_table_after_submit_are_not_the_batchs(stack, auth_headers, settings, bigquery):
+    # 80 sleep lines, the first held in the stand-in GPU's one call until the gate opens: the feeder stops at its
+    # in-flight bound (below 80) with the rest of the table unread, so a row added now would be read as line 81
+    # if the batch read the table itself rather than its snapshot at submit.
+    gate = f"snapshot-{uuid.uuid4().hex}"
+    rows = [as_row(line(f"snap-{index}", model="sleep", seed=index)) for index in range(80)]
+    rows[0]["instances"] = json.dumps([{"prompt": f"!hold {gate}"}])
+    table = make_table(bigquery, settings, TEST_API_KEYS[0], rows)
+    try:
+        batch = requests.post(f"{stack.api_url}/v1/batches", json={"input_table": table}, headers=auth_headers,
+                              timeout=60).json()  # fmt: skip
+        assert (
+            bigquery.insert_rows_json(table.removeprefix("bq://"), [as_row(line("added-later", model="sleep"))]) == []
+        )
+        assert [row["custom_id"] for row in bigquery.list_rows(table.removeprefix("bq://"))][-1] == "added-later"
+    finally:
+        open_hold(stack, gate)
+    final = wait(stack, auth_headers, batch["id"], timeout=120)
+    assert final["status"] == "completed" and final["input_table"] == table, final
+    assert final["request_counts"]["total"] == 80 and final["request_counts"]["succeeded"] == 80, final
+    answered = {item["custom_id"] for item in output(stack, auth_headers, batch["id"], "results")}
+    assert "added-later" not in answered and len(answered) == 80
+
+
+def test_an_empty_table_is_refused_at_submit(stack, auth_headers, settings, bigquery):
+    empty = make_table(bigquery, settings, TEST_API_KEYS[0], [])
+    response = requests.post(f"{stack.api_url}/v1/batches", json={"input_table": empty}, headers=auth_headers,
+                             timeout=60)  # fmt: skip
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["field"], error["message"]) == ("input_table", f"input_table: {empty} holds no rows")
+    listed = requests.get(f"{stack.api_url}/v1/batches", headers=auth_headers, timeout=30).json()
+    assert all(batch.get("input_table") != empty for batch in listed["batches"]), "no batch was created for it"

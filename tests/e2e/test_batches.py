@@ -185,7 +185,7 @@ def test_a_bad_submission_is_a_422_naming_the_field(stack, auth_headers, body, f
 def _sleep_lines(prefix: str, count: int, held_at: int | None = None, gate: str = "") -> list[dict]:
     """`sleep` lines; the one at `held_at` is a `!hold <gate>` prompt: its call waits after its first step until the
     test opens the gate (the stand-in GPU runs one call at a time), so the batch cannot end before that by order.
-    The feeder publishes it only once all but the in-flight bound's lines before it were answered (64 locally)."""
+    The feeder publishes it only once all but the in-flight bound's lines before it were answered (32 locally: one worker of max_batch_size 8, times 4)."""
     lines = [line(f"{prefix}-{index}", model="sleep", seed=index) for index in range(count)]
     if held_at is not None:
         lines[held_at]["instances"] = [{"prompt": f"!hold {gate}"}]

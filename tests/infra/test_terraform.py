@@ -554,7 +554,12 @@ def test_api_reply_waiting_role_is_minimal():
         expression(body["role"])
         for body in _grants("google_project_iam_member", "google_service_account.api.member").values()
     }
-    assert project_roles == {"google_project_iam_custom_role.reply_waiter.id"}
+    # and one permission more: the copy job of a batch table's snapshot at submit (api_server/batches/tables.py)
+    assert project_roles == {"google_project_iam_custom_role.reply_waiter.id",
+                             "google_project_iam_custom_role.batch_table_snapshots.id"}  # fmt: skip
+    assert resource("google_project_iam_custom_role", "batch_table_snapshots")["permissions"] == [
+        "bigquery.jobs.create"
+    ]
 
 
 def test_api_data_access_is_scoped_to_its_resources():

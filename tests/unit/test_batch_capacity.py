@@ -96,3 +96,19 @@ def test_the_explicit_setting_bounds_the_feeder(client):
     harness.runner.step(batch_id)
     assert len(harness.inference.published) == 7
     harness.runner.stop()
+
+
+def test_the_local_stacks_api_sizes_batches_by_its_own_workers_not_the_catalogs_replicas(tmp_path):
+    from emulators.stack import StackConfig, api_component, local_catalog
+
+    catalog = local_catalog()
+    sleep = catalog.get("sleep")
+    assert sleep.replicas.max == 2  # what production would scale to; a local stack starts one worker
+    for replicas in (1, 3):
+        env = api_component(StackConfig(stack_dir=tmp_path, worker_replicas=replicas)).env
+        workers = Settings.from_env(env).batch_worker_max_replicas
+        assert workers == replicas
+        assert batch_in_flight_bound(catalog, sleep, workers) == replicas * sleep.max_batch_size * BATCH_BACKLOG_CALLS
+    # An operator's own setting still wins.
+    chosen = StackConfig(stack_dir=tmp_path, environment={"MAAS_BATCH_WORKER_MAX_REPLICAS": "5"})
+    assert Settings.from_env(api_component(chosen).env).batch_worker_max_replicas == 5
