@@ -201,6 +201,7 @@ def stack_api_worker(api: BenchApiProcess) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2,000 noop, 100 SD 1.5 and 100,000 lines")
+    parser.add_argument("--smoke", action="store_true", help="4 noop, 2 SD 1.5 and 100 lines (bench.suite --smoke)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
     config = running_stack()
@@ -209,7 +210,7 @@ def main() -> None:
     bucket = google_clients.storage_client(settings).bucket(naming.batch_input_bucket(settings.project_id))
     api = BenchApiProcess(config, config.api_port + 120, name="bench-api-batches")
     api.start(MAAS_API_WORKERS="1", MAAS_BATCH_FAIL_FAST_LINES="0", MAAS_INSTANCE_ID=INSTANCE)
-    noop, sd, big = (2_000, 100, 100_000) if args.quick else (10_000, 500, 1_000_000)
+    noop, sd, big = (4, 2, 100) if args.smoke else (2_000, 100, 100_000) if args.quick else (10_000, 500, 1_000_000)
     bound = settings.batch_max_in_flight or "derived: max replicas x max_batch_size x 4 (contract/batch_capacity.py)"
     report: dict = {"instance": INSTANCE, "max_in_flight": bound}
     try:

@@ -36,16 +36,16 @@ SLO_FACTOR = 2.0
 # Offered rates as multiples of the unloaded service rate (1 / mean lone latency of the mix). The full sweep
 # starts at a quarter so that request-level reaches 90% somewhere (at half it sat at 88-92%), or the first
 # target has no rate to be judged at.
-RATE_MULTIPLES = {"full": (0.25, 0.5, 1.0, 1.5, 2.0, 3.0), "quick": (0.5, 1.5)}
+RATE_MULTIPLES = {"full": (0.25, 0.5, 1.0, 1.5, 2.0, 3.0), "quick": (0.5, 1.5), "smoke": (1.0,)}
 # Arrivals per offered rate and scheduling: a count, not a duration, so a slow (shared) machine still gets
 # as many samples at each rate.
-REQUESTS_PER_RATE = {"full": 24, "quick": 12}
+REQUESTS_PER_RATE = {"full": 24, "quick": 12, "smoke": 2}
 # Lone latencies are medians over this many requests per step count and scheduling, the two interleaved: with
 # 3, one preempted request on a shared machine moved a median by 20-50% (equal minimums, 1.06-1.24x medians).
-LONE_REPEATS = {"full": 11, "quick": 5}
+LONE_REPEATS = {"full": 11, "quick": 5, "smoke": 1}
 # Through the whole system each change of scheduling restarts the worker: fewer rates in the quick run.
-SYSTEM_RATE_MULTIPLES = {"full": (0.5, 1.5, 3.0), "quick": (1.5,)}
-SYSTEM_REQUESTS_PER_RATE = {"full": 16, "quick": 8}
+SYSTEM_RATE_MULTIPLES = {"full": (0.5, 1.5, 3.0), "quick": (1.5,), "smoke": (1.0,)}
+SYSTEM_REQUESTS_PER_RATE = {"full": 16, "quick": 8, "smoke": 2}
 ATTAINMENT_LEVEL = 0.9
 
 
@@ -396,6 +396,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--model", default="sd15-txt2img")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sweep that runs (bench.suite --smoke)")
     parser.add_argument("--requests", type=int, help="arrivals per offered rate and scheduling (default 30, quick 12)")
     parser.add_argument("--multiples", type=float, nargs="+", help="offered rates, as multiples of the service rate")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("MAAS_TORCH_THREADS", "1")))
@@ -409,7 +410,7 @@ def main() -> None:
     spec = local_catalog().get(args.model)
     runner = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), args.model_dir, torch_threads=args.threads)
     runner.warm_up()
-    kind = "quick" if args.quick else "full"
+    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     requests = args.requests or REQUESTS_PER_RATE[kind]
     multiples = tuple(args.multiples or RATE_MULTIPLES[kind])
     result = sweep(InProcessBackend(runner, spec), multiples, requests, repeats=LONE_REPEATS[kind])

@@ -185,8 +185,12 @@ def tiny_model_dir(config: StackConfig, model: str) -> Path:
 
 
 def bench_config() -> StackConfig:
-    """The bench's own stack: its ports and directory, unless the environment names others."""
+    """The bench's own stack: its ports and directory, unless the environment names others; a stack running there
+    as it was started (its keys and catalog: a test's stack for `--smoke`)."""
     env = dict(os.environ)
     env.setdefault("MAAS_STACK_PORT_OFFSET", "12000")  # below 32768, where ephemeral ports begin
     env.setdefault("MAAS_STACK_DIR", str(ROOT / ".stack-bench"))
+    recorded = StackConfig.load(Path(env["MAAS_STACK_DIR"]))
+    if recorded is not None and http_ok(f"{recorded.api_url}/readyz"):
+        return recorded
     return StackConfig.from_env(env)

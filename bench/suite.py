@@ -2,6 +2,8 @@
 
     .venv/bin/python -m bench.suite            # full suite (README Performance says how long)
     .venv/bin/python -m bench.suite --quick    # a ~2-minute subset
+    .venv/bin/python -m bench.suite --smoke    # every scenario at its smallest size: no figure, only that it runs
+                                               # (tests/integration/test_bench_scenarios.py, against a test stack)
 
 Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 12000 / .stack-bench) if it is running,
 else brings one up there and stops it at the end. Runs the benchmark's own API process (the real app,
@@ -46,8 +48,10 @@ from emulators.stack import ROOT, StackConfig, down, up
 MODES = ("per-instance", "per-request")
 
 
-def plan(quick: bool) -> dict:
+def plan(quick: bool, smoke: bool = False) -> dict:
     """Which HTTP scenarios run in each reply mode: (model, concurrency) pairs."""
+    if smoke:  # each model and mode once, at the smallest concurrency that still runs two callers
+        return {"per-instance": [("noop", 2), ("sleep", 1), ("sd15-txt2img", 1)], "per-request": [("noop", 2)]}
     if quick:
         return {
             "per-instance": [("noop", 1), ("noop", 32), ("sleep", 1), ("sleep", 16), ("sd15-txt2img", 4)],
@@ -58,12 +62,14 @@ def plan(quick: bool) -> dict:
 
 
 class Suite:
-    def __init__(self, config: StackConfig, quick: bool, out_dir: Path) -> None:
+    def __init__(self, config: StackConfig, quick: bool, out_dir: Path, smoke: bool = False) -> None:
         self.config = config
-        self.quick = quick
+        # smoke: every scenario at its smallest size (a test that each runs; its numbers mean nothing)
+        self.smoke = smoke
+        self.quick = quick or smoke
         self.out_dir = out_dir
-        self.warmup = 1.0 if quick else 2.0
-        self.seconds = 5.0 if quick else 10.0
+        self.warmup = 0.2 if smoke else 1.0 if quick else 2.0
+        self.seconds = 0.5 if smoke else 5.0 if quick else 10.0
         self.rows: list[dict] = []
         self.unavailable: dict[str, str] = {}
         # Scenarios that could not run: the suite's exit status says so (a number not measured is not a pass).
@@ -74,7 +80,12 @@ class Suite:
         self.count = 0
         # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
         # streams, batch jobs, interactive beside a batch
-        self.total = 3 + sum(len(v) for v in plan(quick).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1
+        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1
+
+    @property
+    def size(self) -> str:
+        """The open-loop sweeps' size (bench/open_loop.py's tables): full, quick or smoke."""
+        return "smoke" if self.smoke else "quick" if self.quick else "full"
 
     def progress(self, row: dict, started: float) -> None:
         self.count += 1
@@ -116,7 +127,7 @@ class Suite:
         for mode in MODES:
             print(f"-- API in {mode} mode", flush=True)
             api.start(mode)
-            for model, concurrency in plan(self.quick)[mode]:
+            for model, concurrency in plan(self.quick, self.smoke)[mode]:
                 before_ops = admin_ops.read_counts(self.redis)
                 before_batches = worker_batches(self.config, model)
                 row = self.measure(
@@ -169,7 +180,7 @@ class Suite:
         api.start("per-instance")
         try:
             # A flow at C=8 takes seconds: a window of several of its latencies, not the suite's 10 s.
-            seconds = flows.QUICK_SECONDS if self.quick else flows.SECONDS
+            seconds = self.seconds if self.smoke else flows.QUICK_SECONDS if self.quick else flows.SECONDS
             result = flows.measure(api.url, self.key, seconds, self.warmup, lambda line: print(line, flush=True))
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - one scenario's failure leaves the rest of the suite
             print(f"  failed: {exc}", flush=True)
@@ -184,9 +195,9 @@ class Suite:
         started = time.monotonic()
         out = self.out_dir / "tiny_direct.json"
         argv = [sys.executable, "-m", "bench.tiny_direct", "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img")),
-                "--json", str(out), "--seconds", "2" if self.quick else "5"]  # fmt: skip
+                "--json", str(out), "--seconds", "0.2" if self.smoke else "2" if self.quick else "5"]  # fmt: skip
         if self.quick:
-            argv += ["--batches", "1", "4"]
+            argv += ["--batches", "1"] if self.smoke else ["--batches", "1", "4"]
         env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         self.count += 1
@@ -207,7 +218,8 @@ class Suite:
         """LoRA adapters on the runner: per-call cost against none, and the load time (bench/adapters.py)."""
         return self._module("LoRA adapters", "bench.adapters", "adapters.json", 300,
                             ["--model-root", str(tiny_model_dir(self.config, "sd15-txt2img").parent),
-                             "--calls", "15" if self.quick else "40"],
+                             "--calls", "2" if self.smoke else "15" if self.quick else "40",
+                             *(["--batches", "1"] if self.smoke else [])],
                             {"MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
     def _module(
@@ -239,7 +251,7 @@ class Suite:
         started = time.monotonic()
         out = self.out_dir / "open_loop_in_process.json"
         argv = [sys.executable, "-m", "bench.open_loop", "--json", str(out),
-                "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img"))] + (["--quick"] if self.quick else [])  # fmt: skip
+                "--model-dir", str(tiny_model_dir(self.config, "sd15-txt2img"))] + (["--smoke"] if self.smoke else ["--quick"] if self.quick else [])  # fmt: skip
         env = {**os.environ, "MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         self.count += 1
         print(f"[{self.count:>2}/{self.total}] open loop, in process:", flush=True)
@@ -267,9 +279,9 @@ class Suite:
         api.start("per-instance")
         try:
             backend = SystemBackend(self.config, api.url, self.key)
-            kind = "quick" if self.quick else "full"
+            kind = self.size
             result = open_loop.sweep(backend, open_loop.SYSTEM_RATE_MULTIPLES[kind], open_loop.SYSTEM_REQUESTS_PER_RATE[kind],
-                                     repeats=open_loop.LONE_REPEATS["quick" if self.quick else "full"], progress=lambda line: print(line, flush=True))  # fmt: skip
+                                     repeats=open_loop.LONE_REPEATS[kind], progress=lambda line: print(line, flush=True))  # fmt: skip
             result["worker_restarts"] = backend.restarts
         finally:
             api.stop()
@@ -279,17 +291,20 @@ class Suite:
     def event_streams(self) -> dict | None:
         """1,000 open job event streams on one API instance (bench/api_event_streams.py, its own API process)."""
         return self._module("event streams", "bench.api_event_streams", "event_streams.json", 600,
+                            ["--streams", "4", "--jobs", "2", "--seconds", "0.5"] if self.smoke else
                             ["--streams", "200" if self.quick else "1000", "--seconds", "5" if self.quick else "10"],
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
     def batch_jobs(self) -> dict | None:
         """Batch jobs against predicts at C=32, and the API's memory reading a 1,000,000-line file (bench/batches.py)."""
-        return self._module("batch jobs", "bench.batches", "batches.json", 2400, ["--quick"] if self.quick else [],
+        size = ["--smoke"] if self.smoke else ["--quick"] if self.quick else []
+        return self._module("batch jobs", "bench.batches", "batches.json", 2400, size,
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
     def batch_beside(self) -> dict | None:
         """Sequential tiny SD 1.5 predicts alone and beside a 400-line batch of the same model (bench/batch_beside.py)."""
         return self._module("interactive beside a batch", "bench.batch_beside", "batch_beside.json", 1200,
+                            ["--rounds", "1", "--predicts", "2", "--lines", "4"] if self.smoke else
                             ["--rounds", "1" if self.quick else "3"],
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
@@ -309,11 +324,12 @@ def exit_status(failed: list[str]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~2-minute subset")
+    parser.add_argument("--smoke", action="store_true", help="every scenario at its smallest size (the tests' run)")
     parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
     parser.add_argument("--flows-only", action="store_true", help="only the flows scenario (bench/flows.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
     args = parser.parse_args()
-    out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick or args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     config = bench_config()
     began = time.monotonic()
@@ -327,7 +343,7 @@ def main() -> int:
     else:
         print(f"Using the running stack at {config.api_url}", flush=True)
     os.environ.update(config.client_env())
-    suite = Suite(config, args.quick, out_dir)
+    suite = Suite(config, args.quick, out_dir, smoke=args.smoke)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
     direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = None
     sweeps: dict[str, dict] = {}
@@ -363,6 +379,7 @@ def main() -> int:
             "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": git_commit(),
             "quick": args.quick,
+            "smoke": args.smoke,
             "cpus": os.cpu_count(),
             "load_before": load_before,
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
