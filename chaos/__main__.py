@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # Only a full run replaces the table the README quotes; subsets are kept beside it.
+    # Only a full run replaces the table the docs quote (docs/results/faults.md); subsets are kept beside it.
     name = "partial.md" if args.only else "quick.md" if args.quick else "latest.md"
     (RESULTS / name).write_text(text + "\n")
     failed = [r.name for r in results if not r.passed] + [b.name for b in bad if not b.passed]

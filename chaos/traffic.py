@@ -14,7 +14,7 @@ import httpx
 from maas_client import Client as MaasClient
 from maas_client import MaasError
 
-# Statuses the README documents; anything else (or no answer) is a failure.
+# Statuses the docs document (docs/guides/requests.md); anything else (or no answer) is a failure.
 DOCUMENTED = {200, 202, 400, 401, 403, 404, 409, 413, 422, 429, 500, 503, 504}
 # How long past a request's deadline an answer still counts (the suite's promise: deadline + 10 s).
 GRACE_SECONDS = 10.0

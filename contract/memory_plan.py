@@ -249,7 +249,7 @@ def deployment_plan(
 
 
 def plan_rows(plans: dict[str, DeploymentPlan]) -> list[tuple[str, ...]]:
-    """One row per planned unit (its deployment's sum and room beside it): `make status` and README's table."""
+    """One row per planned unit (its deployment's sum and room beside it): `make status` and the memory plan's page (docs/concepts/memory-plan.md)."""
     rows = [("model", "architecture", "hardware", "quantized", "weights", "activation (at)", "total", "deployment / room", "fits")]  # fmt: skip
     for plan in plans.values():
         for unit in plan.units:

@@ -8,7 +8,7 @@
     python -m emulators.stack bootstrap        # re-creates topics, subscriptions, buckets, table and views
     python -m emulators.stack supervise        # what `up` runs in the background: restarts the API and workers
 
-Ports and the stack directory come from MAAS_STACK_* variables (see the README); the tests start a
+Ports and the stack directory come from MAAS_STACK_* variables (docs/getting-started/local-stack.md); the tests start a
 second stack beside a developer's with MAAS_STACK_PORT_OFFSET. Once a stack is up, its settings are
 recorded in `<stack dir>/stack.json`, and every later command on that directory uses them.
 """

@@ -150,7 +150,7 @@ class PlannedDeployment(BaseModel):
 
 
 class MemoryPlan(BaseModel):
-    """What the model needs on its GPU (README "Memory plan"): computed from its architecture, not measured."""
+    """What the model needs on its GPU (docs/concepts/memory-plan.md): computed from its architecture, not measured."""
 
     architecture: str
     hardware: str

@@ -1,4 +1,4 @@
-"""How many GPUs a day of traffic needs: `python -m bench.capacity` simulates it (README, "Capacity").
+"""How many GPUs a day of traffic needs: `python -m bench.capacity` simulates it (docs/guides/capacity.md).
 
 .venv/bin/python -m bench.capacity                                   # the seed's day on L4s, both schedulings
 .venv/bin/python -m bench.capacity --trace day.csv --profile l4-sd15 # a recorded day (traffic.TRACE_SQL)
@@ -50,7 +50,7 @@ from infra.k8s.render import BATCH_BACKLOG_CALLS
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 SEED_GPUS = 150
-# More than the seed's day can absorb: what it does absorb by its end is the answer (README "Capacity").
+# More than the seed's day can absorb: what it does absorb by its end is the answer (docs/results/capacity.md).
 BATCH_IMAGES = 10_000_000
 # Issue 43's surges: from a quiet morning (the fleet scaled for a sixth of the surge's rate) and at the day's peak.
 SURGE_HOURS = [6.0, 15.0]

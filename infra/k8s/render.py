@@ -68,7 +68,7 @@ MIB = 1024 * 1024
 # The share of a worker's batched capacity its backlog target stands for: at the target a worker holds this
 # share of the requests it would need in flight to serve at its full-batch rate (`batching_gain`, one request's
 # rate being one). The rest is headroom for a rise the autoscaler sees two minutes late and answers with pods
-# minutes later. Chosen by simulation (bench/capacity, README "Capacity"): on the seed's day on the L4 profile
+# minutes later. Chosen by simulation (bench/capacity, docs/results/capacity.md): on the seed's day on the L4 profile
 # 0.6 answered every request within the SLO and 0.7 only 97%; on the H100 profile 0.6 keeps the GPU-hours of the
 # old one-batch target and answers 99.98% in time where that one answered 95%.
 BACKLOG_TARGET_UTILIZATION = 0.6

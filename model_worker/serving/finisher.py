@@ -8,7 +8,7 @@ The finisher's threads run at a lower CPU priority than the device thread (`nice
 part, turning an image into PNG bytes (numpy's conversion and Pillow's zlib encode), releases the GIL, so it never
 holds the interpreter from the device thread; but it takes whole cores for tens of milliseconds an image, and where
 cores are short it took them from the device thread, which then woke late from each step and left the device idle
-(README "Step-level vs request-level on a stand-in H100"). Lowered, the encode gets what the device thread leaves.
+(docs/results/benchmarks.md, "Step-level vs request-level on a stand-in H100"). Lowered, the encode gets what the device thread leaves.
 
 Lowered, it can also fall behind the device: images waiting for it are bounded (`max_images`, two of the worker's
 largest batches), so a finisher that cannot keep up makes the device thread wait (counted in

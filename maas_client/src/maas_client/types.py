@@ -55,7 +55,7 @@ class ModelInfo(_Body):
     defaults: GenerationDefaults
     limits: GenerationLimits
     # What the model needs on its GPU (weights per component, activation peak, its worker's sum and room);
-    # None for the synthetic models and from servers older than the memory plan (README "Memory plan").
+    # None for the synthetic models and from servers older than the memory plan (docs/concepts/memory-plan.md).
     memory_plan: dict | None = None
     # `flow`: several served models in one call (its stages, in order); called like a model.
     kind: Literal["model", "flow"] = "model"
