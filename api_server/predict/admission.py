@@ -61,8 +61,9 @@ RESERVATION_SECONDS = 10
 RUN_TIME_WEIGHT = 0.3
 SPREAD_WEIGHT = 0.25
 # A call counts as its smoothed time plus this many mean deviations: the default margin (RFC 6298 keeps 4 for one
-# round trip's timeout; a backlog is a sum of calls whose deviations partly cancel). A model's first reply sets the
-# spread to half its time, as TCP does for its first round trip: one sample says nothing of the spread.
+# round trip's timeout; a backlog is a sum of calls whose deviations partly cancel). It is learnt from the second
+# reply on: a model's first reply sets it to 0 (TCP starts from half the first round trip, which here made the
+# first minutes' Retry-After twice the real drain).
 SPREAD_MARGIN = 2.0
 
 # KEYS: the answered set, the call-time key, its spread's, the answer trip's, the peak-workers key, the last-workers key (the count
@@ -166,9 +167,9 @@ local mean = tonumber(redis.call('GET', KEYS[1]) or '-1')
 local spread = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local new, weight = tonumber(ARGV[1]), tonumber(ARGV[2])
 if mean < 0 then
-  mean, spread = new, new / 2
+  mean, spread = new, 0
 else
-  if spread < 0 then spread = math.abs(new - mean) end
+  if spread < 0 then spread = 0 end
   spread = spread + tonumber(ARGV[3]) * (math.abs(new - mean) - spread)
   mean = mean + weight * (new - mean)
 end
