@@ -51,6 +51,11 @@ class SystemBackend:
         self._registry.stop(self._stack_worker, timeout=30)
         self.restarts = 0
 
+    @property
+    def active(self) -> str | None:
+        """The scheduling its worker runs now (None: none started)."""
+        return self._active
+
     def activate(self, scheduling: str) -> None:
         if self._active == scheduling:
             return
