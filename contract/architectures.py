@@ -66,6 +66,8 @@ CLIP_G_PROJECTION = ComponentSize(694_659_840, 630_784_000, 369_920)
 T5_XXL = ComponentSize(4_762_310_656, 4_630_511_616, 983_040)
 VAE_4 = ComponentSize(83_653_863, 2_097_152, 4_096)
 VAE_16 = ComponentSize(83_819_683, 2_097_152, 4_096)
+# Qwen3-4B as Z-Image reads it (`Qwen3Model`: no language-model head).
+QWEN3_4B = ComponentSize(4_022_468_096, 3_633_315_840, 1_105_920)
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
@@ -113,7 +115,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             denoiser_elements_per_token=transformer_elements_per_token(38 * 64),
             pixels_per_token=256, text_tokens=77 + 256,
         ),
+        Architecture(
+            "z-image-turbo", "zimage",
+            {"transformer": ComponentSize(6_154_908_736, 6_153_863_168, 1_853_504), "text_encoder": QWEN3_4B,
+             "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(30 * 128),
+            pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
+        ),
     )
 }  # fmt: skip
 # The architecture a catalog entry of a family serves unless it names one (`architecture:`).
-DEFAULT_ARCHITECTURE = {"sd15": "sd1.5", "sdxl": "sdxl", "flux": "flux.1-dev", "sd3": "sd3.5-large"}
+DEFAULT_ARCHITECTURE = {
+    "sd15": "sd1.5", "sdxl": "sdxl", "flux": "flux.1-dev", "sd3": "sd3.5-large", "zimage": "z-image-turbo",
+}  # fmt: skip

@@ -107,6 +107,16 @@ FAMILIES: dict[str, Family] = {
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
         ),
+        Family(
+            "zimage",
+            {"ZImagePipeline": "text-to-image"},
+            size_multiple=16,  # the VAE's 8x times the transformer's 2x2 patches
+            # Z-Image-Turbo's model card: 9 steps, guidance 0, 1024x1024.
+            defaults={"num_inference_steps": 9, "guidance_scale": 0.0, "width": 1024, "height": 1024},
+            guidance="none",  # Turbo is distilled: the pipeline runs no classifier-free guidance at guidance 0
+            gpu_dtype="bfloat16",
+            adapters=False,
+        ),
     )
 }
 PIPELINES: dict[str, Family] = {pipeline: family for family in FAMILIES.values() for pipeline in family.pipelines}

@@ -321,6 +321,70 @@ def _sd3(out_dir: Path) -> dict:
     }  # fmt: skip
 
 
+# The Qwen chat template, as the Qwen2.5 / Qwen3 tokenizers apply it (system and user turns, then the assistant's).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen_tokenizer(out_dir: Path):
+    """A Qwen2 tokenizer (a byte-level BPE learned from CORPUS, with Qwen's `<|im_start|>`/`<|im_end|>` and its chat
+    template): what Z-Image's and FLUX.2 [klein]'s Qwen3 and Qwen-Image's Qwen2.5-VL encoders read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )  # fmt: skip
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    wrapped = Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
+    wrapped.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    wrapped.chat_template = QWEN_CHAT_TEMPLATE
+    wrapped.save_pretrained(out_dir)
+    return Qwen2Tokenizer.from_pretrained(out_dir)
+
+
+def _qwen3(out_dir: Path, hidden: int, layers: int = 2, causal_lm: bool = False):
+    """A small Qwen3 text encoder (Z-Image's `Qwen3Model`, FLUX.2 [klein]'s `Qwen3ForCausalLM`) and its tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    tokenizer = build_qwen_tokenizer(out_dir / "tokenizer")
+    config = Qwen3Config(
+        hidden_size=hidden, intermediate_size=37, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer), max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=causal_lm,
+    )  # fmt: skip
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config), tokenizer
+
+
+def _zimage(out_dir: Path) -> dict:
+    """Z-Image's classes at diffusers' own test sizes: a single-stream DiT over 2x2 patches, a Qwen3 encoder whose
+    second-to-last hidden states it reads, FLUX.1's 16-channel VAE."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0,
+        axes_dims=[8, 4, 4], axes_lens=[256, 64, 64],
+    )  # fmt: skip
+    with torch.no_grad():  # made with torch.empty: fixed, as diffusers' tests fix them, so a build is reproducible
+        transformer.x_pad_token.copy_(torch.ones_like(transformer.x_pad_token))
+        transformer.cap_pad_token.copy_(torch.ones_like(transformer.cap_pad_token))
+    text_encoder, tokenizer = _qwen3(out_dir, hidden=16)
+    vae = _vae(latent_channels=16, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
+               use_post_quant_conv=False)  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "scheduler": scheduler}  # fmt: skip
+
+
 _BUILDERS = {
     "StableDiffusionPipeline": _sd15,
     "StableDiffusionImg2ImgPipeline": _sd15,
@@ -329,6 +393,7 @@ _BUILDERS = {
     "FluxPipeline": _flux,
     "FluxImg2ImgPipeline": _flux,
     "StableDiffusion3Pipeline": _sd3,
+    "ZImagePipeline": _zimage,
 }
 
 

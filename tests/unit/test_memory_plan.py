@@ -65,16 +65,24 @@ def test_recorded_sizes_are_the_real_configurations_counted_on_the_meta_device()
             recount = counted(meta_model(config))
             assert recount == (size.parameters, size.linear_weights, size.linear_rows), f"{architecture.name}/{name}"
             if name == architecture.denoiser == "transformer":
-                hidden = config["num_attention_heads"] * config["attention_head_dim"]
+                hidden, patch = transformer_width_and_patch(config)
                 assert architecture.denoiser_elements_per_token == transformer_elements_per_token(hidden)
-                assert (
-                    architecture.pixels_per_token
-                    == (8 * config["patch_size"] * (2 if "guidance_embeds" in config else 1)) ** 2
-                )
+                assert architecture.pixels_per_token == (8 * patch) ** 2
             elif name == architecture.denoiser == "unet":
                 expected = unet_elements_per_token(config["block_out_channels"], config["layers_per_block"])
                 assert architecture.denoiser_elements_per_token == expected
                 assert architecture.pixels_per_token == 8**2
+
+
+def transformer_width_and_patch(config: dict) -> tuple[int, int]:
+    """A transformer's hidden width and the latent pixels a token covers along each side: its own patches (SD 3's,
+    Z-Image's `all_patch_size`), or the pipeline's 2x2 packing (FLUX's and FLUX.2's patch 1 over 4x the latent
+    channels; Qwen-Image's packing is its config's `patch_size` 2)."""
+    if config["_class_name"] == "ZImageTransformer2DModel":
+        return config["dim"], config["all_patch_size"][0]
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    packed = config["_class_name"] in ("FluxTransformer2DModel", "Flux2Transformer2DModel")
+    return hidden, 2 * config["patch_size"] if packed else config["patch_size"]
 
 
 def parameters(architecture: str, component: str) -> int:

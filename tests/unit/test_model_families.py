@@ -31,9 +31,11 @@ SDXL_IMG2IMG = SDXL.model_copy(update={"name": "sdxl-img2img", "task": "image-to
 FLUX_IMG2IMG = DEV.model_copy(update={"name": "flux-img2img", "task": "image-to-image",
                                       "pipeline": "FluxImg2ImgPipeline"})  # fmt: skip
 SD15_IMG2IMG = CATALOG.get("sd15-img2img")
+ZIMAGE = CATALOG.get("z-image-turbo")
 FAMILIES = {
     "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
     "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
+    "z-image-turbo": ZIMAGE,
 }  # fmt: skip
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
@@ -205,10 +207,11 @@ def model_call_with_timesteps(model, change):
 
     forward = model.forward
     signature = inspect.signature(forward)
+    name = "timestep" if "timestep" in signature.parameters else "t"  # Z-Image's transformer names it `t`
 
     def mutated(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        bound.arguments["timestep"] = change(bound.arguments["timestep"])
+        bound.arguments[name] = change(bound.arguments[name])
         return forward(*bound.args, **bound.kwargs)
 
     return mutated
@@ -274,10 +277,10 @@ MUTATIONS = {
 }  # fmt: skip
 MUTATED = [
     (name, mutation)
-    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35")
+    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35", "z-image-turbo")
     for mutation in MUTATIONS
     if not (mutation == "no-guidance" and FAMILIES[name].guidance_mode == "none")  # [schnell] takes no guidance
-    and not (mutation == "wrong-shift" and FAMILIES[name].family.name not in ("flux", "sd3"))  # no shift
+    and not (mutation == "wrong-shift" and FAMILIES[name].family.name in ("sd15", "sdxl"))  # no shift
 ]
 
 

@@ -14,9 +14,11 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
     from model_worker.model.families.flow import FluxDenoiser, SD3Denoiser
     from model_worker.model.families.unet import SDXLDenoiser, UNetDenoiser
+    from model_worker.model.families.zimage import ZImageDenoiser
 
     denoisers: dict[str, type[Denoiser]] = {
         "sd15": UNetDenoiser, "sdxl": SDXLDenoiser, "flux": FluxDenoiser, "sd3": SD3Denoiser,
+        "zimage": ZImageDenoiser,
     }  # fmt: skip
     family = spec.family
     if family is None or family.name not in denoisers:
