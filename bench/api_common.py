@@ -62,7 +62,7 @@ class BenchApiProcess:
             "api_server.process.asgi:app",
         ]
         self._registry.start(self.name, argv, full, cwd=ROOT)
-        self._registry.wait_until(self.name, lambda: http_ok(f"{self.url}/readyz"), timeout=90)
+        self._registry.wait_until(self.name, lambda: http_ok(f"{self.url}/readyz"), timeout=180)
 
     def pids(self) -> list[int]:
         """gunicorn's master and its workers."""

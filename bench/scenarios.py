@@ -24,6 +24,8 @@ TINY_PARAMETERS = {"num_inference_steps": 4, "width": 64, "height": 64}
 # Seeds never repeat within a run (nor, almost surely, across runs on one Redis): with the API's result
 # cache, a repeated seeded request would be a cache hit, not the path being measured.
 _SEEDS = itertools.count(random.SystemRandom().randrange(2**20, 2**30))
+# How long the benchmark API may take to answer /readyz after it starts.
+API_READY_SECONDS = 180
 
 
 def fresh_seed() -> int:
@@ -146,7 +148,8 @@ class BenchApi:
             "bench.counted_api:app",
         ]
         self._registry.start("bench-api", argv, env, cwd=ROOT)
-        self._registry.wait_until("bench-api", lambda: http_ok(f"{self.url}/readyz"), timeout=60)
+        # A bound, not a pace: on a crowded machine (a test suite beside it) the app's import alone took over 60 s.
+        self._registry.wait_until("bench-api", lambda: http_ok(f"{self.url}/readyz"), timeout=API_READY_SECONDS)
         with bench_client(self.url, "readyz-needs-no-key", timeout=5.0) as client:
             shown = client.raw("GET", "/readyz").json().get("reply_mode")
         if shown != mode:
