@@ -128,12 +128,15 @@ def test_a_key_cannot_run_another_keys_table_nor_the_services_and_cannot_tell_th
     )  # fmt: skip
 
 
+LINES = 150  # more than a page of rows (tables.PAGE_ROWS) and than the feeder's in-flight bound
+
+
 def test_rows_added_to_the_table_after_submit_are_not_the_batchs(stack, auth_headers, settings, bigquery):
-    # 80 sleep lines, the first held in the stand-in GPU's one call until the gate opens: the feeder stops at its
-    # in-flight bound (below 80) with the rest of the table unread, so a row added now would be read as line 81
-    # if the batch read the table itself rather than its snapshot at submit.
+    # 150 sleep lines, the first held in the stand-in GPU's one call until the gate opens: the feeder stops at its
+    # in-flight bound (below 100) inside the first page of rows (PAGE_ROWS, 100), so the second page is listed only
+    # after the row added now, and it would be line 151 if the batch read the table rather than its snapshot.
     gate = f"snapshot-{uuid.uuid4().hex}"
-    rows = [as_row(line(f"snap-{index}", model="sleep", seed=index)) for index in range(80)]
+    rows = [as_row(line(f"snap-{index}", model="sleep", seed=index)) for index in range(LINES)]
     rows[0]["instances"] = json.dumps([{"prompt": f"!hold {gate}"}])
     table = make_table(bigquery, settings, TEST_API_KEYS[0], rows)
     try:
@@ -147,9 +150,9 @@ def test_rows_added_to_the_table_after_submit_are_not_the_batchs(stack, auth_hea
         open_hold(stack, gate)
     final = wait(stack, auth_headers, batch["id"], timeout=120)
     assert final["status"] == "completed" and final["input_table"] == table, final
-    assert final["request_counts"]["total"] == 80 and final["request_counts"]["succeeded"] == 80, final
+    assert final["request_counts"]["total"] == LINES and final["request_counts"]["succeeded"] == LINES, final
     answered = {item["custom_id"] for item in output(stack, auth_headers, batch["id"], "results")}
-    assert "added-later" not in answered and len(answered) == 80
+    assert "added-later" not in answered and len(answered) == LINES
 
 
 def test_an_empty_table_is_refused_at_submit(stack, auth_headers, settings, bigquery):
