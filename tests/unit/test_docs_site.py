@@ -248,3 +248,19 @@ def test_the_names_check_finds_a_name_that_no_longer_exists():
     assert "DESIGN.md" not in FILE_NAMES and not written_by_the_code("DESIGN.md")
     assert names["module"] == {"api_server.records"} and not module_exists("api_server.records")
     assert names["make"] == {"spool"} and "spool" not in make_targets()
+
+
+def test_the_local_stack_page_names_exactly_the_components_make_up_starts(tmp_path):
+    from emulators.stack import StackConfig, components
+
+    started = set(components(StackConfig(stack_dir=tmp_path)))
+    with_fixtures = set(components(StackConfig(stack_dir=tmp_path, test_fixtures=True)))
+    page = (DOCS / "getting-started" / "local-stack.md").read_text()
+    [row] = [line for line in page.splitlines() if line.startswith("| `make restart")]
+    named = {name for name in re.findall(r"`([\w-]+)`", row) if name not in ("make",)}
+    assert started <= named, f"make up starts what the page does not name: {sorted(started - named)}"
+    assert with_fixtures <= named, (
+        f"the tests' stack starts what the page does not name: {sorted(with_fixtures - named)}"
+    )
+    stale = {name for name in named if name.startswith("worker-")} - with_fixtures
+    assert not stale, f"the page names workers no stack starts: {sorted(stale)}"
