@@ -68,6 +68,10 @@ VAE_4 = ComponentSize(83_653_863, 2_097_152, 4_096)
 VAE_16 = ComponentSize(83_819_683, 2_097_152, 4_096)
 # Qwen3-4B as Z-Image reads it (`Qwen3Model`: no language-model head).
 QWEN3_4B = ComponentSize(4_022_468_096, 3_633_315_840, 1_105_920)
+# ... and as FLUX.2 [klein] 4B reads it (`Qwen3ForCausalLM`: its head is tied to the embedding, a Linear of its own).
+QWEN3_4B_LM = ComponentSize(4_022_468_096, 4_022_272_000, 1_257_856)
+# FLUX.2's VAE: 32 latent channels and a batch norm over its 2x2-patchified latents.
+VAE_FLUX2 = ComponentSize(84_046_371, 2_097_152, 4_096)
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
@@ -122,9 +126,17 @@ ARCHITECTURES: dict[str, Architecture] = {
             denoiser_elements_per_token=transformer_elements_per_token(30 * 128),
             pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
         ),
+        Architecture(
+            "flux.2-klein-4b", "flux2-klein",
+            {"transformer": ComponentSize(3_875_544_576, 3_875_536_896, 1_016_960), "text_encoder": QWEN3_4B_LM,
+             "vae": VAE_FLUX2},
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
+        ),
     )
 }  # fmt: skip
 # The architecture a catalog entry of a family serves unless it names one (`architecture:`).
 DEFAULT_ARCHITECTURE = {
     "sd15": "sd1.5", "sdxl": "sdxl", "flux": "flux.1-dev", "sd3": "sd3.5-large", "zimage": "z-image-turbo",
+    "flux2-klein": "flux.2-klein-4b",
 }  # fmt: skip

@@ -117,6 +117,16 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=False,
         ),
+        Family(
+            "flux2-klein",
+            {"Flux2KleinPipeline": "text-to-image"},  # its `image` is a reference to edit from, not an img2img start
+            size_multiple=16,  # the VAE's 8x times the pipeline's 2x2 patches
+            # FLUX.2 [klein] 4B's model card: 4 steps (step-distilled), 1024x1024.
+            defaults={"num_inference_steps": 4, "guidance_scale": 0.0, "width": 1024, "height": 1024},
+            guidance="none",  # the distilled pipeline (`is_distilled`) ignores guidance; no guidance embedding
+            gpu_dtype="bfloat16",
+            adapters=False,
+        ),
     )
 }
 PIPELINES: dict[str, Family] = {pipeline: family for family in FAMILIES.values() for pipeline in family.pipelines}

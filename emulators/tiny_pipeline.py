@@ -385,6 +385,27 @@ def _zimage(out_dir: Path) -> dict:
             "scheduler": scheduler}  # fmt: skip
 
 
+def _flux2_klein(out_dir: Path) -> dict:
+    """FLUX.2 [klein]'s classes at diffusers' own test sizes: a double- and a single-stream block over 2x2-patchified
+    latents, a Qwen3 causal LM of 28 layers (the pipeline reads hidden states 9, 18 and 27, side by side: the
+    transformer's 48-wide context), a four-block FLUX.2 VAE (8x, with its latent batch norm); step-distilled."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4], guidance_embeds=False,
+    )  # fmt: skip
+    text_encoder, tokenizer = _qwen3(out_dir, hidden=16, layers=28, causal_lm=True)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(32, 64, 64, 64), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=32, sample_size=512,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "scheduler": scheduler, "is_distilled": True}  # fmt: skip
+
+
 _BUILDERS = {
     "StableDiffusionPipeline": _sd15,
     "StableDiffusionImg2ImgPipeline": _sd15,
@@ -394,6 +415,7 @@ _BUILDERS = {
     "FluxImg2ImgPipeline": _flux,
     "StableDiffusion3Pipeline": _sd3,
     "ZImagePipeline": _zimage,
+    "Flux2KleinPipeline": _flux2_klein,
 }
 
 

@@ -32,10 +32,11 @@ FLUX_IMG2IMG = DEV.model_copy(update={"name": "flux-img2img", "task": "image-to-
                                       "pipeline": "FluxImg2ImgPipeline"})  # fmt: skip
 SD15_IMG2IMG = CATALOG.get("sd15-img2img")
 ZIMAGE = CATALOG.get("z-image-turbo")
+KLEIN = CATALOG.get("flux2-klein")
 FAMILIES = {
     "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
     "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
-    "z-image-turbo": ZIMAGE,
+    "z-image-turbo": ZIMAGE, "flux2-klein": KLEIN,
 }  # fmt: skip
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
@@ -277,7 +278,7 @@ MUTATIONS = {
 }  # fmt: skip
 MUTATED = [
     (name, mutation)
-    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35", "z-image-turbo")
+    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35", "z-image-turbo", "flux2-klein")
     for mutation in MUTATIONS
     if not (mutation == "no-guidance" and FAMILIES[name].guidance_mode == "none")  # [schnell] takes no guidance
     and not (mutation == "wrong-shift" and FAMILIES[name].family.name in ("sd15", "sdxl"))  # no shift
