@@ -45,6 +45,8 @@ class RequestInstance(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str
     image: Payload | None = None
+    # An inpaint request's mask (a PNG: white repaints, black keeps), the image's size; left out of other messages.
+    mask: Payload | None = Field(default=None, exclude_if=lambda mask: mask is None)
 
 
 # How a flow's stage passes its output on (contract/flows.py): a latent the next stage starts from, or images.

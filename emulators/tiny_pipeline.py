@@ -161,14 +161,14 @@ def _t5(out_dir: Path, name: str, d_model: int):
     return encoder, tokenizer
 
 
-def _sd15(out_dir: Path) -> dict:
+def _sd15(out_dir: Path, in_channels: int = 4) -> dict:
     from diffusers import PNDMScheduler, UNet2DConditionModel
 
     unet = UNet2DConditionModel(
         block_out_channels=(32, 64),
         layers_per_block=2,
         sample_size=64,
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -184,6 +184,12 @@ def _sd15(out_dir: Path) -> dict:
         "unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler,
         "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False,
     }  # fmt: skip
+
+
+def _sd15_inpaint(out_dir: Path) -> dict:
+    """SD 1.5's inpainting UNet (stable-diffusion-inpainting): 9 input channels, the latents, the mask and the
+    masked image's latents side by side; the rest is SD 1.5's."""
+    return _sd15(out_dir, in_channels=9)
 
 
 def _sdxl_unet(projection_class_embeddings_input_dim: int, cross_attention_dim: int):
@@ -409,6 +415,7 @@ def _flux2_klein(out_dir: Path) -> dict:
 _BUILDERS = {
     "StableDiffusionPipeline": _sd15,
     "StableDiffusionImg2ImgPipeline": _sd15,
+    "StableDiffusionInpaintPipeline": _sd15_inpaint,
     "StableDiffusionXLPipeline": _sdxl,
     "StableDiffusionXLImg2ImgPipeline": _sdxl,
     "FluxPipeline": _flux,

@@ -18,15 +18,23 @@ from contract.model_spec import ModelSpec
 CACHE_KEY_VERSION = "v1"
 
 
-def cache_key(spec: ModelSpec, params: GenerationParameters, prompts: list[str], images: list[bytes | None]) -> str:
-    """`maas:cache:v1:{model}:{version}:{sha256}` of the canonical request; equal requests, equal keys."""
-    canonical = {
-        "parameters": params.model_dump(mode="json"),
-        "instances": [
-            {"prompt": prompt, "image_sha256": hashlib.sha256(image).hexdigest() if image is not None else None}
-            for prompt, image in zip(prompts, images, strict=True)
-        ],
-    }
+def cache_key(
+    spec: ModelSpec,
+    params: GenerationParameters,
+    prompts: list[str],
+    images: list[bytes | None],
+    masks: list[bytes | None] | None = None,
+) -> str:
+    """`maas:cache:v1:{model}:{version}:{sha256}` of the canonical request; equal requests, equal keys. An inpaint
+    request's mask digests are part of it (other requests' keys are as before masks existed)."""
+    instances = [
+        {"prompt": prompt, "image_sha256": hashlib.sha256(image).hexdigest() if image is not None else None}
+        for prompt, image in zip(prompts, images, strict=True)
+    ]
+    for instance, mask in zip(instances, masks or [], strict=False):
+        if mask is not None:
+            instance["mask_sha256"] = hashlib.sha256(mask).hexdigest()
+    canonical = {"parameters": params.model_dump(mode="json"), "instances": instances}
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return f"maas:cache:{CACHE_KEY_VERSION}:{spec.name}:{spec.version}:{digest}"
 

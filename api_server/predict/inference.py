@@ -18,8 +18,10 @@ from api_server.core.errors import ApiError
 from api_server.jobs.webhooks import WebhookTargetPolicy
 from api_server.predict.adapters import AdapterService
 from api_server.predict.dispatch import DispatchTimings, InferenceDispatcher
+from api_server.predict.masks import checked_mask, outpainted
 from api_server.predict.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
 from contract import naming
+from contract.images import decode_input_image as decode_image
 from contract.messages import GenerationParameters, InferenceReply, InferenceRequest, RequestInstance
 from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec, PayloadError
@@ -54,6 +56,8 @@ class PreparedRequest:
     log_row: Callable[[], dict] | None = None
     # A call to a flow (api_server/flows/serving.py): its stages' units and plans; published to its first stage's unit.
     flow: FlowCall | None = None
+    # An inpaint request's masks, one per instance (white repaints); None for other tasks.
+    masks: list[bytes | None] = field(default_factory=list)
 
     def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
         """This request asked of another version under an id of its own (a fallback, a shadow copy): no
@@ -119,6 +123,9 @@ class InferenceService:
             else None
             for index, instance in enumerate(body.instances)
         ]
+        masks: list[bytes | None] = [None] * len(images)
+        if spec.takes_mask:
+            images, masks, params = inpaint_inputs(body, params, images, spec)
         webhook_url = self._webhook_targets.check(body.webhook_url) if body.webhook_url is not None else None
         return PreparedRequest(
             request_id,
@@ -136,6 +143,7 @@ class InferenceService:
             pinned,
             log_row,
             flow,
+            masks,
         )
 
     def job_deadline_ms(self) -> int:
@@ -170,6 +178,7 @@ class InferenceService:
 
     def message(self, prepared: PreparedRequest) -> InferenceRequest:
         """The request as its model's queue takes it (input images packed: inline, or uploaded to GCS)."""
+        masks = prepared.masks or [None] * len(prepared.images)
         instances = [
             RequestInstance(
                 prompt=prompt,
@@ -180,8 +189,15 @@ class InferenceService:
                     naming.input_object(prepared.request_id, index),
                     content_type="application/octet-stream",
                 ),
+                mask=None
+                if mask is None
+                else self._payloads.pack(
+                    mask,
+                    naming.input_object(prepared.request_id, index) + "-mask",
+                    content_type="application/octet-stream",
+                ),
             )
-            for index, (prompt, image) in enumerate(zip(prepared.prompts, prepared.images, strict=True))
+            for index, (prompt, image, mask) in enumerate(zip(prepared.prompts, prepared.images, masks, strict=True))
         ]
         request = InferenceRequest(
             request_id=prepared.request_id,
@@ -204,3 +220,46 @@ class InferenceService:
             "width": prediction.width,
             "height": prediction.height,
         }
+
+
+def inpaint_inputs(
+    body: PredictBody, params: GenerationParameters, images: list[bytes | None], spec: ModelSpec
+) -> tuple[list[bytes | None], list[bytes | None], GenerationParameters]:
+    """An inpaint request's images and masks, checked (api_server/predict/masks.py); with `outpaint`, each image
+    padded and its mask made, and the output size the padded image's unless the request names one."""
+    max_pixels = spec.limits.max_input_pixels
+    outpaint = body.parameters.outpaint
+    images, masks = list(images), []
+    for index, instance in enumerate(body.instances):
+        image = images[index]
+        assert image is not None  # required of an inpaint model's instances (resolve_parameters)
+        if outpaint is None:
+            field_name = f"instances.{index}.mask"
+            mask = decode_input_image(instance.mask or "", field_name, max_pixels)
+            checked_mask(mask, field_name, image, max_pixels)
+            masks.append(mask)
+            continue
+        images[index], mask = outpainted(image, outpaint)
+        masks.append(mask)
+    if outpaint is None:
+        return images, masks, params
+    sizes = {decode_image(image).size for image in images if image is not None}
+    width, height = max(sizes)
+    if body.parameters.width is None and body.parameters.height is None:
+        if len(sizes) > 1:
+            raise ApiError(422, "parameters.outpaint: the padded images differ in size; send width and height",
+                           "parameters.outpaint")  # fmt: skip
+        params = params.model_copy(update={"width": width, "height": height})
+    limits, multiple = spec.limits, spec.family.size_multiple if spec.family else 8
+    problem = None
+    if width * height > max_pixels:
+        problem = f"the padded image is {width}x{height}, past the model's {max_pixels} input pixels"
+    elif params.width > limits.max_width or params.height > limits.max_height:
+        problem = (
+            f"the output {params.width}x{params.height} is past the model's {limits.max_width}x{limits.max_height}"
+        )
+    elif params.width % multiple or params.height % multiple:
+        problem = f"the output {params.width}x{params.height} is not a multiple of {multiple}; pad to one"
+    if problem is not None:
+        raise ApiError(422, f"parameters.outpaint: {problem}", "parameters.outpaint")
+    return images, masks, params

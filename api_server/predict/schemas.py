@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.core.errors import ApiError
+from api_server.predict.masks import Outpaint
 from contract.generation import MAX_SEED, ROLES, GenerationParameters, optional_parameters_model
 from contract.images import InputImageError
 from contract.images import decode_input_image as decode_image
@@ -40,6 +41,11 @@ ParametersIn = optional_parameters_model(
     priority=(
         Literal["high", "normal"] | None,
         Field(default=None, description="high: the high-priority queue (API keys configured for it)"),
+    ),
+    # Inpaint models only: the API pads each image and makes its mask (api_server/predict/masks.py).
+    outpaint=(
+        Outpaint | None,
+        Field(default=None, description="inpaint only: pixels to add on each side; the answer is the larger image"),
     ),
 )
 
@@ -106,15 +112,18 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     _check_family_rules(given, params, spec)
     if params.seed + len(body.instances) - 1 > MAX_SEED:
         raise ApiError(422, f"parameters.seed: seed + instances must stay below {MAX_SEED}", "parameters.seed")
-    if spec.task == "image-to-image":
+    if spec.needs_image:
         if params.strength is None or params.strength * params.num_inference_steps < 1:
             raise ApiError(
                 422, "parameters.strength: strength x num_inference_steps must be at least 1", "parameters.strength"
             )
     elif given.strength is not None:
         raise ApiError(
-            422, f"parameters.strength: only for image-to-image models, not {spec.name}", "parameters.strength"
+            422,
+            f"parameters.strength: only for image-to-image and inpaint models, not {spec.name}",
+            "parameters.strength",
         )
+    _check_outpaint(given.outpaint, spec)
     for index, instance in enumerate(body.instances):
         if instance.mask is not None and not spec.takes_mask:
             raise ApiError(
@@ -122,11 +131,23 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
                 f"instances.{index}.mask: {spec.name} is a {spec.task} model and takes no mask (inpaint models do)",
                 f"instances.{index}.mask",
             )
-        if spec.task == "image-to-image" and not instance.image:
+        if spec.needs_image and not instance.image:
             raise ApiError(
                 422,
-                f"instances.{index}.image: required by image-to-image model {spec.name}",
+                f"instances.{index}.image: required by {spec.task} model {spec.name}",
                 f"instances.{index}.image",
+            )
+        if spec.takes_mask and given.outpaint is None and instance.mask is None:
+            raise ApiError(
+                422,
+                f"instances.{index}.mask: required by inpaint model {spec.name} (or parameters.outpaint)",
+                f"instances.{index}.mask",
+            )
+        if given.outpaint is not None and instance.mask is not None:
+            raise ApiError(
+                422,
+                f"instances.{index}.mask: not with parameters.outpaint, which makes the mask itself",
+                f"instances.{index}.mask",
             )
         if spec.task == "text-to-image" and instance.image:
             raise ApiError(
@@ -135,6 +156,19 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
                 f"instances.{index}.image",
             )
     return params
+
+
+def _check_outpaint(outpaint: Outpaint | None, spec: ModelSpec) -> None:
+    if outpaint is None:
+        return
+    if not spec.takes_mask:
+        raise ApiError(
+            422,
+            f"parameters.outpaint: {spec.name} is a {spec.task} model; outpainting takes an inpaint model",
+            "parameters.outpaint",
+        )
+    if not (outpaint.left or outpaint.right or outpaint.top or outpaint.bottom):
+        raise ApiError(422, "parameters.outpaint: every side is 0, nothing to outpaint", "parameters.outpaint")
 
 
 def _check_family_rules(given, params: GenerationParameters, spec: ModelSpec) -> None:

@@ -425,7 +425,7 @@ class ServingStage:
     def _cache_key(self, prepared: PreparedRequest) -> str | None:
         if not prepared.deterministic:
             return None
-        return cache_key(prepared.spec, prepared.params, prepared.prompts, prepared.images)
+        return cache_key(prepared.spec, prepared.params, prepared.prompts, prepared.images, prepared.masks)
 
     def _share_job(self, record: ResponseRecord, caller: Caller) -> None:
         """A coalesced caller handed the leader's job link may read that job too."""

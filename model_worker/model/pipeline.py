@@ -162,12 +162,13 @@ class DiffusionRunner:
             sizes, width, height = [1], 4 * multiple, 4 * multiple
         steps = 2
         image = Image.new("RGB", (width, height)) if self.spec.needs_image else None
+        mask = Image.new("L", (width, height), 255) if self.spec.takes_mask else None
         params = GenerationParameters(
             seed=0, num_inference_steps=steps, guidance_scale=self.spec.defaults.guidance_scale, width=width,
             height=height, strength=1.0,
         )  # fmt: skip
         for size in sizes:
-            items = [GenerationItem(prompt="warm-up", seed=i, image=image) for i in range(size)]
+            items = [GenerationItem(prompt="warm-up", seed=i, image=image, mask=mask) for i in range(size)]
             if self.spec.scheduling == "step":
                 running = self.start_items(items, params)
                 while not all(r.finished for r in running):

@@ -34,6 +34,8 @@ class GenerationItem:
     seed: int
     negative_prompt: str | None = None
     image: Any = None  # a PIL image for image-to-image, or a flow's previous stage's latents (1, C, h, w)
+    # An inpaint request's mask (a PIL image the image's size: white repaints, black keeps).
+    mask: Any = None
     # The request's LoRA adapters (model_worker.adapters.loader.AdapterSet, one per request), None for the base model.
     adapters: Any = None
     # A flow's stage (model_worker/flows/stages.py), as diffusers' base + refiner handoff: start at `denoising_start` of

@@ -156,18 +156,23 @@ class Triage:
             adapters = self._adapters.request(spec, params.adapters)  # loads in the background if not cached
         items = []
         for index, instance in enumerate(request.instances):
-            image = None
+            image = mask = None
             if inputs is not None:
                 image = inputs[index]
             elif spec.needs_image:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
+            if spec.takes_mask:
+                if instance.mask is None:
+                    raise PayloadError("inpaint needs a mask")
+                mask = self._image(instance.mask, spec.limits.max_input_pixels).resize((params.width, params.height))
             items.append(
                 GenerationItem(
                     prompt=instance.prompt,
                     seed=params.seed + index,
                     negative_prompt=params.negative_prompt,
                     image=image,
+                    mask=mask,
                     adapters=adapters,
                 )
             )

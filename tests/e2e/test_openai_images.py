@@ -104,3 +104,40 @@ def test_an_edits_body_with_two_masks_or_an_unknown_part_is_refused(stack):
             f"{stack.api_url}/v1/images/edits", data=fields, files=files, headers=headers, timeout=30
         )
         assert answer.status_code == 422 and answer.json()["error"]["param"] == param
+
+
+def transparent_box_mask(width: int, height: int) -> tuple[str, bytes, str]:
+    """OpenAI's mask: opaque, with a fully transparent box (what to edit)."""
+    mask = Image.new("RGBA", (width, height), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (8, 8, 40, 40))
+    buffer = io.BytesIO()
+    mask.save(buffer, format="PNG")
+    return ("mask.png", buffer.getvalue(), "image/png")
+
+
+def test_an_edit_with_a_mask_is_answered_by_an_inpaint_model(client):
+    result = client.images.edit(model="sd15-inpaint", image=png_file(64, 64), mask=transparent_box_mask(64, 64),
+                                prompt="a window", n=2, extra_body=FAST)  # fmt: skip
+    assert [decoded(item.b64_json).size for item in result.data] == [(64, 64), (64, 64)]
+
+
+def test_an_all_black_mask_and_a_mask_of_another_size_are_refused_naming_mask(client):
+    black = Image.new("RGBA", (64, 64), (0, 0, 0, 255))  # nothing transparent: nothing to edit
+    buffer = io.BytesIO()
+    black.save(buffer, format="PNG")
+    for mask in (("mask.png", buffer.getvalue(), "image/png"), transparent_box_mask(48, 48)):
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            client.images.edit(model="sd15-inpaint", image=png_file(64, 64), mask=mask, prompt="x")
+        assert refused.value.body["param"] == "mask"
+
+
+def test_outpainting_on_predict_answers_the_larger_image(stack, auth_headers):
+    response = requests.post(
+        f"{stack.api_url}/v1/models/sd15-inpaint:predict",
+        json={"instances": [{"prompt": "more sky", "image": png_b64(48, 32)}],
+              "parameters": {"outpaint": {"left": 8, "right": 8, "top": 16}, **FAST}},
+        headers=auth_headers, timeout=120,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    (prediction,) = response.json()["predictions"]
+    assert decoded(prediction["image_b64"]).size == (64, 48)

@@ -13,9 +13,9 @@ from contract.catalog import ModelCatalog, load_catalog
 from contract.log_schema import log_schema_fields, validate_row
 
 
-def test_catalog_has_a_text_to_image_and_an_image_to_image_model():
+def test_catalog_has_a_model_of_every_task():
     tasks = {spec.task for spec in load_catalog().models.values()}
-    assert tasks == {"text-to-image", "image-to-image"}
+    assert tasks == {"text-to-image", "image-to-image", "inpaint"}
 
 
 def test_model_names_are_valid_pubsub_and_kubernetes_names():

@@ -20,9 +20,9 @@ def test_every_parameter_has_one_role():
     assert list(ROLES) == list(GenerationParameters.model_fields)
 
 
-def test_the_api_accepts_every_parameter_optionally_and_priority_besides():
+def test_the_api_accepts_every_parameter_optionally_and_priority_and_outpaint_besides():
     accepted = ParametersIn.model_fields
-    assert set(accepted) == set(ROLES) | {"priority"}
+    assert set(accepted) == set(ROLES) | {"priority", "outpaint"}
     assert all(not field.is_required() for field in accepted.values())
 
 

@@ -301,7 +301,9 @@ def test_a_group_counts_the_components_its_units_share_once_and_those_they_do_no
     assert txt2img.loaded_components == img2img.loaded_components  # one copy in the worker
     one = unit_plan(txt2img).weights_bytes
     group = local.deployment_plans()["sd15"]
-    assert group.weights_bytes == one and group.total_bytes == one + group.activation_bytes
+    # The inpainting model beside them has weights of its own (a 9-channel UNet): counted once more.
+    both = one + unit_plan(local.get("sd15-inpaint")).weights_bytes
+    assert group.weights_bytes == both and group.total_bytes == both + group.activation_bytes
     weights = {row[0]: row[4] for row in plan_rows({"sd15": group})}
     assert weights["sd15-img2img"].endswith("(shares sd15-txt2img's)") and "shares" not in weights["sd15-txt2img"]
     # What the worker loads twice is counted twice: another adapter configuration, none, another `without:`.

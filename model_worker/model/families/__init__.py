@@ -14,7 +14,7 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
     from model_worker.model.families.flow import FluxDenoiser, SD3Denoiser
     from model_worker.model.families.flux2 import Flux2KleinDenoiser
-    from model_worker.model.families.unet import SDXLDenoiser, UNetDenoiser
+    from model_worker.model.families.unet import SD15InpaintDenoiser, SDXLDenoiser, UNetDenoiser
     from model_worker.model.families.zimage import ZImageDenoiser
 
     denoisers: dict[str, type[Denoiser]] = {
@@ -24,6 +24,11 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     family = spec.family
     if family is None or family.name not in denoisers:
         raise ValueError(f"{spec.name}: no denoiser for pipeline {spec.pipeline}")
+    if spec.task == "inpaint":  # the same family's denoiser, with the inpainting inputs per image
+        inpainting: dict[str, type[Denoiser]] = {"sd15": SD15InpaintDenoiser}
+        if family.name not in inpainting:
+            raise ValueError(f"{spec.name}: no inpainting denoiser for pipeline {spec.pipeline}")
+        return inpainting[family.name]
     return denoisers[family.name]
 
 

@@ -229,9 +229,10 @@ class GuidedDenoiser(Denoiser):
                 latents = r.state["latents"]
                 x = guided_rows(latents, latents if r.state["guidance"] is not None else None)
                 if r.state["linear"] is not None:
-                    inputs.append(scaled_input(r, x))
+                    x = scaled_input(r, x)
                 else:
-                    inputs.append(self.model_input(r.state["scheduler"], x, r.state["step_timesteps"][r.done]))
+                    x = self.model_input(r.state["scheduler"], x, r.state["step_timesteps"][r.done])
+                inputs.append(self.conditioned_input(r, x))
                 timesteps.append(t.reshape(1).to(torch.float32).repeat(x.shape[0]))
             sample, timestep = torch.cat(inputs), torch.cat(timesteps).to(inputs[0].device)
             condition = {key: torch.cat([r.state["condition"][key] for r in running])
@@ -247,6 +248,11 @@ class GuidedDenoiser(Denoiser):
     def model_input(self, scheduler, sample, timestep):
         """The model's input rows for an image's latents (the UNet schedulers scale them; flow matching does not)."""
         return sample
+
+    def conditioned_input(self, r: RunningItem, rows):
+        """An image's scaled input rows with the channels its family adds to them per image (an inpainting UNet's
+        mask and masked-image latents); as they are for the others."""
+        return rows
 
     def call_model(self, sample, timestep, condition: dict):
         """The family's model on the shared rows: its noise (or velocity) prediction, one row per input row."""

@@ -179,3 +179,73 @@ class SDXLDenoiser(UNetDenoiser):
         finally:
             if upcast:
                 vae.to(dtype=torch.float16)
+
+
+class SD15InpaintDenoiser(UNetDenoiser):
+    """SD 1.5 inpainting (`StableDiffusionInpaintPipeline` over a 9-channel UNet): each image's rows of the shared
+    call carry its own mask and masked-image latents beside its latents, so images with other inputs, masks and
+    step counts share a call. Latents, mask and masked image are made by the pipeline's own helpers, on each image's
+    own generator, in the pipeline's order (its image's latents when strength < 1, the noise, then the masked image's
+    latents), so each image is the one the pipeline makes for it alone."""
+
+    def check_loaded(self) -> None:
+        super().check_loaded()
+        channels = self.pipeline.unet.config.in_channels
+        if channels != 9:
+            raise ValueError(
+                f"{self.spec.name}: an inpaint model needs an inpainting UNet (9 input channels), not {channels}"
+            )
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        kwargs = super().call_kwargs(items, params)
+        kwargs["mask_image"] = [item.mask for item in items]
+        kwargs["width"], kwargs["height"] = params.width, params.height
+        return kwargs
+
+    def conditioned_input(self, r: RunningItem, rows):
+        torch = self._torch
+        count = rows.shape[0]
+        mask, masked = r.state["mask"], r.state["masked_image_latents"]
+        return torch.cat([rows, mask.expand(count, -1, -1, -1), masked.expand(count, -1, -1, -1)], dim=1)
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        guided = params.guidance_scale > 1
+        strength = 1.0 if params.strength is None else params.strength
+        height, width = params.height, params.width
+        requested = self.requested_steps(params)
+        running = []
+        with torch.inference_mode():
+            for item, condition in zip(items, self.encode(items, guided, params), strict=True):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                scheduler = self.new_scheduler()
+                scheduler.set_timesteps(params.num_inference_steps, device=device)
+                dtype = condition["context"].dtype
+                with self.using(scheduler):  # the pipeline's own helpers, on this image's scheduler
+                    timesteps, _ = pipe.get_timesteps(params.num_inference_steps, strength, device)
+                    image = pipe.image_processor.preprocess(item.image, height=height, width=width)
+                    image = image.to(dtype=torch.float32)
+                    latents, _ = pipe.prepare_latents(
+                        1, pipe.vae.config.latent_channels, height, width, dtype, device, [generator], None,
+                        image=image, timestep=timesteps[:1].repeat(1), is_strength_max=strength == 1.0,
+                        return_noise=True,
+                    )  # fmt: skip
+                    mask_condition = pipe.mask_processor.preprocess(item.mask, height=height, width=width)
+                    mask, masked_image_latents = pipe.prepare_mask_latents(
+                        mask_condition, image * (mask_condition < 0.5), 1, height, width, dtype, device, [generator],
+                        False,
+                    )  # fmt: skip
+                    step_kwargs = pipe.prepare_extra_step_kwargs([generator], 0.0)
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "mask": mask,
+                    "masked_image_latents": masked_image_latents,
+                    "condition": condition,
+                    "guidance": params.guidance_scale if guided else None,
+                    "step_kwargs": step_kwargs,
+                }
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
+        return self.prepared(running)
