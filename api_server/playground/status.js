@@ -1,19 +1,40 @@
-// The local stack's load, a small chart per model: GET /v1/status every two seconds, the last five minutes kept.
+// The fleet as one table: a row per model and version, from GET /v1/status every two seconds, each with a sparkline
+// of its last five minutes (what waits and what its workers hold, kept in this tab since it opened). Every number is
+// the one GET /v1/status gave (shown to at most three decimals; the exact value in the cell's data-value); nothing
+// is computed here, nothing is loaded from elsewhere.
 "use strict";
 
-const SAMPLES = 150;
-const WIDTH = 300;
-const HEIGHT = 80;
-const SERIES = [
-  ["waiting, high", (m) => m.waiting.high || 0, "#b3261e"],
-  ["waiting, normal", (m) => m.waiting.normal || 0, "#1f6feb"],
-  ["held", (m) => m.held, "#7d8590"],
-  ["predicted wait (s)", (m) => m.predicted_start_seconds || 0, "#2da44e"],
+const PERIOD_MS = 2000;
+const SAMPLES = 150; // five minutes at one sample per period
+const SPARK_WIDTH = 150;
+const SPARK_HEIGHT = 28;
+const KEY_STORAGE = "maas-api-key"; // the playground's: sessionStorage only, gone when the tab closes
+// The table's number columns: each cell's data-field names the field of GET /v1/status it shows.
+const COLUMNS = [
+  ["waiting.high", (m) => m.waiting.high ?? 0],
+  ["waiting.normal", (m) => m.waiting.normal ?? 0],
+  ["held", (m) => m.held],
+  ["workers", (m) => m.workers],
+  ["answered_per_second", (m) => m.answered_per_second],
+  ["predicted_start_seconds", (m) => m.predicted_start_seconds],
+  ["run_seconds", (m) => m.run_seconds],
 ];
-const history = new Map();
+// The sparkline's lines: requests waiting (every priority) and held by the model's workers.
+const LINES = [
+  ["waiting", (m) => Object.values(m.waiting).reduce((sum, count) => sum + count, 0), "#1f6feb"],
+  ["held", (m) => m.held, "#7d8590"],
+];
+const history = new Map(); // "model/version" -> the last SAMPLES samples, each one value per LINES entry
 
 function $(id) {
   return document.getElementById(id);
+}
+
+function element(name, text, attributes = {}) {
+  const node = document.createElement(name);
+  if (text !== undefined) node.textContent = text;
+  for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, value);
+  return node;
 }
 
 function svg(name, attributes) {
@@ -22,33 +43,47 @@ function svg(name, attributes) {
   return node;
 }
 
-function chart(samples) {
-  const top = Math.max(1, ...samples.flatMap((sample) => sample.values));
-  const graph = svg("svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, width: WIDTH, height: HEIGHT, role: "img" });
-  SERIES.forEach(([, , color], index) => {
+function shown(value) {
+  return value === null || value === undefined ? "–" : String(Number(value.toFixed(3)));
+}
+
+function sparkline(samples) {
+  const top = Math.max(1, ...samples.flat());
+  const graph = svg("svg", {
+    viewBox: `0 0 ${SPARK_WIDTH} ${SPARK_HEIGHT}`, width: SPARK_WIDTH, height: SPARK_HEIGHT, role: "img",
+    class: "sparkline",
+  });
+  const peaks = LINES.map(([label], index) => `${label} up to ${Math.max(...samples.map((s) => s[index]))}`);
+  const title = svg("title", {});
+  title.textContent = `Last five minutes: ${peaks.join(", ")}`;
+  graph.appendChild(title);
+  LINES.forEach(([, , color], index) => {
+    // The newest sample at the right edge; a page open less than five minutes fills the right part only.
     const points = samples.map((sample, at) => {
-      const x = (at / (SAMPLES - 1)) * WIDTH;
-      const y = HEIGHT - (sample.values[index] / top) * (HEIGHT - 4);
+      const x = SPARK_WIDTH - ((samples.length - 1 - at) / (SAMPLES - 1)) * SPARK_WIDTH;
+      const y = SPARK_HEIGHT - 1 - (sample[index] / top) * (SPARK_HEIGHT - 3);
       return `${x.toFixed(1)},${y.toFixed(1)}`;
     });
+    if (points.length === 1) points.unshift(`${(SPARK_WIDTH - 2).toFixed(1)},${points[0].split(",")[1]}`);
     graph.appendChild(svg("polyline", { points: points.join(" "), fill: "none", stroke: color, "stroke-width": 1.5 }));
   });
   return graph;
 }
 
-function card(model, samples) {
-  const last = samples[samples.length - 1].model;
-  const section = document.createElement("article");
-  const title = document.createElement("h2");
-  title.textContent = `${last.model} v${last.model_version}${last.admission ? " (admission on)" : ""}`;
-  section.appendChild(title);
-  section.appendChild(chart(samples));
-  const legend = document.createElement("p");
-  legend.className = "hint";
-  legend.textContent = SERIES.map(([label, read]) => `${label}: ${read(last)}`).join(" · ") +
-    ` · answered/s: ${last.answered_per_second} · workers: ${last.workers} · run: ${last.run_seconds ?? "-"} s`;
-  section.appendChild(legend);
-  return section;
+function row(model, samples) {
+  const tr = element("tr", undefined, { "data-model": model.model, "data-version": model.model_version });
+  const name = element("th", model.model, { scope: "row" });
+  if (model.admission) name.appendChild(element("span", "admission", { class: "badge", title: "admission by predicted wait" }));
+  tr.appendChild(name);
+  tr.appendChild(element("td", model.model_version));
+  for (const [field, read] of COLUMNS) {
+    const value = read(model);
+    tr.appendChild(element("td", shown(value), { class: "number", "data-field": field, "data-value": JSON.stringify(value) }));
+  }
+  const spark = element("td", undefined, { class: "spark" });
+  spark.appendChild(sparkline(samples));
+  tr.appendChild(spark);
+  return tr;
 }
 
 async function poll() {
@@ -59,18 +94,26 @@ async function poll() {
     const body = await response.json();
     if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
     $("error").textContent = "";
-    for (const model of body.models) {
+    const rows = [];
+    const models = [...body.models].sort((a, b) =>
+      a.model === b.model ? a.model_version.localeCompare(b.model_version) : a.model.localeCompare(b.model));
+    for (const model of models) {
       const name = `${model.model}/${model.model_version}`;
-      const samples = history.get(name) || [];
-      samples.push({ model, values: SERIES.map(([, read]) => read(model)) });
-      history.set(name, samples.slice(-SAMPLES));
+      const samples = [...(history.get(name) || []), LINES.map(([, read]) => read(model))].slice(-SAMPLES);
+      history.set(name, samples);
+      rows.push(row(model, samples));
     }
-    const cards = [...history.entries()].sort().map(([name, samples]) => card(name, samples));
-    $("models").replaceChildren(...cards);
+    $("models").replaceChildren(...rows);
+    $("updated").textContent = `Every two seconds from GET /v1/status; last at ${new Date().toLocaleTimeString()}.`;
   } catch (error) {
     $("error").textContent = String(error.message || error);
   }
 }
 
-setInterval(poll, 2000);
-$("key").addEventListener("change", poll);
+$("key").value = sessionStorage.getItem(KEY_STORAGE) || "";
+$("key").addEventListener("change", () => {
+  sessionStorage.setItem(KEY_STORAGE, $("key").value.trim());
+  poll();
+});
+setInterval(poll, PERIOD_MS);
+poll();
