@@ -301,7 +301,7 @@ def _schema_type(schema: dict | bool) -> str:
     if "anyOf" in schema or "oneOf" in schema:
         return " or ".join(_schema_type(s) for s in schema.get("anyOf") or schema["oneOf"])
     if "enum" in schema:
-        return " \\| ".join(f"`{v}`" for v in schema["enum"])
+        return "one of " + ", ".join(f"`{v}`" for v in schema["enum"])
     if schema.get("type") == "array":
         return f"array of {_schema_type(schema.get('items', {}))}"
     if schema.get("type") == "object" and "additionalProperties" in schema:
@@ -334,8 +334,9 @@ def http_api_page(document: dict | None = None) -> str:
             out.append(f"{operation.get('summary', '')}\n\n")
             if operation.get("description"):
                 out.append(f"{operation['description']}\n\n")
-            security = [name for scheme in operation.get("security", []) for name in scheme]
-            out.append(f"Key: {', '.join(f'`{s}`' for s in security) or 'none'}.\n\n")
+            schemes = operation.get("security", document.get("security", []))  # the document's unless it says
+            security = [name for scheme in schemes for name in scheme]
+            out.append(f"Key: {', '.join(f'`{s}`' for s in security) or 'none (public)'}.\n\n")
             if operation.get("parameters"):
                 out.append(
                     table(

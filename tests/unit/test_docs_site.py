@@ -117,6 +117,10 @@ def test_the_http_reference_lists_every_route_of_the_openapi_document():
     for path, operations in document["paths"].items():
         for method in operations:
             assert f"`{method.upper()} {path}`" in page
+    # Each operation says which key it takes: the document's default unless the operation names its own.
+    predict = page.split("## `POST /v1/models/{model}:predict`", 1)[1].split("\n## ", 1)[0]
+    health = page.split("## `GET /healthz`", 1)[1].split("\n## ", 1)[0]
+    assert "Key: `api_key`." in predict and "Key: none (public)." in health
 
 
 def test_the_cli_metrics_bigquery_and_outcome_references_follow_their_sources():
