@@ -53,19 +53,22 @@ class PullerStore:
     def __init__(self, client: redis.Redis) -> None:
         self._redis = client
 
-    def beat(self, worker: str, topics: list[str], now_ms: int, empty_pulls: dict[str, int]) -> None:
-        """Says `worker` pulls `topics` as of `now_ms`; `empty_pulls`: topic -> when its latest empty pull began."""
+    def beat(
+        self, worker: str, topics: list[str], now_ms: int, empty_pulls: dict[str, int], prune: bool = True
+    ) -> None:
+        """Says `worker` pulls `topics` as of `now_ms`; `empty_pulls`: topic -> when its latest empty pull began.
+        `prune`: also drop members an hour silent and renew the keys' expiry (once a minute is plenty: a worker of
+        many models beats for hundreds of topics)."""
         pipe = self._redis.pipeline(transaction=False)
         for topic in topics:
-            beats = naming.pullers_key(topic)
-            pipe.zadd(beats, {worker: now_ms})
-            pipe.zremrangebyscore(beats, "-inf", now_ms - FORGET_AFTER_MS)
-            pipe.pexpire(beats, FORGET_AFTER_MS)
-            empties = naming.empty_pulls_key(topic)
+            keys = (naming.pullers_key(topic), naming.empty_pulls_key(topic))
+            pipe.zadd(keys[0], {worker: now_ms})
             if topic in empty_pulls:
-                pipe.zadd(empties, {worker: empty_pulls[topic]}, gt=True)
-            pipe.zremrangebyscore(empties, "-inf", now_ms - FORGET_AFTER_MS)
-            pipe.pexpire(empties, FORGET_AFTER_MS)
+                pipe.zadd(keys[1], {worker: empty_pulls[topic]}, gt=True)
+            if prune:
+                for key in keys:
+                    pipe.zremrangebyscore(key, "-inf", now_ms - FORGET_AFTER_MS)
+                    pipe.pexpire(key, FORGET_AFTER_MS)
         pipe.execute()
 
     def leave(self, worker: str, topics: list[str]) -> None:

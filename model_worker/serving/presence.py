@@ -18,6 +18,8 @@ from contract.stores.inflight import RedisOutage
 from contract.stores.pullers import PullerStore
 
 log = logging.getLogger(__name__)
+# Old members are dropped, and the keys' expiry renewed, this often (every beat: hundreds of commands a second).
+PRUNE_SECONDS = 60.0
 
 
 class PullerPresence:
@@ -28,6 +30,7 @@ class PullerPresence:
         self.worker_id = worker_id
         self.topics = sorted(set(topics))
         self._period = lease_seconds / 3
+        self._pruned_at = float("-inf")
         self._empty: dict[str, int] = {}
         self._lock = threading.Lock()
         self._outage = RedisOutage("puller beats")
@@ -46,14 +49,17 @@ class PullerPresence:
     def beat(self) -> None:
         with self._lock:
             empty, self._empty = self._empty, {}
+        prune = time.monotonic() - self._pruned_at >= PRUNE_SECONDS
         try:
-            self._store.beat(self.worker_id, self.topics, int(time.time() * 1000), empty)
+            self._store.beat(self.worker_id, self.topics, int(time.time() * 1000), empty, prune)
         except redis.RedisError as exc:
             self._outage.failed(exc)
             with self._lock:  # carried by the next beat
                 for topic, started_ms in empty.items():
                     self._empty[topic] = max(started_ms, self._empty.get(topic, 0))
             return
+        if prune:
+            self._pruned_at = time.monotonic()
         self._outage.succeeded()
 
     def _run(self) -> None:

@@ -18,6 +18,7 @@ from contract import naming
 from contract.stores.inflight import InflightStore, claim_wait_ms
 from contract.stores.pullers import PUBLISH_VISIBLE_MS, PullerStore, TopicPullers
 from emulators.stack import local_catalog
+from model_worker.serving.presence import PullerPresence
 from model_worker.serving.watchdog import Watchdog
 
 
@@ -196,3 +197,19 @@ def test_what_explains_a_wait(beats, empty_pulls, queued):
     """A request published at 60 s, looked at at 100 s, holder lease 3 s."""
     pullers = TopicPullers(beats=beats, empty_pulls=empty_pulls)
     assert pullers.queued_behind_busy(published_ms=60_000, now_ms=100_000, lapse_ms=3_000) is queued
+
+
+def test_a_worker_beats_for_its_topics_carries_its_empty_pulls_and_leaves_when_it_stops(store):
+    """The worker's side (model_worker/serving/presence.py): what the watchdog reads above."""
+    pullers = PullerStore(store._redis)
+    presence = PullerPresence(pullers, "worker-a", [TOPIC, "maas-requests-sleep-high"], LEASE_SECONDS)
+    presence.beat()
+    seen = pullers.pullers(TOPIC)
+    assert set(seen.beats) == {"worker-a"} and seen.empty_pulls == {}
+    presence.pulled_empty(TOPIC, 1_000)
+    presence.pulled_empty(TOPIC, 900)  # an earlier pull that ended later: the latest start stands
+    presence.beat()
+    assert pullers.pullers(TOPIC).empty_pulls == {"worker-a": 1_000}
+    assert pullers.pullers("maas-requests-sleep-high").empty_pulls == {}
+    presence.stop()  # never started: only leaves
+    assert pullers.pullers(TOPIC) == TopicPullers(beats={}, empty_pulls={})
