@@ -122,12 +122,14 @@ def _resized(image_b64: str, size: int) -> str:
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 
-def measure(api_url: str, key: str, seconds: float, warmup: float, progress=print) -> dict:
+def measure(
+    api_url: str, key: str, seconds: float, warmup: float, progress=print, concurrencies: tuple = CONCURRENCIES
+) -> dict:
     """Both ways at each concurrency, alternating which goes first; the ratios the issue's targets read."""
     stages = flow_stages(api_url, key, FLOW)
     ways = {"flow": flow_caller(api_url, key, FLOW), "two calls": two_calls_caller(api_url, key, stages)}
     rows = []
-    for index, concurrency in enumerate(CONCURRENCIES):
+    for index, concurrency in enumerate(concurrencies):
         order = list(ways) if index % 2 == 0 else list(reversed(ways))
         for way in order:
             samples, window = run_closed_loop(ways[way], concurrency, seconds, warmup)
@@ -147,13 +149,13 @@ def measure(api_url: str, key: str, seconds: float, warmup: float, progress=prin
                      f"({' + '.join(f'{ms:.0f}' for ms in row['stage_ms_mean'])} by stage), "
                      f"{row['errors']} errors")  # fmt: skip
     ratios = {}
-    for concurrency in CONCURRENCIES:
+    for concurrency in concurrencies:
         flow = next(r for r in rows if r["way"] == "flow" and r["concurrency"] == concurrency)
         calls = next(r for r in rows if r["way"] == "two calls" and r["concurrency"] == concurrency)
         if flow["p50_ms"] and calls["p50_ms"]:
             ratios[f"c{concurrency}_p50_speedup"] = calls["p50_ms"] / flow["p50_ms"]
             ratios[f"c{concurrency}_p95_speedup"] = calls["p95_ms"] / flow["p95_ms"]
-    for concurrency in CONCURRENCIES:
+    for concurrency in concurrencies:
         if (speedup := ratios.get(f"c{concurrency}_p50_speedup")) is not None:
             target = "target >= 1.3x" if concurrency == 1 else "target >= 1.0x (no slower)"
             progress(f"  {FLOW} c={concurrency}: the flow is {speedup:.2f}x the two calls' p50 "

@@ -181,7 +181,8 @@ class Suite:
         try:
             # A flow at C=8 takes seconds: a window of several of its latencies, not the suite's 10 s.
             seconds = self.seconds if self.smoke else flows.QUICK_SECONDS if self.quick else flows.SECONDS
-            result = flows.measure(api.url, self.key, seconds, self.warmup, lambda line: print(line, flush=True))
+            result = flows.measure(api.url, self.key, seconds, self.warmup, lambda line: print(line, flush=True),
+                                   concurrencies=(1,) if self.smoke else flows.CONCURRENCIES)  # fmt: skip
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - one scenario's failure leaves the rest of the suite
             print(f"  failed: {exc}", flush=True)
             self.failed.append("flows")

@@ -11,8 +11,9 @@ import sys
 
 from emulators.stack import ROOT
 
-# A quiet machine runs it in a few minutes; past this it is reported with what it printed.
-SUITE_SECONDS = 900
+# A bound, not a pace: on a machine crowded by other suites (load average 35-56 on 2 cores) scenarios 1-16 took
+# 15 minutes; past this the suite is stopped and reported with what it printed.
+SUITE_SECONDS = 1800
 
 
 def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
