@@ -84,8 +84,15 @@ def field_comments(cls: type, covers_following: bool = False) -> dict[str, str]:
 
 
 def type_name(annotation: object) -> str:
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or repr(annotation)
-    return re.sub(r"\b(?:typing|contract\.\w+|collections\.abc)\.", "", str(text)).replace("NoneType", "None")
+    """`int`, `str | None`, `Literal['step', 'request']`, `dict[str, ModelSpec]`: what a reader writes there."""
+    if isinstance(annotation, str):
+        text = annotation
+    elif isinstance(annotation, type) and not typing.get_args(annotation):
+        text = annotation.__name__
+    else:
+        text = repr(annotation)
+    text = re.sub(r"\b(?:typing|contract\.[\w.]+|collections\.abc|pydantic\.[\w.]+)\.", "", text)
+    return re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", text).replace("NoneType", "None")
 
 
 # --- configuration -------------------------------------------------------------------------------------------------
