@@ -57,6 +57,8 @@ function sparkline(samples) {
   const title = svg("title", {});
   title.textContent = `Last five minutes: ${peaks.join(", ")}`;
   graph.appendChild(title);
+  // The zero line, so a row with nothing going on still shows its (flat) five minutes.
+  graph.appendChild(svg("line", { x1: 0, y1: SPARK_HEIGHT - 1, x2: SPARK_WIDTH, y2: SPARK_HEIGHT - 1, class: "zero" }));
   LINES.forEach(([, , color], index) => {
     // The newest sample at the right edge; a page open less than five minutes fills the right part only.
     const points = samples.map((sample, at) => {
@@ -72,6 +74,8 @@ function sparkline(samples) {
 
 function row(model, samples) {
   const tr = element("tr", undefined, { "data-model": model.model, "data-version": model.model_version });
+  // Nothing waiting, held or answered lately: drawn quieter, so the models with traffic stand out.
+  if (samples[samples.length - 1].every((value) => value === 0) && !model.answered_per_second) tr.className = "idle";
   const name = element("th", model.model, { scope: "row" });
   if (model.admission) name.appendChild(element("span", "admission", { class: "badge", title: "admission by predicted wait" }));
   tr.appendChild(name);
