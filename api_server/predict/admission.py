@@ -18,7 +18,8 @@ The estimate, from what the system already records in Redis:
   run time; smoothed from the replies the API receives, with its mean deviation (the spread).
 
 - **answer's trip**: from a call's end until the API has its answer (storing and publishing it, the reply's
-  delivery), smoothed from the same replies: what the caller waits beyond the calls.
+  delivery), plus, from a reply of an idle worker, the pickup from the publish to the call's start; smoothed from
+  the same replies: what the caller waits beyond the calls.
 
 The rule (the default margin, with `safety_factor` 1): a call counts as its smoothed time plus `SPREAD_MARGIN` mean
 deviations. A request that a free place (capacity less what the workers hold) takes at once starts now; else it
@@ -373,8 +374,8 @@ class AdmissionControl:
     def ran(self, spec: ModelSpec, reply: InferenceReply, published_ms: float | None = None) -> None:
         """A reply's call time, for a model with admission on (nothing kept for the others): a busy worker's time
         from its previous call's end to this one's (gaps between calls included), else the run time; and, with
-        `published_ms` (when the API published the request, epoch ms), the answer's trip from the call's end to
-        here: what the worker did not count (its queue wait and run time) of the time since the publish."""
+        `published_ms` (when the API published the request, epoch ms), the answer's trip: the time since the publish
+        less the run time and, for a busy worker, the queue wait (an idle worker's pickup counts in the trip)."""
         if spec.admission is None or not spec.admission.enabled or reply.inference_ms <= 0:
             return
         if not self._state.available():
@@ -384,7 +385,10 @@ class AdmissionControl:
             call_ms = max(call_ms, reply.worker_finished_ms - reply.previous_call_ended_ms)
         trip_ms = None
         if published_ms is not None:
-            trip_ms = time.time() * 1000 - published_ms - reply.queue_ms - reply.inference_ms
+            # A busy worker had it in hand (its wait was the calls ahead): only the way back. An idle one pulled it
+            # after its publish: that pickup is part of the trip too, as it is for a burst's first request.
+            waited_ms = reply.queue_ms if reply.previous_call_ended_ms is not None else 0.0
+            trip_ms = time.time() * 1000 - published_ms - waited_ms - reply.inference_ms
         try:
             self._ledger.ran(spec.queue, call_ms, trip_ms)
         except redis.RedisError as exc:

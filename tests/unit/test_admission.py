@@ -358,7 +358,7 @@ def test_a_refusal_is_one_decision_logged_once_as_refused(caplog):
     assert (line["model"], line["decision"]) == (MODEL, "refused") and line["retry_after"] in (14, 15)
 
 
-def test_a_busy_workers_call_time_runs_from_its_previous_calls_end_and_the_trip_is_what_the_worker_did_not_count():
+def test_a_busy_workers_call_time_runs_from_its_previous_calls_end_and_the_trip_is_what_the_caller_waits_beyond_it():
     admission, ledger = control()
     trips: list[float | None] = []
     ledger.ran = lambda queue, call_ms, trip_ms=None: (ledger.run_times.append((queue, call_ms)), trips.append(trip_ms))
@@ -369,7 +369,9 @@ def test_a_busy_workers_call_time_runs_from_its_previous_calls_end_and_the_trip_
                           previous_call_ended_ms=int(now_ms) - 2450)  # fmt: skip
     # Published 6.5 s ago: 4 s queued, 2 s running, so the answer took 0.5 s to come back.
     admission.ran(spec, busy, published_ms=now_ms - 6500)
-    idle = busy.model_copy(update={"previous_call_ended_ms": None})
+    # An idle worker: published 2.8 s ago, 0.3 s to pick it up, 2 s running, 0.5 s back: a 0.8 s trip.
+    idle = busy.model_copy(update={"previous_call_ended_ms": None, "queue_ms": 300.0})
+    admission.ran(spec, idle, published_ms=time.time() * 1000 - 2800)
     admission.ran(spec, idle)
-    assert ledger.run_times == [(MODEL, 2150), (MODEL, 2000.0)]
-    assert 500 <= trips[0] < 1500 and trips[1] is None
+    assert ledger.run_times == [(MODEL, 2150), (MODEL, 2000.0), (MODEL, 2000.0)]
+    assert 500 <= trips[0] < 1500 and 800 <= trips[1] < 1800 and trips[2] is None
