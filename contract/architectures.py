@@ -133,10 +133,19 @@ ARCHITECTURES: dict[str, Architecture] = {
             denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
             pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
         ),
+        Architecture(
+            "qwen-image", "qwenimage",
+            {"transformer": ComponentSize(20_430_401_088, 20_424_818_688, 5_548_096),
+             # Qwen2.5-VL-7B: its vision tower (unused for text) and language-model head are loaded with it.
+             "text_encoder": ComponentSize(8_292_166_656, 7_744_815_104, 1_975_040),
+             "vae": ComponentSize(126_892_531, 0, 0)},  # a causal 3-D VAE: convolutions only
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
+        ),
     )
 }  # fmt: skip
 # The architecture a catalog entry of a family serves unless it names one (`architecture:`).
 DEFAULT_ARCHITECTURE = {
     "sd15": "sd1.5", "sdxl": "sdxl", "flux": "flux.1-dev", "sd3": "sd3.5-large", "zimage": "z-image-turbo",
-    "flux2-klein": "flux.2-klein-4b",
+    "flux2-klein": "flux.2-klein-4b", "qwenimage": "qwen-image",
 }  # fmt: skip

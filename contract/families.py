@@ -129,6 +129,18 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=False,
         ),
+        Family(
+            "qwenimage",
+            {"QwenImagePipeline": "text-to-image"},
+            size_multiple=16,  # the VAE's 8x times the pipeline's 2x2 packing
+            # Qwen-Image's model card: 50 steps, true_cfg_scale 4 (a request's `guidance_scale`), 1328x1328 for 1:1.
+            defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "width": 1328, "height": 1328},
+            guidance="cfg",  # the pipeline's `true_cfg_scale` with a negative prompt (its own `guidance_scale` is for
+            # guidance-distilled weights, which Qwen-Image's are not), the guided prediction rescaled to the positive
+            # one's norm
+            gpu_dtype="bfloat16",
+            adapters=False,
+        ),
     )
 }
 PIPELINES: dict[str, Family] = {pipeline: family for family in FAMILIES.values() for pipeline in family.pipelines}

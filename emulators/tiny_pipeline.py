@@ -412,6 +412,38 @@ def _flux2_klein(out_dir: Path) -> dict:
             "scheduler": scheduler, "is_distilled": True}  # fmt: skip
 
 
+def _qwenimage(out_dir: Path) -> dict:
+    """Qwen-Image's classes at diffusers' own test sizes: its MMDiT over 2x2-packed latents, a Qwen2.5-VL encoder
+    (text and a small vision tower), its causal 3-D VAE with four levels (8x, as the real one) and 4 latent channels."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )  # fmt: skip
+    vae = AutoencoderKLQwenImage(
+        base_dim=24, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )  # fmt: skip
+    tokenizer = build_qwen_tokenizer(out_dir / "tokenizer")
+    text_config = {
+        "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "rope_theta": 1000000.0, "vocab_size": len(tokenizer),
+        "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+    }  # fmt: skip
+    vision_config = {"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16}
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, vocab_size=len(tokenizer))
+    ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_image_seq_len=256,
+        max_image_seq_len=8192, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "scheduler": scheduler}  # fmt: skip
+
+
 _BUILDERS = {
     "StableDiffusionPipeline": _sd15,
     "StableDiffusionImg2ImgPipeline": _sd15,
@@ -423,6 +455,7 @@ _BUILDERS = {
     "StableDiffusion3Pipeline": _sd3,
     "ZImagePipeline": _zimage,
     "Flux2KleinPipeline": _flux2_klein,
+    "QwenImagePipeline": _qwenimage,
 }
 
 

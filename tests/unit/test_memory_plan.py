@@ -102,6 +102,11 @@ def parameters(architecture: str, component: str) -> int:
         ("sdxl", "unet", 2.6e9, lambda n: n),
         ("sd3.5-large", "transformer", 8.1e9, lambda n: n),
         ("sd3.5-medium", "transformer", 2.5e9, lambda n: n),
+        ("z-image-turbo", "transformer", 6e9, lambda n: n),
+        ("z-image-turbo", "text_encoder", 4.0e9, lambda n: n),  # Qwen3-4B
+        ("flux.2-klein-4b", "transformer", 4e9, lambda n: n),
+        ("qwen-image", "transformer", 20e9, lambda n: n),
+        ("qwen-image", "text_encoder", 8.29e9, lambda n: n),  # Qwen2.5-VL-7B-Instruct, its vision tower included
     ],
 )
 def test_the_plan_matches_published_footprints_within_five_percent(architecture, component, published, count):
@@ -330,3 +335,48 @@ def test_the_worker_checks_a_unit_built_from_loaded_components_against_its_activ
     with pytest.raises(DeviceMemoryError, match="sd15-img2img: its memory plan needs"):
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(free)))
     check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(free)), shared=True)
+
+
+def new_family(name: str, **changes) -> ModelSpec:
+    """A models.yaml entry of the 2026 families, changed."""
+    return ModelSpec.model_validate({**entry(name, **changes), "name": name})
+
+
+QWEN_BOTH = {"components": ["transformer", "text_encoder"]}
+
+
+def test_qwen_image_on_an_l4_without_quantization_is_refused_with_the_numbers(tmp_path):
+    with pytest.raises(ValueError) as refused:
+        catalog(tmp_path, {"qwen-image": entry("qwen-image", hardware="l4")})
+    message = str(refused.value)
+    assert "model 'qwen-image' does not fit its GPU: it needs 66.41 GiB on l4" in message
+    assert "21.49 GiB usable" in message
+    assert "weights 53.74 GiB [qwen-image 53.74 GiB (transformer 38.05 GiB bfloat16, text_encoder 15.45 GiB " \
+        "bfloat16, vae 0.24 GiB bfloat16)]" in message  # fmt: skip
+    assert "activation 12.67 GiB (qwen-image's decode at batch 2, 1664x1664)" in message
+
+
+def test_the_plan_says_where_each_2026_family_runs():
+    """Qwen-Image: on no L4 (not in fp8 either), on an A100 40GB in int8 up to 1328x1328, in bf16 on an 80 GB card;
+    Z-Image-Turbo: on an L4 in fp8 (bf16 and a 1024x1024 decode do not fit it), on an A100 in bf16; FLUX.2 [klein]
+    4B: on an L4 in bf16."""
+    fp8 = {"quantization": {"type": "float8_weight_only", **QWEN_BOTH}, "compile": "default"}
+    int8 = {"quantization": {"type": "int8_weight_only", **QWEN_BOTH}}
+    up_to_1328 = {"limits": {"max_inference_steps": 60, "max_width": 1328, "max_height": 1328}}
+    cases = [
+        (new_family("qwen-image", hardware="l4"), False),
+        (new_family("qwen-image", hardware="l4", **fp8), False),
+        (new_family("qwen-image", hardware="a100", **int8), False),
+        (new_family("qwen-image", hardware="a100", **int8, **up_to_1328), True),
+        (new_family("qwen-image", hardware="a100-80"), True),
+        (new_family("qwen-image"), True),  # the catalog's: an H100 in bf16
+        (new_family("z-image-turbo", quantization=None, compile=None), False),
+        (new_family("z-image-turbo"), True),  # the catalog's: an L4 in fp8
+        (new_family("z-image-turbo", hardware="a100", quantization=None, compile=None), True),
+        (new_family("flux2-klein"), True),  # the catalog's: an L4 in bf16
+    ]
+    for spec, fits in cases:
+        plan = deployment_plan(spec.queue, [spec])
+        assert plan.fits == fits, (spec.name, spec.hardware, spec.quantization, plan.problem())
+    fp8_weights = unit_plan(new_family("qwen-image", hardware="l4", **fp8)).weights_bytes
+    assert fp8_weights / GIB == pytest.approx(27.5, abs=0.05)  # above an L4's 21.49 GiB before any activation

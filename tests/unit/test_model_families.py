@@ -33,10 +33,12 @@ FLUX_IMG2IMG = DEV.model_copy(update={"name": "flux-img2img", "task": "image-to-
 SD15_IMG2IMG = CATALOG.get("sd15-img2img")
 ZIMAGE = CATALOG.get("z-image-turbo")
 KLEIN = CATALOG.get("flux2-klein")
+# Its catalog batch (2 images on an H100) is below the running set's three images sharing a call.
+QWEN = CATALOG.get("qwen-image").model_copy(update={"max_batch_size": 4, "max_instances_per_request": 4})
 FAMILIES = {
     "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
     "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
-    "z-image-turbo": ZIMAGE, "flux2-klein": KLEIN,
+    "z-image-turbo": ZIMAGE, "flux2-klein": KLEIN, "qwen-image": QWEN,
 }  # fmt: skip
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
@@ -71,6 +73,10 @@ def reference_images(pipelines, name: str, pending) -> list:
         }  # fmt: skip
         if item.negative_prompt is not None:
             kwargs["negative_prompt"] = item.negative_prompt
+        if spec.family.name == "qwenimage":  # its model card's call: true_cfg_scale, with " " as the negative prompt
+            kwargs["true_cfg_scale"], kwargs["guidance_scale"] = kwargs["guidance_scale"], None
+            if kwargs["true_cfg_scale"] > 1:
+                kwargs.setdefault("negative_prompt", " ")
         if spec.family.name == "flux" and spec.guidance_mode == "none":
             kwargs["max_sequence_length"] = 256  # [schnell]'s T5 length, as its reference code and model card run it
         if spec.task == "image-to-image":
@@ -278,7 +284,7 @@ MUTATIONS = {
 }  # fmt: skip
 MUTATED = [
     (name, mutation)
-    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35", "z-image-turbo", "flux2-klein")
+    for name in ("sd15", "sdxl", "flux-schnell", "flux-dev", "sd35", "z-image-turbo", "flux2-klein", "qwen-image")
     for mutation in MUTATIONS
     if not (mutation == "no-guidance" and FAMILIES[name].guidance_mode == "none")  # [schnell] takes no guidance
     and not (mutation == "wrong-shift" and FAMILIES[name].family.name in ("sd15", "sdxl"))  # no shift
@@ -397,7 +403,7 @@ def test_a_flux_catalog_entry_whose_guidance_contradicts_the_weights_is_refused_
         DiffusionRunner(wrong, pipelines["flux-schnell"][0], torch_threads=1)
 
 
-@pytest.mark.parametrize("name", ["sd15", "sdxl", "sd35", "sd35-no-t5"])
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "sd35", "sd35-no-t5", "qwen-image"])
 def test_a_negative_prompt_shares_steps_with_a_request_without_one_and_both_equal_the_pipeline(pipelines, name):
     from dataclasses import replace
 

@@ -14,12 +14,13 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
     from model_worker.model.families.flow import FluxDenoiser, SD3Denoiser
     from model_worker.model.families.flux2 import Flux2KleinDenoiser
+    from model_worker.model.families.qwenimage import QwenImageDenoiser
     from model_worker.model.families.unet import SD15InpaintDenoiser, SDXLDenoiser, UNetDenoiser
     from model_worker.model.families.zimage import ZImageDenoiser
 
     denoisers: dict[str, type[Denoiser]] = {
         "sd15": UNetDenoiser, "sdxl": SDXLDenoiser, "flux": FluxDenoiser, "sd3": SD3Denoiser,
-        "zimage": ZImageDenoiser, "flux2-klein": Flux2KleinDenoiser,
+        "zimage": ZImageDenoiser, "flux2-klein": Flux2KleinDenoiser, "qwenimage": QwenImageDenoiser,
     }  # fmt: skip
     family = spec.family
     if family is None or family.name not in denoisers:
