@@ -20,6 +20,12 @@ from contract.step_limits import steps_problem
 # `inpaint`: an image, a mask (white repaints, black keeps) and a prompt; outpainting is an inpaint request whose
 # image the API pads (api_server/predict/masks.py).
 Task = Literal["text-to-image", "image-to-image", "inpaint"]
+# What each instance of a request carries, per task (`GET /v1/models` shows it): a mask is a PNG, white repaints.
+TASK_INPUTS: dict[str, tuple[str, ...]] = {
+    "text-to-image": ("prompt",),
+    "image-to-image": ("prompt", "image"),
+    "inpaint": ("prompt", "image", "mask"),
+}
 # `noop` and `sleep` are synthetic runners that go through the worker's whole path: benchmarks and tests.
 RunnerKind = Literal["diffusers", "noop", "sleep"]
 # How the worker batches a model's requests. `request`: a batch starts together and runs all its steps

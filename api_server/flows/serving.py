@@ -28,7 +28,7 @@ from contract.catalog import ModelCatalog
 from contract.flows import FlowError, FlowSpec, plan_stages
 from contract.generation import ROLES, AdapterRef, GenerationParameters
 from contract.messages import FlowContext, FlowStagePlan, InferenceRequest, StageReport
-from contract.model_spec import ModelSpec
+from contract.model_spec import TASK_INPUTS, ModelSpec
 
 # How a flow's version names its stages' units: `base=1,refiner=2`.
 VERSION_SEPARATOR = ","
@@ -175,6 +175,7 @@ class FlowService:
             "version": spec.version,
             "versions": [spec.version],
             "task": contract.task,
+            "inputs": list(TASK_INPUTS[contract.task]),
             "family": None,
             "guidance": _guidance(flow, self._stable_unit),
             "size_multiple": contract.size_multiple,

@@ -27,6 +27,7 @@ from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from api_server.jobs.service import JobStore
 from api_server.predict.inference import PreparedRequest
 from api_server.predict.limits import NO_LEASE, Lease
+from api_server.predict.masks import repaint_fraction
 from api_server.predict.serving import Answer, JobMade, Mode
 from api_server.versions.rollouts import RolloutObservations
 from contract.generation import LOGGED_PARAMETERS
@@ -161,6 +162,8 @@ class RequestRecords:
             if prepared.params.adapters:
                 row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
+            if masks := [mask for mask in prepared.masks if mask is not None]:
+                row.mask_fraction = round(sum(repaint_fraction(mask) for mask in masks) / len(masks), 4)
 
     def _observe(self, call: InferenceCall, outcome: Outcome, total_ms: float) -> None:
         """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard;

@@ -86,6 +86,8 @@ class InferenceLogRow:
     gpu_seconds: float | None = None
     batch_job_id: str | None = None
     custom_id: str | None = None
+    # An inpaint request's: the share of pixels its masks repaint (mean over its instances).
+    mask_fraction: float | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:

@@ -191,6 +191,11 @@ class ModelInfo(BaseModel):
     version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
     versions: list[str] = Field(description="every live version, each pinnable (`/versions/{version}:predict`)")
     task: Literal["text-to-image", "image-to-image", "inpaint"]
+    inputs: list[Literal["prompt", "image", "mask"]] | None = Field(
+        default=None,
+        description="what each instance carries: `prompt`; `image` (image-to-image, inpaint); `mask` (inpaint: a PNG "
+        "the image's size, white repaints; or `parameters.outpaint` instead)",
+    )
     family: str | None = Field(description="the model family (sd15, sdxl, flux); null for the synthetic models")
     guidance: Literal["cfg", "embedded", "none"] = Field(
         description="what `guidance_scale` means: classifier-free guidance (a negative prompt is taken), guidance "

@@ -115,10 +115,16 @@ def transparent_box_mask(width: int, height: int) -> tuple[str, bytes, str]:
     return ("mask.png", buffer.getvalue(), "image/png")
 
 
-def test_an_edit_with_a_mask_is_answered_by_an_inpaint_model(client):
-    result = client.images.edit(model="sd15-inpaint", image=png_file(64, 64), mask=transparent_box_mask(64, 64),
-                                prompt="a window", n=2, extra_body=FAST)  # fmt: skip
-    assert [decoded(item.b64_json).size for item in result.data] == [(64, 64), (64, 64)]
+def test_an_edit_with_a_mask_is_answered_by_an_inpaint_model_and_logged_with_its_mask_area(client, bigquery, settings):
+    raw = client.images.with_raw_response.edit(model="sd15-inpaint", image=png_file(64, 64),
+                                               mask=transparent_box_mask(64, 64), prompt="a window", n=2,
+                                               extra_body=FAST)  # fmt: skip
+    assert [decoded(item.b64_json).size for item in raw.parse().data] == [(64, 64), (64, 64)]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    request_id = raw.headers["X-Request-Id"]
+    (row,) = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id = '{request_id}'", 1, timeout=60)
+    # The transparent 32x32 box of a 64x64 mask: a quarter repainted.
+    assert row["task"] == "inpaint" and row["num_images"] == 2 and row["mask_fraction"] == 0.25
 
 
 def test_an_all_black_mask_and_a_mask_of_another_size_are_refused_naming_mask(client):

@@ -9,6 +9,7 @@ from api_server.core.errors import ApiError
 from api_server.process.openapi import ADMIN_ONLY, ModelDetail, ModelList, TrafficBody, TrafficView, documented, errors
 from api_server.process.routes.access import authenticated, require_admin
 from api_server.process.state import app_state
+from contract.model_spec import TASK_INPUTS
 
 bp = authenticated(Blueprint("models", __name__))
 
@@ -20,6 +21,7 @@ def _public(spec, versions) -> dict:
         "version": spec.version,
         "versions": [version.version for version in versions],
         "task": spec.task,
+        "inputs": list(TASK_INPUTS[spec.task]),
         "family": spec.family.name if spec.family else None,
         "guidance": spec.guidance_mode,
         "size_multiple": spec.family.size_multiple if spec.family else 8,

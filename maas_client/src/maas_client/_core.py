@@ -128,6 +128,8 @@ def predict_body(
     steps: int | None = None,
     size: str | tuple[int, int] | None = None,
     image: Any = None,
+    mask: Any = None,
+    outpaint: dict[str, int] | None = None,
     negative_prompt: str | None = None,
     guidance_scale: float | None = None,
     strength: float | None = None,
@@ -135,7 +137,9 @@ def predict_body(
     webhook_url: str | None = None,
     adapters: dict[str, float] | list[dict] | None = None,
 ) -> dict:
-    """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest."""
+    """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest.
+    An inpaint model takes `image` and `mask` (white repaints, black keeps), or `image` and `outpaint`
+    ({"left": px, "right": px, "top": px, "bottom": px}: the API pads the image and paints the border)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError("prompt: must not be empty")
     if n < 1:
@@ -143,7 +147,14 @@ def predict_body(
     instance: dict[str, Any] = {"prompt": prompt}
     if image is not None:
         instance["image"] = base64.b64encode(image_bytes(image)).decode()
+    if mask is not None:
+        try:
+            instance["mask"] = base64.b64encode(image_bytes(mask)).decode()
+        except InputError as exc:
+            raise InputError(f"mask: {exc}") from None
     parameters: dict[str, Any] = {}
+    if outpaint:
+        parameters["outpaint"] = dict(outpaint)
     if (dimensions := parse_size(size)) is not None:
         parameters["width"], parameters["height"] = dimensions
     for name, value in (

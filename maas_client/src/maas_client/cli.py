@@ -138,7 +138,12 @@ def live_progress(label: str) -> Iterator[ProgressCallback]:
 
 
 def _check_options(
-    size: str | None, steps: int | None, n: int, image: Path | None, out_dir: Path | None = None
+    size: str | None,
+    steps: int | None,
+    n: int,
+    image: Path | None,
+    out_dir: Path | None = None,
+    mask: Path | None = None,
 ) -> None:
     """Every flag, before any request: a bad one is exit 2 with one line."""
     try:
@@ -149,6 +154,13 @@ def _check_options(
             raise InputError(f"--n {n}: between 1 and 16")
         if image is not None:
             _core.image_bytes(image)
+        if mask is not None:
+            try:
+                _core.image_bytes(mask)
+            except InputError as exc:
+                raise InputError(f"--mask: {exc}") from None
+            if image is None:
+                raise InputError("--mask: needs --image (the image whose white-masked pixels are repainted)")
         if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"--out {out_dir}: not a directory")
     except InputError as exc:
@@ -159,13 +171,17 @@ Size = Annotated[str | None, typer.Option(help="WIDTHxHEIGHT, e.g. 512x512")]
 Seed = Annotated[int | None, typer.Option(help="seed of the first image (image i uses seed + i)")]
 Steps = Annotated[int | None, typer.Option(help="denoising steps")]
 ImageFile = Annotated[Path | None, typer.Option("--image", help="input image (PNG/JPEG) for image-to-image")]
+MaskFile = Annotated[
+    Path | None, typer.Option("--mask", help="inpaint models: a PNG the image's size, white repaints, black keeps")
+]
 Negative = Annotated[str | None, typer.Option("--negative", help="negative prompt")]
 Count = Annotated[int, typer.Option("--n", help="number of images")]
 OutDir = Annotated[Path, typer.Option("--out", help="directory for the PNGs")]
 
 
-def _options_dict(seed, steps, size, image, negative, n) -> dict:
-    return {"seed": seed, "steps": steps, "size": size, "image": image, "negative_prompt": negative, "n": n}
+def _options_dict(seed, steps, size, image, negative, n, mask=None) -> dict:
+    options = {"seed": seed, "steps": steps, "size": size, "image": image, "negative_prompt": negative, "n": n}
+    return options if mask is None else {**options, "mask": mask}
 
 
 @app.command()
@@ -241,16 +257,37 @@ def predict(
     steps: Steps = None,
     size: Size = None,
     image: ImageFile = None,
+    mask: MaskFile = None,
     negative: Negative = None,
     n: Count = 1,
     out_dir: OutDir = Path("."),
 ) -> None:
     """Generate images and write them as PNGs (a request that becomes a job is followed to its end)."""
-    _check_options(size, steps, n, image, out_dir)
+    _predict(model, prompt, _options_dict(seed, steps, size, image, negative, n, mask), out_dir)
+
+
+@app.command()
+def inpaint(
+    image: Path,
+    mask: Path,
+    prompt: str,
+    model: Annotated[str, typer.Option("--model", help="an inpaint model of `maas models`")] = "sd15-inpaint",
+    seed: Seed = None,
+    steps: Steps = None,
+    size: Size = None,
+    negative: Negative = None,
+    n: Count = 1,
+    out_dir: OutDir = Path("."),
+) -> None:
+    """Repaint the mask's white pixels of IMAGE (MASK: a PNG the image's size; white repaints, black keeps)."""
+    _predict(model, prompt, _options_dict(seed, steps, size, image, negative, n, mask), out_dir)
+
+
+def _predict(model: str, prompt: str, options: dict, out_dir: Path) -> None:
+    _check_options(options["size"], options["steps"], options["n"], options["image"], out_dir, options.get("mask"))
     with _client() as client:
         try:
             with live_progress(model) as on_progress:
-                options = _options_dict(seed, steps, size, image, negative, n)
                 result = client.predict(model, prompt, on_progress=on_progress, **options)
             paths = result.save(out_dir)
         except MaasError as exc:

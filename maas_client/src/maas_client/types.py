@@ -47,6 +47,8 @@ class ModelInfo(_Body):
     version: str  # the stable one
     versions: list[str]  # every live version
     task: Literal["text-to-image", "image-to-image", "inpaint"]
+    # What each instance carries (prompt; image; mask); None from servers older than inpainting.
+    inputs: list[Literal["prompt", "image", "mask"]] | None = None
     family: str | None  # sd15, sdxl, flux, sd3; None for the synthetic models
     guidance: Literal["cfg", "embedded", "none"]  # what guidance_scale means for the model
     size_multiple: int  # width and height must be multiples of this

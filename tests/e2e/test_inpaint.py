@@ -1,0 +1,64 @@
+"""Inpainting everywhere a request goes, against the real stack: `GET /v1/models` says what a model takes, the CLI's
+`maas inpaint`, and a batch of inpaint lines (masks inline, as predict takes them)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+
+import pytest
+import requests
+from PIL import Image
+
+from tests.conftest import png_b64
+from tests.e2e.test_batches import create, output, wait
+from tests.e2e.test_sdk_cli import run_cli
+
+pytestmark = pytest.mark.stack
+
+
+def mask_png(size=(64, 64), box=(16, 16, 48, 48)) -> bytes:
+    mask = Image.new("L", size, 0)
+    mask.paste(255, box)
+    buffer = io.BytesIO()
+    mask.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_models_say_what_each_instance_takes(stack, auth_headers):
+    listed = requests.get(f"{stack.api_url}/v1/models", headers=auth_headers, timeout=10).json()["models"]
+    inputs = {model["name"]: model["inputs"] for model in listed}
+    assert inputs["sd15-inpaint"] == ["prompt", "image", "mask"]
+    assert inputs["sd15-img2img"] == ["prompt", "image"] and inputs["sd15-txt2img"] == ["prompt"]
+
+
+def test_cli_inpaint_writes_the_repainted_image(stack, tmp_path):
+    image, mask = tmp_path / "photo.png", tmp_path / "mask.png"
+    image.write_bytes(base64.b64decode(png_b64(64, 64, noise=True)))
+    mask.write_bytes(mask_png())
+    out = tmp_path / "out"
+    done = run_cli(stack, "inpaint", str(image), str(mask), f"a door {uuid.uuid4().hex}", "--size", "64x64",
+                   "--steps", "2", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (path,) = sorted(out.glob("*.png"))
+    assert Image.open(path).size == (64, 64)
+
+
+def test_a_batch_of_inpaint_lines_answers_each_line_and_refuses_a_bad_mask(stack, auth_headers):
+    image = png_b64(64, 64, noise=True)
+    masks = [mask_png(box=(0, 0, 32, 32)), mask_png(box=(32, 32, 64, 64)), mask_png(size=(32, 32))]
+    lines = [
+        {"custom_id": f"inpaint-{index}", "model": "sd15-inpaint",
+         "instances": [{"prompt": f"line {index}", "image": image, "mask": base64.b64encode(mask).decode()}],
+         "parameters": {"width": 64, "height": 64, "num_inference_steps": 2, "seed": index}}
+        for index, mask in enumerate(masks)
+    ]  # fmt: skip
+    batch = create(stack, auth_headers, requests=lines)
+    final = wait(stack, auth_headers, batch["id"], timeout=180)
+    assert final["request_counts"]["succeeded"] == 2 and final["request_counts"]["failed"] == 1, final
+    results = output(stack, auth_headers, batch["id"], "results")
+    assert sorted(item["custom_id"] for item in results) == ["inpaint-0", "inpaint-1"]
+    assert all(len(item["images"]) == 1 for item in results)
+    (error,) = output(stack, auth_headers, batch["id"], "errors")
+    assert error["custom_id"] == "inpaint-2" and error["error"]["code"] == 422 and "mask" in error["error"]["message"]
