@@ -27,8 +27,13 @@ def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
         try:
             returncode = suite.wait(timeout=SUITE_SECONDS)
         except subprocess.TimeoutExpired:
-            os.killpg(suite.pid, signal.SIGKILL)
-            suite.wait()
+            # SIGINT first: the suite's `finally` stops the API processes it started (they have sessions of their own).
+            os.killpg(suite.pid, signal.SIGINT)
+            try:
+                suite.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(suite.pid, signal.SIGKILL)
+                suite.wait()
             returncode = None
     said = log.read_text()[-8000:]
     assert returncode == 0, said
