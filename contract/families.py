@@ -3,7 +3,9 @@
 A family is the set of diffusers pipelines that share a denoiser and its conditioning: SD 1.5 and SDXL (a UNet
 with classifier-free guidance), FLUX.1 (a flow-matching transformer over 2x2-packed latents, guidance embedded
 in the model for [dev] and absent for [schnell]) and SD 3.5 (a flow-matching MMDiT with classifier-free
-guidance, its T5 encoder optional). The API enforces each family's rules from this table (sizes,
+guidance, its T5 encoder optional); and 2026's open models, Z-Image-Turbo and FLUX.2 [klein] (flow-matching
+transformers with Qwen3 text encoders, distilled to a few steps without guidance) and Qwen-Image (a 20B MMDiT with
+a Qwen2.5-VL encoder and its own classifier-free guidance, `true_cfg_scale`). The API enforces each family's rules from this table (sizes,
 which guidance a request may ask for, negative prompts, the components adapters change); the worker picks its denoiser by the same
 pipeline class (`model_worker/model/families`).
 """

@@ -39,6 +39,38 @@ def test_each_new_family_answers_predict_and_logs_its_family(stack, auth_headers
     assert (rows[0]["status"], rows[0]["model"], rows[0]["model_family"]) == ("ok", model, NEW_FAMILIES[model])
 
 
+# The 2025-2026 families (issue 52), served by the stack's tiny pipelines: FLUX.2 [klein] from the SDXL worker,
+# Z-Image-Turbo and Qwen-Image from one worker of their own.
+FAMILIES_2026 = {"z-image-turbo": "zimage", "flux2-klein": "flux2-klein", "qwen-image": "qwenimage"}
+
+
+@pytest.mark.parametrize("model", list(FAMILIES_2026))
+def test_each_2026_family_answers_predict_with_its_bigquery_row(stack, auth_headers, bigquery, settings, model):
+    seed = random.randrange(10**6)
+    parameters = {"seed": seed, "num_inference_steps": 2}
+    if model == "qwen-image":  # its classifier-free guidance, with a negative prompt
+        parameters.update(guidance_scale=3.0, negative_prompt="blurry")
+    response = predict(stack, auth_headers, model, **parameters)
+    assert response.status_code == 200, response.text
+    prediction = response.json()["predictions"][0]
+    assert prediction["seed"] == seed and prediction["image_b64"]
+    request_id = response.headers["X-Request-Id"]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    rows = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id = '{request_id}'", 1, timeout=60)
+    assert len(rows) == 1
+    assert (rows[0]["status"], rows[0]["model"], rows[0]["model_family"]) == ("ok", model, FAMILIES_2026[model])
+
+
+def test_the_2026_distilled_families_refuse_guidance_and_negative_prompts(stack, auth_headers):
+    for model in ("z-image-turbo", "flux2-klein"):
+        for parameters, field in (({"guidance_scale": 3.5}, "parameters.guidance_scale"),
+                                  ({"negative_prompt": "blurry"}, "parameters.negative_prompt"),
+                                  ({"width": 72}, "parameters.width")):  # fmt: skip
+            response = predict(stack, auth_headers, model, **parameters)
+            assert response.status_code == 422, (model, parameters, response.text)
+            assert response.json()["error"]["field"] == field
+
+
 @pytest.mark.parametrize("model", list(NEW_FAMILIES))
 def test_each_new_family_runs_a_job_with_progress_events(stack, auth_headers, model):
     # Long enough on the tiny pipelines (about a second) for several progress ticks.
