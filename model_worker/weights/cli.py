@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contract import google_clients, naming
+from contract.families import FAMILIES
 from contract.settings import Settings, local_stack_environment
 from model_worker.weights.importer import ImportRefusedError, import_model
 from model_worker.weights.store import MANIFEST
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                            help="the catalog model it is a version of")  # fmt: skip
     importing.add_argument("--version", required=True, type=_name(naming.version_name_problem),
                            help="its catalog version (lowercase letters, digits and '-')")  # fmt: skip
-    importing.add_argument("--family", help="refuse the source unless it is of this family (sd15, sdxl, flux, sd3)")
+    importing.add_argument("--family", help=f"refuse the source unless it is of this family ({', '.join(FAMILIES)})")
     importing.add_argument("--base", help="for a single file: the diffusers folder, or gs://bucket/prefix of a served "
                            "model, of the same family, giving configs, tokenizers and the components the file lacks")  # fmt: skip
     importing.add_argument("--bucket", help="the model bucket (default: the settings' MAAS_MODEL_BUCKET)")

@@ -68,6 +68,26 @@ def test_a_truncated_weights_file_is_refused(tiny_sdxl, tmp_path):
         check_folder(folder)
 
 
+@pytest.mark.parametrize(
+    ("pipeline", "family"),
+    [("ZImagePipeline", "zimage"), ("Flux2KleinPipeline", "flux2-klein"), ("QwenImagePipeline", "qwenimage")],
+)
+def test_a_2026_family_folder_is_accepted_and_checked_as_the_others_are(tmp_path, pipeline, family):
+    """Z-Image, FLUX.2 [klein] and Qwen-Image diffusers folders import with their family and task (the family table
+    names their pipelines), and their weights get the same safetensors checks."""
+    from emulators.tiny_pipeline import build_pipeline
+
+    folder = build_pipeline(tmp_path / family, pipeline)
+    checked = check_folder(folder, family=family)
+    assert (checked.pipeline, checked.family, checked.task) == (pipeline, family, "text-to-image")
+    with pytest.raises(ImportRefusedError, match=f"is a {family} model"):
+        check_folder(folder, family="sd15")
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    (folder / weights).write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    with pytest.raises(ImportRefusedError, match=f"{weights}: not a safetensors file"):
+        check_folder(folder)
+
+
 def test_pickled_weights_a_family_mismatch_and_a_single_file_are_refused(tiny_sdxl, tmp_path):
     folder = copy_of(tiny_sdxl, tmp_path)
     with pytest.raises(ImportRefusedError, match="--family flux, but its pipeline StableDiffusionXLPipeline is a sdxl"):
