@@ -126,6 +126,14 @@ resource "google_storage_bucket_iam_member" "api_registers_adapters" {
   }
 }
 
+# The OpenAI Images API's `response_format: url`: the API signs its image links as itself through IAM signBlob
+# (Cloud Run's credentials hold no key), which takes the token creator role on its own account, and no other.
+resource "google_service_account_iam_member" "api_signs_result_links" {
+  service_account_id = google_service_account.api.name
+  role               = "roles/iam.serviceAccountTokenCreator"
+  member             = google_service_account.api.member
+}
+
 resource "google_secret_manager_secret_iam_member" "api_reads_secrets" {
   for_each = google_secret_manager_secret.maas
 

@@ -951,3 +951,11 @@ def test_the_dashboard_counts_the_admission_lines_the_api_logs(caplog):
     assert "local.dashboard_rows" in expression(dashboard["dashboard_json"])
     # One row of tiles per model of the catalog, read from the same local as every other per-model resource.
     assert "for model, spec in local.models" in expression(locals_()["dashboard_model_tiles"])
+
+
+def test_api_may_sign_result_links_as_itself_only():
+    """`response_format: url` signs through IAM signBlob: the token creator role on the API's own account, no other."""
+    grants = _grants("google_service_account_iam_member", "google_service_account.api.member")
+    assert [(expression(b["service_account_id"]), b["role"]) for b in grants.values()] == [
+        ("google_service_account.api.name", "roles/iam.serviceAccountTokenCreator")
+    ]
