@@ -126,6 +126,12 @@ variable "gpu_node_pools" {
       min_node_count = 0
       max_node_count = 8
     }
+    # Qwen-Image in bf16 (53.7 GiB of weights: the memory plan fits no L4 or 40 GB A100), from zero nodes.
+    h100 = {
+      hardware       = "h100"
+      min_node_count = 0
+      max_node_count = 4
+    }
     # Batch jobs (issue 35) on Spot capacity, from zero nodes.
     l4-spot = {
       hardware       = "l4"
@@ -137,6 +143,12 @@ variable "gpu_node_pools" {
       hardware       = "a100"
       min_node_count = 0
       max_node_count = 4
+      spot           = true
+    }
+    h100-spot = {
+      hardware       = "h100"
+      min_node_count = 0
+      max_node_count = 2
       spot           = true
     }
   }
