@@ -113,7 +113,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "zimage",
-            {"ZImagePipeline": "text-to-image"},
+            {"ZImagePipeline": "text-to-image", "ZImageImg2ImgPipeline": "image-to-image"},
             size_multiple=16,  # the VAE's 8x times the transformer's 2x2 patches
             # Z-Image-Turbo's model card: 9 steps, guidance 0, 1024x1024.
             defaults={"num_inference_steps": 9, "guidance_scale": 0.0, "width": 1024, "height": 1024},

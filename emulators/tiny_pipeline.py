@@ -454,6 +454,7 @@ _BUILDERS = {
     "FluxImg2ImgPipeline": _flux,
     "StableDiffusion3Pipeline": _sd3,
     "ZImagePipeline": _zimage,
+    "ZImageImg2ImgPipeline": _zimage,
     "Flux2KleinPipeline": _flux2_klein,
     "QwenImagePipeline": _qwenimage,
 }

@@ -6,7 +6,8 @@ of different lengths share a call) and its timestep as `(1000 - t) / 1000`. Its 
 float32, which the pipeline's `FlowMatchEulerDiscreteScheduler` steps in float32 latents. Each image keeps its own
 scheduler with Z-Image's sigmas (`linspace(1, 1/steps)`), shifted by the resolution's `mu` when the scheduler's
 config shifts dynamically (Turbo's shifts statically by 3), so a running set of any step counts shares one call.
-Turbo is distilled to a few steps without classifier-free guidance (the pipeline runs none at guidance 0); the
+Image-to-image (`ZImageImg2ImgPipeline`) starts each image at its strength's step of its own schedule from its noised
+input's latents, as the pipeline does. Turbo is distilled to a few steps without classifier-free guidance (the pipeline runs none at guidance 0); the
 family takes no guidance (contract/families.py).
 """
 
@@ -27,7 +28,10 @@ class ZImageDenoiser(Denoiser):
     model_attribute = "transformer"
 
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
-        return {"width": params.width, "height": params.height, "max_sequence_length": ZIMAGE_MAX_SEQUENCE_LENGTH}
+        kwargs = {"width": params.width, "height": params.height, "max_sequence_length": ZIMAGE_MAX_SEQUENCE_LENGTH}
+        if self.spec.needs_image:
+            kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
+        return kwargs
 
     def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         from diffusers.pipelines.z_image.pipeline_z_image import (
@@ -39,6 +43,7 @@ class ZImageDenoiser(Denoiser):
         torch, pipe = self._torch, self.pipeline
         device = pipe._execution_device
         steps = params.num_inference_steps
+        requested = self.requested_steps(params)
         config = pipe.scheduler.config
         with torch.inference_mode():
             captions, _ = pipe.encode_prompt(
@@ -48,10 +53,9 @@ class ZImageDenoiser(Denoiser):
             running = []
             for item, caption in zip(items, captions, strict=True):
                 generator = torch.Generator(device="cpu").manual_seed(item.seed)
-                latents = pipe.prepare_latents(
-                    1, pipe.transformer.in_channels, params.height, params.width, torch.float32, device, [generator]
-                )
-                tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+                channels = pipe.transformer.in_channels
+                patch = pipe.vae_scale_factor * 2  # the image's pixels per 2x2 latent patch, along each side
+                tokens = (params.height // patch) * (params.width // patch)
                 mu = calculate_shift(
                     tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                     config.get("base_shift", 0.5), config.get("max_shift", 1.15),
@@ -60,7 +64,19 @@ class ZImageDenoiser(Denoiser):
                 timesteps, _ = retrieve_timesteps(
                     scheduler, steps, device, sigmas=get_default_z_image_sigmas(steps), mu=mu
                 )
-                scheduler.set_begin_index(0)
+                if self.spec.needs_image:  # the img2img pipeline's start: its strength's share of the schedule
+                    with self.using(scheduler):
+                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
+                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
+                        latents = pipe.prepare_latents(
+                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
+                            params.width, caption.dtype, device, [generator],
+                        )  # fmt: skip
+                else:
+                    latents = pipe.prepare_latents(
+                        1, channels, params.height, params.width, torch.float32, device, [generator]
+                    )
+                    scheduler.set_begin_index(0)
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
@@ -70,7 +86,7 @@ class ZImageDenoiser(Denoiser):
                     "mu": mu,
                     "step_kwargs": {},
                 }
-                running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
 
     def denoise(self, running: list[RunningItem]) -> None:
