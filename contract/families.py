@@ -133,7 +133,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "qwenimage",
-            {"QwenImagePipeline": "text-to-image"},
+            {"QwenImagePipeline": "text-to-image", "QwenImageImg2ImgPipeline": "image-to-image"},
             size_multiple=16,  # the VAE's 8x times the pipeline's 2x2 packing
             # Qwen-Image's model card: 50 steps, true_cfg_scale 4 (a request's `guidance_scale`), 1328x1328 for 1:1.
             defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "width": 1328, "height": 1328},

@@ -457,6 +457,7 @@ _BUILDERS = {
     "ZImageImg2ImgPipeline": _zimage,
     "Flux2KleinPipeline": _flux2_klein,
     "QwenImagePipeline": _qwenimage,
+    "QwenImageImg2ImgPipeline": _qwenimage,
 }
 
 

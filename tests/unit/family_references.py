@@ -31,7 +31,7 @@ def tiny_pipelines(root: Path, families: dict) -> dict:
     for name, spec in families.items():
         directory = build_pipeline(root / name, spec.pipeline, spec.guidance_mode, tuple(spec.without))
         sharpen_unet(directory)
-        if spec.pipeline == "QwenImagePipeline":
+        if spec.pipeline.startswith("QwenImage"):
             sharpen(directory / "transformer" / "diffusion_pytorch_model.safetensors", QWEN_SHARPENING)
         left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
         reference = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)

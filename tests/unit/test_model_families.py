@@ -37,10 +37,13 @@ ZIMAGE_IMG2IMG = ZIMAGE.model_copy(update={"name": "z-image-img2img", "task": "i
 KLEIN = CATALOG.get("flux2-klein")
 # Its catalog batch (2 images on an H100) is below the running set's three images sharing a call.
 QWEN = CATALOG.get("qwen-image").model_copy(update={"max_batch_size": 4, "max_instances_per_request": 4})
+QWEN_IMG2IMG = QWEN.model_copy(update={"name": "qwen-image-img2img", "task": "image-to-image",
+                                       "pipeline": "QwenImageImg2ImgPipeline"})  # fmt: skip
 FAMILIES = {
     "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
     "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
     "z-image-turbo": ZIMAGE, "flux2-klein": KLEIN, "qwen-image": QWEN, "z-image-img2img": ZIMAGE_IMG2IMG,
+    "qwen-image-img2img": QWEN_IMG2IMG,
 }  # fmt: skip
 # Pixel values may move by one or two inside a different batch composition (float rounding), no more.
 PIXEL_TOLERANCE = 3
@@ -83,7 +86,7 @@ def reference_images(pipelines, name: str, pending) -> list:
             kwargs["max_sequence_length"] = 256  # [schnell]'s T5 length, as its reference code and model card run it
         if spec.task == "image-to-image":
             kwargs["image"], kwargs["strength"] = item.image, params.strength
-            if spec.family.name not in ("flux", "zimage"):  # the UNet img2img pipelines take the image's size
+            if spec.family.name in ("sd15", "sdxl"):  # the UNet img2img pipelines take the image's size
                 del kwargs["width"], kwargs["height"]
         images.append(pipelines[name][1](**kwargs).images[0])
     return images
@@ -332,7 +335,8 @@ def test_a_float16_sdxl_decodes_through_the_float32_upcast_as_the_pipeline_does(
 
 
 @pytest.mark.parametrize(
-    ("name", "runs"), [("sd15-img2img", 3), ("sdxl-img2img", 3), ("flux-img2img", 4), ("z-image-img2img", 4)]
+    ("name", "runs"),
+    [("sd15-img2img", 3), ("sdxl-img2img", 3), ("flux-img2img", 4), ("z-image-img2img", 4), ("qwen-image-img2img", 4)],
 )
 def test_image_to_image_progress_counts_the_steps_its_pipeline_runs_in_both_schedulings(pipelines, name, runs):
     """7 steps at strength 0.5: SD's and SDXL's img2img pipelines run int(3.5) = 3 of them, FLUX's 7 - int(3.5) = 4;

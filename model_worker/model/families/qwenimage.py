@@ -8,7 +8,9 @@ transformer's joint attention honours (and drops when nothing is padded, as the 
 its negative prompt's; its prediction is `neg + scale (pos - neg)` rescaled per token to the positive one's norm, as
 the pipeline combines its two calls. A request's `guidance_scale` is the pipeline's `true_cfg_scale`; a guided image
 without a negative prompt gets the model card's `" "` (the pipeline runs no guidance without one). Each image keeps its
-own scheduler with the resolution's `mu`, stepped for the whole running set at once.
+own scheduler with the resolution's `mu`, stepped for the whole running set at once. Image-to-image
+(`QwenImageImg2ImgPipeline`) starts each image at its strength's step of its own schedule from its noised input's
+latents, as the pipeline does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class QwenImageDenoiser(Denoiser):
         }  # fmt: skip
         if params.guidance_scale > 1:
             kwargs["negative_prompt"] = [item.negative_prompt or DEFAULT_NEGATIVE_PROMPT for item in items]
+        if self.spec.needs_image:
+            kwargs["image"], kwargs["strength"] = [item.image for item in items], params.strength
         return kwargs
 
     def _contexts(self, prompts: list[str], device) -> list:
@@ -61,6 +65,7 @@ class QwenImageDenoiser(Denoiser):
         torch, pipe = self._torch, self.pipeline
         device = pipe._execution_device
         steps = params.num_inference_steps
+        requested = self.requested_steps(params)
         guided = params.guidance_scale > 1
         config = pipe.scheduler.config
         with torch.inference_mode():
@@ -76,17 +81,26 @@ class QwenImageDenoiser(Denoiser):
             running = []
             for item, context, negative in zip(items, contexts, negatives, strict=True):
                 generator = torch.Generator(device="cpu").manual_seed(item.seed)
-                latents = pipe.prepare_latents(
-                    1, channels, params.height, params.width, context.dtype, device, [generator]
-                )
                 mu = calculate_shift(
-                    latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                    grid[1] * grid[2], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                     config.get("base_shift", 0.5), config.get("max_shift", 1.15),
                 )  # fmt: skip
                 scheduler = self.new_scheduler()
                 sigmas = np.linspace(1.0, 1 / steps, steps)
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-                scheduler.set_begin_index(0)
+                if self.spec.needs_image:  # the img2img pipeline's start: its strength's share of the schedule
+                    with self.using(scheduler):
+                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
+                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
+                        latents = pipe.prepare_latents(
+                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
+                            params.width, context.dtype, device, [generator],
+                        )  # fmt: skip
+                else:
+                    latents = pipe.prepare_latents(
+                        1, channels, params.height, params.width, context.dtype, device, [generator]
+                    )
+                    scheduler.set_begin_index(0)
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
@@ -99,7 +113,7 @@ class QwenImageDenoiser(Denoiser):
                     "mu": mu,
                     "step_kwargs": {},
                 }
-                running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
 
     def denoise(self, running: list[RunningItem]) -> None:
