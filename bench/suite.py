@@ -305,7 +305,7 @@ class Suite:
     def batch_beside(self) -> dict | None:
         """Sequential tiny SD 1.5 predicts alone and beside a 400-line batch of the same model (bench/batch_beside.py)."""
         return self._module("interactive beside a batch", "bench.batch_beside", "batch_beside.json", 1200,
-                            ["--rounds", "1", "--predicts", "2", "--lines", "4"] if self.smoke else
+                            ["--rounds", "1", "--predicts", "2", "--lines", "32"] if self.smoke else
                             ["--rounds", "1" if self.quick else "3"],
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
