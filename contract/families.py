@@ -61,9 +61,12 @@ FAMILIES: dict[str, Family] = {
     for family in (
         Family(
             "sd15",
-            {"StableDiffusionPipeline": "text-to-image", "StableDiffusionImg2ImgPipeline": "image-to-image",
-             # over an inpainting UNet: 9 input channels (latents, the mask, the masked image's latents)
-             "StableDiffusionInpaintPipeline": "inpaint"},  # fmt: skip
+            {
+                "StableDiffusionPipeline": "text-to-image",
+                "StableDiffusionImg2ImgPipeline": "image-to-image",
+                # over an inpainting UNet: 9 input channels (latents, the mask, the masked image's latents)
+                "StableDiffusionInpaintPipeline": "inpaint",
+            },  # fmt: skip
             size_multiple=8,
             defaults={"num_inference_steps": 25, "guidance_scale": 7.5, "width": 512, "height": 512},
             guidance="cfg",
