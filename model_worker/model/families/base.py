@@ -160,6 +160,28 @@ class Denoiser:
         finally:
             self.pipeline.scheduler = saved
 
+    @staticmethod
+    def one_size(running: list[RunningItem]) -> None:
+        """Refuses a running set of several sizes: a transformer call takes one token count."""
+        sizes = {r.state["size"] for r in running}
+        if len(sizes) > 1:
+            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+
+    def image_to_image_start(self, scheduler, item, params: GenerationParameters, steps: int, channels: int, dtype,
+                             generator):  # fmt: skip
+        """An img2img pipeline's start for one image: its strength's share of `scheduler`'s schedule and the latents
+        of its noised input, set exactly as the pipeline sets them (its own `get_timesteps` and `prepare_latents`)."""
+        pipe = self.pipeline
+        device = pipe._execution_device
+        with self.using(scheduler):
+            timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
+            image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
+            latents = pipe.prepare_latents(
+                image.to(self._torch.float32), timesteps[:1].repeat(1), 1, channels, params.height, params.width,
+                dtype, device, [generator],
+            )  # fmt: skip
+        return timesteps, latents
+
     def new_scheduler(self):
         """A fresh instance of the pipeline's scheduler: each image steps its own."""
         return type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)

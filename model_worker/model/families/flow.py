@@ -114,9 +114,7 @@ class FluxDenoiser(Denoiser):
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
-        sizes = {r.state["size"] for r in running}
-        if len(sizes) > 1:
-            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        self.one_size(running)
         with torch.inference_mode():
             latents = torch.cat([r.state["latents"] for r in running])
             timestep = torch.cat(

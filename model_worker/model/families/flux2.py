@@ -68,9 +68,7 @@ class Flux2KleinDenoiser(Denoiser):
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
-        sizes = {r.state["size"] for r in running}
-        if len(sizes) > 1:
-            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        self.one_size(running)
         model = self.pipeline.transformer
         with torch.inference_mode():
             latents = torch.cat([r.state["latents"] for r in running])

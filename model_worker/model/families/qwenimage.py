@@ -89,13 +89,9 @@ class QwenImageDenoiser(Denoiser):
                 sigmas = np.linspace(1.0, 1 / steps, steps)
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
                 if self.spec.needs_image:  # the img2img pipeline's start: its strength's share of the schedule
-                    with self.using(scheduler):
-                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
-                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
-                        latents = pipe.prepare_latents(
-                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
-                            params.width, context.dtype, device, [generator],
-                        )  # fmt: skip
+                    timesteps, latents = self.image_to_image_start(
+                        scheduler, item, params, steps, channels, context.dtype, generator
+                    )
                 else:
                     latents = pipe.prepare_latents(
                         1, channels, params.height, params.width, context.dtype, device, [generator]
@@ -118,9 +114,7 @@ class QwenImageDenoiser(Denoiser):
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
-        sizes = {r.state["size"] for r in running}
-        if len(sizes) > 1:
-            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        self.one_size(running)
         model = self.pipeline.transformer
         with torch.inference_mode():
             latents, timesteps, contexts = [], [], []

@@ -65,13 +65,9 @@ class ZImageDenoiser(Denoiser):
                     scheduler, steps, device, sigmas=get_default_z_image_sigmas(steps), mu=mu
                 )
                 if self.spec.needs_image:  # the img2img pipeline's start: its strength's share of the schedule
-                    with self.using(scheduler):
-                        timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
-                        image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
-                        latents = pipe.prepare_latents(
-                            image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
-                            params.width, caption.dtype, device, [generator],
-                        )  # fmt: skip
+                    timesteps, latents = self.image_to_image_start(
+                        scheduler, item, params, steps, channels, caption.dtype, generator
+                    )
                 else:
                     latents = pipe.prepare_latents(
                         1, channels, params.height, params.width, torch.float32, device, [generator]
@@ -91,9 +87,7 @@ class ZImageDenoiser(Denoiser):
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
-        sizes = {r.state["size"] for r in running}
-        if len(sizes) > 1:
-            raise ValueError(f"images of different sizes {sorted(sizes)} cannot share a transformer call")
+        self.one_size(running)
         model = self.pipeline.transformer
         with torch.inference_mode():
             latents = [r.state["latents"].to(model.dtype).unsqueeze(2)[0] for r in running]
