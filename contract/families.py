@@ -56,6 +56,8 @@ class Family:
 # runwayml/stable-diffusion-v1-5's PNDM and stable-diffusion-xl-base-1.0's Euler both save these.
 SAVED_UNET_SCHEDULER = (("num_train_timesteps", 1000), ("timestep_spacing", "leading"), ("steps_offset", 1))
 
+    # The step caches (contract/step_cache.py) its worker implements: a catalog `step_cache.kind` must be one.
+    step_caches: tuple[str, ...] = ()
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
@@ -113,6 +115,7 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
+            step_caches=("first_block",),
         ),
         Family(
             "zimage",

@@ -52,6 +52,9 @@ class GenerationParameters(BaseModel):
     # LoRA adapters, in the order asked; empty: the base model, left out of the message and the cache key
     # (so base requests read exactly as before adapters existed).
     adapters: tuple[AdapterRef, ...] = Field(default=(), exclude_if=lambda adapters: not adapters)
+    # False: every denoising step in full, where the catalog has a step cache (contract/step_cache.py); None: the
+    # catalog's. Left out of the message and the cache key when None.
+    step_cache: bool | None = Field(default=None, exclude_if=lambda step_cache: step_cache is None)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ ROLES: dict[str, ParameterRole] = {
     # Requests with different adapter sets never share a UNet call (the worker's batch key).
     "adapters": ParameterRole("LoRA adapters registered for the model, each with a scale", per_call=True,
                               sent_as=list[AdapterIn]),
+    # Per call: `scheduling: request` runs diffusers' hook, one decision for the whole call.
+    "step_cache": ParameterRole("false: run every denoising step in full (the model's step cache off); it is never "
+                                "turned on where the model has none", per_call=True),
 }  # fmt: skip
 
 LOGGED_PARAMETERS = tuple(name for name, role in ROLES.items() if role.logged)

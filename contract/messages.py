@@ -175,6 +175,8 @@ class InferenceReply(BaseModel):
     attempt: int = 0
     worker_started_ms: int | None = None
     worker_finished_ms: int | None = None
+    # Denoising steps the step cache skipped, summed over the request's images; None without a step cache.
+    steps_skipped: int | None = None
     # When the worker's previous call ended, if this request was already published then (the worker went on from
     # that call to this one): worker_finished_ms minus this is what a call costs a busy worker, gaps included
     # (admission's call time, api_server/predict/admission.py). None: the worker was idle, or steps requests.

@@ -15,6 +15,7 @@ from contract.families import Family, Guidance, family_of, unknown_pipeline_erro
 from contract.generation import defaults_model
 from contract.hardware import HARDWARE, HardwareName
 from contract.quantization import FLOAT8_MIN_COMPUTE_CAPABILITY, Quantization
+from contract.step_cache import StepCache
 from contract.step_limits import steps_problem
 
 # `inpaint`: an image, a mask (white repaints, black keeps) and a prompt; outpainting is an inpaint request whose
@@ -212,6 +213,8 @@ class ModelSpec(BaseModel):
 
     @property
     def guidance_mode(self) -> Guidance:
+    # A step cache (contract/step_cache.py): denoising work an image skips when it barely changes; absent: off.
+    step_cache: StepCache | None = None
         family = self.family
         return self.guidance or (family.guidance if family else "cfg")
 
@@ -348,6 +351,9 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _batching_gain_fits(self) -> ModelSpec:
+        if self.step_cache is not None and self.runner != "diffusers":
+            raise ValueError(f"{where}: `step_cache` skips a diffusers model's denoiser work; the {self.runner} runner "
+                             "has none: remove it")  # fmt: skip
         if self.batching_gain > self.max_batch_size:
             raise ValueError(
                 f"{self.name}: batching_gain {self.batching_gain:g} exceeds max_batch_size {self.max_batch_size} "
@@ -398,6 +404,15 @@ def architecture_of(spec: ModelSpec) -> Architecture | None:
     if family.name == "flux" and spec.architecture is None and spec.guidance_mode == "none":
         name = "flux.1-schnell"
     return ARCHITECTURES[name]
+        if self.step_cache is not None and self.step_cache.kind not in family.step_caches:
+            kinds = ", ".join(family.step_caches) or "none yet"
+            raise ValueError(
+                f"{self.name}: step_cache kind {self.step_cache.kind!r} is not served for {family.name} models "
+                f"(served: {kinds}); remove `step_cache` or pick a served kind"
+            )
+        if self.controls is not None and not family.controls:
+            raise ValueError(f"{self.name}: control models are not served for {family.name} models yet; remove "
+                             "`controls`")  # fmt: skip
 
 
 def architecture_problem(spec: ModelSpec) -> str | None:

@@ -33,6 +33,7 @@ from api_server.versions.rollouts import RolloutObservations
 from contract.generation import LOGGED_PARAMETERS
 from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
+from contract.step_cache import running_step_cache
 from contract.stores.inflight import InflightStore
 
 log = logging.getLogger("api_server")
@@ -164,6 +165,8 @@ class RequestRecords:
             row.input_bytes = sum(len(image) for image in prepared.images if image)
             if masks := [mask for mask in prepared.masks if mask is not None]:
                 row.mask_fraction = round(sum(repaint_fraction(mask) for mask in masks) / len(masks), 4)
+            if (step_cache := running_step_cache(prepared.spec.step_cache, prepared.params.step_cache)) is not None:
+                row.step_cache = step_cache.kind
 
     def _observe(self, call: InferenceCall, outcome: Outcome, total_ms: float) -> None:
         """A versioned model's call that reached its version (a reply, or none in time) feeds the rollback guard;

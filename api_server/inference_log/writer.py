@@ -88,12 +88,16 @@ class InferenceLogRow:
     custom_id: str | None = None
     # An inpaint request's: the share of pixels its masks repaint (mean over its instances).
     mask_fraction: float | None = None
+    # The step cache it ran with (its kind) and the steps its images skipped (contract/step_cache.py).
+    step_cache: str | None = None
+    steps_skipped: int | None = None
     schema_version: int | None = SCHEMA_VERSION
 
     def record_reply(self, reply: InferenceReply, published_ms: float | None = None) -> None:
         """What only the worker knows: where, when, in which batch and on which try the request ran."""
         self.worker_id, self.accelerator, self.attempt = reply.worker_id or None, reply.accelerator, reply.attempt
         self.batch_id, self.batch_size = reply.batch_id, reply.batch_size or None
+        self.steps_skipped = reply.steps_skipped
         self.queue_ms, self.inference_ms = reply.queue_ms, reply.inference_ms
         self.worker_started_at = from_epoch_ms(reply.worker_started_ms)
         self.worker_finished_at = from_epoch_ms(reply.worker_finished_ms)

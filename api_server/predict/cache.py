@@ -14,6 +14,7 @@ import json
 from api_server.predict.flights import FlightPolicy, ResponseRecord
 from contract.messages import GenerationParameters
 from contract.model_spec import ModelSpec
+from contract.step_cache import running_step_cache
 
 CACHE_KEY_VERSION = "v1"
 
@@ -26,7 +27,8 @@ def cache_key(
     masks: list[bytes | None] | None = None,
 ) -> str:
     """`maas:cache:v1:{model}:{version}:{sha256}` of the canonical request; equal requests, equal keys. An inpaint
-    request's mask digests are part of it (other requests' keys are as before masks existed)."""
+    request's mask digests are part of it (other requests' keys are as before masks existed), and so is the model's
+    step cache when it runs (its threshold changes the image)."""
     instances = [
         {"prompt": prompt, "image_sha256": hashlib.sha256(image).hexdigest() if image is not None else None}
         for prompt, image in zip(prompts, images, strict=True)
@@ -34,7 +36,10 @@ def cache_key(
     for instance, mask in zip(instances, masks or [], strict=False):
         if mask is not None:
             instance["mask_sha256"] = hashlib.sha256(mask).hexdigest()
-    canonical = {"parameters": params.model_dump(mode="json"), "instances": instances}
+    # The request's `step_cache` counts as what it runs with (below): turned off, a key is a cache-less model's.
+    canonical = {"parameters": params.model_dump(mode="json", exclude={"step_cache"}), "instances": instances}
+    if (step_cache := running_step_cache(spec.step_cache, params.step_cache)) is not None:
+        canonical["step_cache"] = step_cache.cache_key_part()  # a model without one keeps its keys as before
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return f"maas:cache:{CACHE_KEY_VERSION}:{spec.name}:{spec.version}:{digest}"
 

@@ -100,6 +100,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
         values[name] = value if value is not None else getattr(defaults, name, None)
     if values["seed"] is None:
         values["seed"] = secrets.randbelow(MAX_SEED - 64)
+    values["step_cache"] = _step_cache(given.step_cache, spec)
     params = GenerationParameters(**values)
     checks = [
         ("parameters.num_inference_steps", params.num_inference_steps, limits.max_inference_steps),
@@ -169,6 +170,18 @@ def _check_outpaint(outpaint: Outpaint | None, spec: ModelSpec) -> None:
         )
     if not (outpaint.left or outpaint.right or outpaint.top or outpaint.bottom):
         raise ApiError(422, "parameters.outpaint: every side is 0, nothing to outpaint", "parameters.outpaint")
+
+
+def _step_cache(asked: bool | None, spec: ModelSpec) -> bool | None:
+    """A request's `step_cache`: False turns the catalog's step cache off for it; True is refused where there is none
+    (a request never turns one on). Kept only when it changes something (None otherwise), so a request that asks for
+    what it would get anyway has the same cache key."""
+    if asked is True and spec.step_cache is None:
+        raise ApiError(
+            422, f"parameters.step_cache: {spec.name} has no step cache; a request may only turn one off (false)",
+            "parameters.step_cache",
+        )  # fmt: skip
+    return False if asked is False and spec.step_cache is not None else None
 
 
 def _check_family_rules(given, params: GenerationParameters, spec: ModelSpec) -> None:

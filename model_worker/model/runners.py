@@ -68,6 +68,7 @@ class RunningItem:
     requested: int = 0
     done: int = 0
     failure: Exception | None = None  # its own scheduler step failed: it fails alone
+    skipped: int = 0  # steps whose expensive part its step cache skipped (model_worker/model/step_cache.py)
     state: dict = field(default_factory=dict)  # the runner's own per-image state (latents, scheduler, ...)
 
     @property

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from contract.step_cache import running_step_cache
 from model_worker.held.pool import PendingRequest
 from model_worker.model.runners import Runner, RunningItem
 from model_worker.serving.health import WorkerHealth
@@ -267,6 +268,8 @@ class RunningSet:
                 "worker_started_ms": int(request.joined * 1000),
                 "worker_finished_ms": int(ended * 1000),
             }
+            if running_step_cache(pending.spec.step_cache, pending.request.parameters.step_cache) is not None:
+                fields["steps_skipped"] = sum(item.skipped for item in request.items)
             self._metrics.inference_seconds.labels(model=pending.spec.name).observe(fields["inference_ms"] / 1000)
             self._finish(pending, images[offset : offset + count], fields)
             offset += count

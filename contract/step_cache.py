@@ -1,0 +1,51 @@
+"""A model's step cache (the catalog's `step_cache:`): which denoising work an image may skip when it barely changes.
+
+`first_block` (FLUX.1; ParaAttention's First-Block-Cache, diffusers' `FirstBlockCacheConfig`): the transformer's
+first block runs for every image at every step; when its residual moved less than `threshold` (relative L1, as
+diffusers measures it) since the image's last full step, the image reuses the residual the other blocks added then.
+Every image keeps its own history and decides alone (model_worker/model/step_cache.py), so its answer is the same
+alone and in any running set. Off unless the catalog entry has the block; a request may turn it off
+(`"step_cache": false`), never on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+StepCacheKind = Literal["first_block"]
+
+
+class StepCache(BaseModel):
+    """The catalog's step cache for one model. `threshold` 0 never skips: the images are those of no cache."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: StepCacheKind
+    # first_block: a step is skipped when the first block's residual moved at most this much (mean |r - r_last| over
+    # mean |r_last|, r_last the image's at its last full step) since. ParaAttention published 0.08 for FLUX.1 [dev].
+    threshold: float = Field(default=0.08, ge=0.0, le=1.0)
+    # The first steps of each image always run in full (the layout forms there); 0: only the first step.
+    warmup_steps: int = Field(default=0, ge=0)
+    # At most this many skipped steps in a row (then a full step refreshes the cache); None: no bound (diffusers').
+    max_consecutive_skips: int | None = Field(default=None, ge=1)
+    # A more aggressive threshold for batch lines (POST /v1/batches); None: the interactive one.
+    batch_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _batch_not_stricter(self) -> StepCache:
+        if self.batch_threshold is not None and self.batch_threshold < self.threshold:
+            raise ValueError(
+                f"step_cache: batch_threshold {self.batch_threshold:g} is below threshold {self.threshold:g} "
+                "(batch lines may trade more quality for time than interactive requests, not less)"
+            )
+        return self
+
+    def cache_key_part(self) -> dict:
+        """What of it changes an image: part of the result cache key (api_server/predict/cache.py)."""
+        return self.model_dump(mode="json")
+
+
+def running_step_cache(catalog: StepCache | None, asked: bool | None) -> StepCache | None:
+    """The step cache a request runs with: its model's (`catalog`), unless the request turned it off (`asked` False)."""
+    return catalog if asked is not False else None

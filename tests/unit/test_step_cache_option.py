@@ -1,0 +1,112 @@
+"""The catalog's `step_cache` option (contract/step_cache.py): validated when the catalog loads (its kind per
+family), a request's `"step_cache": false` (never on where the catalog has none), the result cache key and the log
+row's `step_cache` and `steps_skipped`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+import yaml
+
+from api_server.core.errors import ApiError
+from api_server.inference_log.writer import InferenceLogRow
+from api_server.predict.cache import cache_key
+from api_server.predict.schemas import parse_body, resolve_parameters
+from contract.catalog import ModelCatalog
+from contract.log_schema import validate_row
+from contract.messages import InferenceReply
+from contract.model_spec import ModelSpec
+from contract.step_cache import StepCache, running_step_cache
+from tests.unit.test_family_rules import entry
+
+FIRST_BLOCK = {"kind": "first_block", "threshold": 0.08, "warmup_steps": 1, "max_consecutive_skips": 3}
+CACHED = ModelSpec.model_validate(entry(step_cache=FIRST_BLOCK))
+PLAIN = ModelSpec.model_validate(entry())
+
+
+def catalog_error(tmp_path, **changes) -> str:
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "models": {"m": entry(**changes)}}))
+    with pytest.raises(ValueError) as caught:
+        ModelCatalog.from_yaml(path)
+    return str(caught.value)
+
+
+def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
+    assert PLAIN.step_cache is None
+    assert CACHED.step_cache == StepCache(**FIRST_BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("step_cache", "pipeline", "message"),
+    [
+        (FIRST_BLOCK, "StableDiffusionPipeline", "not served for sd15 models"),
+        ({"kind": "magcache"}, "FluxPipeline", "kind"),
+        ({"kind": "first_block", "threshold": -0.1}, "FluxPipeline", "threshold"),
+        ({"kind": "first_block", "threshold": 0.1, "batch_threshold": 0.05}, "FluxPipeline", "below threshold"),
+        ({"kind": "first_block", "max_consecutive_skips": 0}, "FluxPipeline", "max_consecutive_skips"),
+        ({"kind": "first_block", "warmup": 2}, "FluxPipeline", "warmup"),
+    ],
+)
+def test_a_catalog_step_cache_the_family_cannot_run_is_refused_at_load(tmp_path, step_cache, pipeline, message):
+    assert message in catalog_error(tmp_path, step_cache=step_cache, pipeline=pipeline)
+
+
+def test_a_synthetic_runner_takes_no_step_cache(tmp_path):
+    message = catalog_error(
+        tmp_path,
+        runner="noop",
+        pipeline=None,
+        weights_path="",
+        step_cache=FIRST_BLOCK,
+        defaults={"num_inference_steps": 4, "guidance_scale": 1.0, "width": 64, "height": 64},
+    )
+    assert "step_cache" in message
+
+
+def params(spec: ModelSpec, **given):
+    return resolve_parameters(parse_body({"instances": [{"prompt": "a"}], "parameters": {"seed": 1, **given}}), spec)
+
+
+def test_a_request_may_turn_the_step_cache_off_but_never_on():
+    assert params(CACHED).step_cache is None
+    assert params(CACHED, step_cache=True).step_cache is None  # what it gets anyway: the same request
+    assert params(CACHED, step_cache=False).step_cache is False
+    assert params(PLAIN, step_cache=False).step_cache is None  # nothing to turn off: the same request
+    with pytest.raises(ApiError) as caught:
+        params(PLAIN, step_cache=True)
+    assert caught.value.status == 422 and caught.value.field == "parameters.step_cache"
+    assert running_step_cache(CACHED.step_cache, False) is None
+    assert running_step_cache(CACHED.step_cache, None) is CACHED.step_cache
+
+
+def key(spec: ModelSpec, **given) -> str:
+    return cache_key(spec, params(spec, **given), ["a"], [None])
+
+
+def test_the_step_cache_it_runs_with_is_part_of_the_result_cache_key():
+    cached = key(CACHED)
+    assert cached != key(CACHED, step_cache=False)
+    looser = ModelSpec.model_validate(entry(step_cache={**FIRST_BLOCK, "threshold": 0.2}))
+    assert cached != key(looser)
+    # Off, the key is the one a model without a step cache has: nothing of the option is in it.
+    assert key(CACHED, step_cache=False) == key(PLAIN)
+    assert key(CACHED, step_cache=True) == cached
+
+
+def logged_row() -> InferenceLogRow:
+    return InferenceLogRow(request_id="r", created_at=datetime.now(UTC), model="m", status="ok", http_status=200)
+
+
+def test_the_log_row_says_which_step_cache_ran_and_how_many_steps_it_skipped():
+    row = logged_row()
+    reply = InferenceReply(request_id="r", model="m", model_version="1", status="ok", steps_skipped=7)
+    row.record_reply(reply)
+    row.step_cache = "first_block"
+    logged = row.to_json()
+    assert validate_row(logged) and (logged["step_cache"], logged["steps_skipped"]) == ("first_block", 7)
+    plain = InferenceReply(request_id="r", model="m", model_version="1", status="ok")
+    row = logged_row()
+    row.record_reply(plain)
+    assert "steps_skipped" not in row.to_json() and "step_cache" not in row.to_json()
