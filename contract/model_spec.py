@@ -410,9 +410,6 @@ def architecture_of(spec: ModelSpec) -> Architecture | None:
                 f"{self.name}: step_cache kind {self.step_cache.kind!r} is not served for {family.name} models "
                 f"(served: {kinds}); remove `step_cache` or pick a served kind"
             )
-        if self.controls is not None and not family.controls:
-            raise ValueError(f"{self.name}: control models are not served for {family.name} models yet; remove "
-                             "`controls`")  # fmt: skip
 
 
 def architecture_problem(spec: ModelSpec) -> str | None:
