@@ -38,6 +38,11 @@ class Family:
     # The pipeline components an adapter file may change (diffusers' LoRA-loadable ones the family serves); the
     # registration check reads these components' base weights.
     lora_components: tuple[str, ...] = ()
+    # The control-model kinds (contract/control_files.py) the worker serves for this family; empty: none.
+    controls: tuple[str, ...] = ()
+    # The LoRA file layouts its adapters are taken in (contract/lora_files.py): diffusers/PEFT's `peft`, kohya's
+    # `kohya` (where the file checks know the family's kohya names).
+    lora_layouts: tuple[str, ...] = ("peft", "kohya")
     # Pipeline components a catalog entry may leave out (`without:`), e.g. SD 3.5's T5 encoder (a large saving).
     optional_components: tuple[str, ...] = ()
     # The VAE latent space its denoiser works in (channels, scaling): a flow hands a latent on only between
@@ -51,13 +56,13 @@ class Family:
     # count: contract/step_limits.py): what a catalog entry that names none runs, checked when the catalog loads.
     scheduler: str = "FlowMatchEulerDiscreteScheduler"
     scheduler_config: tuple[tuple[str, object], ...] = (("num_train_timesteps", 1000),)
+    # The step caches (contract/step_cache.py) its worker implements: a catalog `step_cache.kind` must be one.
+    step_caches: tuple[str, ...] = ()
 
 
 # runwayml/stable-diffusion-v1-5's PNDM and stable-diffusion-xl-base-1.0's Euler both save these.
 SAVED_UNET_SCHEDULER = (("num_train_timesteps", 1000), ("timestep_spacing", "leading"), ("steps_offset", 1))
 
-    # The step caches (contract/step_cache.py) its worker implements: a catalog `step_cache.kind` must be one.
-    step_caches: tuple[str, ...] = ()
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
@@ -75,6 +80,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",
             adapters=True,
             lora_components=("unet", "text_encoder"),
+            controls=("controlnet", "ip_adapter"),
             latent_space="sd15-vae: 4 channels, scaling 0.18215",
             scheduler="PNDMScheduler",
             scheduler_config=SAVED_UNET_SCHEDULER,
@@ -97,13 +103,19 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "flux",
-            {"FluxPipeline": "text-to-image", "FluxImg2ImgPipeline": "image-to-image"},
+            {
+                "FluxPipeline": "text-to-image",
+                "FluxImg2ImgPipeline": "image-to-image",
+                # FLUX.1 Kontext [dev]: an instruction and an image, whose latents join the sequence as tokens
+                "FluxKontextPipeline": "edit",
+            },  # fmt: skip
             size_multiple=16,
             defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024},
             guidance="embedded",
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
+            step_caches=("first_block",),
         ),
         Family(
             "sd3",
@@ -115,7 +127,6 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
-            step_caches=("first_block",),
         ),
         Family(
             "zimage",
@@ -125,7 +136,11 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 9, "guidance_scale": 0.0, "width": 1024, "height": 1024},
             guidance="none",  # Turbo is distilled: the pipeline runs no classifier-free guidance at guidance 0
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            # diffusers' LoRA loading (its ZImage/Flux2/QwenImageLoraLoaderMixin) changes the transformer only; the
+            # community layouts it converts (kohya's, ai-toolkit's) are not checked here yet, so the PEFT one only.
+            lora_components=("transformer",),
+            lora_layouts=("peft",),
         ),
         Family(
             "flux2-klein",
@@ -135,7 +150,11 @@ FAMILIES: dict[str, Family] = {
             defaults={"num_inference_steps": 4, "guidance_scale": 0.0, "width": 1024, "height": 1024},
             guidance="none",  # the distilled pipeline (`is_distilled`) ignores guidance; no guidance embedding
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            # diffusers' LoRA loading (its ZImage/Flux2/QwenImageLoraLoaderMixin) changes the transformer only; the
+            # community layouts it converts (kohya's, ai-toolkit's) are not checked here yet, so the PEFT one only.
+            lora_components=("transformer",),
+            lora_layouts=("peft",),
         ),
         Family(
             "qwenimage",
@@ -147,7 +166,11 @@ FAMILIES: dict[str, Family] = {
             # guidance-distilled weights, which Qwen-Image's are not), the guided prediction rescaled to the positive
             # one's norm
             gpu_dtype="bfloat16",
-            adapters=False,
+            adapters=True,
+            # diffusers' LoRA loading (its ZImage/Flux2/QwenImageLoraLoaderMixin) changes the transformer only; the
+            # community layouts it converts (kohya's, ai-toolkit's) are not checked here yet, so the PEFT one only.
+            lora_components=("transformer",),
+            lora_layouts=("peft",),
         ),
     )
 }

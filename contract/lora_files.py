@@ -15,6 +15,9 @@ An adapter is one safetensors file in one of the layouts diffusers' `load_lora_w
   ...): diffusers splits a fused projection into its modules (q, k, v, and FLUX's MLP input), so the file's
   output rows must be those modules' rows side by side.
 
+A family takes the layouts its `Family.lora_layouts` names: Z-Image, FLUX.2 [klein] and Qwen-Image the PEFT one only
+(diffusers converts their community layouts with names of their own, not checked here), refused naming the layout.
+
 Every target must exist, with the same shape, in the base model's own safetensors headers (per component), so a
 LoRA for another model or family is refused before anything loads it. Only headers are parsed, and checked as the
 safetensors format requires (`contract/safetensors_checks.py`): a pickle never is. The one look at the data is for
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract import safetensors_checks
+from contract.families import Family
 from contract.safetensors_checks import RangeReader, SafetensorsError, is_pickle
 from contract.safetensors_checks import bytes_reader as bytes_reader  # what the adapter callers read with
 
@@ -163,8 +167,10 @@ def base_headers(components: tuple[str, ...], open_file: FileOpener) -> dict[str
     return headers
 
 
-def lora_targets(header: dict) -> list[LoraTarget]:
-    """The modules a LoRA file changes, one per down/up pair; refuses anything diffusers would not load."""
+def lora_targets(header: dict, family: Family | None = None) -> list[LoraTarget]:
+    """The modules a LoRA file changes, one per down/up pair; refuses anything diffusers would not load, and a file
+    in a layout the model's family does not take (`Family.lora_layouts`)."""
+    layouts = family.lora_layouts if family is not None else ("peft", "kohya")
     pairs: dict[tuple[str, str, str], dict[str, dict]] = {}
     for name, entry in header.items():
         if match := _PEFT_KEY.fullmatch(name):
@@ -184,6 +190,10 @@ def lora_targets(header: dict) -> list[LoraTarget]:
             raise AdapterFileError(f"{name}: dtype {entry['dtype']} ({', '.join(LORA_DTYPES)} only)")
         if part == "alpha" and entry["dtype"] not in ALPHA_DTYPES:
             raise AdapterFileError(f"{name}: dtype {entry['dtype']} ({', '.join(ALPHA_DTYPES)} only for an alpha)")
+        if layout not in layouts:
+            raise AdapterFileError(f"{name}: a {layout}-layout file; this model takes adapters in diffusers' PEFT "
+                                   "layout only ({component}.{module}.lora_A.weight and .lora_B.weight, as "
+                                   "save_lora_weights writes them)")  # fmt: skip
         pairs.setdefault((layout, component, module), {})[_PARTS.get(part, "alpha")] = entry
     if len({layout for layout, _, _ in pairs}) > 1:
         raise AdapterFileError("the file mixes the diffusers/PEFT and kohya layouts")

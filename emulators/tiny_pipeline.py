@@ -161,10 +161,11 @@ def _t5(out_dir: Path, name: str, d_model: int):
     return encoder, tokenizer
 
 
-def _sd15(out_dir: Path, in_channels: int = 4) -> dict:
-    from diffusers import PNDMScheduler, UNet2DConditionModel
+def sd15_unet(in_channels: int = 4):
+    """The tiny SD 1.5 UNet (also what the control-model tests check their ControlNets and IP-Adapters against)."""
+    from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         block_out_channels=(32, 64),
         layers_per_block=2,
         sample_size=64,
@@ -175,6 +176,12 @@ def _sd15(out_dir: Path, in_channels: int = 4) -> dict:
         cross_attention_dim=32,
         norm_num_groups=32,
     )
+
+
+def _sd15(out_dir: Path, in_channels: int = 4) -> dict:
+    from diffusers import PNDMScheduler
+
+    unet = sd15_unet(in_channels)
     vae = _vae()
     text_encoder, tokenizer = _clip(out_dir, "tokenizer")
     scheduler = PNDMScheduler(
@@ -452,6 +459,7 @@ _BUILDERS = {
     "StableDiffusionXLImg2ImgPipeline": _sdxl,
     "FluxPipeline": _flux,
     "FluxImg2ImgPipeline": _flux,
+    "FluxKontextPipeline": _flux,  # FLUX.1 Kontext [dev]: FLUX.1's components (guidance embedded)
     "StableDiffusion3Pipeline": _sd3,
     "ZImagePipeline": _zimage,
     "ZImageImg2ImgPipeline": _zimage,
@@ -477,9 +485,12 @@ ADAPTER_VERSION = "1"
 TINY_ADAPTER_TARGETS = (".to_q", ".to_k", ".to_v", ".to_out.0", ".self_attn.q_proj", ".self_attn.v_proj")
 
 
-def build_adapter(pipeline_dir: Path, out_file: Path, seed: int, rank: int, strength: float = 1.0) -> Path:
+def build_adapter(
+    pipeline_dir: Path, out_file: Path, seed: int, rank: int, strength: float = 1.0, components: tuple[str, ...] = ()
+) -> Path:
     """A random LoRA (diffusers' PEFT layout, safetensors) for the pipeline in `pipeline_dir`: its targets and
-    shapes come from the base weights' own headers, so it fits the pipeline it was built for, and only it."""
+    shapes come from the base weights' own headers, so it fits the pipeline it was built for, and only it.
+    `components`: the family's LoRA components (every one the pipeline has, when empty)."""
     import torch
     from safetensors.torch import save_file
 
@@ -488,8 +499,8 @@ def build_adapter(pipeline_dir: Path, out_file: Path, seed: int, rank: int, stre
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for component, path in BASE_FILES.items():
-        if not (pipeline_dir / path).exists():
-            continue  # a component of another family
+        if not (pipeline_dir / path).exists() or (components and component not in components):
+            continue  # a component of another family, or one diffusers loads no LoRA into for this one
         data = (pipeline_dir / path).read_bytes()
         for name, entry in sorted(read_header(bytes_reader(data), len(data)).items()):
             module = name.removesuffix(".weight")
@@ -521,7 +532,7 @@ def publish_adapters(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) 
     for name, (seed, rank) in TINY_ADAPTERS.items():
         file = out_dir / name / ADAPTER_VERSION / "pytorch_lora_weights.safetensors"
         if not file.exists():
-            build_adapter(pipeline_dir, file, seed, rank)
+            build_adapter(pipeline_dir, file, seed, rank, components=spec.family.lora_components)
         prefix = naming.adapter_prefix(spec.name, name, ADAPTER_VERSION)
         bucket.blob(prefix + naming.ADAPTER_FILE).upload_from_filename(file)
         record = registry.register(spec, name, ADAPTER_VERSION)

@@ -88,7 +88,7 @@ class AdapterRegistry:
         if len(data) > policy.max_bytes:
             raise AdapterFileError(f"{naming.ADAPTER_FILE}: {len(data)} bytes exceeds the limit of {policy.max_bytes}")
         header = read_header(bytes_reader(data), len(data))
-        targets = lora_targets(header)
+        targets = lora_targets(header, spec.family)
         rank = check_targets(targets, self._base_headers(spec), policy.max_rank)
         check_finite(header, data)
         return AdapterRecord(

@@ -219,7 +219,7 @@ class AdapterLoader:
             raise AdapterFileError(f"{ref.name}@{ref.version}: the file changed since it was registered")
         try:
             header = read_header(bytes_reader(data), len(data))
-            rank = check_targets(lora_targets(header), self._base_headers(spec), policy.max_rank)
+            rank = check_targets(lora_targets(header, spec.family), self._base_headers(spec), policy.max_rank)
             check_finite(header, data)  # also for a version registered before registration checked it
         except AdapterFileError as exc:
             raise AdapterFileError(f"{ref.name}@{ref.version}: {exc}") from exc

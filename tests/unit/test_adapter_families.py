@@ -24,13 +24,28 @@ from contract.generation import AdapterRef
 from contract.lora_files import BASE_FILES, bytes_reader, read_header
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_adapter_parts import FakeBucket, with_adapters
-from tests.unit.test_model_families import DEV, SD15, SD35, SDXL, assert_close, reference_images
+from tests.unit.test_model_families import (
+    DEV,
+    KLEIN,
+    QWEN,
+    SD15,
+    SD35,
+    SDXL,
+    ZIMAGE,
+    assert_close,
+    reference_images,
+)
 from tests.unit.test_step_scheduler import Worker, request
 
 POLICY = SD15.adapters
 FAMILIES = {name: spec.model_copy(update={"adapters": POLICY}) for name, spec in
-            {"sd15": SD15, "sdxl": SDXL, "flux-dev": DEV, "sd35": SD35}.items()}  # fmt: skip
+            {"sd15": SD15, "sdxl": SDXL, "flux-dev": DEV, "sd35": SD35, "z-image-turbo": ZIMAGE,
+             "flux2-klein": KLEIN, "qwen-image": QWEN}.items()}  # fmt: skip
+# The 2026 families: diffusers loads their LoRAs into the transformer only, in diffusers' PEFT layout here.
+NEW_FAMILIES = ("z-image-turbo", "flux2-klein", "qwen-image")
 SIZE = 64
+# The tiny FLUX.2 [klein]'s image barely moves under an adapter of the others' size (3/255): a stronger one's does.
+STRENGTH = {"flux2-klein": 4.0}
 # An adapter visibly changes the image: at least this much somewhere (out of 255).
 VISIBLE = 10
 
@@ -46,7 +61,9 @@ def peft_file(directory: Path, seed: int, rank: int) -> bytes:
     from emulators.tiny_pipeline import build_adapter
 
     out = directory.parent / f"{directory.name}-peft-{seed}-{rank}.safetensors"
-    return build_adapter(directory, out, seed, rank).read_bytes()
+    components = FAMILIES[directory.name].family.lora_components
+    strength = STRENGTH.get(directory.name, 1.0)
+    return build_adapter(directory, out, seed, rank, strength, components).read_bytes()
 
 
 def base_weights(directory: Path, component: str) -> dict[str, list[int]]:
@@ -167,7 +184,8 @@ def served(pipelines, family: str, scheduling: str, runner=None, adapters=None, 
 
     spec = FAMILIES[family].model_copy(update={"scheduling": scheduling})
     runner = runner or DiffusionRunner(spec, pipelines[family][0], torch_threads=1)
-    pending = request(f"{family}-{scheduling}-{seed}", spec, steps=3, guidance=3.5, seed=seed, images=images)
+    guidance = 0.0 if spec.guidance_mode == "none" else 3.5
+    pending = request(f"{family}-{scheduling}-{seed}", spec, steps=3, guidance=guidance, seed=seed, images=images)
     pending.request.parameters.width = pending.request.parameters.height = SIZE
     if adapters is not None:
         pending = with_adapters(pending, adapters)
@@ -367,11 +385,12 @@ def test_a_compiled_models_slots_swap_adapters_in_place_and_equal_diffusers(pipe
     assert_close(got, reference_with(pipelines, "sd15", pending, {"dots": files["dots"]}, {"dots": 0.5}))
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux-dev", "sd35"])
+@pytest.mark.parametrize("family", ["sdxl", "flux-dev", "sd35", *NEW_FAMILIES])
 def test_every_familys_slots_leave_the_base_image_and_swap_adapters_as_diffusers_loads_them(pipelines, family):
-    """The slots on the other families' denoisers (SDXL's UNet, FLUX.1's and SD 3.5's transformers): empty, the
-    base image bit for bit; a PEFT file and a kohya one (LoCon on SDXL, BFL names on FLUX.1), alone and together,
-    diffusers' own images; the base model again after them."""
+    """The slots on the other families' denoisers (SDXL's UNet, FLUX.1's, SD 3.5's and the 2026 families'
+    transformers): empty, the base image bit for bit; a PEFT file and a kohya one (LoCon on SDXL, BFL names on
+    FLUX.1; a second PEFT file of another rank where the family takes PEFT only), alone and together, diffusers' own
+    images; the base model again after them."""
     import diffusers
     import torch
     from safetensors.torch import load
@@ -381,7 +400,8 @@ def test_every_familys_slots_leave_the_base_image_and_swap_adapters_as_diffusers
     directory, reference = pipelines[family]
     spec = FAMILIES[family]
     component = "unet" if family == "sdxl" else "transformer"
-    second = peft_file(directory, 2, 8) if family == "sd35" else kohya_file(directory, family, 3, conv=family == "sdxl")
+    peft_only = family == "sd35" or family in NEW_FAMILIES
+    second = peft_file(directory, 2, 8) if peft_only else kohya_file(directory, family, 3, conv=family == "sdxl")
     files = {"ink": denoiser_only(peft_file(directory, 1, 4), component), "other": denoiser_only(second, component)}
     left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
     pipeline = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
@@ -486,3 +506,55 @@ def test_a_unit_without_adapters_never_runs_on_another_units_lora_layers(pipelin
     )
     with pytest.raises(ValueError, match="cannot share sd15-plain's components"):
         DiffusionRunner(with_lora, directory, torch_threads=1, share=plain_runner)
+
+
+def registry_over(pipelines, family: str, files: dict[str, bytes]):
+    """The admin registration's registry over a bucket holding the family's tiny base weights and `files` (name ->
+    the adapter's file, version 1)."""
+    from contract.stores.adapter_registry import AdapterRegistry
+
+    spec = FAMILIES[family]
+    directory = pipelines[family][0]
+    objects = {f"{spec.weights_path.rstrip('/')}/{path}": (directory / path).read_bytes()
+               for path in BASE_FILES.values() if (directory / path).exists()}  # fmt: skip
+    objects |= {naming.adapter_prefix(spec.name, name, "1") + naming.ADAPTER_FILE: data for name, data in files.items()}
+    return spec, AdapterRegistry(FakeBucket(objects))
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_a_lora_for_another_family_or_in_a_layout_it_does_not_take_is_refused_at_registration(pipelines, family):
+    """Registration checks the file against the family's own base transformer: its own adapter is taken (with its
+    rank and targets); another 2026 family's, an SD 1.5 one (a UNet and a text encoder), one with text-encoder
+    layers (diffusers loads none into these families' encoders) and a kohya-layout one are refused, each naming why."""
+    from safetensors.torch import load, save
+
+    from contract.lora_files import AdapterFileError
+
+    own = peft_file(pipelines[family][0], 1, 4)
+    other = next(name for name in NEW_FAMILIES if name != family)
+    parts = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
+    kohya = {"lora_unet_" + key.removeprefix("transformer.")[: -len(part) - 1].replace(".", "_") + f".{kohya_part}": value
+             for key, value in load(own).items() for part, kohya_part in parts.items() if key.endswith(part)}  # fmt: skip
+    tensors = load(own)
+    module = next(key for key in tensors if key.endswith(".lora_A.weight")).removesuffix(".lora_A.weight")
+    with_text = tensors | {f"text_encoder.layers.0.self_attn.q_proj.{part}.weight": tensors[f"{module}.{part}.weight"].clone()
+                           for part in ("lora_A", "lora_B")}  # fmt: skip
+    files = {
+        "own": own,
+        "other-family": peft_file(pipelines[other][0], 1, 4),
+        "sd15": peft_file(pipelines["sd15"][0], 1, 4),
+        "text-encoder": save(with_text),
+        "kohya": save(kohya),
+    }
+    spec, registry = registry_over(pipelines, family, files)
+    record = registry.register(spec, "own", "1")
+    assert (record.rank, record.targets) == (4, sum(1 for key in load(own) if key.endswith("lora_A.weight")))
+    reasons = {
+        "other-family": "no such module in the base model|does not match the base model",
+        "sd15": "the base model has no (text_encoder|unet) .a LoRA for another family",
+        "text-encoder": "the base model has no text_encoder .a LoRA for another family",
+        "kohya": "a kohya-layout file; this model takes adapters in diffusers' PEFT layout only",
+    }
+    for name, reason in reasons.items():
+        with pytest.raises(AdapterFileError, match=reason):
+            registry.register(spec, name, "1")
