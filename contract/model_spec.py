@@ -19,13 +19,14 @@ from contract.step_cache import StepCache
 from contract.step_limits import steps_problem
 
 # `inpaint`: an image, a mask (white repaints, black keeps) and a prompt; outpainting is an inpaint request whose
-# image the API pads (api_server/predict/masks.py).
-Task = Literal["text-to-image", "image-to-image", "inpaint"]
+# image the API pads (api_server/predict/masks.py). `edit`: an image and an instruction (the prompt), FLUX.1 Kontext.
+Task = Literal["text-to-image", "image-to-image", "inpaint", "edit"]
 # What each instance of a request carries, per task (`GET /v1/models` shows it): a mask is a PNG, white repaints.
 TASK_INPUTS: dict[str, tuple[str, ...]] = {
     "text-to-image": ("prompt",),
     "image-to-image": ("prompt", "image"),
     "inpaint": ("prompt", "image", "mask"),
+    "edit": ("prompt", "image"),
 }
 # `noop` and `sleep` are synthetic runners that go through the worker's whole path: benchmarks and tests.
 RunnerKind = Literal["diffusers", "noop", "sleep"]
@@ -96,6 +97,26 @@ class AdapterPolicy(BaseModel):
     def _bounds(self) -> AdapterPolicy:
         if self.min_scale > self.max_scale:
             raise ValueError("adapters: min_scale exceeds max_scale")
+        return self
+
+
+class ControlPolicy(BaseModel):
+    """Control models on a model (ControlNets, IP-Adapters: contract/control_files.py): how many a request may name
+    (`parameters.controls`, `parameters.image_prompts`), their scales, what registration accepts. A model without
+    this block takes none; its family must serve them (`Family.controls`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_controls_per_request: int = Field(default=2, ge=1)
+    max_image_prompts_per_request: int = Field(default=1, ge=1)
+    min_scale: float = 0.0
+    max_scale: float = 2.0
+    # A control version's files together (an SD 1.5 ControlNet is 1.4 GB in float32, 0.7 GB in float16).
+    max_bytes: int = Field(default=2 * 1024**3, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ControlPolicy:
+        if self.min_scale > self.max_scale:
+            raise ValueError("controls: min_scale exceeds max_scale")
         return self
 
 
@@ -179,6 +200,8 @@ class ModelSpec(BaseModel):
     limits: GenerationLimits
     # LoRA adapters per request (absent: refused with a 422).
     adapters: AdapterPolicy | None = None
+    # ControlNets and IP-Adapters per request (absent: refused with a 422).
+    controls: ControlPolicy | None = None
     # Overload handling: refuse at once what would miss its deadline, or answer it with a fallback (absent: off).
     admission: AdmissionPolicy | None = None
     # Components quantized at load (contract/quantization.py); absent: every component in the serving dtype.
@@ -190,6 +213,8 @@ class ModelSpec(BaseModel):
     # The real model its weights are (contract/architectures.py: sd1.5, sdxl, flux.1-dev, flux.1-schnell,
     # sd3.5-medium, sd3.5-large), which sizes its memory plan; unset: its family's usual one.
     architecture: str | None = None
+    # A step cache (contract/step_cache.py): denoising work an image skips when it barely changes; absent: off.
+    step_cache: StepCache | None = None
 
     @property
     def queue(self) -> str:
@@ -203,7 +228,14 @@ class ModelSpec(BaseModel):
 
     @property
     def needs_image(self) -> bool:
-        """Its requests carry an input image (image-to-image, inpaint): decoded at intake, passed to the pipeline."""
+        """Its requests carry an input image (image-to-image, inpaint, edit): decoded at intake, passed to the
+        pipeline."""
+        return self.task in ("image-to-image", "inpaint", "edit")
+
+    @property
+    def takes_strength(self) -> bool:
+        """Its requests start from their noised image at `strength` (image-to-image, inpaint); an edit model's image
+        is a reference beside the noise, not a start."""
         return self.task in ("image-to-image", "inpaint")
 
     @property
@@ -213,8 +245,6 @@ class ModelSpec(BaseModel):
 
     @property
     def guidance_mode(self) -> Guidance:
-    # A step cache (contract/step_cache.py): denoising work an image skips when it barely changes; absent: off.
-    step_cache: StepCache | None = None
         family = self.family
         return self.guidance or (family.guidance if family else "cfg")
 
@@ -321,6 +351,9 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"{where}: `compile` compiles a diffusers model's denoiser; the {self.runner} runner has none: remove it"
             )
+        if self.step_cache is not None and self.runner != "diffusers":
+            raise ValueError(f"{where}: `step_cache` skips a diffusers model's denoiser work; the {self.runner} runner "
+                             "has none: remove it")  # fmt: skip
         if self.call_seconds is not None and self.runner != "sleep":
             raise ValueError(
                 f"{where}: `call_seconds` is the sleep runner's time per call; the {self.runner} runner ignores it: "
@@ -351,9 +384,6 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _batching_gain_fits(self) -> ModelSpec:
-        if self.step_cache is not None and self.runner != "diffusers":
-            raise ValueError(f"{where}: `step_cache` skips a diffusers model's denoiser work; the {self.runner} runner "
-                             "has none: remove it")  # fmt: skip
         if self.batching_gain > self.max_batch_size:
             raise ValueError(
                 f"{self.name}: batching_gain {self.batching_gain:g} exceeds max_batch_size {self.max_batch_size} "
@@ -374,6 +404,20 @@ class ModelSpec(BaseModel):
         if unknown := sorted(set(self.without) - set(family.optional_components)):
             allowed = ", ".join(family.optional_components) or "none"
             raise ValueError(f"{self.name}: `without` names {unknown}; {family.name} models may leave out: {allowed}")
+        if self.step_cache is not None and self.step_cache.kind not in family.step_caches:
+            kinds = ", ".join(family.step_caches) or "none yet"
+            raise ValueError(
+                f"{self.name}: step_cache kind {self.step_cache.kind!r} is not served for {family.name} models "
+                f"(served: {kinds}); remove `step_cache` or pick a served kind"
+            )
+        if self.step_cache is not None and self.scheduling == "request" and self.step_cache.per_row_only:
+            raise ValueError(
+                f"{self.name}: step_cache warmup_steps and max_consecutive_skips need scheduling: step (scheduling: "
+                "request runs diffusers' own hook, which has neither); remove them or use scheduling: step"
+            )
+        if self.controls is not None and not family.controls:
+            raise ValueError(f"{self.name}: control models are not served for {family.name} models yet; remove "
+                             "`controls`")  # fmt: skip
         if self.adapters is not None and not family.adapters:
             raise ValueError(f"{self.name}: adapters are not served for {family.name} models yet; remove `adapters`")
         for axis in ("width", "height"):
@@ -404,12 +448,6 @@ def architecture_of(spec: ModelSpec) -> Architecture | None:
     if family.name == "flux" and spec.architecture is None and spec.guidance_mode == "none":
         name = "flux.1-schnell"
     return ARCHITECTURES[name]
-        if self.step_cache is not None and self.step_cache.kind not in family.step_caches:
-            kinds = ", ".join(family.step_caches) or "none yet"
-            raise ValueError(
-                f"{self.name}: step_cache kind {self.step_cache.kind!r} is not served for {family.name} models "
-                f"(served: {kinds}); remove `step_cache` or pick a served kind"
-            )
 
 
 def architecture_problem(spec: ModelSpec) -> str | None:

@@ -176,6 +176,27 @@ def adapter_record(model: str, name: str) -> str:
     return f"{adapter_prefix(model, name)}registration.json"
 
 
+# Control models (ControlNets, IP-Adapters) live beside the adapters, under the one prefix the API may write
+# (`adapters/`), in a folder no model name takes: `adapters/_controls/{model}/{name}/{version}/`.
+CONTROLS_FOLDER = "_controls"
+
+
+def model_controls_prefix(model: str) -> str:
+    """Model-bucket prefix of every control model registered for a model."""
+    return f"adapters/{CONTROLS_FOLDER}/{model}/"
+
+
+def control_prefix(model: str, name: str, version: str | None = None) -> str:
+    """Model-bucket prefix of a control model (`.../{name}/`), or of one of its versions (its files under it)."""
+    base = f"{model_controls_prefix(model)}{name}/"
+    return base if version is None else f"{base}{version}/"
+
+
+def control_record(model: str, name: str) -> str:
+    """Model-bucket object recording a control model's registration (its kind, current version, digest)."""
+    return f"{control_prefix(model, name)}registration.json"
+
+
 def result_key(request_id: str) -> str:
     """Redis key under which the worker keeps a reply, so it outlives a missed notification."""
     return f"{PREFIX}:result:{request_id}"

@@ -25,6 +25,9 @@ PRODUCTION_CONCURRENCY_LIMIT = 32
 # files (1 GiB), sixteen of SD 1.5's (256 MiB); with a load in flight it fits a time-shared L4 pod's 12 GiB beside
 # the worker itself.
 ADAPTER_HOST_CACHE_BYTES = 4 * 1024**3
+# ... and for control models (MAAS_CONTROL_HOST_CACHE_BYTES): two SD 1.5 ControlNets in float32 (1.4 GB each) and an
+# IP-Adapter with its image encoder, or five in float16.
+CONTROL_HOST_CACHE_BYTES = 4 * 1024**3
 
 
 def local_stack_environment(stack_dir: Path) -> dict[str, str]:
@@ -253,6 +256,9 @@ class Settings:
     # catalog `host_cache` caps how many). A load briefly holds about twice its file beside them; the Kubernetes
     # renderer counts both in the pod's memory and sets this for each worker (infra/k8s/render.py).
     adapter_host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES
+    # Control models (ControlNets, IP-Adapters) a worker keeps in host memory, all its models together, in bytes of
+    # their files (model_worker/controls/loader.py).
+    control_host_cache_bytes: int = CONTROL_HOST_CACHE_BYTES
     # Local-stack fault hook: adapter name -> seconds added to its first read from the bucket (a slow load, on
     # purpose; model_worker/serving/fault_hooks.py). MAAS_ADAPTER_LOAD_DELAY="name=seconds,..."; refused in production.
     adapter_load_delay: dict[str, float] = field(default_factory=dict)
@@ -297,6 +303,9 @@ class Settings:
         host_cache_bytes = int(env.get("MAAS_ADAPTER_HOST_CACHE_BYTES") or ADAPTER_HOST_CACHE_BYTES)
         if host_cache_bytes < 1:
             raise ValueError(f"MAAS_ADAPTER_HOST_CACHE_BYTES must be positive, not {host_cache_bytes}")
+        control_cache_bytes = int(env.get("MAAS_CONTROL_HOST_CACHE_BYTES") or CONTROL_HOST_CACHE_BYTES)
+        if control_cache_bytes < 1:
+            raise ValueError(f"MAAS_CONTROL_HOST_CACHE_BYTES must be positive, not {control_cache_bytes}")
         worker_priorities = tuple(_csv(env.get("MAAS_WORKER_PRIORITIES"))) or naming.PRIORITIES
         unknown = [p for p in worker_priorities if p not in naming.PRIORITIES]
         if unknown:
@@ -393,6 +402,7 @@ class Settings:
             worker_priorities=tuple(p for p in naming.PRIORITIES if p in worker_priorities),
             batch_images=int(env.get("MAAS_BATCH_IMAGES") or cls.batch_images),
             adapter_host_cache_bytes=host_cache_bytes,
+            control_host_cache_bytes=control_cache_bytes,
             adapter_load_delay={
                 name.strip(): float(seconds)
                 for name, _, seconds in (item.partition("=") for item in _csv(env.get("MAAS_ADAPTER_LOAD_DELAY")))

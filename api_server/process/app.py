@@ -14,6 +14,7 @@ from api_server.process.chunked import ChunkedBodyReader
 from api_server.process.routes import (
     adapters,
     batches,
+    controls,
     docs,
     events,
     health,
@@ -42,6 +43,7 @@ BLUEPRINTS = (
     health.bp,
     models.bp,
     adapters.bp,
+    controls.bp,
     predict.bp,
     images.bp,
     jobs.bp,

@@ -19,6 +19,7 @@ from spectree.models import SecuritySchemeData
 
 from contract.model_spec import GenerationDefaults, GenerationLimits
 from contract.stores.adapter_registry import AdapterRecord
+from contract.stores.control_registry import ControlRecord
 
 # Model names in this document follow the class names; the error shape and the bodies stay public words.
 
@@ -190,11 +191,11 @@ class ModelInfo(BaseModel):
     name: str
     version: str = Field(description="the stable version: what a request gets unless a split or a pin says otherwise")
     versions: list[str] = Field(description="every live version, each pinnable (`/versions/{version}:predict`)")
-    task: Literal["text-to-image", "image-to-image", "inpaint"]
+    task: Literal["text-to-image", "image-to-image", "inpaint", "edit"]
     inputs: list[Literal["prompt", "image", "mask"]] | None = Field(
         default=None,
-        description="what each instance carries: `prompt`; `image` (image-to-image, inpaint); `mask` (inpaint: a PNG "
-        "the image's size, white repaints; or `parameters.outpaint` instead)",
+        description="what each instance carries: `prompt` (an edit model's instruction); `image` (image-to-image, "
+        "inpaint, edit); `mask` (inpaint: a PNG the image's size, white repaints; or `parameters.outpaint` instead)",
     )
     family: str | None = Field(description="the model family (sd15, sdxl, flux); null for the synthetic models")
     guidance: Literal["cfg", "embedded", "none"] = Field(
@@ -247,6 +248,9 @@ class ModelDetail(ModelInfo):
     stable_version: str
     sticky: Literal["api_key"] | None = None
     traffic: TrafficView | None = None
+    controls: list[ControlInfo] = Field(
+        default_factory=list, description="the ControlNets and IP-Adapters registered for it (`/controls`)"
+    )
 
 
 # An adapter as the registry records it (the one model, also what GET and PUT answer).
@@ -258,6 +262,19 @@ class AdapterList(BaseModel):
 
 
 class AdapterRegistration(BaseModel):
+    version: str
+
+
+# A control model (ControlNet, IP-Adapter) as the registry records it.
+ControlInfo = ControlRecord
+
+
+class ControlList(BaseModel):
+    controls: list[ControlInfo]
+
+
+class ControlRegistration(BaseModel):
+    kind: Literal["controlnet", "ip_adapter"]
     version: str
 
 

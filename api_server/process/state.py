@@ -32,6 +32,7 @@ from api_server.jobs.service import JobStore
 from api_server.jobs.webhooks import WebhookNotifier, WebhookTargetPolicy
 from api_server.predict.adapters import AdapterService
 from api_server.predict.admission import AdmissionControl, AdmissionLedger
+from api_server.predict.controls import ControlService
 from api_server.predict.dispatch import InferenceDispatcher
 from api_server.predict.flights import SharedFlights
 from api_server.predict.inference import InferenceService
@@ -47,6 +48,7 @@ from contract.catalog import ModelCatalog
 from contract.payloads import PayloadCodec
 from contract.settings import Settings
 from contract.stores.adapter_registry import AdapterRegistry
+from contract.stores.control_registry import ControlRegistry
 from contract.stores.inflight import InflightStore, ProcessLiveness, RequestKeeper
 from contract.stores.results import ResultStore
 
@@ -87,6 +89,7 @@ class AppState:
     batch_runner: BatchRunner | None = None
     cache_redis: redis.Redis | None = None
     adapters: AdapterService | None = None
+    controls: ControlService | None = None
     # The catalog's flows, called like models (api_server/flows/serving.py); built with `serving`, which picks each
     # stage's unit. None only for a state built by hand without it (tests): no flow is served then.
     flows: FlowService | None = None
@@ -164,6 +167,7 @@ def build_app_state(settings: Settings) -> AppState:
     storage = google_clients.storage_client(settings, connections=api_threads + BATCH_IO_THREADS + 1)
     payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
     adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
+    controls = ControlService(ControlRegistry(storage.bucket(settings.model_bucket)))
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
     inflight = InflightStore(redis_client)
     inference = InferenceService(
@@ -270,6 +274,7 @@ def build_app_state(settings: Settings) -> AppState:
         rollback_guard=RollbackGuard(rollouts, redis_client, settings.rollback_check_seconds, settings.instance_id),
         cache_redis=cache_redis,
         adapters=adapters,
+        controls=controls,
         result_links=ResultLinks(storage, settings.payload_bucket, RESULT_LINK_SECONDS),
     )
 

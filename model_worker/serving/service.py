@@ -26,6 +26,7 @@ from contract.stores.pullers import PullerStore
 from contract.stores.ready_workers import ReadinessBeacon, ReadyWorkers
 from contract.stores.results import ResultStore
 from model_worker.adapters.loader import AdapterLoader
+from model_worker.controls.loader import ControlLoader
 from model_worker.flows.stages import FlowStages
 from model_worker.flows.state import FlowCheckpoints
 from model_worker.held.leases import LeaseKeeper
@@ -185,6 +186,13 @@ class WorkerService:
             lambda model, outcome, seconds: self.metrics.adapter_load_seconds.labels(model, outcome).observe(seconds),
             settings.adapter_host_cache_bytes,
         )
+        # Control models (ControlNets, IP-Adapters) beside them, in a cache of their own sized in bytes.
+        self.controls = ControlLoader(
+            self._storage.bucket(settings.model_bucket),
+            {name: runner.weights_dir for name, runner in self.runners.items() if hasattr(runner, "weights_dir")},
+            self.pool.wake,
+            settings.control_host_cache_bytes,
+        )
         # Flows' stages (model_worker/flows/stages.py): between the device and the finisher, on to the next stage.
         self.flows = FlowStages(
             self.finisher, self.pool, self.leases, by_name,
@@ -322,6 +330,7 @@ class WorkerService:
         """Runs the device loop on the calling thread until `stop()`; then drains and returns."""
         self.leases.start()
         self.adapters.start()
+        self.controls.start()
         self.progress.start()
         self.watchdog.start()
         self.presence.start()
@@ -353,6 +362,7 @@ class WorkerService:
         self.flows.close()
         self.finisher.close()
         self.adapters.stop()
+        self.controls.stop()
         self.progress.stop()
         self.leases.stop()
         self.publisher.stop()

@@ -23,6 +23,7 @@ def test_the_admin_operations_say_they_take_an_admin_key():
     admin = {label for label, operation in documented_operations().items() if operation.get("security") == [ADMIN_ONLY]}
     assert admin == {
         "PUT /v1/models/{model}/traffic", "DELETE /v1/models/{model}/traffic", "PUT /v1/models/{model}/adapters/{name}",
+        "PUT /v1/models/{model}/controls/{name}",
     }  # fmt: skip
 
 

@@ -53,14 +53,17 @@ def get_model(model: str):
     if flows is not None and (flow := flows.get(model)) is not None:
         view = flows.view(flow)
         return jsonify({**view, "stable_version": view["version"], "sticky": None, "traffic": None})
-    stable, versions, split = app_state().serving.model_view(model)
-    rollout = app_state().catalog.rollout(model)
+    state = app_state()
+    stable, versions, split = state.serving.model_view(model)
+    rollout = state.catalog.rollout(model)
+    controls = state.controls.listing(stable) if stable.controls is not None and state.controls else []
     return jsonify(
         {
             **_public(stable, versions),
             "stable_version": stable.version,
             "sticky": rollout.sticky if rollout else None,
             "traffic": split,
+            "controls": [record.model_dump() for record in controls],
         }
     )
 

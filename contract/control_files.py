@@ -1,0 +1,244 @@
+"""Control-model files (ControlNets and IP-Adapters) checked without torch, by the API at registration and by the
+worker before it loads one, against the base model's own UNet (its `config.json` and its safetensors header).
+
+A control version is a folder in diffusers' own layouts:
+
+- `controlnet`: what `ControlNetModel.save_pretrained` writes, `config.json` (`_class_name` ControlNetModel) and
+  `diffusion_pytorch_model.safetensors`. A ControlNet is a copy of the base UNet's encoder (`conv_in`, the time
+  embedding, `down_blocks`, `mid_block`) plus its own layers (`controlnet_cond_embedding`, one zero convolution per
+  down residual in `controlnet_down_blocks`, `controlnet_mid_block`), so its config must give the base UNet's
+  architecture, every tensor it shares with the UNet must have the UNet's shape, and its own layers the shapes the
+  UNet's residuals take: a ControlNet for another model is refused before a byte of it runs.
+- `ip_adapter`: `ip_adapter.safetensors` as diffusers' `load_ip_adapter` reads it (`image_proj.*`: the image
+  projection; `ip_adapter.{1,3,5,...}.to_k_ip.weight`/`.to_v_ip.weight`: one pair per cross-attention layer of the
+  UNet, in diffusers' order) and its CLIP image encoder in `image_encoder/` (`config.json`, `model.safetensors`,
+  a `CLIPVisionModelWithProjection`). Plain IP-Adapters (`image_proj.proj`, four image tokens) are served; the Plus
+  and FaceID projections are refused by name.
+
+Every file passes the one safetensors check (`contract/safetensors_checks.py`: overlapping or out-of-file tensors
+refused), floating weights only, none NaN or infinite (`lora_files.check_finite`); no pickle, nothing else in the
+folder. The version's digest is over its files (`digest`), so the worker loads exactly what was checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from contract.lora_files import AdapterFileError, bytes_reader, check_finite, read_header
+from contract.safetensors_checks import is_pickle
+
+ControlKind = Literal["controlnet", "ip_adapter"]
+CONTROL_KINDS: tuple[str, ...] = ("controlnet", "ip_adapter")
+CONTROLNET_FILES = ("config.json", "diffusion_pytorch_model.safetensors")
+IP_ADAPTER_FILES = ("ip_adapter.safetensors", "image_encoder/config.json", "image_encoder/model.safetensors")
+FILES: dict[str, tuple[str, ...]] = {"controlnet": CONTROLNET_FILES, "ip_adapter": IP_ADAPTER_FILES}
+# The base model's UNet, relative to its weights path (diffusers' layout).
+BASE_UNET_CONFIG = "unet/config.json"
+BASE_UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+WEIGHT_DTYPES = ("F16", "BF16", "F32")
+# The UNet architecture a ControlNet's config repeats (`ControlNetModel.from_unet` copies these from the UNet).
+ARCHITECTURE_KEYS = (
+    "in_channels", "block_out_channels", "down_block_types", "layers_per_block", "cross_attention_dim",
+    "attention_head_dim", "num_attention_heads", "transformer_layers_per_block", "norm_num_groups",
+    "use_linear_projection", "class_embed_type", "addition_embed_type", "addition_time_embed_dim",
+    "projection_class_embeddings_input_dim", "encoder_hid_dim", "encoder_hid_dim_type",
+)  # fmt: skip
+_CONTROLNET_OWN = ("controlnet_cond_embedding.", "controlnet_down_blocks.", "controlnet_mid_block.")
+_IP_KEY = re.compile(r"^ip_adapter\.(\d+)\.(to_k_ip|to_v_ip)\.weight$")
+_ATTN2 = re.compile(r"^(down_blocks|up_blocks|mid_block)\.(?:(\d+)\.)?attentions\.(\d+)\.transformer_blocks\.(\d+)"
+                    r"\.attn2\.to_k\.weight$")  # fmt: skip
+_BLOCK_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}  # the UNet's module order: its processors'
+
+
+class ControlFileError(AdapterFileError):
+    """The control model is refused; the message names the file and the problem (a 422 at registration)."""
+
+
+@dataclass(frozen=True)
+class ControlSummary:
+    """What a checked control version is: its digest over the folder, its bytes and tensor count."""
+
+    sha256: str
+    bytes: int
+    tensors: int
+
+
+def digest(files: dict[str, bytes]) -> str:
+    """The version's SHA-256: over each file's name and SHA-256, by name (what the worker checks on load)."""
+    lines = "".join(f"{name}\0{hashlib.sha256(data).hexdigest()}\n" for name, data in sorted(files.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def check_file_names(kind: str, names: list[str]) -> None:
+    """Exactly the kind's files (diffusers' names), safetensors and JSON only: no pickle, nothing else."""
+    pickled = sorted(name for name in names if is_pickle(name))
+    if pickled:
+        raise ControlFileError(f"pickle-format files are refused (safetensors only): {', '.join(pickled)}")
+    expected = FILES[kind]
+    others = sorted(set(names) - set(expected))
+    if others:
+        raise ControlFileError(f"a {kind} version holds {', '.join(expected)} only; found {', '.join(others)}")
+    missing = [name for name in expected if name not in names]
+    if missing:
+        raise ControlFileError(f"a {kind} version needs {', '.join(missing)}")
+
+
+def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_header: dict) -> ControlSummary:
+    """Checks one control version's files against the base UNet (`base_config`: its config.json; `base_header`:
+    its weights' safetensors header); ControlFileError names the reason."""
+    if kind not in FILES:
+        raise ControlFileError(f"kind: {kind!r} is not one of {', '.join(CONTROL_KINDS)}")
+    check_file_names(kind, list(files))
+    headers = {}
+    for name, data in files.items():
+        if name.endswith(".safetensors"):
+            headers[name] = _checked_weights(name, data)
+    if kind == "controlnet":
+        config = _config(files["config.json"], "config.json")
+        _check_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config, base_header)
+    else:
+        encoder = _config(files["image_encoder/config.json"], "image_encoder/config.json")
+        _check_ip_adapter(headers["ip_adapter.safetensors"], encoder, headers["image_encoder/model.safetensors"],
+                          base_config, base_header)  # fmt: skip
+    return ControlSummary(
+        sha256=digest(files),
+        bytes=sum(len(data) for data in files.values()),
+        tensors=sum(len(header) for header in headers.values()),
+    )
+
+
+def _checked_weights(name: str, data: bytes) -> dict:
+    """The file's header, checked as safetensors; floating weights, all finite."""
+    try:
+        header = read_header(bytes_reader(data), len(data))
+        for tensor, entry in header.items():
+            if entry["dtype"] not in WEIGHT_DTYPES:
+                raise ControlFileError(f"{tensor}: dtype {entry['dtype']} ({', '.join(WEIGHT_DTYPES)} only)")
+        check_finite(header, data)
+    except AdapterFileError as exc:
+        raise ControlFileError(f"{name}: {exc}") from exc
+    return header
+
+
+def _config(data: bytes, name: str) -> dict:
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ControlFileError(f"{name} is not JSON") from exc
+    if not isinstance(config, dict):
+        raise ControlFileError(f"{name} is not a JSON object")
+    return config
+
+
+def _shape(shape: list[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def _check_controlnet(config: dict, header: dict, base_config: dict, base_header: dict) -> None:
+    if config.get("_class_name") != "ControlNetModel":
+        raise ControlFileError(f"config.json: _class_name {config.get('_class_name')!r} is not ControlNetModel")
+    for key in ARCHITECTURE_KEYS:
+        mine, base = config.get(key), base_config.get(key)
+        if isinstance(mine, list) or isinstance(base, list):  # JSON lists; a config may write a scalar for all
+            mine, base = json.dumps(mine), json.dumps(base)
+        if mine != base:
+            raise ControlFileError(f"config.json: {key} {config.get(key)!r} does not match the base UNet's "
+                                   f"{base_config.get(key)!r} (a ControlNet for another model?)")  # fmt: skip
+    where = "diffusion_pytorch_model.safetensors"
+    for name, entry in header.items():
+        if name.startswith(_CONTROLNET_OWN):
+            continue
+        base = base_header.get(name)
+        if base is None:
+            raise ControlFileError(f"{where}: {name} is neither the base UNet's nor a ControlNet layer")
+        if entry["shape"] != base["shape"]:
+            raise ControlFileError(f"{where}: {name} is {_shape(entry['shape'])}, the base UNet's is "
+                                   f"{_shape(base['shape'])} (a ControlNet for another model?)")  # fmt: skip
+    channels = config["block_out_channels"]
+    per_block = config["layers_per_block"]
+    # One zero convolution per residual the UNet's down blocks hand on: conv_in's, each layer's, each downsampler's.
+    expected = [channels[0]]
+    for index, width in enumerate(channels):
+        expected += [width] * per_block + ([width] if index < len(channels) - 1 else [])
+    wanted = {f"controlnet_down_blocks.{i}.weight": [width, width, 1, 1] for i, width in enumerate(expected)}
+    wanted["controlnet_mid_block.weight"] = [channels[-1], channels[-1], 1, 1]
+    embedding_out = header.get("controlnet_cond_embedding.conv_out.weight")
+    if embedding_out is None or embedding_out["shape"][:1] != [channels[0]]:
+        raise ControlFileError(f"{where}: controlnet_cond_embedding.conv_out.weight must have {channels[0]} outputs "
+                               "(the UNet's first block)")  # fmt: skip
+    for name, shape in wanted.items():
+        entry = header.get(name)
+        if entry is None:
+            raise ControlFileError(f"{where}: {name} is missing (the base UNet has {len(expected)} down residuals)")
+        if entry["shape"] != shape:
+            raise ControlFileError(f"{where}: {name} is {_shape(entry['shape'])}, the base UNet's residual needs "
+                                   f"{_shape(shape)}")  # fmt: skip
+    extra = [name for name in header if name.startswith("controlnet_down_blocks.") and name.endswith(".weight")
+             and name not in wanted]  # fmt: skip
+    if extra:
+        raise ControlFileError(f"{where}: {extra[0]}: more zero convolutions than the base UNet has down residuals")
+
+
+def cross_attention_layers(base_header: dict) -> list[list[int]]:
+    """The base UNet's cross-attention (attn2) key projections' shapes, in diffusers' processor order (the order
+    `load_ip_adapter` numbers its `ip_adapter.{1,3,5,...}` pairs)."""
+
+    def order(name: str) -> tuple:
+        match = _ATTN2.fullmatch(name)
+        assert match is not None
+        block, index, attention, layer = match.groups()
+        return _BLOCK_ORDER[block], int(index or 0), int(attention), int(layer)
+
+    names = sorted((name for name in base_header if _ATTN2.fullmatch(name)), key=order)
+    return [base_header[name]["shape"] for name in names]
+
+
+def _check_ip_adapter(header: dict, encoder: dict, encoder_header: dict, base_config: dict, base_header: dict) -> None:
+    where = "ip_adapter.safetensors"
+    projection = {name: entry for name, entry in header.items() if name.startswith("image_proj.")}
+    layers = {name: entry for name, entry in header.items() if name.startswith("ip_adapter.")}
+    others = sorted(set(header) - set(projection) - set(layers))
+    if others:
+        raise ControlFileError(f"{where}: {others[0]} is neither image_proj.* nor ip_adapter.*")
+    if "image_proj.proj.weight" not in projection:
+        kind = "Plus" if "image_proj.latents" in projection else "FaceID or Full Face"
+        raise ControlFileError(f"{where}: an IP-Adapter {kind} projection; plain IP-Adapters (image_proj.proj) only")
+    cross = base_config.get("cross_attention_dim")
+    rows, embeddings = projection["image_proj.proj.weight"]["shape"]
+    if rows != 4 * cross:
+        raise ControlFileError(f"{where}: image_proj.proj.weight has {rows} rows; four image tokens of the base "
+                               f"UNet's cross_attention_dim {cross} need {4 * cross}")  # fmt: skip
+    if encoder.get("projection_dim") != embeddings:
+        raise ControlFileError(f"image_encoder/config.json: projection_dim {encoder.get('projection_dim')!r} is not "
+                               f"the {embeddings} image_proj.proj.weight takes")  # fmt: skip
+    if "CLIPVisionModelWithProjection" not in (encoder.get("architectures") or []):
+        raise ControlFileError("image_encoder/config.json: architectures must name CLIPVisionModelWithProjection")
+    if "visual_projection.weight" not in encoder_header:
+        raise ControlFileError("image_encoder/model.safetensors: no visual_projection.weight (a CLIP vision model "
+                               "with projection)")  # fmt: skip
+    if encoder_header["visual_projection.weight"]["shape"][0] != embeddings:
+        raise ControlFileError(f"image_encoder/model.safetensors: visual_projection.weight is "
+                               f"{_shape(encoder_header['visual_projection.weight']['shape'])}, not {embeddings} "
+                               "image embeddings")  # fmt: skip
+    expected = cross_attention_layers(base_header)
+    found: dict[int, dict[str, list[int]]] = {}
+    for name, entry in layers.items():
+        match = _IP_KEY.fullmatch(name)
+        if match is None:
+            raise ControlFileError(f"{where}: {name} is not ip_adapter.N.to_k_ip.weight or .to_v_ip.weight")
+        found.setdefault(int(match.group(1)), {})[match.group(2)] = entry["shape"]
+    numbers = [2 * index + 1 for index in range(len(expected))]
+    if sorted(found) != numbers:
+        raise ControlFileError(f"{where}: {len(found)} ip_adapter layers; the base UNet has {len(expected)} "
+                               "cross-attention layers (a file for another model?)")  # fmt: skip
+    for number, shape in zip(numbers, expected, strict=True):
+        for part in ("to_k_ip", "to_v_ip"):
+            mine = found[number].get(part)
+            if mine != shape:
+                raise ControlFileError(f"{where}: ip_adapter.{number}.{part}.weight is "
+                                       f"{_shape(mine) if mine else 'missing'}; the base UNet's cross-attention "
+                                       f"there needs {_shape(shape)}")  # fmt: skip

@@ -1,0 +1,82 @@
+"""Tiny random-weight control models for a tiny SD 1.5 pipeline: a ControlNet (`ControlNetModel.from_unet`, its
+zero convolutions given random values so that it visibly steers the image) and a plain IP-Adapter with its tiny CLIP
+image encoder, saved in diffusers' layouts (`contract/control_files.py`). Deterministic per seed, like the pipeline;
+the tests' oracles and the local stack use them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The local stack's tiny control models for SD 1.5: name -> (kind, seed).
+TINY_CONTROLS = {"tiny-edges": ("controlnet", 11), "tiny-style": ("ip_adapter", 12)}
+CONTROL_VERSION = "1"
+# The tiny image encoder's sizes (a CLIP vision model of hidden 32, as diffusers' own IP-Adapter tests build one).
+IMAGE_ENCODER = {"hidden_size": 32, "projection_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "intermediate_size": 37, "image_size": 32, "patch_size": 4}  # fmt: skip
+
+
+def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
+    """A ControlNet of the pipeline's UNet (`ControlNetModel.from_unet`); its own layers random (a trained one's zero
+    convolutions are no longer zero), with conditioning embedding channels small enough for 32-64 px images."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir / "unet")
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
+                parameter.copy_(
+                    strength * torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5
+                )
+    controlnet.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A plain IP-Adapter for the pipeline's UNet (four image tokens, one key/value pair per cross-attention layer in
+    diffusers' order) and its tiny CLIP image encoder, as `load_ip_adapter(out_dir, subfolder="",
+    weight_name="ip_adapter.safetensors")` reads them."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from contract.control_files import BASE_UNET_CONFIG, BASE_UNET_WEIGHTS, cross_attention_layers
+    from contract.lora_files import bytes_reader, read_header
+
+    config = json.loads((pipeline_dir / BASE_UNET_CONFIG).read_text())
+    data = (pipeline_dir / BASE_UNET_WEIGHTS).read_bytes()
+    layers = cross_attention_layers(read_header(bytes_reader(data), len(data)))
+    cross, embeddings = config["cross_attention_dim"], IMAGE_ENCODER["projection_dim"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def random(*shape: int):
+        return torch.randn(*shape, generator=generator) / shape[-1] ** 0.5
+
+    tensors = {
+        "image_proj.proj.weight": random(4 * cross, embeddings),
+        "image_proj.proj.bias": random(4 * cross),
+        "image_proj.norm.weight": torch.ones(cross),
+        "image_proj.norm.bias": torch.zeros(cross),
+    }
+    for index, (hidden, width) in enumerate(layers):
+        tensors[f"ip_adapter.{2 * index + 1}.to_k_ip.weight"] = random(hidden, width)
+        tensors[f"ip_adapter.{2 * index + 1}.to_v_ip.weight"] = random(hidden, width)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "ip_adapter.safetensors")
+    torch.manual_seed(seed)
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**IMAGE_ENCODER))
+    encoder.save_pretrained(out_dir / "image_encoder", safe_serialization=True)
+    return out_dir
+
+
+def build_control(kind: str, pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
+    return (build_controlnet if kind == "controlnet" else build_ip_adapter)(pipeline_dir, out_dir, seed)
+
+
+def control_files(folder: Path) -> dict[str, bytes]:
+    """A built control version's files by their path in the folder (what is uploaded under its version prefix)."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}

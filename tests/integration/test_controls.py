@@ -1,0 +1,79 @@
+"""Control models (ControlNets, IP-Adapters) on the real stack: registered by an admin against the tiny SD 1.5
+pipeline's own UNet in the model bucket (the GCS emulator), hostile files refused with their reason, listed in
+`GET /v1/models/{model}`."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from contract import google_clients, naming
+from emulators.tiny_controls import build_controlnet, build_ip_adapter, control_files
+from tests.conftest import TEST_ADMIN_KEY
+
+pytestmark = pytest.mark.stack
+MODEL = "sd15-txt2img"
+
+
+@pytest.fixture(scope="module")
+def bucket(settings):
+    return google_clients.storage_client(settings).bucket(settings.model_bucket)
+
+
+@pytest.fixture(scope="module")
+def admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
+
+
+def upload(bucket, name: str, files: dict[str, bytes], version: str = "1") -> None:
+    for file, data in files.items():
+        bucket.blob(naming.control_prefix(MODEL, name, version) + file).upload_from_string(data)
+
+
+def register(stack, headers, name: str, kind: str, version: str = "1") -> requests.Response:
+    return requests.put(f"{stack.api_url}/v1/models/{MODEL}/controls/{name}", json={"kind": kind, "version": version},
+                        headers=headers, timeout=60)  # fmt: skip
+
+
+def test_control_models_are_registered_by_an_admin_listed_and_hostile_files_refused(stack, auth_headers, admin, bucket):
+    from safetensors.torch import load, save
+
+    root = Path(stack.stack_dir) / f"controls-{uuid.uuid4().hex[:6]}"
+    pipeline = stack.tiny_model_dir / MODEL
+    controlnet = control_files(build_controlnet(pipeline, root / "cn", seed=3))
+    ip_adapter = control_files(build_ip_adapter(pipeline, root / "ip", seed=4))
+    upload(bucket, "fresh-edges", controlnet)
+    upload(bucket, "fresh-style", ip_adapter)
+    assert register(stack, auth_headers, "fresh-edges", "controlnet").status_code == 403
+    for name, kind in (("fresh-edges", "controlnet"), ("fresh-style", "ip_adapter")):
+        response = register(stack, admin, name, kind)
+        assert response.status_code == 200, response.text
+        assert response.json()["kind"] == kind
+    detail = requests.get(f"{stack.api_url}/v1/models/{MODEL}", headers=auth_headers, timeout=30).json()
+    listed = {control["name"]: control["kind"] for control in detail["controls"]}
+    assert {"fresh-edges": "controlnet", "fresh-style": "ip_adapter"}.items() <= listed.items()
+
+    weights = "diffusion_pytorch_model.safetensors"
+    tensors = load(controlnet[weights])
+    nan = {**tensors, "controlnet_mid_block.weight": tensors["controlnet_mid_block.weight"] * float("nan")}
+    narrow = {**tensors, "conv_in.weight": tensors["conv_in.weight"][:16]}
+    refused = {
+        "nan-weights": ({**controlnet, weights: save(nan)}, "controlnet_mid_block.weight holds NaN"),
+        "other-model": ({**controlnet, weights: save(narrow)}, "conv_in.weight is 16x4x3x3, the base UNet's is 32x4x3x3"),
+        "truncated": ({**controlnet, weights: controlnet[weights][:-100]}, "truncated"),
+        "pickled": ({**controlnet, "diffusion_pytorch_model.bin": b"\x80\x04"}, "pickle-format files are refused"),
+    }  # fmt: skip
+    for name, (files, reason) in refused.items():
+        upload(bucket, name, files)
+        response = register(stack, admin, name, "controlnet")
+        assert response.status_code == 422, (name, response.text)
+        assert reason in response.json()["error"]["message"], (name, response.text)
+    for name, kind, version, field in (("a..b", "controlnet", "1", "name"), ("fresh-edges", "lora", "1", "kind"),
+                                       ("fresh-edges", "controlnet", "..", "version"),
+                                       ("never-uploaded", "controlnet", "1", "version")):  # fmt: skip
+        response = register(stack, admin, name, kind, version)
+        assert response.status_code == 422, (name, response.text)
+        assert response.json()["error"]["field"] == field, response.text

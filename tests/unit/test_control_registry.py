@@ -1,0 +1,222 @@
+"""Control models (ControlNets, IP-Adapters) registered like adapters: checked against the base model's own UNet
+before any byte runs, hostile files refused with their reason, listed; the worker's host cache sized in bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from contract import naming
+from contract.control_files import ControlFileError, check_control, digest
+from emulators.stack import local_catalog
+from emulators.tiny_controls import build_controlnet, build_ip_adapter, control_files
+from tests.unit.test_adapter_parts import FakeBucket
+
+SPEC = local_catalog().get("sd15-txt2img")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """A tiny SD 1.5 UNet's folder (its pipeline's layout) and its ControlNet's and IP-Adapter's files (built once for the module)."""
+    import torch
+
+    from emulators.tiny_pipeline import sd15_unet
+
+    root = tmp_path_factory.mktemp("controls")
+    pipeline = root / "sd15"
+    torch.manual_seed(0)
+    sd15_unet().save_pretrained(pipeline / "unet", safe_serialization=True)
+    return {
+        "pipeline": pipeline,
+        "controlnet": control_files(build_controlnet(pipeline, root / "controlnet", seed=1)),
+        "ip_adapter": control_files(build_ip_adapter(pipeline, root / "ip_adapter", seed=2)),
+    }
+
+
+def base_of(pipeline: Path) -> tuple[dict, dict]:
+    from contract.lora_files import bytes_reader, read_header
+
+    data = (pipeline / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    return json.loads((pipeline / "unet" / "config.json").read_text()), read_header(bytes_reader(data), len(data))
+
+
+def bucket_with(pipeline: Path, name: str, files: dict[str, bytes], version: str = "1") -> FakeBucket:
+    root = SPEC.weights_path
+    objects = {f"{root}/unet/{file}": (pipeline / "unet" / file).read_bytes()
+               for file in ("config.json", "diffusion_pytorch_model.safetensors")}  # fmt: skip
+    prefix = naming.control_prefix(SPEC.name, name, version)
+    objects.update({prefix + file: data for file, data in files.items()})
+    return FakeBucket(objects)
+
+
+def retensored(data: bytes, change) -> bytes:
+    """The safetensors file with its tensors changed by `change(dict) -> dict` (torch's own writer)."""
+    from safetensors.torch import load, save
+
+    return save(change(load(data)))
+
+
+def refusal(built, kind: str, files: dict[str, bytes]) -> str:
+    with pytest.raises(ControlFileError) as refused:
+        check_control(kind, files, *base_of(built["pipeline"]))
+    return str(refused.value)
+
+
+def test_a_tiny_controlnet_and_ip_adapter_register_are_listed_and_resolve_with_their_digest(built):
+    from contract.stores.control_registry import ControlRegistry
+
+    bucket = bucket_with(built["pipeline"], "edges", built["controlnet"])
+    prefix = naming.control_prefix(SPEC.name, "style", "2")
+    bucket.objects.update({prefix + file: data for file, data in built["ip_adapter"].items()})
+    registry = ControlRegistry(bucket)
+    edges = registry.register(SPEC, "edges", "controlnet", "1")
+    style = registry.register(SPEC, "style", "ip_adapter", "2")
+    assert (edges.kind, edges.version, edges.sha256) == ("controlnet", "1", digest(built["controlnet"]))
+    assert (style.kind, style.version, style.bytes) == ("ip_adapter", "2", sum(map(len, built["ip_adapter"].values())))
+    assert [record.name for record in registry.list(SPEC)] == ["edges", "style"]
+    registry._known.clear()  # another process reads the records from the bucket
+    assert registry.resolve(SPEC, "edges") == edges
+    assert registry.resolve(SPEC, "nothing") is None
+    # The records live under the API's one writable prefix, apart from the model's adapters.
+    assert all(name.startswith("adapters/_controls/sd15-txt2img/") for name in bucket.objects if "registration" in name)
+
+
+def test_a_control_of_a_kind_the_family_or_model_does_not_take_is_refused(built):
+    from contract.stores.control_registry import ControlRegistry
+
+    registry = ControlRegistry(bucket_with(built["pipeline"], "edges", built["controlnet"]))
+    with pytest.raises(ControlFileError, match="takes no control models"):
+        registry.check(SPEC.model_copy(update={"controls": None}), "edges", "controlnet", "1")
+    with pytest.raises(ControlFileError, match="sd15 models take controlnet, ip_adapter, not 'union'"):
+        registry.check(SPEC, "edges", "union", "1")
+    # An IP-Adapter's files registered as a ControlNet: the files are the wrong ones.
+    with pytest.raises(ControlFileError, match="ip_adapter version holds ip_adapter.safetensors"):
+        registry.check(SPEC, "edges", "ip_adapter", "1")
+
+
+def test_hostile_controlnet_files_are_refused_with_their_reason(built):
+    weights = "diffusion_pytorch_model.safetensors"
+    files = built["controlnet"]
+    nan = retensored(files[weights], lambda t: {**t, "controlnet_mid_block.weight": t["controlnet_mid_block.weight"]
+                                                * float("nan")})  # fmt: skip
+    assert "controlnet_mid_block.weight holds NaN or infinite values" in refusal(built, "controlnet",
+                                                                                  {**files, weights: nan})  # fmt: skip
+    # Two tensors claiming the same bytes (a header written by hand).
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}  # fmt: skip
+    raw = json.dumps(header).encode()
+    overlapping = struct.pack("<Q", len(raw)) + raw + bytes(24)
+    assert "overlap" in refusal(built, "controlnet", {**files, weights: overlapping})
+    # A tensor of the UNet's encoder in another shape: a ControlNet for another model.
+    import torch
+
+    wrong = retensored(files[weights], lambda t: {**t, "conv_in.weight": torch.zeros(64, 4, 3, 3)})
+    assert "conv_in.weight is 64x4x3x3, the base UNet's is 32x4x3x3" in refusal(built, "controlnet",
+                                                                                {**files, weights: wrong})  # fmt: skip
+    short = retensored(files[weights], lambda t: {k: v for k, v in t.items() if k != "controlnet_down_blocks.3.weight"})
+    assert "controlnet_down_blocks.3.weight is missing" in refusal(built, "controlnet", {**files, weights: short})
+    config = json.loads(files["config.json"])
+    other = json.dumps({**config, "cross_attention_dim": 64}).encode()
+    assert "cross_attention_dim 64 does not match the base UNet's 32" in refusal(built, "controlnet",
+                                                                                {**files, "config.json": other})  # fmt: skip
+    assert "pickle-format files are refused" in refusal(
+        built, "controlnet", {**files, "diffusion_pytorch_model.bin": b""}
+    )
+    assert "holds config.json, diffusion_pytorch_model.safetensors only; found extra.txt" in refusal(
+        built, "controlnet", {**files, "extra.txt": b""}
+    )
+
+
+def test_hostile_ip_adapter_files_are_refused_with_their_reason(built):
+    import torch
+
+    files = built["ip_adapter"]
+    main = "ip_adapter.safetensors"
+    inf = retensored(files[main], lambda t: {**t, "ip_adapter.1.to_k_ip.weight": t["ip_adapter.1.to_k_ip.weight"]
+                                             / 0.0})  # fmt: skip
+    assert "ip_adapter.1.to_k_ip.weight holds NaN or infinite values" in refusal(built, "ip_adapter",
+                                                                                 {**files, main: inf})  # fmt: skip
+    narrow = retensored(files[main], lambda t: {**t, "ip_adapter.3.to_v_ip.weight": torch.zeros(32, 32)})
+    assert "ip_adapter.3.to_v_ip.weight is 32x32; the base UNet's cross-attention there needs 64x32" in refusal(
+        built, "ip_adapter", {**files, main: narrow}
+    )
+    fewer = retensored(files[main], lambda t: {k: v for k, v in t.items() if not k.startswith("ip_adapter.11.")})
+    assert "5 ip_adapter layers; the base UNet has 6 cross-attention layers" in refusal(built, "ip_adapter",
+                                                                                       {**files, main: fewer})  # fmt: skip
+    plus = retensored(files[main], lambda t: {**t, "image_proj.latents": torch.zeros(1, 4, 32)})
+    plus = retensored(plus, lambda t: {k: v for k, v in t.items() if k != "image_proj.proj.weight"})
+    assert "an IP-Adapter Plus projection" in refusal(built, "ip_adapter", {**files, main: plus})
+    encoder = json.loads(files["image_encoder/config.json"])
+    other = json.dumps({**encoder, "projection_dim": 16}).encode()
+    assert "projection_dim 16 is not the 32" in refusal(
+        built, "ip_adapter", {**files, "image_encoder/config.json": other}
+    )
+
+
+def test_a_version_is_refused_past_the_catalogs_byte_limit_before_it_is_read(built):
+    from contract.stores.control_registry import ControlRegistry
+
+    bucket = bucket_with(built["pipeline"], "edges", built["controlnet"])
+    small = SPEC.model_copy(update={"controls": SPEC.controls.model_copy(update={"max_bytes": 1000})})
+    with pytest.raises(ControlFileError, match="exceeds the limit of 1000"):
+        ControlRegistry(bucket).check(small, "edges", "controlnet", "1")
+    assert not [name for name in bucket.reads if name.startswith("adapters/")]
+
+
+# --- the worker's cache --------------------------------------------------------------------------
+
+
+def loaded(built, host_cache_bytes: int, *names: str, bucket: FakeBucket | None = None):
+    """The worker's loader over a bucket holding the tiny ControlNet as `edges` and the IP-Adapter as `style`; each
+    of `names` loaded in turn (one request each)."""
+    from contract.stores.control_registry import ControlRecord
+    from model_worker.controls.loader import ControlLoader
+
+    bucket = bucket or bucket_with(built["pipeline"], "edges", built["controlnet"])
+    prefix = naming.control_prefix(SPEC.name, "style", "1")
+    bucket.objects.update({prefix + file: data for file, data in built["ip_adapter"].items()})
+    kinds = {"edges": "controlnet", "style": "ip_adapter"}
+    loader = ControlLoader(bucket, {SPEC.queue: built["pipeline"]}, lambda: None, host_cache_bytes)
+    loader.start()
+    sets = []
+    try:
+        for name in names:
+            files = built[kinds[name]]
+            record = ControlRecord(name=name, kind=kinds[name], version="1", sha256=digest(files),
+                                   bytes=sum(map(len, files.values())), tensors=0)  # fmt: skip
+            sets.append(loader.request(SPEC, (record,)))
+            assert sets[-1].done.wait(60)
+    finally:
+        loader.stop()
+    return loader, sets
+
+
+def test_the_worker_builds_diffusers_models_off_the_device_thread_within_its_byte_budget(built):
+    from diffusers import ControlNetModel
+    from transformers import CLIPVisionModelWithProjection
+
+    both = sum(map(len, built["controlnet"].values())) + sum(map(len, built["ip_adapter"].values()))
+    loader, (edges, style, again) = loaded(built, both, "edges", "style", "edges")
+    assert isinstance(edges.weights()[0].model, ControlNetModel)
+    assert isinstance(style.weights()[0].model, CLIPVisionModelWithProjection)
+    assert set(style.weights()[0].state_dict) == {"image_proj", "ip_adapter"}
+    assert again.weights()[0] is edges.weights()[0] and loader.loads == 2  # the second request read nothing
+    assert loader.cached_bytes == both
+    # A budget of one: the least recently used goes, the request still gets its model.
+    loader, (edges, style) = loaded(built, both - 1, "edges", "style")
+    assert [name for name, _, _ in loader.cached(SPEC)] == ["style"] and edges.weights()
+
+
+def test_a_file_changed_after_registration_fails_its_request_alone(built):
+    weights = "diffusion_pytorch_model.safetensors"
+    bucket = bucket_with(built["pipeline"], "edges", built["controlnet"])
+    prefix = naming.control_prefix(SPEC.name, "edges", "1")
+    bucket.objects[prefix + weights] = retensored(built["controlnet"][weights], lambda t: t | {
+        "controlnet_mid_block.weight": t["controlnet_mid_block.weight"] + 1})  # fmt: skip
+    _, (edges, style) = loaded(built, 10**9, "edges", "style", bucket=bucket)
+    with pytest.raises(ValueError, match="edges@1: the files changed since they were registered"):
+        edges.weights()
+    assert style.weights()
