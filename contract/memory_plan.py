@@ -6,7 +6,8 @@ host memory from it; the worker re-checks it against the real device at load.
 Weights are counted from the recorded parameter counts (contract/architectures.py). The activation peak is
 computed, not measured (no GPU was lent for this work): the larger of
 - the denoiser call over a full batch (rows doubled by classifier-free guidance) at the largest size, from the
-  element count per token in the architecture's record, in the serving dtype; and
+  element count per token in the architecture's record, in the serving dtype (an edit model's input image adds as
+  many tokens as the output has: FLUX.1 Kontext's sequence doubles); and
 - the VAE decode of one image at the largest size (the worker decodes a batch one image at a time on a GPU, as
   diffusers' `vae.enable_slicing()` does), from one published measurement scaled by pixels: FLUX.1-dev at 1024x1024
   peaks 4.8 GiB above its loaded weights on an H100 (diffusers' quantization blog: 31.4 GiB loaded, 36.2 GiB peak),
@@ -218,7 +219,9 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
     """(bytes, phase) of the activation peak of a batch at a size (see the module's docstring)."""
     serving = DTYPE_BYTES[spec.family.gpu_dtype]
     rows = batch * (2 if spec.guidance_mode == "cfg" else 1)
-    tokens = math.ceil(width * height / architecture.pixels_per_token) + architecture.text_tokens
+    # An edit model's input image joins the sequence at the output's size (FLUX.1 Kontext): twice the image tokens.
+    images = 2 if spec.task == "edit" else 1
+    tokens = images * math.ceil(width * height / architecture.pixels_per_token) + architecture.text_tokens
     denoiser = rows * tokens * architecture.denoiser_elements_per_token * serving
     decode = width * height * DECODE_BYTES_PER_PIXEL * serving // 2
     if spec.family.name == "sdxl":  # decoded in float32 (force_upcast): twice the bytes, and the VAE's float32 copy

@@ -65,7 +65,8 @@ function modelChanged() {
   $("steps").placeholder = String(model.defaults.num_inference_steps);
   $("size").placeholder = model.defaults.width + "x" + model.defaults.height;
   $("count").max = String(model.max_instances_per_request);
-  $("image-label").hidden = model.task !== "image-to-image";
+  // An edit model takes its image as image-to-image does (an inpaint model's mask painting is not here yet).
+  $("image-label").hidden = !["image-to-image", "edit"].includes(model.task);
   // A model without classifier-free guidance (FLUX) refuses a negative prompt: the field is not offered.
   $("negative-label").hidden = model.guidance !== "cfg";
   if (model.guidance !== "cfg") $("negative").value = "";

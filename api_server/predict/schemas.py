@@ -26,7 +26,7 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 class InstanceIn(BaseModel):
     model_config = STRICT
     prompt: str = Field(min_length=1, max_length=2000)
-    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image and inpaint only")
+    image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image, inpaint and edit only")
     mask: str | None = Field(
         default=None,
         description="inpaint only: base64 PNG the image's size; white repaints, black keeps, grey in between",
@@ -113,7 +113,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     _check_family_rules(given, params, spec)
     if params.seed + len(body.instances) - 1 > MAX_SEED:
         raise ApiError(422, f"parameters.seed: seed + instances must stay below {MAX_SEED}", "parameters.seed")
-    if spec.needs_image:
+    if spec.takes_strength:
         if params.strength is None or params.strength * params.num_inference_steps < 1:
             raise ApiError(
                 422, "parameters.strength: strength x num_inference_steps must be at least 1", "parameters.strength"
@@ -129,7 +129,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
         if instance.mask is not None and not spec.takes_mask:
             raise ApiError(
                 422,
-                f"instances.{index}.mask: {spec.name} is a {spec.task} model and takes no mask (inpaint models do)",
+                f"instances.{index}.mask: {spec.name} is {a_task(spec)} model and takes no mask (inpaint models do)",
                 f"instances.{index}.mask",
             )
         if spec.needs_image and not instance.image:
@@ -159,13 +159,18 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     return params
 
 
+def a_task(spec: ModelSpec) -> str:
+    """The model's task with its article: "a text-to-image", "an edit"."""
+    return ("an " if spec.task[0] in "aeiou" else "a ") + spec.task
+
+
 def _check_outpaint(outpaint: Outpaint | None, spec: ModelSpec) -> None:
     if outpaint is None:
         return
     if not spec.takes_mask:
         raise ApiError(
             422,
-            f"parameters.outpaint: {spec.name} is a {spec.task} model; outpainting takes an inpaint model",
+            f"parameters.outpaint: {spec.name} is {a_task(spec)} model; outpainting takes an inpaint model",
             "parameters.outpaint",
         )
     if not (outpaint.left or outpaint.right or outpaint.top or outpaint.bottom):

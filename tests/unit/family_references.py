@@ -16,6 +16,10 @@ UNET_SHARPENING = {"time_embedding.linear_2.": 10.0, "conv_out.": 3.0}
 # would each change a pixel by 1-5/255. Its output projection, text input and the text's attention values scaled up
 # make each visible (20-50/255), as a trained model's are.
 QWEN_SHARPENING = {"proj_out.": 10.0, "txt_in.": 10.0, ".attn.add_v_proj.": 10.0}
+# The tiny FLUX.1 Kontext's input image reaches the generated tokens only through attention, which its random weights
+# barely pass on: another image changes the edit by 0.2/255, under the tolerance. Its output projection and the
+# attention values scaled up make it 10/255 (a worker that gave a row another row's image would pass otherwise).
+KONTEXT_SHARPENING = {"proj_out.": 10.0, ".attn.to_v.": 10.0}
 
 
 def tiny_pipelines(root: Path, families: dict) -> dict:
@@ -33,6 +37,8 @@ def tiny_pipelines(root: Path, families: dict) -> dict:
         sharpen_unet(directory)
         if spec.pipeline.startswith("QwenImage"):
             sharpen(directory / "transformer" / "diffusion_pytorch_model.safetensors", QWEN_SHARPENING)
+        if spec.pipeline == "FluxKontextPipeline":
+            sharpen(directory / "transformer" / "diffusion_pytorch_model.safetensors", KONTEXT_SHARPENING)
         left_out = {key: None for c in spec.without for key in (c, c.replace("text_encoder", "tokenizer"))}
         reference = getattr(diffusers, spec.pipeline).from_pretrained(directory, **left_out)
         reference.set_progress_bar_config(disable=True)

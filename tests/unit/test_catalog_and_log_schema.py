@@ -14,8 +14,12 @@ from contract.log_schema import log_schema_fields, validate_row
 
 
 def test_catalog_has_a_model_of_every_task():
+    from typing import get_args
+
+    from contract.model_spec import TASK_INPUTS, Task
+
     tasks = {spec.task for spec in load_catalog().models.values()}
-    assert tasks == {"text-to-image", "image-to-image", "inpaint"}
+    assert tasks == set(get_args(Task)) == set(TASK_INPUTS) == {"text-to-image", "image-to-image", "inpaint", "edit"}
 
 
 def test_model_names_are_valid_pubsub_and_kubernetes_names():

@@ -20,6 +20,7 @@ from emulators.stack import local_catalog
 CATALOG = local_catalog(test_fixtures=True)
 INPAINT = CATALOG.get("sd15-inpaint")
 IMG2IMG = CATALOG.get("sd15-img2img")
+EDIT = CATALOG.get("flux-kontext")
 CALLER = Caller("key-1", "digest-1")
 
 
@@ -95,6 +96,13 @@ def test_an_inpaint_request_carries_its_mask_and_the_cache_key_tells_masks_apart
          "multiple of 8"),
         (INPAINT, {"prompt": "p", "image": b64(IMAGE), "mask": b64(mask())}, {"outpaint": {"left": 8}},
          "instances.0.mask", "makes the mask"),
+        (EDIT, {"prompt": "make it night"}, {}, "instances.0.image", "required by edit model flux-kontext"),
+        (EDIT, {"prompt": "p", "image": b64(IMAGE), "mask": b64(mask())}, {}, "instances.0.mask",
+         "flux-kontext is an edit model and takes no mask"),
+        (EDIT, {"prompt": "p", "image": b64(IMAGE)}, {"strength": 0.5}, "parameters.strength",
+         "not edit model flux-kontext"),
+        (EDIT, {"prompt": "p", "image": b64(IMAGE)}, {"outpaint": {"left": 16}}, "parameters.outpaint",
+         "flux-kontext is an edit model"),
     ],
 )  # fmt: skip
 def test_a_bad_inpaint_input_is_a_422_naming_its_field(spec, instance, parameters, field, words):
@@ -116,3 +124,15 @@ def test_outpainting_pads_the_image_and_masks_the_padding_and_the_answer_is_the_
 
 def test_outpainted_is_a_pure_function_of_image_and_sides():
     assert outpainted(IMAGE, Outpaint(top=8)) == outpainted(IMAGE, Outpaint(top=8))
+
+
+def test_an_edit_request_carries_its_image_and_no_strength_and_openais_edit_without_a_mask_reaches_it():
+    from api_server.predict.openai_images import edit_call
+
+    prepared = prepare(EDIT, {"prompt": "make it night", "image": b64(IMAGE)})
+    assert prepared.images == [IMAGE] and prepared.masks == [None] and prepared.params.strength is None
+    assert (prepared.params.num_inference_steps, prepared.params.guidance_scale) == (8, 2.5)  # the local defaults
+    call = edit_call({"model": "flux-kontext", "prompt": "make it night", "size": "256x256"}, {"image": [IMAGE]})
+    assert call.model == "flux-kontext"
+    via_openai = prepare(EDIT, call.payload["instances"][0], **call.payload["parameters"])
+    assert via_openai.images == [IMAGE] and (via_openai.params.width, via_openai.params.height) == (256, 256)

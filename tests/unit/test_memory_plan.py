@@ -156,6 +156,20 @@ def test_a_flux_unit_is_refused_on_an_l4_in_bf16_and_accepted_in_fp8(tmp_path):
 
 def test_three_sd15_models_and_one_sdxl_sharing_an_l4_worker_are_refused_with_the_numbers(tmp_path):
     group = {"worker_group": "shared", "gpu_sharing": False, "adapters": None}
+def test_kontexts_input_image_doubles_the_image_tokens_its_denoiser_activation_counts(tmp_path):
+    """FLUX.1 Kontext's input image joins the sequence at the output's size: at 1024x1024, 4096 image tokens become
+    8192 beside the 512 of text, so its batch of 8 needs 7.97 GiB and does not fit the L4 its batch of 4 fits."""
+    kontext = entry("flux-kontext")
+    on_h100 = catalog(tmp_path, {"kontext": {**kontext, "max_batch_size": 8, "hardware": "h100"},
+                                 "dev": flux(max_batch_size=8, max_instances_per_request=4, hardware="h100")})  # fmt: skip
+    edit, dev = unit_plan(on_h100.get("kontext")), unit_plan(on_h100.get("dev"))
+    assert edit.activation_phase == "denoiser" and edit.activation_bytes == 8 * (8192 + 512) * 20 * 3072 * 2
+    assert dev.activation_phase == "decode"  # text-to-image's 4.2 GiB call stays under the decode's 4.8
+    with pytest.raises(ValueError, match=r"activation 7.97 GiB \(kontext's denoiser at batch 8, 1024x1024\)"):
+        catalog(tmp_path, {"kontext": {**kontext, "max_batch_size": 8}})
+    assert unit_plan(load_catalog().get("flux-kontext")).total_bytes <= HARDWARE["l4"].usable_bytes
+
+
     # Three fine-tunes (weights of their own: nothing shared), so three copies.
     models = {f"sd15-{n}": entry("sd15-img2img", **group, weights_path=f"sd15-{n}/1") for n in ("a", "b", "c")}
     models["sdxl"] = entry("sdxl-txt2img", **group)

@@ -65,3 +65,24 @@ def test_models_listing_reads_a_models_inputs():
         "limits": {"max_inference_steps": 50, "max_width": 1024, "max_height": 1024},
     })  # fmt: skip
     assert info.task == "inpaint" and info.inputs == ["prompt", "image", "mask"]
+
+
+def test_maas_edit_takes_the_image_then_the_instruction_and_sends_them_to_the_edit_model(tmp_path, monkeypatch):
+    done = CliRunner().invoke(cli.app, ["edit", "--help"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0 and "flux-kontext" in done.output
+    usage = next(line for line in done.output.splitlines() if "Usage" in line)
+    assert usage.index("{image}") < usage.index("{instruction}")
+    sent = {}
+
+    def predict(model, prompt, options, out_dir):
+        sent.update(model=model, prompt=prompt, body=_core.predict_body(prompt, **options))
+
+    monkeypatch.setattr(cli, "_predict", predict)
+    image = png_file(tmp_path, "photo.png")
+    done = CliRunner().invoke(cli.app, ["edit", str(image), "make it night", "--steps", "4"])
+    assert done.exit_code == 0, done.output
+    assert (sent["model"], sent["prompt"]) == ("flux-kontext", "make it night")
+    assert sent["body"]["instances"] == [
+        {"prompt": "make it night", "image": base64.b64encode(image.read_bytes()).decode()}
+    ]
+    assert sent["body"]["parameters"] == {"num_inference_steps": 4}

@@ -283,6 +283,21 @@ def inpaint(
     _predict(model, prompt, _options_dict(seed, steps, size, image, negative, n, mask), out_dir)
 
 
+@app.command()
+def edit(
+    image: Path,
+    instruction: str,
+    model: Annotated[str, typer.Option("--model", help="an edit model of `maas models`")] = "flux-kontext",
+    seed: Seed = None,
+    steps: Steps = None,
+    size: Size = None,
+    n: Count = 1,
+    out_dir: OutDir = Path("."),
+) -> None:
+    """Edit IMAGE as INSTRUCTION says ("make it night"), keeping what it does not touch (FLUX.1 Kontext)."""
+    _predict(model, instruction, _options_dict(seed, steps, size, image, None, n), out_dir)
+
+
 def _predict(model: str, prompt: str, options: dict, out_dir: Path) -> None:
     _check_options(options["size"], options["steps"], options["n"], options["image"], out_dir, options.get("mask"))
     with _client() as client:

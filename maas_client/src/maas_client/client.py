@@ -95,9 +95,10 @@ class Client:
         With `on_progress(step, total)` the request is a job from the start (`Prefer: respond-async`),
         followed over its event stream, so progress is reported from the first step.
 
-        Options: n, seed, steps, size ("512x512"), image (PIL image, path or bytes), mask (the same; an inpaint
-        model's: white repaints), outpaint ({"left": 64, ...}: an inpaint model extends the image), negative_prompt,
-        guidance_scale, strength, priority, adapters ({"tiny-ink": 0.8}: LoRA adapters and their scales)."""
+        Options: n, seed, steps, size ("512x512"), image (PIL image, path or bytes; an edit model edits it as the
+        prompt says), mask (the same; an inpaint model's: white repaints), outpaint ({"left": 64, ...}: an inpaint
+        model extends the image), negative_prompt, guidance_scale, strength, priority, adapters ({"tiny-ink": 0.8}:
+        LoRA adapters and their scales)."""
         body = _core.predict_body(prompt, **options)
         headers = _core.inference_headers(idempotency_key, as_job=on_progress is not None)
         response = self.request(

@@ -46,7 +46,7 @@ class ModelInfo(_Body):
     name: str
     version: str  # the stable one
     versions: list[str]  # every live version
-    task: Literal["text-to-image", "image-to-image", "inpaint"]
+    task: Literal["text-to-image", "image-to-image", "inpaint", "edit"]
     # What each instance carries (prompt; image; mask); None from servers older than inpainting.
     inputs: list[Literal["prompt", "image", "mask"]] | None = None
     family: str | None  # sd15, sdxl, flux, sd3; None for the synthetic models

@@ -12,7 +12,7 @@ from model_worker.model.families.base import Denoiser
 
 def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
-    from model_worker.model.families.flow import FluxDenoiser, SD3Denoiser
+    from model_worker.model.families.flow import FluxDenoiser, FluxKontextDenoiser, SD3Denoiser
     from model_worker.model.families.flux2 import Flux2KleinDenoiser
     from model_worker.model.families.qwenimage import QwenImageDenoiser
     from model_worker.model.families.unet import SD15InpaintDenoiser, SDXLDenoiser, UNetDenoiser
@@ -30,6 +30,11 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
         if family.name not in inpainting:
             raise ValueError(f"{spec.name}: no inpainting denoiser for pipeline {spec.pipeline}")
         return inpainting[family.name]
+    if spec.task == "edit":  # an instruction and an image: the family's editing denoiser
+        editing: dict[str, type[Denoiser]] = {"flux": FluxKontextDenoiser}
+        if family.name not in editing:
+            raise ValueError(f"{spec.name}: no editing denoiser for pipeline {spec.pipeline}")
+        return editing[family.name]
     return denoisers[family.name]
 
 

@@ -1,5 +1,6 @@
-"""The flow-matching transformer families: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`), and SD 3.5
-(`SD3Transformer2DModel`, an MMDiT with classifier-free guidance).
+"""The flow-matching transformer families: FLUX.1 [dev] and [schnell] (`FluxTransformer2DModel`), FLUX.1 Kontext's
+edits (its input image's tokens beside the generated ones), and SD 3.5 (`SD3Transformer2DModel`, an MMDiT with
+classifier-free guidance).
 
 FLUX: latents are packed 2x2 into tokens; the schedule's shift `mu` depends on the token count, so each image gets
 its own `FlowMatchEulerDiscreteScheduler` with its own sigmas, and images of different sizes never share a
@@ -116,7 +117,7 @@ class FluxDenoiser(Denoiser):
         torch = self._torch
         self.one_size(running)
         with torch.inference_mode():
-            latents = torch.cat([r.state["latents"] for r in running])
+            latents = torch.cat([self.model_tokens(r) for r in running])
             timestep = torch.cat(
                 [r.state["timesteps"][r.done].expand(1).to(latents.dtype) for r in running]
             )  # fmt: skip
@@ -136,13 +137,85 @@ class FluxDenoiser(Denoiser):
                 hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=pooled,
                 encoder_hidden_states=context, txt_ids=first["text_ids"], img_ids=first["image_ids"],
                 return_dict=False,
-            )[0][:rows]  # fmt: skip
+            )[0][:rows, : first["latents"].shape[1]]  # fmt: skip
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
+
+    def model_tokens(self, r: RunningItem):
+        """An image's row of the transformer's input: its packed latents, and after them the tokens its family adds
+        per image (Kontext's reference image); the prediction is read for the latents' tokens only."""
+        return r.state["latents"]
 
     def decode_latents(self, latents, running: list[RunningItem]):
         pipe = self.pipeline
         height, width = running[0].state["size"]
         return from_flow_latents(pipe.vae, pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor))
+
+
+class FluxKontextDenoiser(FluxDenoiser):
+    """FLUX.1 Kontext (`FluxKontextPipeline`, task `edit`): the instruction is the prompt, and the input image's packed
+    latents join the sequence after the generated ones, as tokens with their own position ids (first axis 1), so
+    each row of a shared call carries its own image. The image comes resized to the request's size (at intake), so
+    its tokens are as many as the output's (the sequence doubles: the memory plan counts it) and every image of one
+    size has the same position ids; the pipeline is called with `max_area` the request's area and no auto-resize,
+    so its output and its reference are that size too."""
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        return {
+            "width": params.width, "height": params.height, "max_area": params.width * params.height,
+            "max_sequence_length": self.max_sequence_length, "image": [item.image for item in items],
+            "_auto_resize": False,
+        }  # fmt: skip
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux_kontext import calculate_shift, retrieve_timesteps
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        height, width, steps = params.height, params.width, params.num_inference_steps
+        with torch.inference_mode():
+            prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
+            channels = pipe.transformer.config.in_channels // 4
+            config = pipe.scheduler.config
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                # As the pipeline prepares its image without auto-resize: resized (a no-op at the request's size),
+                # then normalised; its latents are the VAE's mode, so the generator draws only the noise.
+                image = pipe.image_processor.resize(item.image, height, width)
+                image = pipe.image_processor.preprocess(image, height, width)
+                latents, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+                    image, 1, channels, height, width, prompt_embeds.dtype, device, [generator]
+                )  # fmt: skip
+                mu = calculate_shift(
+                    latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                    config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+                )  # fmt: skip
+                scheduler = self.new_scheduler()
+                sigmas = np.linspace(1.0, 1 / steps, steps)
+                timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+                scheduler.set_begin_index(0)
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "reference": image_latents,
+                    "image_ids": torch.cat([latent_ids, image_ids], dim=0),
+                    "text_ids": text_ids,
+                    "context": prompt_embeds[index : index + 1],
+                    "pooled": pooled[index : index + 1],
+                    "guidance": params.guidance_scale,
+                    "size": (height, width),
+                    "step_kwargs": {},
+                }
+                running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
+        return self.prepared(running)
+
+    def model_tokens(self, r: RunningItem):
+        return self._torch.cat([r.state["latents"], r.state["reference"]], dim=1)
 
 
 class SD3Denoiser(GuidedDenoiser):
