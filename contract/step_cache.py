@@ -41,6 +41,11 @@ class StepCache(BaseModel):
             )
         return self
 
+    @property
+    def per_row_only(self) -> bool:
+        """Settings only the worker's own per-image cache honours (`scheduling: step`), not diffusers' hook."""
+        return self.warmup_steps > 0 or self.max_consecutive_skips is not None
+
     def cache_key_part(self) -> dict:
         """What of it changes an image: part of the result cache key (api_server/predict/cache.py)."""
         return self.model_dump(mode="json")

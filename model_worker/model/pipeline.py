@@ -22,6 +22,7 @@ from pathlib import Path
 
 from contract.messages import GenerationParameters
 from contract.model_spec import ModelSpec
+from contract.step_cache import running_step_cache
 from contract.step_limits import steps_problem
 from model_worker.adapters.lora import LoraSets, Slots
 from model_worker.model.attention import without_attention_introspection
@@ -71,6 +72,8 @@ class DiffusionRunner:
         self._torch = torch
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
         self.accelerator = torch.cuda.get_device_name(0) if self._device == "cuda" else "cpu"
+        # `scheduling: request`: the steps the last call's step cache skipped, per image; None without one.
+        self.steps_skipped: int | None = None
         dtype = getattr(torch, spec.family.gpu_dtype) if self._device == "cuda" else torch.float32
         if share is not None and share.spec.loaded_components != spec.loaded_components:
             raise ValueError(
@@ -204,8 +207,11 @@ class DiffusionRunner:
             "output_type": "latent" if items[0].latent_output else "np",
             **self._denoiser.call_kwargs(items, params),
         }
-        with torch.inference_mode():
+        step_cache = running_step_cache(self.spec.step_cache, params.step_cache)
+        with torch.inference_mode(), self._denoiser.call_step_cache(step_cache) as skipped:
             output = self._pipeline(**kwargs)
+        # Per image: the call decided once for all of them (the reply counts its images').
+        self.steps_skipped = skipped() if step_cache is not None else None
         return list(output.images[:count])
 
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:

@@ -329,6 +329,8 @@ class DeviceLoop:
                 "worker_finished_ms": int(finished * 1000),
                 "previous_call_ended_ms": _went_on_from(previous_end, pending),
             }
+            if (skipped := getattr(runner, "steps_skipped", None)) is not None:
+                fields["steps_skipped"] = skipped * pending.size  # the call's step cache decided for all its images
             self._finisher.finish(pending, images[offset : offset + pending.size], fields)
             offset += pending.size
 

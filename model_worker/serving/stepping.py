@@ -48,6 +48,11 @@ class RunningRequest:
     def finished(self) -> bool:
         return all(r.finished for r in self.items)
 
+    def free(self) -> None:
+        """Drops its images' denoising state (latents, scheduler, step cache) at once: it will not step again."""
+        for item in self.items:
+            item.state.clear()
+
     @property
     def failure(self) -> Exception | None:
         return next((r.failure for r in self.items if r.failure is not None), None)
@@ -185,9 +190,11 @@ class RunningSet:
         """Drops the abandoned, runs one denoising call for the rest, and hands the finished to the finisher."""
         for request in [r for r in self._requests if r.pending.abandoned()]:
             self._leave(request)
+            request.free()
             self._abandon(request.pending, "while it ran")
         for request in [r for r in self.paused if r.pending.abandoned()]:
             self.paused.remove(request)
+            request.free()
             self._abandon(request.pending, "while it was paused")
         if self._requests:
             spec = self._requests[0].pending.spec

@@ -110,3 +110,10 @@ def test_the_log_row_says_which_step_cache_ran_and_how_many_steps_it_skipped():
     row = logged_row()
     row.record_reply(plain)
     assert "steps_skipped" not in row.to_json() and "step_cache" not in row.to_json()
+
+
+def test_settings_only_the_per_image_cache_honours_need_scheduling_step(tmp_path):
+    message = catalog_error(tmp_path, step_cache=FIRST_BLOCK, scheduling="request")
+    assert "scheduling: step" in message
+    threshold_only = ModelSpec.model_validate(entry(step_cache={"kind": "first_block"}, scheduling="request"))
+    assert threshold_only.step_cache.threshold == 0.08

@@ -10,13 +10,14 @@ pool's batch key (model, size, adapter set), the same for every family.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 from contract.messages import GenerationParameters
 from contract.model_spec import STEPPABLE_SCHEDULERS, ModelSpec, steppable_error
+from contract.step_cache import StepCache
 from model_worker.model.compiled import batch_buckets, compile_model
 from model_worker.model.families.linear_steps import (
     coefficient_table,
@@ -26,6 +27,7 @@ from model_worker.model.families.linear_steps import (
     step_linear,
 )
 from model_worker.model.runners import GenerationItem, RunningItem
+from model_worker.model.step_cache import ForcedPattern, TailCalls
 
 
 class Denoiser:
@@ -49,6 +51,10 @@ class Denoiser:
         self._torch = torch
         # Set by `compile`: the model's rows are padded up to a compiled batch size.
         self._compiled_buckets: list[int] | None = None
+        # The step cache's (model_worker/model/step_cache.py): a forced skip pattern in place of the threshold (tests,
+        # benchmarks), and the count of the expensive part's calls and rows.
+        self.forced_skips: ForcedPattern | None = None
+        self.tail_calls = TailCalls()
 
     @property
     def model(self):
@@ -115,6 +121,14 @@ class Denoiser:
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
         """The family's own arguments of one pipeline call (prompts, seeds, steps and callback are the runner's)."""
         raise NotImplementedError
+
+    @contextmanager
+    def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
+        """The step cache around one pipeline call (`settings` None: none); yields the count of steps it skipped. A
+        family whose step cache runs in `scheduling: request` overrides it (the catalog allows no other)."""
+        if settings is not None:
+            raise ValueError(f"{self.spec.name}: no {settings.kind} step cache in scheduling: request")
+        yield lambda: 0
 
     # --- scheduling: step ----------------------------------------------------------------------------------
 

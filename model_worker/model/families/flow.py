@@ -16,12 +16,17 @@ Both decode their latents alike (`from_flow_latents`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from contract.messages import GenerationParameters
+from contract.step_cache import StepCache
 from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
+from model_worker.model.families.first_block import diffusers_first_block, first_block_flux
 from model_worker.model.families.linear_steps import host_values
 from model_worker.model.runners import GenerationItem, RunningItem
+from model_worker.model.step_cache import caching, row_cache
 
 # The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
 # with 256, the length its reference code and model card use (512 would double the text tokens of every step);
@@ -109,6 +114,7 @@ class FluxDenoiser(Denoiser):
                     "size": (params.height, params.width),
                     "mu": mu,
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
+                    "step_cache": row_cache(self.spec.step_cache, params.step_cache),
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
@@ -133,17 +139,31 @@ class FluxDenoiser(Denoiser):
                     pad_rows(tensor, size) for tensor in (latents, timestep, context, pooled, guidance)
                 )
             first = running[0].state
-            predicted = self.pipeline.transformer(
-                hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=pooled,
-                encoder_hidden_states=context, txt_ids=first["text_ids"], img_ids=first["image_ids"],
-                return_dict=False,
-            )[0][:rows, : first["latents"].shape[1]]  # fmt: skip
+            inputs = {
+                "hidden_states": latents, "timestep": timestep / 1000, "guidance": guidance,
+                "pooled_projections": pooled, "encoder_hidden_states": context, "txt_ids": first["text_ids"],
+                "img_ids": first["image_ids"],
+            }  # fmt: skip
+            if caching(running):  # each image's first-block cache decides whether it runs the remaining blocks
+                output = first_block_flux(self.model, running, self.forced_skips, self.tail_calls, **inputs)
+            else:
+                output = self.pipeline.transformer(**inputs, return_dict=False)[0]
+            predicted = output[:rows, : first["latents"].shape[1]]
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
 
     def model_tokens(self, r: RunningItem):
         """An image's row of the transformer's input: its packed latents, and after them the tokens its family adds
         per image (Kontext's reference image); the prediction is read for the latents' tokens only."""
         return r.state["latents"]
+
+    @contextmanager
+    def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
+        """diffusers' First-Block-Cache hook, fresh for this call (families/first_block.py)."""
+        if settings is None:
+            yield lambda: 0
+            return
+        with diffusers_first_block(self.model, settings.threshold) as counts:
+            yield lambda: counts.skipped
 
     def decode_latents(self, latents, running: list[RunningItem]):
         pipe = self.pipeline

@@ -1,0 +1,114 @@
+"""First-Block-Cache over a running set of FLUX.1 images, each deciding alone (model_worker/model/step_cache.py).
+
+`FluxTransformer2DModel.forward` in three parts, with its own modules and in its own order, so that a set where
+every row runs in full gives exactly the model's output: the embeddings and the first block over every row (the
+cheap part), the remaining double- and single-stream blocks over the rows that need them (gathered: the expensive
+part), and the output norm and projection over every row. A skipping row's hidden states are its first block's
+output plus the residual the remaining blocks added at its last full step, as diffusers' `FBCHeadBlockHook` does.
+
+`scheduling: request` runs the pipeline's own call, with diffusers' hook enabled for that call only
+(`diffusers_first_block`): one decision per call for all its images, no warm-up and no bound on skips in a row (the
+catalog refuses those settings there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from model_worker.model.runners import RunningItem
+from model_worker.model.step_cache import ForcedPattern, TailCalls, first_block_skips, record_full, record_skip
+
+
+def first_block_flux(transformer, running: list[RunningItem], forced: ForcedPattern | None = None,
+                     tail_calls: TailCalls | None = None, *, hidden_states, timestep, guidance, pooled_projections,
+                     encoder_hidden_states, txt_ids, img_ids):  # fmt: skip
+    """The transformer's prediction for `running`'s rows (the first `len(running)` rows of the inputs; rows beyond
+    them pad a compiled batch and are dropped), each image skipping the remaining blocks when its cache says so."""
+    import torch
+
+    model = getattr(transformer, "_orig_mod", transformer)  # the eager modules under a compiled wrapper
+    rows = len(running)
+    hidden = model.x_embedder(hidden_states[:rows])
+    timestep = timestep[:rows].to(hidden.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance[:rows].to(hidden.dtype) * 1000
+        temb = model.time_text_embed(timestep, guidance, pooled_projections[:rows])
+    else:
+        temb = model.time_text_embed(timestep, pooled_projections[:rows])
+    encoder = model.context_embedder(encoder_hidden_states[:rows])
+    rotary = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    head, *tail = [*model.transformer_blocks, *model.single_transformer_blocks]
+    encoder, first = head(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+    residual = first - hidden
+    skips = first_block_skips(running, residual, forced)
+    full = [i for i, skip in enumerate(skips) if not skip]
+    if len(full) == rows:
+        computed = run_tail(tail, first, encoder, temb, rotary, tail_calls)
+        for i in full:  # copies: a row's cache must not keep the whole set's tensors alive
+            record_full(running[i], residual[i : i + 1].clone(), (computed - first)[i : i + 1].clone())
+        return model.proj_out(model.norm_out(computed, temb))
+    out = first.clone()
+    if full:
+        index = torch.tensor(full, device=first.device)
+        start = first[index]
+        computed = run_tail(tail, start, encoder[index], temb[index], rotary, tail_calls)
+        out[index] = computed
+        for slot, i in enumerate(full):
+            record_full(running[i], residual[i : i + 1].clone(), (computed[slot : slot + 1] - start[slot : slot + 1]))
+    for i, skip in enumerate(skips):
+        if skip:
+            out[i : i + 1] = first[i : i + 1] + running[i].state["step_cache"].tail_residual
+            record_skip(running[i])
+    return model.proj_out(model.norm_out(out, temb))
+
+
+def run_tail(blocks, hidden, encoder, temb, rotary, tail_calls: TailCalls | None):
+    """The remaining blocks (the expensive part) over the rows that need them: their hidden states."""
+    for block in blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+    if tail_calls is not None:
+        tail_calls.calls += 1
+        tail_calls.rows += hidden.shape[0]
+    return hidden
+
+
+class HookCounts:
+    """`scheduling: request`'s count of one pipeline call's steps: how many ran the first block, how many the rest."""
+
+    def __init__(self) -> None:
+        self.head = 0
+        self.tail = 0
+
+    @property
+    def skipped(self) -> int:
+        """Steps the whole call skipped (diffusers' hook decides once per call: every image of it skipped them)."""
+        return self.head - self.tail
+
+
+@contextmanager
+def diffusers_first_block(transformer, threshold: float) -> Iterator[HookCounts]:
+    """diffusers' own First-Block-Cache hook (`enable_cache`) on `transformer` for one pipeline call: enabled fresh,
+    so no call compares with another's residual (the hooks keep one state per module, never reset by the pipeline),
+    and removed after it. Counts the calls of the first and of the last block's own forward."""
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry
+
+    model = getattr(transformer, "_orig_mod", transformer)
+    model.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    counts = HookCounts()
+    try:
+        head, *_, last = [*model.transformer_blocks, *model.single_transformer_blocks]
+        for block, name, attribute in ((head, "fbc_leader_block_hook", "head"), (last, "fbc_block_hook", "tail")):
+            hook = HookRegistry.check_if_exists_or_initialize(block).get_hook(name)
+            hook.fn_ref.original_forward = counted(hook.fn_ref.original_forward, counts, attribute)
+        yield counts
+    finally:
+        model.disable_cache()
+
+
+def counted(forward, counts: HookCounts, attribute: str):
+    def forward_counted(*args, **kwargs):
+        setattr(counts, attribute, getattr(counts, attribute) + 1)
+        return forward(*args, **kwargs)
+
+    return forward_counted

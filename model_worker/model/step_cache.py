@@ -1,0 +1,101 @@
+"""Per-image step caches: each running image keeps its own cache state and decides alone whether a step may skip the
+denoiser's expensive part (contract/step_cache.py says what the catalog sets).
+
+diffusers' cache hooks keep one state per module: one image's history, so in a running set of images at different
+steps of different requests a row would be compared with another request's residual. Here each image's state lives
+with the image (`RunningItem.state["step_cache"]`), starts empty (a joining image's first step is full), and goes
+with it when it finishes or is cancelled; the cheap part runs for every row, each row decides on its own numbers, the
+expensive part runs only over the rows that need it (gathered), and the others take their cached residual. An image
+gets the same decisions, and so the same answer, alone and in any running set.
+
+`first_block` decides as diffusers' `FirstBlockCacheConfig` does (its `FBCHeadBlockHook`): the relative L1 change
+of the first block's residual since the image's last full step, `mean|r - r_last| / mean|r_last|`, skips when at
+most `threshold`; the residual compared with is the last full step's (a skipped step does not move it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from contract.step_cache import StepCache, running_step_cache
+from model_worker.model.runners import RunningItem
+
+# A test's or a benchmark's decision in place of the threshold's (the GPU check forces the published hit rates):
+# (image, step) -> skip. The first step and the warm-up still run in full, and `max_consecutive_skips` still holds.
+ForcedPattern = Callable[[RunningItem, int], bool]
+
+
+@dataclass(eq=False)
+class RowCache:
+    """One image's step cache: its settings and what its last full step left."""
+
+    settings: StepCache
+    # The first block's residual at the image's last full step (what the next step is compared with).
+    head_residual: Any = None
+    # What the remaining blocks added at that step (the image's hidden states), reused by a skipped step.
+    tail_residual: Any = None
+    consecutive_skips: int = 0
+
+
+class TailCalls:
+    """Counts the expensive part's calls and the rows they ran (the tests' and the benchmark's view)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.rows = 0
+
+
+def row_cache(catalog: StepCache | None, asked: bool | None) -> RowCache | None:
+    """A new image's cache state: empty, so its first step is full; None when the request runs without one."""
+    settings = running_step_cache(catalog, asked)
+    return RowCache(settings) if settings is not None else None
+
+
+def may_skip(r: RunningItem) -> bool:
+    """Whether the image's settings and history allow a skip at all this step (before its numbers are looked at)."""
+    cache: RowCache | None = r.state.get("step_cache")
+    if cache is None or cache.tail_residual is None or r.done < cache.settings.warmup_steps:
+        return False
+    bound = cache.settings.max_consecutive_skips
+    return bound is None or cache.consecutive_skips < bound
+
+
+def first_block_skips(running: list[RunningItem], residuals, forced: ForcedPattern | None = None) -> list[bool]:
+    """Each image's decision from its first block's residual (`residuals[i]`: row i's) against its own last full
+    step's: one device-to-host read for the whole set. Threshold 0 never skips (exactly no cache)."""
+    import torch
+
+    skips = [False] * len(running)
+    candidates = [i for i, r in enumerate(running) if may_skip(r)]
+    if forced is not None:
+        return [i in candidates and forced(running[i], running[i].done) for i in range(len(running))]
+    candidates = [i for i in candidates if running[i].state["step_cache"].settings.threshold > 0]
+    if not candidates:
+        return skips
+    previous = torch.cat([running[i].state["step_cache"].head_residual for i in candidates])
+    current = residuals[candidates]
+    dims = tuple(range(1, previous.ndim))
+    changes = ((current - previous).abs().mean(dim=dims) / previous.abs().mean(dim=dims)).tolist()
+    for i, change in zip(candidates, changes, strict=True):
+        skips[i] = change <= running[i].state["step_cache"].settings.threshold
+    return skips
+
+
+def record_full(r: RunningItem, head_residual, tail_residual) -> None:
+    """A full step: the image's cache now holds this step's residuals."""
+    cache: RowCache | None = r.state.get("step_cache")
+    if cache is not None:
+        cache.head_residual, cache.tail_residual, cache.consecutive_skips = head_residual, tail_residual, 0
+
+
+def record_skip(r: RunningItem) -> None:
+    cache: RowCache = r.state["step_cache"]
+    cache.consecutive_skips += 1
+    r.skipped += 1
+
+
+def caching(running: list[RunningItem]) -> bool:
+    """Whether any image of the set runs with a step cache (otherwise the plain model call is made)."""
+    return any(r.state.get("step_cache") is not None for r in running)
