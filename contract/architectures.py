@@ -70,6 +70,8 @@ VAE_16 = ComponentSize(83_819_683, 2_097_152, 4_096)
 QWEN3_4B = ComponentSize(4_022_468_096, 3_633_315_840, 1_105_920)
 # ... and as FLUX.2 [klein] 4B reads it (`Qwen3ForCausalLM`: its head is tied to the embedding, a Linear of its own).
 QWEN3_4B_LM = ComponentSize(4_022_468_096, 4_022_272_000, 1_257_856)
+# Qwen3-8B as FLUX.2 [klein] 9B reads it (`Qwen3ForCausalLM`, its head a Linear of its own: untied in the 8B).
+QWEN3_8B_LM = ComponentSize(8_190_735_360, 7_568_097_280, 1_552_768)
 # FLUX.2's VAE: 32 latent channels and a batch norm over its 2x2-patchified latents.
 VAE_FLUX2 = ComponentSize(84_046_371, 2_097_152, 4_096)
 
@@ -131,6 +133,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             {"transformer": ComponentSize(3_875_544_576, 3_875_536_896, 1_016_960), "text_encoder": QWEN3_4B_LM,
              "vae": VAE_FLUX2},
             denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
+        ),
+        Architecture(
+            "flux.2-klein-9b", "flux2-klein",
+            {"transformer": ComponentSize(9_078_581_248, 9_078_571_008, 1_790_080), "text_encoder": QWEN3_8B_LM,
+             "vae": VAE_FLUX2},
+            denoiser_elements_per_token=transformer_elements_per_token(32 * 128),
             pixels_per_token=256, text_tokens=512,  # its pipeline's max_sequence_length
         ),
         Architecture(

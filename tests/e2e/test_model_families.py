@@ -41,16 +41,34 @@ def test_each_new_family_answers_predict_and_logs_its_family(stack, auth_headers
 
 # The 2025-2026 families (issue 52), served by the stack's tiny pipelines: FLUX.2 [klein] from the SDXL worker,
 # Z-Image-Turbo and Qwen-Image from one worker of their own.
-FAMILIES_2026 = {"z-image-turbo": "zimage", "flux2-klein": "flux2-klein", "qwen-image": "qwenimage"}
+FAMILIES_2026 = {"z-image-turbo": "zimage", "flux2-klein": "flux2-klein", "qwen-image": "qwenimage",
+                 "z-image-img2img": "zimage", "qwen-image-img2img": "qwenimage", "flux2-klein-9b": "flux2-klein"}  # fmt: skip
+
+
+def png_b64(size: int = 64) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), (200, 120, 40)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.mark.parametrize("model", list(FAMILIES_2026))
 def test_each_2026_family_answers_predict_with_its_bigquery_row(stack, auth_headers, bigquery, settings, model):
     seed = random.randrange(10**6)
     parameters = {"seed": seed, "num_inference_steps": 2}
-    if model == "qwen-image":  # its classifier-free guidance, with a negative prompt
+    if model.startswith("qwen-image"):  # its classifier-free guidance, with a negative prompt
         parameters.update(guidance_scale=3.0, negative_prompt="blurry")
-    response = predict(stack, auth_headers, model, **parameters)
+    if model.endswith("img2img"):
+        body = {"instances": [{"prompt": f"family {uuid.uuid4().hex}", "image": png_b64()}],
+                "parameters": {"width": 64, "height": 64, "strength": 0.6, **parameters}}  # fmt: skip
+        response = requests.post(f"{stack.api_url}/v1/models/{model}:predict", json=body, headers=auth_headers,
+                                 timeout=90)  # fmt: skip
+    else:
+        response = predict(stack, auth_headers, model, **parameters)
     assert response.status_code == 200, response.text
     prediction = response.json()["predictions"][0]
     assert prediction["seed"] == seed and prediction["image_b64"]

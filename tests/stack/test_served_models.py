@@ -34,9 +34,10 @@ FIXTURES = {
 # deployment of their own, as in production.
 USER_WORKERS = {"worker-sd15", "worker-sdxl", "worker-flux-schnell", "worker-sd35-txt2img", "worker-synthetic",
                 "worker-flux-versions", "worker-sd15-lcm", "worker-new-families"}  # fmt: skip
-# Models whose local limits are lower than the catalog's: Qwen-Image shares the local `new-families` worker with
-# Z-Image-Turbo's weights, and the memory plan holds its decode beside them only up to 1024x1024.
-LOCAL_LIMITS = {"qwen-image"}
+# Models whose local limits are lower than the catalog's: Qwen-Image (and its image-to-image) shares the local
+# `new-families` worker with Z-Image-Turbo's weights, and the memory plan holds its decode beside them only up to
+# 1024x1024.
+LOCAL_LIMITS = {"qwen-image", "qwen-image-img2img"}
 # What the local overlay changes beside the defaults: the flows' worker groups (one pod's placement) and SD 1.5's
 # image-to-image on the text-to-image weights (one set of components); the hardware the memory plan wants for a
 # group, and FLUX.1 and SD 3.5 unquantized (compared with diffusers' own pipeline on the CPU).

@@ -105,6 +105,8 @@ def parameters(architecture: str, component: str) -> int:
         ("z-image-turbo", "transformer", 6e9, lambda n: n),
         ("z-image-turbo", "text_encoder", 4.0e9, lambda n: n),  # Qwen3-4B
         ("flux.2-klein-4b", "transformer", 4e9, lambda n: n),
+        ("flux.2-klein-9b", "transformer", 9e9, lambda n: n),
+        ("flux.2-klein-9b", "text_encoder", 8.2e9, lambda n: n),  # Qwen3-8B
         ("qwen-image", "transformer", 20e9, lambda n: n),
         ("qwen-image", "text_encoder", 8.29e9, lambda n: n),  # Qwen2.5-VL-7B-Instruct, its vision tower included
     ],
@@ -154,8 +156,6 @@ def test_a_flux_unit_is_refused_on_an_l4_in_bf16_and_accepted_in_fp8(tmp_path):
     assert plan.total_bytes <= HARDWARE["l4"].usable_bytes
 
 
-def test_three_sd15_models_and_one_sdxl_sharing_an_l4_worker_are_refused_with_the_numbers(tmp_path):
-    group = {"worker_group": "shared", "gpu_sharing": False, "adapters": None}
 def test_kontexts_input_image_doubles_the_image_tokens_its_denoiser_activation_counts(tmp_path):
     """FLUX.1 Kontext's input image joins the sequence at the output's size: at 1024x1024, 4096 image tokens become
     8192 beside the 512 of text, so its batch of 8 needs 7.97 GiB and does not fit the L4 its batch of 4 fits."""
@@ -170,6 +170,8 @@ def test_kontexts_input_image_doubles_the_image_tokens_its_denoiser_activation_c
     assert unit_plan(load_catalog().get("flux-kontext")).total_bytes <= HARDWARE["l4"].usable_bytes
 
 
+def test_three_sd15_models_and_one_sdxl_sharing_an_l4_worker_are_refused_with_the_numbers(tmp_path):
+    group = {"worker_group": "shared", "gpu_sharing": False, "adapters": None}
     # Three fine-tunes (weights of their own: nothing shared), so three copies.
     models = {f"sd15-{n}": entry("sd15-img2img", **group, weights_path=f"sd15-{n}/1") for n in ("a", "b", "c")}
     models["sdxl"] = entry("sdxl-txt2img", **group)
@@ -373,7 +375,8 @@ def test_qwen_image_on_an_l4_without_quantization_is_refused_with_the_numbers(tm
 def test_the_plan_says_where_each_2026_family_runs():
     """Qwen-Image: on no L4 (not in fp8 either), on an A100 40GB in int8 up to 1328x1328, in bf16 on an 80 GB card;
     Z-Image-Turbo: on an L4 in fp8 (bf16 and a 1024x1024 decode do not fit it), on an A100 in bf16; FLUX.2 [klein]
-    4B: on an L4 in bf16."""
+    4B: on an L4 in bf16; 9B: on no L4 (not in fp8 either), on an A100 in bf16; the image-to-image entries where
+    their text-to-image models run."""
     fp8 = {"quantization": {"type": "float8_weight_only", **QWEN_BOTH}, "compile": "default"}
     int8 = {"quantization": {"type": "int8_weight_only", **QWEN_BOTH}}
     up_to_1328 = {"limits": {"max_inference_steps": 60, "max_width": 1328, "max_height": 1328}}
@@ -388,9 +391,30 @@ def test_the_plan_says_where_each_2026_family_runs():
         (new_family("z-image-turbo"), True),  # the catalog's: an L4 in fp8
         (new_family("z-image-turbo", hardware="a100", quantization=None, compile=None), True),
         (new_family("flux2-klein"), True),  # the catalog's: an L4 in bf16
+        (new_family("flux2-klein-9b", hardware="l4"), False),
+        (new_family("flux2-klein-9b", hardware="l4", **fp8), False),  # 0.14 GiB over at a 1024x1024 decode
+        (new_family("flux2-klein-9b"), True),  # the catalog's: an A100 40GB in bf16
+        (new_family("z-image-img2img"), True),  # the image-to-image entries: as their text-to-image models
+        (new_family("z-image-img2img", quantization=None, compile=None), False),
+        (new_family("qwen-image-img2img"), True),
+        (new_family("qwen-image-img2img", hardware="l4"), False),
     ]
     for spec, fits in cases:
         plan = deployment_plan(spec.queue, [spec])
         assert plan.fits == fits, (spec.name, spec.hardware, spec.quantization, plan.problem())
     fp8_weights = unit_plan(new_family("qwen-image", hardware="l4", **fp8)).weights_bytes
     assert fp8_weights / GIB == pytest.approx(27.5, abs=0.05)  # above an L4's 21.49 GiB before any activation
+
+
+def test_flux2_klein_9b_on_an_l4_is_refused_with_the_numbers(tmp_path):
+    """The 9B's transformer (9.08B) and Qwen3-8B (8.19B) are 32.32 GiB in bf16; in float8 16.83 GiB, which with the
+    1024x1024 decode at batch 4 needs 21.63 GiB, over an L4's 21.49."""
+    fp8 = {"quantization": {"type": "float8_weight_only", **QWEN_BOTH}, "compile": "default"}
+    with pytest.raises(ValueError) as refused:
+        catalog(tmp_path, {"flux2-klein-9b": entry("flux2-klein-9b", hardware="l4")})
+    message = str(refused.value)
+    assert "it needs 37.12 GiB on l4" in message
+    assert "weights 32.32 GiB [flux2-klein-9b 32.32 GiB (transformer 16.91 GiB bfloat16, text_encoder 15.26 GiB " \
+        "bfloat16, vae 0.16 GiB bfloat16)]" in message  # fmt: skip
+    with pytest.raises(ValueError, match=r"it needs 21.63 GiB on l4 .* weights 16.83 GiB .* activation 4.80 GiB"):
+        catalog(tmp_path, {"flux2-klein-9b": entry("flux2-klein-9b", hardware="l4", **fp8)})

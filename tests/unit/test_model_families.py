@@ -32,13 +32,13 @@ FLUX_IMG2IMG = DEV.model_copy(update={"name": "flux-img2img", "task": "image-to-
                                       "pipeline": "FluxImg2ImgPipeline"})  # fmt: skip
 SD15_IMG2IMG = CATALOG.get("sd15-img2img")
 ZIMAGE = CATALOG.get("z-image-turbo")
-ZIMAGE_IMG2IMG = ZIMAGE.model_copy(update={"name": "z-image-img2img", "task": "image-to-image",
-                                           "pipeline": "ZImageImg2ImgPipeline"})  # fmt: skip
+ZIMAGE_IMG2IMG = CATALOG.get("z-image-img2img")
 KLEIN = CATALOG.get("flux2-klein")
 # Its catalog batch (2 images on an H100) is below the running set's three images sharing a call.
 QWEN = CATALOG.get("qwen-image").model_copy(update={"max_batch_size": 4, "max_instances_per_request": 4})
-QWEN_IMG2IMG = QWEN.model_copy(update={"name": "qwen-image-img2img", "task": "image-to-image",
-                                       "pipeline": "QwenImageImg2ImgPipeline"})  # fmt: skip
+QWEN_IMG2IMG = CATALOG.get("qwen-image-img2img").model_copy(
+    update={"max_batch_size": 4, "max_instances_per_request": 4}
+)
 FAMILIES = {
     "sd15": SD15, "sdxl": SDXL, "flux-schnell": SCHNELL, "flux-dev": DEV, "sd35": SD35, "sd35-no-t5": SD35_NO_T5,
     "sd15-img2img": SD15_IMG2IMG, "sdxl-img2img": SDXL_IMG2IMG, "flux-img2img": FLUX_IMG2IMG,
