@@ -38,6 +38,27 @@ class AdapterRef(BaseModel):
     sha256: str
 
 
+class ControlRef(BaseModel):
+    """A control model (ControlNet, IP-Adapter) resolved by the API for one request: the registered version and
+    digest the worker loads and checks, the request's scale and, for a ControlNet, its window (`start`, `end`: the
+    share of the schedule it acts in, diffusers' `control_guidance_start`/`_end`), its control image's digest and
+    the preprocessing the worker does (`canny`, with its thresholds). Never part of a batch key: rows with other
+    controls share the base model's call."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    kind: Literal["controlnet", "ip_adapter"]
+    version: str
+    sha256: str
+    scale: float
+    start: float = 0.0
+    end: float = 1.0
+    image_sha256: str = ""
+    preprocess: Literal["canny"] | None = None
+    low_threshold: int = 100
+    high_threshold: int = 200
+
+
 class GenerationParameters(BaseModel):
     """Parameters resolved by the API: every field is set, defaults already applied."""
 

@@ -25,6 +25,7 @@ from contract.model_spec import ModelSpec
 from contract.step_cache import running_step_cache
 from contract.step_limits import steps_problem
 from model_worker.adapters.lora import LoraSets, Slots
+from model_worker.controls.controlnets import pipeline_call
 from model_worker.model.attention import without_attention_introspection
 from model_worker.model.compiled import (
     DEFAULT_COMPILE_MODE,
@@ -209,10 +210,11 @@ class DiffusionRunner:
         }
         step_cache = running_step_cache(self.spec.step_cache, params.step_cache)
         with torch.inference_mode(), self._denoiser.call_step_cache(step_cache) as skipped:
-            output = self._pipeline(**kwargs)
+            # Requests with other ControlNets (or none) in one batch: diffusers' pipelines, one per control set.
+            images = pipeline_call(self._pipeline, items, kwargs)
         # Per image: the call decided once for all of them (the reply counts its images').
         self.steps_skipped = skipped() if step_cache is not None else None
-        return list(output.images[:count])
+        return images[:count]
 
     def start_items(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
         """Prepares a request's images for stepping: the family's encoding, latents and per-image schedulers."""

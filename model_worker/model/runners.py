@@ -38,6 +38,10 @@ class GenerationItem:
     mask: Any = None
     # The request's LoRA adapters (model_worker.adapters.loader.AdapterSet, one per request), None for the base model.
     adapters: Any = None
+    # The request's control models (model_worker.controls.loader.ControlSet: its refs carry each one's scale and
+    # window), None without; and their control images (PIL), one per ref, in its order.
+    controls: Any = None
+    control_images: tuple = ()
     # A flow's stage (model_worker/flows/stages.py), as diffusers' base + refiner handoff: start at `denoising_start` of
     # the schedule from the latents in `image` (no noise added), stop at `denoising_end`; `latent_output`: hand
     # the latents on (as `output_type="latent"`) instead of decoding them.

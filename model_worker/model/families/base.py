@@ -27,7 +27,7 @@ from model_worker.model.families.linear_steps import (
     step_linear,
 )
 from model_worker.model.runners import GenerationItem, RunningItem
-from model_worker.model.step_cache import ForcedPattern, TailCalls
+from model_worker.model.step_cache import ForcedPattern, TailCalls, caching, forget
 
 
 class Denoiser:
@@ -278,8 +278,23 @@ class GuidedDenoiser(Denoiser):
             if size != rows:
                 sample, timestep = pad_rows(sample, size), pad_rows(timestep, size)
                 condition = {key: pad_rows(value, size) for key, value in condition.items()}
-            predicted = self.call_model(sample, timestep, condition)[:rows]
+            controls = self.control_residuals(running, inputs, sample, timestep, condition)
+            if caching(running) and not controls:  # each image's step cache picks the rows of the expensive part
+                widths = [x.shape[0] for x in inputs]
+                predicted = self.cached_call(running, widths, sample, timestep, condition)[:rows]
+            else:
+                forget(running)  # a call with control models runs in full; no image reuses what predates it
+                predicted = self.call_model(sample, timestep, condition, **controls)[:rows]
             self.step_items(running, guided_predictions(running, inputs, predicted))
+
+    def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
+        """`call_model` with the family's step cache (model_worker/model/step_cache.py), each image deciding alone."""
+        raise NotImplementedError
+
+    def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
+        """The control models' inputs of the shared call, per row (model_worker/controls/controlnets.py); {} (the
+        base model's call) for a family that serves none, or when no row uses one."""
+        return {}
 
     def model_input(self, scheduler, sample, timestep):
         """The model's input rows for an image's latents (the UNet schedulers scale them; flow matching does not)."""

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from contract.messages import GenerationParameters
+from model_worker.controls.controlnets import ControlNetRows
 from model_worker.model.families.base import GuidedDenoiser, conditions
+from model_worker.model.families.deep_cache import deep_cache_unet
 from model_worker.model.runners import GenerationItem, RunningItem, is_latent
+from model_worker.model.step_cache import row_cache
 
 
 class UNetDenoiser(GuidedDenoiser):
@@ -60,8 +63,26 @@ class UNetDenoiser(GuidedDenoiser):
         )  # fmt: skip
         return conditions({"context": prompt_embeds}, {"context": negative_embeds} if guided else None)
 
-    def call_model(self, sample, timestep, condition: dict):
-        return self.pipeline.unet(sample, timestep, encoder_hidden_states=condition["context"], return_dict=False)[0]
+    def call_model(self, sample, timestep, condition: dict, **controls):
+        return self.pipeline.unet(
+            sample, timestep, encoder_hidden_states=condition["context"], return_dict=False, **controls
+        )[0]
+
+    def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
+        return deep_cache_unet(self.model, running, rows_per_image, self.forced_skips, self.tail_calls, sample,
+                               timestep, condition["context"])  # fmt: skip
+
+    def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
+        if not any(r.state.get("controlnets") for r in running):
+            return {}
+        return self.controlnets.residuals(running, inputs, sample, timestep, condition["context"])
+
+    @property
+    def controlnets(self) -> ControlNetRows:
+        """Made on first use: a model whose requests name no ControlNet never builds it."""
+        if getattr(self, "_controlnets", None) is None:
+            self._controlnets = ControlNetRows(self.pipeline)
+        return self._controlnets
 
     def model_input(self, scheduler, sample, timestep):
         return scheduler.scale_model_input(sample, timestep)
@@ -102,13 +123,19 @@ class UNetDenoiser(GuidedDenoiser):
                     cut = self.schedule_cut(scheduler, item.denoising_end)
                     timesteps = timesteps[: int((timesteps >= cut).sum())]
                 handoff = item.denoising_start is not None or item.denoising_end is not None
+                if item.controls is not None:
+                    controlnets = self.controlnets.prepare(item, guided, params.height, params.width, dtype)
+                else:
+                    controlnets = []
                 state = {
+                    "controlnets": controlnets,
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,
                     "condition": condition,
                     "guidance": params.guidance_scale if guided else None,
                     "step_kwargs": step_kwargs,
+                    "step_cache": row_cache(self.spec.step_cache, params.step_cache),
                 }
                 steps = len(timesteps) if handoff else requested
                 running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))

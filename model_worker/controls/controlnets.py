@@ -1,0 +1,186 @@
+"""ControlNets per row of a shared UNet call: each control model runs once per step over the rows that use it,
+its residuals scaled per row and added to those rows only.
+
+diffusers' `StableDiffusionControlNetPipeline` runs one ControlNet (or a `MultiControlNetModel`, whose residuals it
+sums) over the whole batch with one scale per call. Here the running set mixes requests: a row's ControlNets are its
+request's, at its own scale, inside its own `start`/`end` window at its own step (diffusers' `controlnet_keep`). For
+every ControlNet some row uses, the rows that use it are gathered (both classifier-free-guidance rows of an image,
+each with the image's control image, as the pipeline doubles them), the model runs once over them at scale 1, each
+row's residuals are multiplied by its scale times its window's keep (the pipeline's `conditioning_scale`, applied as
+the model applies it: one multiplication), and added into zero residuals for the whole call, in the request's order
+(the pipeline's sum for several). A row without control gets zeros added (x + 0 is x exactly); a call where no row
+has one passes no residuals at all: the base model's call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+# ControlNets kept on the device per denoiser (least recently used moved back off).
+DEVICE_CACHE = 4
+
+
+@dataclass(frozen=True)
+class RowControl:
+    """One image's use of one ControlNet: the model (model_worker.controls.loader.ControlWeights), its control image
+    as the pipeline prepares it (one row per model row of the image), its scale and window."""
+
+    weights: Any
+    image: Any
+    scale: float
+    start: float
+    end: float
+
+    def keep(self, step: int, steps: int) -> float:
+        """diffusers' `controlnet_keep`: 1 inside the window at this step of the image's schedule, else 0."""
+        return 1.0 - float(step / steps < self.start or (step + 1) / steps > self.end)
+
+
+class ControlNetRows:
+    """The ControlNet side of one UNet denoiser: control images prepared per image, residuals per shared call."""
+
+    def __init__(self, pipeline, device_cache: int = DEVICE_CACHE) -> None:
+        import torch
+        from diffusers.image_processor import VaeImageProcessor
+
+        self._torch = torch
+        self._pipeline = pipeline
+        # The ControlNet pipeline's own `control_image_processor`: RGB, resized, in [0, 1] (not normalised).
+        self._processor = VaeImageProcessor(vae_scale_factor=pipeline.vae_scale_factor, do_convert_rgb=True,
+                                            do_normalize=False)  # fmt: skip
+        self._on_device: OrderedDict[tuple, Any] = OrderedDict()
+        self._device_cache = device_cache
+
+    def prepare(self, item, guided: bool, height: int, width: int, dtype) -> list[RowControl]:
+        """An image's ControlNets with their control images as the pipeline's `prepare_image` makes them."""
+        controls = getattr(item, "controls", None)
+        if controls is None:
+            return []
+        rows = []
+        device = self._pipeline._execution_device
+        for weights, use, image in zip(controls.weights(), controls.refs, item.control_images, strict=True):
+            if weights.kind != "controlnet":
+                continue
+            prepared = self._processor.preprocess(image, height=height, width=width).to(dtype=self._torch.float32)
+            prepared = prepared.to(device=device, dtype=dtype)
+            if guided:
+                prepared = self._torch.cat([prepared] * 2)
+            rows.append(RowControl(weights, prepared, use.scale, use.start, use.end))
+        return rows
+
+    def residuals(self, running, inputs, sample, timestep, context) -> dict:
+        """The UNet's `down_block_additional_residuals` and `mid_block_additional_residual` for the call's rows
+        (`sample` may be padded past the running set's rows: those get zeros); {} when no row has a ControlNet."""
+        torch = self._torch
+        uses: OrderedDict[tuple, list[tuple[int, int, Any, float]]] = OrderedDict()
+        offset = 0
+        for r, x in zip(running, inputs, strict=True):
+            count = x.shape[0]
+            steps = len(r.state["step_timesteps"])
+            for control in r.state.get("controlnets", ()):
+                scale = control.scale * control.keep(r.done, steps)
+                uses.setdefault(control.weights.key, []).append((offset, count, control, scale))
+            offset += count
+        if not uses:
+            return {}
+        down: list | None = None
+        mid = None
+        for rows in uses.values():
+            model = self._model(rows[0][2].weights)
+            index = torch.cat([torch.arange(start, start + count) for start, count, _, _ in rows]).to(sample.device)
+            images = torch.cat([control.image for _, _, control, _ in rows])
+            scales = torch.cat([torch.full((count,), scale, dtype=sample.dtype) for _, count, _, scale in rows])
+            scales = scales.to(sample.device)
+            down_rows, mid_rows = model(
+                sample[index], timestep[index], encoder_hidden_states=context[index], controlnet_cond=images,
+                conditioning_scale=1.0, return_dict=False,
+            )  # fmt: skip
+            if down is None:
+                down = [torch.zeros_like(sample[:1]).new_zeros((sample.shape[0], *d.shape[1:])) for d in down_rows]
+                mid = mid_rows.new_zeros((sample.shape[0], *mid_rows.shape[1:]))
+            for total, part in zip(down, down_rows, strict=True):
+                total.index_add_(0, index, part * scales.view(-1, 1, 1, 1))
+            mid.index_add_(0, index, mid_rows * scales.view(-1, 1, 1, 1))
+        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+
+    def _model(self, weights):
+        """The ControlNet on the denoiser's device and dtype (moved there once, on this thread)."""
+        key = weights.key
+        if key in self._on_device:
+            self._on_device.move_to_end(key)
+            return self._on_device[key]
+        unet = self._pipeline.unet
+        model = weights.model.to(device=unet.device, dtype=unet.dtype)
+        self._on_device[key] = model
+        while len(self._on_device) > self._device_cache:
+            _, dropped = self._on_device.popitem(last=False)
+            dropped.to("cpu")
+        return model
+
+
+def pipeline_call(pipeline, items, kwargs: dict) -> list:
+    """`scheduling: request`: diffusers' own pipelines for one batch, whose requests may use different ControlNets.
+    diffusers takes one set of ControlNets, scales and windows per call, so the batch's images are grouped by what
+    their requests use: the group without any runs the base pipeline, each other group
+    `StableDiffusionControlNetPipeline` over the same components with its ControlNet (several: a
+    `MultiControlNetModel`, the images per request). The images, in the items' order."""
+    groups: OrderedDict[tuple, list[int]] = OrderedDict()
+    for index, item in enumerate(items):
+        groups.setdefault(_call_key(item), []).append(index)
+    if len(groups) == 1 and () in groups:
+        return list(pipeline(**kwargs).images)
+    images: list = [None] * len(items)
+    for key, indices in groups.items():
+        call = {name: ([value[i] for i in indices] if isinstance(value, list) and len(value) == len(items) else value)
+                for name, value in kwargs.items()}  # fmt: skip
+        runner = pipeline
+        if key:
+            runner, control = _controlnet_pipeline(pipeline, items[indices[0]])
+            call.update(control)
+            call["image" if "image" not in call else "control_image"] = _control_images(items, indices, len(key))
+        for index, image in zip(indices, runner(**call).images, strict=True):
+            images[index] = image
+    return images
+
+
+def _controlnets(item) -> list[tuple[Any, Any, Any]]:
+    """The item's ControlNets: (weights, ref, control image) in its request's order."""
+    controls = getattr(item, "controls", None)
+    if controls is None:
+        return []
+    return [(weights, ref, image) for weights, ref, image in zip(controls.weights(), controls.refs,
+            item.control_images, strict=True) if weights.kind == "controlnet"]  # fmt: skip
+
+
+def _call_key(item) -> tuple:
+    return tuple((weights.key, ref.scale, ref.start, ref.end) for weights, ref, _ in _controlnets(item))
+
+
+def _control_images(items, indices: list[int], count: int) -> list:
+    if count == 1:
+        return [_controlnets(items[i])[0][2] for i in indices]
+    return [[image for _, _, image in _controlnets(items[i])] for i in indices]  # per image, its ControlNets' images
+
+
+def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
+    """The ControlNet pipeline over the base pipeline's components and the item's ControlNets, and its arguments."""
+    from diffusers import StableDiffusionControlNetPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    uses = _controlnets(item)
+    unet = pipeline.unet
+    models = [weights.model.to(device=unet.device, dtype=unet.dtype) for weights, _, _ in uses]
+    single = len(models) == 1
+    controlnet = models[0] if single else MultiControlNetModel(models)
+    components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
+    controlled = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
+    controlled.set_progress_bar_config(disable=True)
+    refs = [ref for _, ref, _ in uses]
+    arguments = {
+        "controlnet_conditioning_scale": refs[0].scale if single else [ref.scale for ref in refs],
+        "control_guidance_start": refs[0].start if single else [ref.start for ref in refs],
+        "control_guidance_end": refs[0].end if single else [ref.end for ref in refs],
+    }
+    return controlled, arguments

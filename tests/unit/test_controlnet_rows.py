@@ -1,0 +1,183 @@
+"""SD 1.5 ControlNets chosen per request and batched across requests, against diffusers'
+`StableDiffusionControlNetPipeline` (one ControlNet, and multi-ControlNet with windows) on tiny random-weight
+ControlNets built offline (`ControlNetModel.from_unet` on the tiny UNet): a request alone equals the pipeline in both
+schedulings; in a running set mixing two ControlNets, two scales, guided and unguided rows and a row with none, each
+image equals the same request alone, and the row without control is exactly the base model's (torch.equal)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from contract.generation import ControlRef
+from contract.messages import GenerationParameters
+from emulators.stack import local_catalog
+from tests.unit.family_references import tiny_pipelines
+from tests.unit.test_model_families import differences, input_image
+
+SD15 = local_catalog(test_fixtures=True).get("sd15-txt2img")
+SIZE, STEPS = 64, 4
+TOLERANCE = 1  # of 255: the brief's bound on the ControlNet oracle
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory) -> dict:
+    """The tiny SD 1.5 pipeline (the reference), two tiny ControlNets of its UNet, loaded as the worker loads them,
+    and two control images."""
+    from diffusers import ControlNetModel
+
+    from emulators.tiny_controls import build_controlnet
+    from model_worker.controls.loader import ControlWeights
+
+    root = tmp_path_factory.mktemp("controlnets")
+    directory, reference = tiny_pipelines(root, {"sd15": SD15})["sd15"]
+    controls = {}
+    for name, seed in (("edges", 1), ("depth", 2)):
+        folder = build_controlnet(directory, root / name, seed)
+        controls[name] = ControlWeights(name, "controlnet", "1", name * 8, 0, ControlNetModel.from_pretrained(folder))
+    return {"directory": directory, "reference": reference, "controls": controls,
+            "images": {"edges": input_image(21), "depth": input_image(22)}}  # fmt: skip
+
+
+def control_set(sd15, uses: list[tuple[str, float, float, float]]):
+    """A loaded ControlSet of (name, scale, start, end) uses, and their control images."""
+    from model_worker.controls.loader import ControlSet
+
+    refs = tuple(ControlRef(name=name, kind="controlnet", version="1", sha256=name * 8, scale=scale, start=start,
+                            end=end) for name, scale, start, end in uses)  # fmt: skip
+    controls = ControlSet(refs, loaded=[sd15["controls"][name] for name, *_ in uses])
+    controls.done.set()
+    return controls, tuple(sd15["images"][name] for name, *_ in uses)
+
+
+def items_of(sd15, seed: int, uses, images: int = 1):
+    from model_worker.model.runners import GenerationItem
+
+    controls, control_images = control_set(sd15, uses) if uses else (None, ())
+    return [GenerationItem(prompt="a lighthouse", seed=seed + i, controls=controls, control_images=control_images)
+            for i in range(images)]  # fmt: skip
+
+
+def params(guidance: float, seed: int = 0) -> GenerationParameters:
+    return GenerationParameters(seed=seed, num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE)
+
+
+def runner(sd15, scheduling: str):
+    from model_worker.model.pipeline import DiffusionRunner
+
+    return DiffusionRunner(SD15.model_copy(update={"scheduling": scheduling}), sd15["directory"], torch_threads=1)
+
+
+@pytest.fixture(scope="module")
+def stepper(sd15):
+    return runner(sd15, "step")
+
+
+def stepped(stepper, requests: list[tuple[list, float]], join_after: int = 1) -> list[list]:
+    """Serves requests as the device loop does: the first starts alone, the others join after `join_after` of its
+    steps and share every call from then on; each request's images, in order."""
+    first_items, first_guidance = requests[0]
+    running = [stepper.start_items(first_items, params(first_guidance))]
+    for _ in range(join_after):
+        stepper.denoise_step(running[0])
+    running += [stepper.start_items(items, params(guidance)) for items, guidance in requests[1:]]
+    outputs: dict[int, list] = {}
+    while len(outputs) < len(running):
+        live = [r for index, group in enumerate(running) if index not in outputs for r in group]
+        stepper.denoise_step(live)
+        for index, group in enumerate(running):
+            if index not in outputs and all(r.finished for r in group):
+                outputs[index] = stepper.decode(group)
+    return [outputs[index] for index in range(len(running))]
+
+
+def reference(sd15, seed: int, guidance: float, uses, images: int = 1) -> list:
+    """diffusers' own ControlNet pipeline (a MultiControlNetModel for several), one call per image."""
+    import torch
+    from diffusers import StableDiffusionControlNetPipeline
+
+    models = [sd15["controls"][name].model for name, *_ in uses]
+    pipe = StableDiffusionControlNetPipeline(**sd15["reference"].components, controlnet=models[0] if len(models) == 1
+                                             else models)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    single = len(uses) == 1
+    kwargs = {
+        "image": sd15["images"][uses[0][0]] if single else [sd15["images"][name] for name, *_ in uses],
+        "controlnet_conditioning_scale": uses[0][1] if single else [scale for _, scale, _, _ in uses],
+        "control_guidance_start": uses[0][2] if single else [start for _, _, start, _ in uses],
+        "control_guidance_end": uses[0][3] if single else [end for _, _, _, end in uses],
+    }
+    return [pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE,
+                 generator=torch.Generator().manual_seed(seed + i), output_type="np", **kwargs).images[0]
+            for i in range(images)]  # fmt: skip
+
+
+EDGES = [("edges", 0.8, 0.0, 1.0)]
+MULTI = [("edges", 0.7, 0.0, 0.5), ("depth", 1.3, 0.25, 1.0)]
+
+
+def test_a_controlnet_request_alone_equals_the_controlnet_pipeline_and_is_steered_by_it(sd15, stepper):
+    (got,) = stepped(stepper, [(items_of(sd15, 5, EDGES, images=2), 6.0)])
+    assert differences(got, reference(sd15, 5, 6.0, EDGES, images=2)) <= TOLERANCE
+    (base,) = stepped(stepper, [(items_of(sd15, 5, [], images=2), 6.0)])
+    assert differences(got, base) > 10  # the tiny ControlNet visibly steers the image: the oracle can tell
+
+
+def test_multi_controlnet_with_windows_equals_the_pipeline(sd15, stepper):
+    (got,) = stepped(stepper, [(items_of(sd15, 8, MULTI), 5.0)])
+    assert differences(got, reference(sd15, 8, 5.0, MULTI)) <= TOLERANCE
+    # The windows matter: the same two models over the whole schedule make another image.
+    whole = [(name, scale, 0.0, 1.0) for name, scale, _, _ in MULTI]
+    assert differences(got, reference(sd15, 8, 5.0, whole)) > 2
+
+
+def test_a_mixed_running_set_equals_each_request_alone_and_a_row_without_control_is_the_base_models(sd15, stepper):
+    depth = [("depth", 1.2, 0.0, 1.0)]
+    mixed = [(items_of(sd15, 3, EDGES), 6.0), (items_of(sd15, 9, depth, images=2), 1.0),
+             (items_of(sd15, 4, MULTI), 6.0), (items_of(sd15, 12, []), 6.0)]  # fmt: skip
+    got = stepped(stepper, mixed)
+    for (items, guidance), images in zip(mixed, got, strict=True):
+        uses = (
+            [(ref.name, ref.scale, ref.start, ref.end) for ref in items[0].controls.refs] if items[0].controls else []
+        )
+        (alone,) = stepped(stepper, [(items_of(sd15, items[0].seed, uses, images=len(items)), guidance)])
+        assert differences(images, alone) <= TOLERANCE
+    # The same running set with no control anywhere: the uncontrolled request's image is exactly the same.
+    plain = [(items_of(sd15, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(stepper, plain)[3][0], got[3][0])
+
+
+def test_a_call_without_any_control_passes_no_residuals_to_the_unet(sd15, stepper):
+    """The base model's call itself: the UNet gets no residual arguments when no row has a ControlNet."""
+    seen: list[set] = []
+    unet = stepper._pipeline.unet
+    original = unet.forward
+    lock = threading.Lock()
+
+    def recording(*args, **kwargs):
+        with lock:
+            seen.append({key for key in kwargs if "residual" in key})
+        return original(*args, **kwargs)
+
+    unet.forward = recording
+    try:
+        stepped(stepper, [(items_of(sd15, 1, []), 6.0)])
+        assert seen and not any(seen)
+        seen.clear()
+        stepped(stepper, [(items_of(sd15, 1, EDGES), 6.0)])
+        assert all(keys == {"down_block_additional_residuals", "mid_block_additional_residual"} for keys in seen)
+    finally:
+        del unet.forward
+
+
+def test_scheduling_request_runs_diffusers_controlnet_pipelines_one_per_control_set(sd15):
+    """A request-scheduled batch mixing a ControlNet, multi-ControlNet and none: each image the pipeline's own."""
+    batch = runner(sd15, "request")
+    items = items_of(sd15, 5, EDGES) + items_of(sd15, 8, MULTI) + items_of(sd15, 12, [])
+    got = batch.generate(items, params(5.0), lambda step, total: None)
+    expected = reference(sd15, 5, 5.0, EDGES) + reference(sd15, 8, 5.0, MULTI)
+    assert differences(got[:2], expected) <= TOLERANCE
+    plain = batch.generate(items_of(sd15, 12, []), params(5.0), lambda step, total: None)
+    assert differences(got[2:], plain) <= TOLERANCE
