@@ -82,6 +82,7 @@ FAMILIES: dict[str, Family] = {
             lora_components=("unet", "text_encoder"),
             controls=("controlnet", "ip_adapter"),
             latent_space="sd15-vae: 4 channels, scaling 0.18215",
+            step_caches=("deepcache",),
             scheduler="PNDMScheduler",
             scheduler_config=SAVED_UNET_SCHEDULER,
         ),

@@ -412,8 +412,9 @@ class ModelSpec(BaseModel):
             )
         if self.step_cache is not None and self.scheduling == "request" and self.step_cache.per_row_only:
             raise ValueError(
-                f"{self.name}: step_cache warmup_steps and max_consecutive_skips need scheduling: step (scheduling: "
-                "request runs diffusers' own hook, which has neither); remove them or use scheduling: step"
+                f"{self.name}: step_cache {self.step_cache.kind} with warmup_steps or max_consecutive_skips, and "
+                "deepcache at all, need scheduling: step (scheduling: request runs diffusers' own hook, which has "
+                "neither, and none for a UNet); remove them or use scheduling: step"
             )
         if self.controls is not None and not family.controls:
             raise ValueError(f"{self.name}: control models are not served for {family.name} models yet; remove "

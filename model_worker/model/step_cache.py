@@ -8,6 +8,8 @@ with it when it finishes or is cancelled; the cheap part runs for every row, eac
 expensive part runs only over the rows that need it (gathered), and the others take their cached residual. An image
 gets the same decisions, and so the same answer, alone and in any running set.
 
+`deepcache` (SD 1.5) reuses the UNet's deep features for `interval - 1` steps after each full one, per image.
+
 `first_block` decides as diffusers' `FirstBlockCacheConfig` does (its `FBCHeadBlockHook`): the relative L1 change
 of the first block's residual since the image's last full step, `mean|r - r_last| / mean|r_last|`, skips when at
 most `threshold`; the residual compared with is the last full step's (a skipped step does not move it).
@@ -83,6 +85,21 @@ def first_block_skips(running: list[RunningItem], residuals, forced: ForcedPatte
     return skips
 
 
+def scheduled_skips(running: list[RunningItem], forced: ForcedPattern | None = None) -> list[bool]:
+    """Each image's decision by its own count (DeepCache's): the deep path runs every `interval` steps of the image,
+    reused in between. Interval 1 never skips (exactly no cache)."""
+    skips = []
+    for r in running:
+        if not may_skip(r):
+            skips.append(False)
+        elif forced is not None:
+            skips.append(forced(r, r.done))
+        else:
+            cache: RowCache = r.state["step_cache"]
+            skips.append(cache.consecutive_skips + 1 < (cache.settings.interval or 1))
+    return skips
+
+
 def record_full(r: RunningItem, head_residual, tail_residual) -> None:
     """A full step: the image's cache now holds this step's residuals."""
     cache: RowCache | None = r.state.get("step_cache")
@@ -99,3 +116,12 @@ def record_skip(r: RunningItem) -> None:
 def caching(running: list[RunningItem]) -> bool:
     """Whether any image of the set runs with a step cache (otherwise the plain model call is made)."""
     return any(r.state.get("step_cache") is not None for r in running)
+
+
+def forget(running: list[RunningItem]) -> None:
+    """After a step that ran in full outside the cache: the next step of each image is full too."""
+    for r in running:
+        cache: RowCache | None = r.state.get("step_cache")
+        if cache is not None:
+            cache.head_residual = cache.tail_residual = None
+            cache.consecutive_skips = 0

@@ -47,6 +47,10 @@ def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
         ({"kind": "first_block", "threshold": 0.1, "batch_threshold": 0.05}, "FluxPipeline", "below threshold"),
         ({"kind": "first_block", "max_consecutive_skips": 0}, "FluxPipeline", "max_consecutive_skips"),
         ({"kind": "first_block", "warmup": 2}, "FluxPipeline", "warmup"),
+        ({"kind": "deepcache", "interval": 3}, "FluxPipeline", "not served for flux models"),
+        ({"kind": "deepcache"}, "StableDiffusionPipeline", "set interval"),
+        ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "set interval"),
+        ({"kind": "first_block", "interval": 3}, "FluxPipeline", "interval is deepcache's"),
     ],
 )
 def test_a_catalog_step_cache_the_family_cannot_run_is_refused_at_load(tmp_path, step_cache, pipeline, message):
@@ -115,5 +119,8 @@ def test_the_log_row_says_which_step_cache_ran_and_how_many_steps_it_skipped():
 def test_settings_only_the_per_image_cache_honours_need_scheduling_step(tmp_path):
     message = catalog_error(tmp_path, step_cache=FIRST_BLOCK, scheduling="request")
     assert "scheduling: step" in message
+    deep = {"kind": "deepcache", "interval": 3}
+    assert "scheduling: step" in catalog_error(tmp_path, step_cache=deep, scheduling="request",
+                                               pipeline="StableDiffusionPipeline")  # fmt: skip
     threshold_only = ModelSpec.model_validate(entry(step_cache={"kind": "first_block"}, scheduling="request"))
     assert threshold_only.step_cache.threshold == 0.08
