@@ -38,6 +38,22 @@ class AdapterRef(BaseModel):
     sha256: str
 
 
+class ControlIn(BaseModel):
+    """One ControlNet as a client names it: a registered name, its control image (base64, used as given, or
+    preprocessed on the worker: `canny` with its thresholds, OpenCV's), its scale and its window (the share of the
+    schedule it acts in, from `start` to `end`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN, max_length=ADAPTER_NAME_LENGTH)
+    image: str = Field(min_length=1)
+    scale: float = 1.0
+    start: float = Field(default=0.0, ge=0.0, le=1.0)
+    end: float = Field(default=1.0, ge=0.0, le=1.0)
+    preprocess: Literal["canny"] | None = None
+    low_threshold: int = Field(default=100, ge=0, le=255)
+    high_threshold: int = Field(default=200, ge=0, le=255)
+
+
 class ControlRef(BaseModel):
     """A control model (ControlNet, IP-Adapter) resolved by the API for one request: the registered version and
     digest the worker loads and checks, the request's scale and, for a ControlNet, its window (`start`, `end`: the
@@ -73,6 +89,9 @@ class GenerationParameters(BaseModel):
     # LoRA adapters, in the order asked; empty: the base model, left out of the message and the cache key
     # (so base requests read exactly as before adapters existed).
     adapters: tuple[AdapterRef, ...] = Field(default=(), exclude_if=lambda adapters: not adapters)
+    # Control models (ControlNets), in the order asked, their images in the message's `control_images`; empty: left
+    # out of the message and the cache key. Never per call: rows with other controls share the base model's call.
+    controls: tuple[ControlRef, ...] = Field(default=(), exclude_if=lambda controls: not controls)
     # False: every denoising step in full, where the catalog has a step cache (contract/step_cache.py); None: the
     # catalog's. Left out of the message and the cache key when None.
     step_cache: bool | None = Field(default=None, exclude_if=lambda step_cache: step_cache is None)
@@ -107,6 +126,9 @@ ROLES: dict[str, ParameterRole] = {
     # Requests with different adapter sets never share a UNet call (the worker's batch key).
     "adapters": ParameterRole("LoRA adapters registered for the model, each with a scale", per_call=True,
                               sent_as=list[AdapterIn]),
+    # Not per call: the worker runs each ControlNet over the rows that use it (model_worker/controls/controlnets.py).
+    "controls": ParameterRole("ControlNets registered for the model, each with its control image, scale and window "
+                              "(several: multi-ControlNet)", sent_as=list[ControlIn]),
     # Per call: `scheduling: request` runs diffusers' hook, one decision for the whole call.
     "step_cache": ParameterRole("false: run every denoising step in full (the model's step cache off); it is never "
                                 "turned on where the model has none", per_call=True),

@@ -144,6 +144,8 @@ class InferenceRequest(BaseModel):
     # Set on a flow's request (the API publishes it to the first stage's unit; `model`/`model_version`/
     # `parameters` are that stage's): the worker runs `flow.stage` and hands its output on.
     flow: FlowContext | None = None
+    # The control images of `parameters.controls`, in its order (inline, or a claim check); left out when none.
+    control_images: list[Payload] = Field(default_factory=list, exclude_if=lambda images: not images)
 
 
 class Prediction(BaseModel):

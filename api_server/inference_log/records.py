@@ -162,6 +162,8 @@ class RequestRecords:
             row.num_images, row.priority = len(prepared.prompts), prepared.priority
             if prepared.params.adapters:
                 row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
+            if prepared.params.controls:
+                row.controls = ",".join(f"{c.name}@{c.version}:{c.scale:g}" for c in prepared.params.controls)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
             if masks := [mask for mask in prepared.masks if mask is not None]:
                 row.mask_fraction = round(sum(repaint_fraction(mask) for mask in masks) / len(masks), 4)

@@ -58,6 +58,7 @@ class InferenceLogRow:
     num_inference_steps: int | None = None
     seed: int | None = None
     adapters: str | None = None
+    controls: str | None = None
     input_bytes: int | None = None
     output_bytes: int | None = None
     published_at: datetime | None = None

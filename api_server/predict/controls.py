@@ -1,8 +1,10 @@
-"""Control models (ControlNets, IP-Adapters) on the API side: the admin registration and the listing behind the
-routes, checked as adapters are (`api_server/predict/adapters.py`)."""
+"""Control models (ControlNets, IP-Adapters) on the API side: a request's `parameters.controls` resolved against the
+registry (or a 4xx naming the field, before anything is published), and the admin registration and the listing
+behind the routes, checked as adapters are (`api_server/predict/adapters.py`)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from google.api_core import exceptions
@@ -14,15 +16,69 @@ from contract.generation import (
     ADAPTER_NAME_PATTERN,
     ADAPTER_VERSION_LENGTH,
     ADAPTER_VERSION_PATTERN,
+    ControlIn,
+    ControlRef,
 )
 from contract.lora_files import AdapterFileError
 from contract.model_spec import ModelSpec
 from contract.stores.control_registry import ControlNotFoundError, ControlRecord, ControlRegistry
 
+FIELD = "parameters.controls"
+
 
 class ControlService:
     def __init__(self, registry: ControlRegistry) -> None:
         self._registry = registry
+
+    def resolve(self, spec: ModelSpec, requested: list[ControlIn]) -> tuple[tuple[ControlRef, ...], list[bytes]]:
+        """Each named ControlNet at its registered version and digest, with its control image checked and decoded
+        (the images travel beside the parameters); in the order asked."""
+        from api_server.predict.schemas import decode_input_image
+
+        policy = spec.controls
+        if policy is None:
+            family = spec.family.name if spec.family else "synthetic"
+            raise ApiError(422, f"{FIELD}: {spec.name} takes no control models ({family} models here serve none)",
+                           FIELD)  # fmt: skip
+        if len(requested) > policy.max_controls_per_request:
+            raise ApiError(422, f"{FIELD}: at most {policy.max_controls_per_request} per request for {spec.name}",
+                           FIELD)  # fmt: skip
+        refs, images = [], []
+        for index, control in enumerate(requested):
+            field = f"{FIELD}.{index}"
+            if not policy.min_scale <= control.scale <= policy.max_scale:
+                raise ApiError(422, f"{field}.scale: must be between {policy.min_scale} and {policy.max_scale}",
+                               f"{field}.scale")  # fmt: skip
+            if control.start >= control.end:
+                raise ApiError(422, f"{field}.start: must be before end ({control.start} >= {control.end})",
+                               f"{field}.start")  # fmt: skip
+            if control.preprocess == "canny" and control.low_threshold > control.high_threshold:
+                raise ApiError(422, f"{field}.low_threshold: exceeds high_threshold", f"{field}.low_threshold")
+            if any(other.name == control.name for other in requested[:index]):
+                raise ApiError(422, f"{field}.name: {control.name!r} is named twice", f"{field}.name")
+            image = decode_input_image(control.image, f"{field}.image", spec.limits.max_input_pixels)
+            record = self._record(spec, control.name, f"{field}.name")
+            if record.kind != "controlnet":
+                raise ApiError(422, f"{field}.name: {control.name!r} is an {record.kind}, not a ControlNet (image "
+                               "prompts go in parameters.image_prompts)", f"{field}.name")  # fmt: skip
+            refs.append(ControlRef(
+                name=record.name, kind="controlnet", version=record.version, sha256=record.sha256, scale=control.scale,
+                start=control.start, end=control.end, image_sha256=hashlib.sha256(image).hexdigest(),
+                preprocess=control.preprocess, low_threshold=control.low_threshold,
+                high_threshold=control.high_threshold,
+            ))  # fmt: skip
+            images.append(image)
+        return tuple(refs), images
+
+    def _record(self, spec: ModelSpec, name: str, field: str) -> ControlRecord:
+        try:
+            record = self._registry.resolve(spec, name)
+        except exceptions.GoogleAPICallError as exc:
+            raise ApiError(503, f"control registry unavailable: {type(exc).__name__}") from exc
+        if record is None:
+            raise ApiError(422, f"{field}: no control model {name!r} is registered for {spec.name}; "
+                           f"GET /v1/models/{spec.name}/controls lists them", field)  # fmt: skip
+        return record
 
     def register(self, spec: ModelSpec, name: str, kind: object, version: object) -> ControlRecord:
         """Checks the version's files against the model's base UNet, then makes it current (or a 422 naming why)."""

@@ -17,6 +17,7 @@ from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from api_server.jobs.webhooks import WebhookTargetPolicy
 from api_server.predict.adapters import AdapterService
+from api_server.predict.controls import ControlService
 from api_server.predict.dispatch import DispatchTimings, InferenceDispatcher
 from api_server.predict.masks import checked_mask, outpainted
 from api_server.predict.schemas import PredictBody, decode_input_image, parse_body, resolve_parameters
@@ -58,6 +59,8 @@ class PreparedRequest:
     flow: FlowCall | None = None
     # An inpaint request's masks, one per instance (white repaints); None for other tasks.
     masks: list[bytes | None] = field(default_factory=list)
+    # Its ControlNets' control images, in `params.controls`' order.
+    control_images: list[bytes] = field(default_factory=list)
 
     def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
         """This request asked of another version under an id of its own (a fallback, a shadow copy): no
@@ -85,8 +88,10 @@ class InferenceService:
         high_priority_keys: frozenset[str] = frozenset(),
         webhook_targets: WebhookTargetPolicy | None = None,
         adapters: AdapterService | None = None,
+        controls: ControlService | None = None,
     ) -> None:
         self._adapters = adapters
+        self._controls = controls
         self._webhook_targets = webhook_targets or WebhookTargetPolicy(enabled=False)
         self._dispatcher = dispatcher
         self._payloads = payloads
@@ -114,6 +119,12 @@ class InferenceService:
             if self._adapters is None:
                 raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
             params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
+        control_images: list[bytes] = []
+        if body.parameters.controls:
+            if flow is not None or self._controls is None:
+                raise ApiError(422, "parameters.controls: not taken here (flows take none yet)", "parameters.controls")
+            refs, control_images = self._controls.resolve(spec, body.parameters.controls)
+            params = params.model_copy(update={"controls": refs})
         priority = body.parameters.priority or "normal"
         if priority == "high" and caller.digest not in self._high_priority_keys:
             raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")
@@ -144,6 +155,7 @@ class InferenceService:
             log_row,
             flow,
             masks,
+            control_images,
         )
 
     def job_deadline_ms(self) -> int:
@@ -205,6 +217,14 @@ class InferenceService:
             model_version=prepared.spec.version,
             instances=instances,
             parameters=prepared.params,
+            control_images=[
+                self._payloads.pack(
+                    image,
+                    naming.input_object(prepared.request_id, 0) + f"-control-{index}",
+                    content_type="application/octet-stream",
+                )
+                for index, image in enumerate(prepared.control_images)
+            ],  # fmt: skip
         )
         return request if prepared.flow is None else prepared.flow.message(request)
 

@@ -184,6 +184,7 @@ def build_app_state(settings: Settings) -> AppState:
         settings.high_priority_key_sha256,
         targets,
         adapters,
+        controls,
     )
     jobs = JobStore(redis_client, results, settings.result_ttl_seconds)
     inference_log = build_inference_log(settings)

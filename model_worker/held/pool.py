@@ -79,9 +79,11 @@ class PendingRequest:
 
     @property
     def ready(self) -> bool:
-        """Its adapters (if any) are loaded, or failed to: it may run (or fail) now; until then it waits aside."""
-        adapters = self.items[0].adapters if self.items else None
-        return adapters is None or adapters.ready
+        """Its adapters and control models (if any) are loaded, or failed to: it may run (or fail) now; until then
+        it waits aside."""
+        first = self.items[0] if self.items else None
+        loading = (first.adapters, first.controls) if first is not None else ()
+        return all(loaded is None or loaded.ready for loaded in loading)
 
     @property
     def batch_key(self) -> tuple:

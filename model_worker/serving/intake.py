@@ -25,6 +25,8 @@ from contract.model_spec import ModelSpec
 from contract.payloads import PayloadCodec, PayloadError
 from contract.stores.results import ResultStore
 from model_worker.adapters.loader import AdapterLoader
+from model_worker.controls.images import ControlImageError, control_image
+from model_worker.controls.loader import ControlLoader
 from model_worker.flows.stages import FlowStages
 from model_worker.held.leases import LeaseKeeper
 from model_worker.held.log_context import request_log_context
@@ -91,8 +93,10 @@ class Triage:
         replies: ReplyFactory,
         adapters: AdapterLoader | None = None,
         flows: FlowStages | None = None,
+        controls: ControlLoader | None = None,
     ) -> None:
         self._adapters = adapters
+        self._controls = controls
         self._flows = flows
         self._results = results
         self._payloads = payloads
@@ -154,6 +158,7 @@ class Triage:
             if self._adapters is None:
                 raise PayloadError("this worker serves no adapters")
             adapters = self._adapters.request(spec, params.adapters)  # loads in the background if not cached
+        controls, control_images = self._controls_of(spec, request)
         items = []
         for index, instance in enumerate(request.instances):
             image = mask = None
@@ -174,6 +179,8 @@ class Triage:
                     image=image,
                     mask=mask,
                     adapters=adapters,
+                    controls=controls,
+                    control_images=control_images,
                 )
             )
         if not items:
@@ -181,6 +188,23 @@ class Triage:
         if len(items) > spec.max_batch_size:
             raise PayloadError(f"{len(items)} images exceed the model's batch limit of {spec.max_batch_size}")
         return items
+
+    def _controls_of(self, spec: ModelSpec, request: InferenceRequest) -> tuple:
+        """The request's ControlNets (loading in the background when not cached) and their control images, decoded
+        and preprocessed here, off the device thread; (None, ()) without."""
+        refs = request.parameters.controls
+        if not refs:
+            return None, ()
+        if self._controls is None:
+            raise PayloadError("this worker serves no control models")
+        if len(request.control_images) != len(refs):
+            raise PayloadError(f"{len(refs)} controls but {len(request.control_images)} control images")
+        try:
+            images = tuple(control_image(self._payloads.unpack(payload), ref, spec.limits.max_input_pixels)
+                           for payload, ref in zip(request.control_images, refs, strict=True))  # fmt: skip
+        except ControlImageError as exc:
+            raise PayloadError(str(exc)) from exc
+        return self._controls.request(spec, refs), images
 
     def _image(self, payload: Payload | None, max_pixels: int):
         if payload is None:

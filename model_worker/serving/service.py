@@ -200,7 +200,7 @@ class WorkerService:
             self.publisher, project, settings.inline_payload_limit, self.results,
         )  # fmt: skip
         self.metrics.count_flows_ahead(self.flows.ahead)
-        triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows)
+        triage = Triage(self.results, payloads, self.flows, self.replies, self.adapters, self.flows, self.controls)
         self.pullers = [
             SubscriptionPuller(
                 self.subscriber,

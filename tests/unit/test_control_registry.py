@@ -220,3 +220,90 @@ def test_a_file_changed_after_registration_fails_its_request_alone(built):
     with pytest.raises(ValueError, match="edges@1: the files changed since they were registered"):
         edges.weights()
     assert style.weights()
+
+
+# --- a request's controls, resolved by the API ------------------------------------------------------------------
+
+
+def png(size: int = 16, color=(200, 30, 30)) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_requests_controls_resolve_to_registered_versions_and_each_bad_input_is_a_422_naming_its_field(built):
+    from api_server.core.errors import ApiError
+    from api_server.predict.controls import ControlService
+    from contract.generation import ControlIn
+    from contract.stores.control_registry import ControlRegistry
+
+    bucket = bucket_with(built["pipeline"], "edges", built["controlnet"])
+    bucket.objects.update({naming.control_prefix(SPEC.name, "style", "1") + file: data
+                           for file, data in built["ip_adapter"].items()})  # fmt: skip
+    registry = ControlRegistry(bucket)
+    registry.register(SPEC, "edges", "controlnet", "1")
+    registry.register(SPEC, "style", "ip_adapter", "1")
+    service = ControlService(registry)
+    refs, images = service.resolve(SPEC, [ControlIn(name="edges", image=png(), scale=0.5, start=0.1, end=0.9,
+                                                    preprocess="canny")])  # fmt: skip
+    assert (refs[0].name, refs[0].version, refs[0].sha256) == ("edges", "1", digest(built["controlnet"]))
+    assert (refs[0].scale, refs[0].start, refs[0].end, refs[0].preprocess) == (0.5, 0.1, 0.9, "canny")
+    assert len(images) == 1 and refs[0].image_sha256
+
+    def field_of(spec, *controls: dict) -> str:
+        with pytest.raises(ApiError) as refused:
+            service.resolve(spec, [ControlIn(**{"name": "edges", "image": png(), **c}) for c in controls])
+        assert refused.value.status == 422
+        return refused.value.field
+
+    assert field_of(SPEC, {"name": "unknown"}) == "parameters.controls.0.name"
+    assert field_of(SPEC, {"name": "style"}) == "parameters.controls.0.name"  # an IP-Adapter, not a ControlNet
+    assert field_of(SPEC, {}, {}) == "parameters.controls.1.name"  # named twice
+    assert field_of(SPEC, {}, {}, {}) == "parameters.controls"  # more than the catalog allows
+    assert field_of(SPEC, {"scale": 2.5}) == "parameters.controls.0.scale"
+    assert field_of(SPEC, {"start": 0.8, "end": 0.2}) == "parameters.controls.0.start"
+    assert field_of(SPEC, {"image": "bm90IGFuIGltYWdl"}) == "parameters.controls.0.image"  # "not an image"
+    assert field_of(SPEC, {"image": png(4096)}) == "parameters.controls.0.image"  # past the pixel limit
+    other = local_catalog().get("sdxl-txt2img")  # a family that serves none
+    assert field_of(other, {}) == "parameters.controls"
+
+
+def test_an_unknown_preprocessor_or_window_out_of_range_is_refused_by_the_request_schema():
+    from pydantic import ValidationError
+
+    from contract.generation import ControlIn
+
+    for bad in ({"preprocess": "depth"}, {"start": -0.1}, {"end": 1.5}, {"low_threshold": 300}):
+        with pytest.raises(ValidationError) as refused:
+            ControlIn(**{"name": "edges", "image": png(), **bad})
+        assert refused.value.errors()[0]["loc"][0] == next(iter(bad))
+
+
+def test_canny_preprocessing_gives_white_edges_on_black():
+    import base64
+
+    import numpy as np
+
+    from contract.generation import ControlRef
+    from model_worker.controls.images import control_image
+
+    ref = ControlRef(name="edges", kind="controlnet", version="1", sha256="0", scale=1.0, preprocess="canny")
+    from PIL import Image
+
+    square = Image.new("RGB", (32, 32))
+    square.paste((255, 255, 255), (8, 8, 24, 24))
+    import io
+
+    buffer = io.BytesIO()
+    square.save(buffer, format="PNG")
+    edges = np.asarray(control_image(buffer.getvalue(), ref, 64 * 64))
+    assert edges.shape == (32, 32, 3) and set(np.unique(edges)) == {0, 255}
+    assert edges[16, 16].tolist() == [0, 0, 0] and edges[0, 0].tolist() == [0, 0, 0]  # inside and far off the square
+    assert edges[6:10, 16].max() == 255 and edges[16, 6:10].max() == 255  # its border
+    plain = np.asarray(control_image(base64.b64decode(png()), ref.model_copy(update={"preprocess": None}), 64 * 64))
+    assert plain[0, 0].tolist() == [200, 30, 30]
