@@ -182,6 +182,8 @@ def markdown(result: dict) -> str:
             )
     if result.get("adapters"):
         lines += adapter_lines(result["adapters"])
+    if result.get("step_caches"):
+        lines += step_cache_lines(result["step_caches"])
     lines += ["", "## Targets (measured side by side in this run; printed, never asserted)", ""]
     lines.append("| target | measured | threshold | result |")
     lines.append("|---|---|---|---|")
@@ -250,6 +252,18 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def step_cache_lines(caches: dict) -> list[str]:
+    """Step caches (bench/step_cache.py): a running set's call and image times with forced skip patterns, CPU."""
+    lines = ["", "## Step caches (tiny models on the CPU, forced skip patterns: no hit rate, no quality)", "",
+             "| kind | model | variant | ms per call | ms per image | x no cache | expensive rows run |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kind, c in caches.items():
+        for variant, r in c["variants"].items():
+            lines.append(f"| {kind} | {c['model']} | {variant} | {_fmt(r['call_ms'], 2)} | {_fmt(r['image_ms'], 2)} | "
+                         f"{r['speedup_per_call']} | {r['expensive_rows_ran']:.0%} |")  # fmt: skip
+    return lines
 
 
 def adapter_lines(a: dict) -> list[str]:

@@ -80,7 +80,7 @@ class Suite:
         self.count = 0
         # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
         # streams, batch jobs, interactive beside a batch
-        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1
+        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1 + 1
 
     @property
     def size(self) -> str:
@@ -223,6 +223,14 @@ class Suite:
                              *(["--batches", "1"] if self.smoke else [])],
                             {"MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
+    def step_caches(self) -> dict | None:
+        """Step caches on the runner: per call and per image with all, half and no images skipping against no cache,
+        and the decision's cost (bench/step_cache.py)."""
+        return self._module("Step caches", "bench.step_cache", "step_cache.json", 300,
+                            ["--model-root", str(tiny_model_dir(self.config, "sd15-txt2img").parent),
+                             *(["--smoke"] if self.smoke else ["--repeats", "1"] if self.quick else [])],
+                            {"HF_HUB_OFFLINE": "1"})  # fmt: skip
+
     def _module(
         self, title: str, module: str, json_name: str, timeout: float, args: list[str], env: dict
     ) -> dict | None:
@@ -346,7 +354,7 @@ def main() -> int:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir, smoke=args.smoke)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = None
+    direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = step_caches = None
     sweeps: dict[str, dict] = {}
     try:
         if args.flows_only:
@@ -363,6 +371,7 @@ def main() -> int:
             flow_result = suite.flows(api)
             direct = suite.direct()
             adapters = suite.adapters()
+            step_caches = suite.step_caches()
             event_streams = suite.event_streams()
             batch_jobs = suite.batch_jobs()
             batch_beside = suite.batch_beside()
@@ -397,6 +406,7 @@ def main() -> int:
         "batches": batch_jobs,
         "batch_beside": batch_beside,
         "adapters": adapters,
+        "step_caches": step_caches,
         "flows": flow_result,
     }
     plot = None

@@ -44,7 +44,8 @@ def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
     assert {("pubsub floor", None), ("naive per-request", None), ("noop", "per-instance"), ("sleep", "per-instance"),
             ("sd15-txt2img", "per-instance"), ("noop", "per-request"), ("noop cache hits", "per-instance"),
             ("noop async job submit-to-result", "per-instance")} <= scenarios, scenarios  # fmt: skip
-    for section in ("direct", "adapters", "event_streams", "batches", "batch_beside", "flows"):
+    for section in ("direct", "adapters", "step_caches", "event_streams", "batches", "batch_beside", "flows"):
         assert result[section], section
+    assert set(result["step_caches"]) == {"first_block", "deepcache"}
     assert {family["family"] for family in result["adapters"]["families"]} == {"sd15", "sdxl", "flux", "sd3"}
     assert len(result["open_loop"]) == 2, result["open_loop"].keys()
