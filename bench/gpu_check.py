@@ -10,7 +10,8 @@ loop and finisher at step and request level, lone 12- and 25-step requests, host
 lines beside an interactive request, the open-loop sweep up to the batch capacity, the same model compiled in the
 catalog's compile mode (compile seconds, worker img/s against the card's bound, graphs made by adapter swaps, a
 fresh process's first answer from the saved artifacts), then FLUX.1 [schnell] at its real size, bf16 and float8,
-eager and compiled, against the memory plan.
+eager and compiled, against the memory plan, and the 2026 families (Z-Image-Turbo, FLUX.2 [klein] 4B, Qwen-Image) at
+their real sizes, one image at the catalog's defaults in bf16 and float8, eager, against the memory plan.
 
 Each line is its own function, guarded: an error, a missing feature or a spent budget makes its line a MISS with the
 reason, and the rest still run. The whole run has one deadline (`--budget`); a line is skipped when less is left
@@ -703,7 +704,11 @@ def flux_line(check: Check, kind: str | None, compiled: bool) -> None:
         line_flux_build(check)
     row = run_child(check, "flux-variant", {"kind": kind, "compiled": compiled, "weights": check.shared["flux_weights"]},
                     cap=150.0 if compiled else 60.0)  # fmt: skip
-    plan = flux_plan(kind, check.sizes.flux_size)
+    judge_variant(check, key, name, row, variant_plan("flux", kind, check.sizes.flux_size))
+
+
+def judge_variant(check: Check, key: str, name: str, row: dict, plan: dict) -> None:
+    """A measured variant's line: s/image, and on a GPU its memory loaded and at the peak against the plan."""
     target = f"loaded <= {plan['weights_gb']:.1f} GB x {PLAN_TOLERANCE}, peak <= {plan['total_gb']:.1f} GB (plan)"
     if "s_per_image" not in row:
         reason = row.get("refused") or row.get("out_of_memory") or "no figure"
@@ -720,12 +725,12 @@ def flux_line(check: Check, kind: str | None, compiled: bool) -> None:
     check.add(key, name, result, measured, target, **row, plan=plan)
 
 
-def flux_plan(kind: str | None, size: int) -> dict:
+def variant_plan(family: str, kind: str | None, size: int) -> dict:
     """The memory plan of the variant as the bench runs it (one image a call, at `size`)."""
     from bench.quantized_pipeline import variant_spec
     from contract.memory_plan import unit_plan
 
-    spec = variant_spec("flux", kind, size)
+    spec = variant_spec(family, kind, size)
     limits = spec.limits.model_copy(update={"max_width": size, "max_height": size})
     plan = unit_plan(spec.model_copy(update={"limits": limits}))
     if plan is None:
@@ -739,6 +744,88 @@ def child_flux_variant(check: Check, args: dict) -> dict:
     steps = FLUX_TINY_STEPS if check.tiny else None  # None: the catalog's 4
     return measure("flux", args["kind"], args["compiled"], Path(args["weights"]), check.sizes.flux_size, steps,
                    check.sizes.flux_calls)  # fmt: skip
+
+
+# --- The 2026 families: Z-Image-Turbo, FLUX.2 [klein] 4B, Qwen-Image ---------------------------------------------
+
+# Each at its real size from the memory plan's recorded configurations, random weights, one image at the catalog's
+# default steps and size (Qwen-Image: 50 steps at 1328x1328 with its true_cfg_scale), bf16 and float8 weight-only,
+# eager: seconds per image, GB loaded and at the peak against the memory plan. Then its weights are deleted (the
+# device's disk holds FLUX.1's 34 GB beside one of them, not Qwen-Image's 57.7 GB beside Z-Image's).
+FAMILY_NAMES = {"zimage": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein] 4B", "qwenimage": "Qwen-Image"}
+FAMILY_KINDS = (None, "float8_weight_only")
+# The eager warm-up call's steps (its kernels and allocations are the timed call's; its image need not be whole).
+FAMILY_WARMUP_STEPS = 2
+# Seconds a line needs at least on a GPU, and the most its child may run: (build, variant) per family.
+FAMILY_SECONDS = {"zimage": ((40.0, 200.0), (40.0, 240.0)), "flux2-klein": ((30.0, 150.0), (20.0, 150.0)),
+                  "qwenimage": ((120.0, 400.0), (150.0, 560.0))}  # fmt: skip
+
+
+def family_size(check: Check, family: str) -> int:
+    from bench.quantized_pipeline import CATALOG_ENTRY
+    from contract.catalog import load_catalog
+
+    return check.sizes.flux_size if check.tiny else load_catalog().get(CATALOG_ENTRY[family]).defaults.width
+
+
+def line_family_build(check: Check, family: str) -> None:
+    (_, cap), _ = FAMILY_SECONDS[family]
+    result = run_child(check, "family-build", {"family": family}, cap=cap)
+    check.shared[f"{family}_weights"] = result["weights"]
+    check.add(f"{family}.build", f"{FAMILY_NAMES[family]} {'tiny' if check.tiny else 'real size'}, random weights",
+              INFO, f"ready in {result['seconds']:.0f} s", "reported")  # fmt: skip
+
+
+def child_family_build(check: Check, args: dict) -> dict:
+    from bench.quantized_pipeline import weights_for
+
+    started = time.perf_counter()
+    weights = weights_for(args["family"], check.tiny, check.workdir)
+    return {"weights": str(weights), "seconds": time.perf_counter() - started}
+
+
+def family_line(check: Check, family: str, kind: str | None) -> None:
+    label = kind or "bf16"
+    size = family_size(check, family)
+    steps = FLUX_TINY_STEPS if check.tiny else "default"
+    name = f"{FAMILY_NAMES[family]} {size}², {steps} steps, {label}, eager"
+    if f"{family}_weights" not in check.shared:  # run alone (`--lines zimage.bf16`): built (or found) first
+        line_family_build(check, family)
+    _, (_, cap) = FAMILY_SECONDS[family]
+    row = run_child(check, "family-variant", {"family": family, "kind": kind, "size": size,
+                                              "weights": check.shared[f"{family}_weights"]}, cap=cap)  # fmt: skip
+    judge_variant(check, f"{family}.{label}", name, row, variant_plan(family, kind, size))
+
+
+def child_family_variant(check: Check, args: dict) -> dict:
+    from bench.quantized_pipeline import measure
+
+    steps = FLUX_TINY_STEPS if check.tiny else None  # None: the catalog's default
+    return measure(args["family"], args["kind"], False, Path(args["weights"]), args["size"], steps, 1,
+                   warmup_steps=None if check.tiny else FAMILY_WARMUP_STEPS)  # fmt: skip
+
+
+def line_family_release(check: Check, family: str) -> None:
+    """Deletes the family's built weights: the next family's need the disk."""
+    import shutil
+
+    weights = check.shared.pop(f"{family}_weights", None)
+    if weights is not None:
+        shutil.rmtree(weights, ignore_errors=True)
+    check.add(f"{family}.release", f"{FAMILY_NAMES[family]} weights deleted", INFO, "freed" if weights else "none",
+              "the disk for the next family")  # fmt: skip
+
+
+def family_lines() -> list[LineSpec]:
+    specs = []
+    for family in FAMILY_NAMES:
+        (build_needs, _), (variant_needs, _) = FAMILY_SECONDS[family]
+        specs.append(LineSpec(f"{family}.build", lambda check, f=family: line_family_build(check, f), build_needs))
+        for kind in FAMILY_KINDS:
+            specs.append(LineSpec(f"{family}.{kind or 'bf16'}", lambda check, f=family, k=kind: family_line(check, f, k),
+                                  variant_needs))  # fmt: skip
+        specs.append(LineSpec(f"{family}.release", lambda check, f=family: line_family_release(check, f), 0.0))
+    return specs
 
 
 # --- running lines and children --------------------------------------------------------------------------------
@@ -774,9 +861,11 @@ LINES = [
     LineSpec("sd15-compiled", line_sd15_compiled, 60.0),
     LineSpec("sd15-compiled.warm-start", line_warm_start, WARM_START_SECONDS + 10),
     *flux_lines(),
+    *family_lines(),
 ]
 CHILDREN = {"sd15-compiled": child_sd15_compiled, "warm-start": child_warm_start, "flux-build": child_flux_build,
-            "flux-variant": child_flux_variant}  # fmt: skip
+            "flux-variant": child_flux_variant, "family-build": child_family_build,
+            "family-variant": child_family_variant}  # fmt: skip
 
 
 def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None = None,

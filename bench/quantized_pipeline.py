@@ -18,10 +18,19 @@ import statistics
 import time
 from pathlib import Path
 
-# The components the comparison quantizes per family: the large ones (FLUX.1's transformer and T5-XXL).
-COMPONENTS = {"flux": ["transformer", "text_encoder_2"], "sd15": ["unet", "text_encoder"]}
-CATALOG_ENTRY = {"flux": "flux-schnell", "sd15": "sd15-txt2img"}
-PIPELINE_CLASS = {"flux": "FluxPipeline", "sd15": "StableDiffusionPipeline"}
+# The components the comparison quantizes per family: the large ones (FLUX.1's transformer and T5-XXL; the 2026
+# families' transformer and Qwen text encoder, as the catalog's z-image-turbo entry does).
+COMPONENTS = {"flux": ["transformer", "text_encoder_2"], "sd15": ["unet", "text_encoder"],
+              "zimage": ["transformer", "text_encoder"], "flux2-klein": ["transformer", "text_encoder"],
+              "qwenimage": ["transformer", "text_encoder"]}  # fmt: skip
+CATALOG_ENTRY = {"flux": "flux-schnell", "sd15": "sd15-txt2img", "zimage": "z-image-turbo",
+                 "flux2-klein": "flux2-klein", "qwenimage": "qwen-image"}  # fmt: skip
+PIPELINE_CLASS = {"flux": "FluxPipeline", "sd15": "StableDiffusionPipeline", "zimage": "ZImagePipeline",
+                  "flux2-klein": "Flux2KleinPipeline", "qwenimage": "QwenImagePipeline"}  # fmt: skip
+# The 2026 families built at their real sizes from the recorded configurations (the memory plan's own,
+# tests/data/model_configs/: what contract/architectures.py counts), random weights.
+RECORDED = {"zimage": "z-image-turbo", "flux2-klein": "flux.2-klein-4b", "qwenimage": "qwen-image"}
+CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "model_configs"
 # FLUX.1's real vocabularies (CLIP-L, T5-XXL): the embedding tables keep their real size.
 CLIP_VOCAB, T5_VOCAB = 49408, 32128
 
@@ -81,16 +90,64 @@ def build_flux_sized(out_dir: Path) -> Path:
     return out_dir
 
 
+def build_recorded_sized(family: str, out_dir: Path) -> Path:
+    """A 2026 family's pipeline at its real size: its transformer, text encoder and VAE from the recorded
+    configurations with random weights (made in bf16 on the GPU when there is one, so the host never holds an fp32
+    copy), the tokenizers and scheduler the tiny pipeline's (the embedding tables keep their real size); built once
+    per directory. Qwen-Image's is 57.7 GB on disk, Z-Image's 20.5 GB, FLUX.2 [klein] 4B's 16.0 GB."""
+    if (out_dir / "model_index.json").exists():
+        return out_dir
+    import json
+    import shutil
+
+    import diffusers
+    import torch
+    import transformers
+
+    from emulators.tiny_pipeline import build_pipeline
+
+    tiny = build_pipeline(out_dir.with_name(out_dir.name + "-tokenizers"), PIPELINE_CLASS[family],
+                          "cfg" if family == "qwenimage" else "none")  # fmt: skip
+    pipeline_class = getattr(diffusers, PIPELINE_CLASS[family])
+    components = dict(pipeline_class.from_pretrained(tiny).components)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            for name in ("transformer", "text_encoder", "vae"):
+                config = json.loads((CONFIGS / RECORDED[family] / name / "config.json").read_text())
+                if "_class_name" in config:
+                    components[name] = getattr(diffusers, config["_class_name"]).from_config(config)
+                else:
+                    model_config = transformers.AutoConfig.for_model(**config)
+                    components[name] = getattr(transformers, config["architectures"][0])(model_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    pipeline = pipeline_class(**components)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    shutil.rmtree(tiny)
+    del pipeline, components
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out_dir
+
+
 def weights_for(family: str, tiny: bool, workdir: Path) -> Path:
     if tiny:
         from emulators.tiny_pipeline import build_pipeline
 
         directory = workdir / f"{family}-tiny"
         if not (directory / "model_index.json").exists():
-            build_pipeline(directory, PIPELINE_CLASS[family], "none" if family == "flux" else "cfg")
+            guidance = "none" if family in ("flux", "zimage", "flux2-klein") else "cfg"
+            build_pipeline(directory, PIPELINE_CLASS[family], guidance)
         return directory
     if family == "flux":
         return build_flux_sized(workdir / "flux-sized")
+    if family in RECORDED:
+        return build_recorded_sized(family, workdir / f"{family}-sized")
     from bench.gpu_models import build_sd15_sized
 
     return build_sd15_sized(workdir / "sd15-sized")
@@ -109,9 +166,12 @@ def variant_spec(family: str, kind: str | None, size: int):
                                    "scheduling": "request", "adapters": None, "defaults": defaults})  # fmt: skip
 
 
-def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: int, steps: int | None, calls: int):
-    """One variant: loaded, warmed up (compiled: at its one bucket), `calls` images timed. A dict with `s_per_image`
-    (the median), `loaded_gb` and `peak_gb` (CUDA only), or `refused` / `out_of_memory` with the reason."""
+def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: int, steps: int | None, calls: int,
+            warmup_steps: int | None = None):  # fmt: skip
+    """One variant: loaded, warmed up (compiled: at its one bucket; `warmup_steps`: the eager warm-up call's steps,
+    fewer than the timed calls' for a model whose image takes a minute), `calls` images timed. A dict with
+    `s_per_image` (the median), `loaded_gb` and `peak_gb` (CUDA only), or `refused` / `out_of_memory` with the
+    reason."""
     import torch
 
     from contract.messages import GenerationParameters
@@ -144,7 +204,10 @@ def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: 
             if cuda:
                 torch.cuda.synchronize()
             began = time.perf_counter()
-            runner.generate([GenerationItem(prompt=f"bench {index}", seed=index)], params, lambda step, total: None)
+            call = (
+                params if index or not warmup_steps else params.model_copy(update={"num_inference_steps": warmup_steps})
+            )
+            runner.generate([GenerationItem(prompt=f"bench {index}", seed=index)], call, lambda step, total: None)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)

@@ -16,7 +16,17 @@ from bench import gpu_check
 ROOT = Path(__file__).resolve().parents[2]
 # The lines the tiny run here covers: all but the compiled ones (compiling, even with torch.compile's eager backend,
 # takes minutes of a shared 2-core machine; `make gpu-check TINY=1` runs them).
-TINY_LINES = ["sd15.", "batch", "open-loop", "flux.build", "flux.bf16"]
+TINY_LINES = [
+    "sd15.",
+    "batch",
+    "open-loop",
+    "flux.build",
+    "flux.bf16",
+    "zimage.bf16",
+    "flux2-klein.bf16",
+    "qwenimage.bf16",
+    "qwenimage.release",
+]
 # What a GPU image lacks: the service clients (and what only they pull in), the API's web stack, plotting.
 ABSENT = ("google.cloud", "google.api_core", "google.auth", "grpc", "redis", "flask", "prometheus_client", "matplotlib")
 BLOCKED = f"import sys; [sys.modules.__setitem__(m, None) for m in {ABSENT!r}]"
@@ -33,8 +43,15 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     document = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     lines = {line["key"]: line for line in document["lines"]}
     expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
-                "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16"}  # fmt: skip
+                "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16",
+                "zimage.build", "zimage.bf16", "flux2-klein.build", "flux2-klein.bf16", "qwenimage.build",
+                "qwenimage.bf16", "qwenimage.release"}  # fmt: skip
     assert expected <= set(lines), sorted(set(lines))
+    # Each 2026 family's image at its tiny size, against its own memory plan (the weights' figure is the family's).
+    for family, plan_gb in (("zimage", 20.5), ("flux2-klein", 16.0), ("qwenimage", 57.7)):
+        line = lines[f"{family}.bf16"]
+        assert line["measured"].endswith("s/image (memory: GPU only)") and f"loaded <= {plan_gb} GB" in line["target"]
+    assert not (tmp_path / "work" / "qwenimage-tiny").exists(), "the release line left Qwen-Image's weights"
     phases = lines["sd15.lone-4-phases"]["detail"]
     assert phases["step"]["calls"] == 5 and phases["step"]["start"] > 0 and phases["step"]["decode"] > 0
     assert phases["request"]["generate"] >= phases["request"]["to_first_step"] > 0
@@ -144,3 +161,6 @@ def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
     assert keys("sd15-compiled") == {"sd15-compiled", "sd15-compiled.warm-start"}
     assert keys("sd15-compiled.warm-start") == {"sd15-compiled", "sd15-compiled.warm-start"}  # the line it needs
     assert {"flux.build", "flux.bf16", "flux.bf16-compiled"} <= keys("flux")
+    assert keys("qwenimage") == {"qwenimage.build", "qwenimage.bf16", "qwenimage.float8_weight_only",
+                                 "qwenimage.release"}  # fmt: skip
+    assert keys("zimage.bf16") == {"zimage.bf16"}  # it builds its weights itself when run alone
