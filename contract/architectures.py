@@ -106,6 +106,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             pixels_per_token=256, text_tokens=256,  # [schnell] encodes 256 T5 tokens, [dev] 512
         ),
         Architecture(
+            # FLUX.1 Fill [dev]: [dev]'s transformer taking the masked image's latents and the mask beside the latents
+            # (384 input channels, 64 out); the tokens, and so the activations, are [dev]'s.
+            "flux.1-fill-dev", "flux",
+            {"transformer": ComponentSize(11_902_391_360, 11_899_305_984, 3_065_920), "text_encoder": CLIP_L,
+             "text_encoder_2": T5_XXL, "vae": VAE_16},
+            denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
+            pixels_per_token=256, text_tokens=512,
+        ),
+        Architecture(
             "sd3.5-medium", "sd3",
             {"transformer": ComponentSize(2_469_663_936, 2_241_822_720, 1_241_152),
              "text_encoder": CLIP_L_PROJECTION, "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL,

@@ -109,6 +109,8 @@ FAMILIES: dict[str, Family] = {
                 "FluxImg2ImgPipeline": "image-to-image",
                 # FLUX.1 Kontext [dev]: an instruction and an image, whose latents join the sequence as tokens
                 "FluxKontextPipeline": "edit",
+                # FLUX.1 Fill [dev]: the masked image's latents and the mask packed beside the latents as channels
+                "FluxFillPipeline": "inpaint",
             },  # fmt: skip
             size_multiple=16,
             defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024},

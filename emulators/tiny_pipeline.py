@@ -284,6 +284,20 @@ def _flux(out_dir: Path, guidance_embeds: bool = False) -> dict:
     }  # fmt: skip
 
 
+def _flux_fill(out_dir: Path, guidance_embeds: bool = False) -> dict:
+    """FLUX.1 Fill's transformer over the tiny FLUX.1's components: its input takes the packed latents, the masked
+    image's packed latents and the 8x8 mask packed 2x2 (16 + 16 + 256 channels), its output the latents' 16."""
+    from diffusers import FluxTransformer2DModel
+
+    components = _flux(out_dir, guidance_embeds)
+    components["transformer"] = FluxTransformer2DModel(
+        patch_size=1, in_channels=16 + 16 + 4 * 64, out_channels=16, num_layers=1, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=guidance_embeds,
+    )  # fmt: skip
+    return components
+
+
 def build_t5_tokenizer(out_dir: Path):
     """A T5 tokenizer (a Unigram model learned from CORPUS), wrapped as transformers' fast T5 tokenizer."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
@@ -459,6 +473,7 @@ _BUILDERS = {
     "StableDiffusionXLImg2ImgPipeline": _sdxl,
     "FluxPipeline": _flux,
     "FluxImg2ImgPipeline": _flux,
+    "FluxFillPipeline": _flux_fill,
     "FluxKontextPipeline": _flux,  # FLUX.1 Kontext [dev]: FLUX.1's components (guidance embedded)
     "StableDiffusion3Pipeline": _sd3,
     "ZImagePipeline": _zimage,

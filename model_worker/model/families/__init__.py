@@ -12,7 +12,7 @@ from model_worker.model.families.base import Denoiser
 
 def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     """The denoiser of the spec's family (its `load_kwargs` say how to load the pipeline it wraps)."""
-    from model_worker.model.families.flow import FluxDenoiser, FluxKontextDenoiser, SD3Denoiser
+    from model_worker.model.families.flow import FluxDenoiser, FluxFillDenoiser, FluxKontextDenoiser, SD3Denoiser
     from model_worker.model.families.flux2 import Flux2KleinDenoiser
     from model_worker.model.families.qwenimage import QwenImageDenoiser
     from model_worker.model.families.unet import SD15InpaintDenoiser, SDXLDenoiser, UNetDenoiser
@@ -26,7 +26,7 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     if family is None or family.name not in denoisers:
         raise ValueError(f"{spec.name}: no denoiser for pipeline {spec.pipeline}")
     if spec.task == "inpaint":  # the same family's denoiser, with the inpainting inputs per image
-        inpainting: dict[str, type[Denoiser]] = {"sd15": SD15InpaintDenoiser}
+        inpainting: dict[str, type[Denoiser]] = {"sd15": SD15InpaintDenoiser, "flux": FluxFillDenoiser}
         if family.name not in inpainting:
             raise ValueError(f"{spec.name}: no inpainting denoiser for pipeline {spec.pipeline}")
         return inpainting[family.name]

@@ -238,6 +238,87 @@ class FluxKontextDenoiser(FluxDenoiser):
         return self._torch.cat([r.state["latents"], r.state["reference"]], dim=1)
 
 
+class FluxFillDenoiser(FluxDenoiser):
+    """FLUX.1 Fill (`FluxFillPipeline`, task `inpaint`): each image's tokens carry, beside its packed latents as
+    channels, its masked image's packed latents and its mask (8x8 pixels a latent pixel, packed 2x2), so inpaint
+    requests with other images, masks and step counts share a transformer call. Latents, masked-image latents and
+    mask are made by the pipeline's own helpers on each image's own generator, in the pipeline's order (the image's
+    latents, the noise, then the masked image's latents), at its strength's step of its own schedule."""
+
+    def check_loaded(self) -> None:
+        super().check_loaded()
+        config = self.pipeline.transformer.config
+        if config.in_channels == (config.out_channels or config.in_channels):
+            raise ValueError(
+                f"{self.spec.name}: an inpaint FLUX.1 model needs FLUX.1 Fill's transformer (its input channels take the "
+                f"masked image and the mask beside the latents), not one of {config.in_channels} in and out"
+            )
+
+    def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
+        return {
+            "width": params.width, "height": params.height, "max_sequence_length": self.max_sequence_length,
+            "image": [item.image for item in items], "mask_image": [item.mask for item in items],
+            "strength": 1.0 if params.strength is None else params.strength,
+        }  # fmt: skip
+
+    def start(self, items: list[GenerationItem], params: GenerationParameters) -> list[RunningItem]:
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift, retrieve_timesteps
+
+        torch, pipe = self._torch, self.pipeline
+        device = pipe._execution_device
+        height, width, steps = params.height, params.width, params.num_inference_steps
+        strength = 1.0 if params.strength is None else params.strength
+        requested = self.requested_steps(params)
+        with torch.inference_mode():
+            prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+                prompt=[item.prompt for item in items], prompt_2=None, device=device, num_images_per_prompt=1,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
+            channels, dtype = pipe.vae.config.latent_channels, prompt_embeds.dtype
+            config = pipe.scheduler.config
+            tokens = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
+            mu = calculate_shift(
+                tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+            )  # fmt: skip
+            running = []
+            for index, item in enumerate(items):
+                generator = torch.Generator(device="cpu").manual_seed(item.seed)
+                scheduler = self.new_scheduler()
+                retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+                with self.using(scheduler):  # the pipeline's own helpers, on this image's scheduler
+                    timesteps, _ = pipe.get_timesteps(steps, strength, device)
+                    image = pipe.image_processor.preprocess(item.image, height=height, width=width)
+                    image = image.to(dtype=torch.float32)
+                    latents, image_ids = pipe.prepare_latents(
+                        image, timesteps[:1].repeat(1), 1, channels, height, width, dtype, device, [generator]
+                    )
+                    mask = pipe.mask_processor.preprocess(item.mask, height=height, width=width)
+                    masked_image = (image * (1 - mask)).to(device=device, dtype=dtype)
+                    mask, masked_latents = pipe.prepare_mask_latents(
+                        mask, masked_image, 1, channels, 1, height, width, dtype, device, [generator]
+                    )
+                state = {
+                    "scheduler": scheduler,
+                    "timesteps": timesteps,
+                    "latents": latents,
+                    "fill": torch.cat((masked_latents, mask), dim=-1),
+                    "image_ids": image_ids,
+                    "text_ids": text_ids,
+                    "context": prompt_embeds[index : index + 1],
+                    "pooled": pooled[index : index + 1],
+                    "guidance": params.guidance_scale,
+                    "size": (height, width),
+                    "step_kwargs": {},
+                }
+                running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
+        return self.prepared(running)
+
+    def model_tokens(self, r: RunningItem):
+        return self._torch.cat((r.state["latents"], r.state["fill"]), dim=2)
+
+
 class SD3Denoiser(GuidedDenoiser):
     """SD 3.5: two CLIPs and T5 (or zeros in its place), classifier-free guidance with negative prompts."""
 
