@@ -29,7 +29,14 @@ CARRIED = {
     "sd15": ("unet", "vae", "text_encoder"),
     "sdxl": ("unet", "vae", "text_encoder", "text_encoder_2"),
     "flux": ("transformer",),
+    "zimage": ("transformer",),
+    "qwenimage": ("transformer",),
 }
+# Z-Image's original names for diffusers' (diffusers' `convert_z_image_transformer_checkpoint_to_diffusers`
+# renames these back, and splits the fused q/k/v).
+_ZIMAGE_ORIGINAL = {"all_x_embedder.2-1.": "x_embedder.", "all_final_layer.2-1.": "final_layer.",
+                    ".attention.to_out.0.": ".attention.out.", ".attention.norm_k.": ".attention.k_norm.",
+                    ".attention.norm_q.": ".attention.q_norm."}  # fmt: skip
 
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
            "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}  # fmt: skip
@@ -234,3 +241,30 @@ def fine_tune(base: Path, out: Path, components: tuple[str, ...], seed: int = 1,
 def component_tensors(folder: Path, component: str) -> dict:
     """Every tensor of one component of a diffusers folder, by its diffusers name."""
     return _load(folder, component)
+
+
+def zimage_to_original(state: dict) -> dict:
+    """Z-Image's transformer in its original names: q, k and v fused into `attention.qkv`."""
+    original = {}
+    for name, tensor in state.items():
+        if ".attention.to_k." in name or ".attention.to_v." in name:
+            continue
+        if ".attention.to_q." in name:
+            parts = [state[name.replace(".to_q.", f".{p}.")] for p in ("to_q", "to_k", "to_v")]
+            original[name.replace(".attention.to_q.", ".attention.qkv.")] = torch.cat(parts, dim=0)
+            continue
+        for theirs, ours in _ZIMAGE_ORIGINAL.items():
+            name = name.replace(theirs, ours)
+        original[name] = tensor
+    return original
+
+
+def write_transformer_checkpoint(pipeline: Path, out: Path, family: str, prefix: str = "") -> Path:
+    """A Z-Image (original names) or Qwen-Image (diffusers' names) transformer alone, optionally under
+    `model.diffusion_model.` (ComfyUI's)."""
+    state = _load(pipeline, "transformer")
+    if family == "zimage":
+        state = zimage_to_original(state)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + k: v.contiguous() for k, v in state.items()}, out)
+    return out

@@ -1,7 +1,9 @@
-"""Converts a single-file checkpoint (SD 1.5, SDXL, FLUX.1) into a diffusers folder with diffusers' own loaders.
+"""Converts a single-file checkpoint (SD 1.5, SDXL, FLUX.1, Z-Image, Qwen-Image) into a diffusers folder with diffusers'
+own loaders.
 
 Fine-tunes are mostly shared as one `.safetensors` file in the original layout (CompVis/Stability's
-`model.diffusion_model.*` UNet with its VAE and text encoders; Black Forest Labs' FLUX transformer alone). Its
+`model.diffusion_model.*` UNet with its VAE and text encoders; Black Forest Labs' FLUX transformer alone; Z-Image's and
+Qwen-Image's transformer alone, as ComfyUI shares them). A FLUX.2 file is refused (import it as a folder). Its
 family is read from its tensor names; nothing in it is executed or unpickled (only safetensors, its header checked
 first as the format requires: `contract/safetensors_checks.py`). A single file carries weights but no configuration: the *base*, a diffusers folder of the same family
 (local, or the weights path of a model already served), gives every component's configuration, the
@@ -65,7 +67,19 @@ COMPONENTS = {
     ),
     # FLUX files are the transformer's tensors, bare or under `model.diffusion_model.`; the rest is the base's.
     "flux": (Component("transformer", "FluxTransformer2DModel", ("",)),),
+    # So are Z-Image's (its original names: fused q/k/v, `x_embedder`, `final_layer`) and Qwen-Image's (diffusers'
+    # names already, as ComfyUI shares them).
+    "zimage": (Component("transformer", "ZImageTransformer2DModel", ("",)),),
+    "qwenimage": (Component("transformer", "QwenImageTransformer2DModel", ("",)),),
 }
+# The families whose file is their transformer alone, each with a tensor name that only it has.
+TRANSFORMER_FILES = {
+    "zimage": re.compile(
+        r"^(model\.diffusion_model\.)?(layers|noise_refiner|context_refiner)\.\d+\.adaLN_modulation\."
+    ),
+    "qwenimage": re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.\d+\.img_mod\."),
+}
+_FLUX2_NAMES = re.compile(r"^(model\.diffusion_model\.)?(double|single)_stream_modulation")
 _FLUX_NAMES = re.compile(r"^(model\.diffusion_model\.)?(double_blocks|single_blocks)\.\d+\.")
 _SD3_NAMES = re.compile(r"^(model\.diffusion_model\.)?joint_blocks\.\d+\.")
 
@@ -87,6 +101,22 @@ _SIGNATURES = {
             ("vector_in.in_layer.weight", "time_text_embed.text_embedder.linear_1.weight"),
         ],
     ),  # fmt: skip
+    "zimage": (
+        "transformer",
+        [
+            ("x_embedder.weight", "all_x_embedder.2-1.weight"),
+            ("cap_embedder.1.weight", "cap_embedder.1.weight"),
+            ("final_layer.linear.weight", "all_final_layer.2-1.linear.weight"),
+        ],
+    ),  # fmt: skip
+    "qwenimage": (
+        "transformer",
+        [
+            ("img_in.weight", "img_in.weight"),
+            ("txt_in.weight", "txt_in.weight"),
+            ("proj_out.weight", "proj_out.weight"),
+        ],
+    ),  # fmt: skip
 }
 _SIGNATURES["sdxl"] = ("unet", [*_SIGNATURES["sd15"][1], ("label_emb.0.0.weight", "add_embedding.linear_1.weight")])
 
@@ -105,7 +135,13 @@ def read_checkpoint_header(path: Path) -> dict:
 
 
 def detect_family(names: list[str] | set[str], file: str) -> str:
-    """sd15, sdxl or flux, from the tensor names alone."""
+    """sd15, sdxl, flux, zimage or qwenimage, from the tensor names alone."""
+    if any(_FLUX2_NAMES.match(name) for name in names):
+        raise CheckpointRefusedError(f"{file}: a FLUX.2 checkpoint (double_stream_modulation); import FLUX.2 [klein] "
+                                     "as a diffusers folder")  # fmt: skip
+    for family, pattern in TRANSFORMER_FILES.items():
+        if any(pattern.match(name) for name in names):
+            return family
     if any(_FLUX_NAMES.match(name) for name in names):
         return "flux"
     if any(_SD3_NAMES.match(name) for name in names):
@@ -116,8 +152,10 @@ def detect_family(names: list[str] | set[str], file: str) -> str:
         raise CheckpointRefusedError(f"{file}: an SD 2.x checkpoint (OpenCLIP text encoder); SD 2.x is not served")
     if any(name.startswith((UNET_PREFIX + "input_blocks.", "cond_stage_model.transformer.")) for name in names):
         return "sd15"
-    raise CheckpointRefusedError(f"{file}: no SD 1.5, SDXL or FLUX tensors (e.g. {UNET_PREFIX}input_blocks.*, "
-                                 "conditioner.embedders.1.model.*, double_blocks.*); a LoRA or another model?")  # fmt: skip
+    raise CheckpointRefusedError(f"{file}: no SD 1.5, SDXL, FLUX.1, Z-Image or Qwen-Image tensors (e.g. "
+                                 f"{UNET_PREFIX}input_blocks.*, conditioner.embedders.1.model.*, double_blocks.*, "
+                                 "layers.*.adaLN_modulation.*, transformer_blocks.*.img_mod.*); a LoRA or another "
+                                 "model?")  # fmt: skip
 
 
 def pipeline_class(index: Path, label: str = "") -> str:
@@ -152,8 +190,9 @@ def check_shapes(header: dict, family: str, base: Path, file: str) -> None:
     """The file's key tensors have the base's shapes (and FLUX its block counts and guidance input)."""
     component, pairs = _SIGNATURES[family]
     base_header = _base_header(base, component)
-    prefix = UNET_PREFIX if family != "flux" or UNET_PREFIX + "img_in.weight" in header else ""
-    if family != "flux" and not any(name.startswith(UNET_PREFIX) for name in header):
+    unet = component == "unet"
+    prefix = UNET_PREFIX if unet or any(name.startswith(UNET_PREFIX) for name in header) else ""
+    if unet and not any(name.startswith(UNET_PREFIX) for name in header):
         return  # no UNet in the file: its text encoders and VAE are checked as they convert
     for ours, theirs in pairs:
         entry = header.get(prefix + ours)
@@ -225,6 +264,8 @@ def _convert_component(component: Component, tensors: dict, base: Path):
                                                     local_files_only=True)  # fmt: skip
     if component.cls == "FluxTransformer2DModel":
         tensors = convert_flux_transformer(tensors)  # already diffusers' names: from_single_file loads them as is
+    elif component.cls == "QwenImageTransformer2DModel":  # diffusers maps its names as they are: the prefix dropped
+        tensors = {name.removeprefix(UNET_PREFIX): tensor for name, tensor in tensors.items()}
     cls = getattr(diffusers, component.cls)
     return cls.from_single_file(tensors, config=str(base), subfolder=component.name, local_files_only=True)
 

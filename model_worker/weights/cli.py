@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     importing = commands.add_parser("import", help="check a model (converted first if a single file) and upload it "
                                     "with its manifest")  # fmt: skip
     importing.add_argument("source", type=Path, help="a diffusers folder, or a single-file .safetensors checkpoint "
-                           "(SD 1.5, SDXL, FLUX.1) with --base")  # fmt: skip
+                           "(SD 1.5, SDXL, FLUX.1; a Z-Image or Qwen-Image transformer) with --base")  # fmt: skip
     importing.add_argument("--model", required=True, type=_name(naming.model_name_problem),
                            help="the catalog model it is a version of")  # fmt: skip
     importing.add_argument("--version", required=True, type=_name(naming.version_name_problem),

@@ -3,7 +3,8 @@
     python -m model_worker.weights import SOURCE --model NAME --version V [--family F] [--base BASE]
 
 (the command line: `model_worker/weights/cli.py`). SOURCE is a diffusers folder (`model_index.json` and its
-components) or a single-file `.safetensors` checkpoint (SD 1.5, SDXL or FLUX.1), converted first against BASE
+components) or a single-file `.safetensors` checkpoint (SD 1.5, SDXL, FLUX.1, or a Z-Image or Qwen-Image
+transformer), converted first against BASE
 (`model_worker/weights/checkpoints.py`): a diffusers folder of the same family, local or `gs://bucket/prefix` (an
 already-served model, downloaded checked against its manifest), which gives the configuration, tokenizers and the
 components the file lacks. Nothing is executed or unpickled: every weight file must be safetensors with a header
