@@ -88,7 +88,12 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "sdxl",
-            {"StableDiffusionXLPipeline": "text-to-image", "StableDiffusionXLImg2ImgPipeline": "image-to-image"},
+            {
+                "StableDiffusionXLPipeline": "text-to-image",
+                "StableDiffusionXLImg2ImgPipeline": "image-to-image",
+                # over an inpainting UNet (stable-diffusion-xl-1.0-inpainting-0.1): 9 input channels, as SD 1.5's
+                "StableDiffusionXLInpaintPipeline": "inpaint",
+            },  # fmt: skip
             size_multiple=8,
             defaults={"num_inference_steps": 30, "guidance_scale": 5.0, "width": 1024, "height": 1024},
             guidance="cfg",

@@ -199,15 +199,16 @@ def _sd15_inpaint(out_dir: Path) -> dict:
     return _sd15(out_dir, in_channels=9)
 
 
-def _sdxl_unet(projection_class_embeddings_input_dim: int, cross_attention_dim: int):
-    """The tiny SDXL UNet, base or refiner: they differ in their conditioning widths only."""
+def _sdxl_unet(projection_class_embeddings_input_dim: int, cross_attention_dim: int, in_channels: int = 4):
+    """The tiny SDXL UNet, base or refiner: they differ in their conditioning widths only (an inpainting UNet in
+    its 9 input channels)."""
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
         block_out_channels=(32, 64),
         layers_per_block=2,
         sample_size=128,
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -236,6 +237,13 @@ def _sdxl(out_dir: Path) -> dict:
         "unet": unet, "vae": _vae(force_upcast=True), "text_encoder": text_encoder, "tokenizer": tokenizer,
         "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "scheduler": scheduler,
     }  # fmt: skip
+
+
+def _sdxl_inpaint(out_dir: Path) -> dict:
+    """SDXL's inpainting UNet (stable-diffusion-xl-1.0-inpainting-0.1): 9 input channels, the rest the base's."""
+    components = _sdxl(out_dir)
+    components["unet"] = _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64, in_channels=9)
+    return components
 
 
 def _sdxl_refiner(out_dir: Path) -> dict:
@@ -471,6 +479,7 @@ _BUILDERS = {
     "StableDiffusionInpaintPipeline": _sd15_inpaint,
     "StableDiffusionXLPipeline": _sdxl,
     "StableDiffusionXLImg2ImgPipeline": _sdxl,
+    "StableDiffusionXLInpaintPipeline": _sdxl_inpaint,
     "FluxPipeline": _flux,
     "FluxImg2ImgPipeline": _flux,
     "FluxFillPipeline": _flux_fill,

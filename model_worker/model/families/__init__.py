@@ -15,7 +15,12 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     from model_worker.model.families.flow import FluxDenoiser, FluxFillDenoiser, FluxKontextDenoiser, SD3Denoiser
     from model_worker.model.families.flux2 import Flux2KleinDenoiser
     from model_worker.model.families.qwenimage import QwenImageDenoiser
-    from model_worker.model.families.unet import SD15InpaintDenoiser, SDXLDenoiser, UNetDenoiser
+    from model_worker.model.families.unet import (
+        SD15InpaintDenoiser,
+        SDXLDenoiser,
+        SDXLInpaintDenoiser,
+        UNetDenoiser,
+    )
     from model_worker.model.families.zimage import ZImageDenoiser
 
     denoisers: dict[str, type[Denoiser]] = {
@@ -26,7 +31,9 @@ def denoiser_class(spec: ModelSpec) -> type[Denoiser]:
     if family is None or family.name not in denoisers:
         raise ValueError(f"{spec.name}: no denoiser for pipeline {spec.pipeline}")
     if spec.task == "inpaint":  # the same family's denoiser, with the inpainting inputs per image
-        inpainting: dict[str, type[Denoiser]] = {"sd15": SD15InpaintDenoiser, "flux": FluxFillDenoiser}
+        inpainting: dict[str, type[Denoiser]] = {
+            "sd15": SD15InpaintDenoiser, "sdxl": SDXLInpaintDenoiser, "flux": FluxFillDenoiser,
+        }  # fmt: skip
         if family.name not in inpainting:
             raise ValueError(f"{spec.name}: no inpainting denoiser for pipeline {spec.pipeline}")
         return inpainting[family.name]

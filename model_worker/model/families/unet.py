@@ -276,3 +276,9 @@ class SD15InpaintDenoiser(UNetDenoiser):
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
+
+
+class SDXLInpaintDenoiser(SD15InpaintDenoiser, SDXLDenoiser):
+    """SDXL inpainting (`StableDiffusionXLInpaintPipeline` over a 9-channel UNet): SD 1.5 inpainting's per-image
+    start and 9-channel rows, with SDXL's conditioning (both encoders, the pooled embedding and the time ids the
+    image-taking pipelines use, with the aesthetic score when the weights ask for it), call and decode."""
