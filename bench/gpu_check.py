@@ -750,8 +750,9 @@ def child_flux_variant(check: Check, args: dict) -> dict:
 
 # Each at its real size from the memory plan's recorded configurations, random weights, one image at the catalog's
 # default steps and size (Qwen-Image: 50 steps at 1328x1328 with its true_cfg_scale), bf16 and float8 weight-only,
-# eager: seconds per image, GB loaded and at the peak against the memory plan. Then its weights are deleted (the
-# device's disk holds FLUX.1's 34 GB beside one of them, not Qwen-Image's 57.7 GB beside Z-Image's).
+# eager: seconds per image, GB loaded and at the peak against the memory plan. Then its weights are deleted (a lent
+# machine's 64 GiB disk holds FLUX.1's 34 GB beside Z-Image's or klein's, not beside Qwen-Image's 57.7 GB: a build
+# checks the free disk first).
 FAMILY_NAMES = {"zimage": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein] 4B", "qwenimage": "Qwen-Image"}
 FAMILY_KINDS = (None, "float8_weight_only")
 # The eager warm-up call's steps (its kernels and allocations are the timed call's; its image need not be whole).
@@ -777,10 +778,20 @@ def line_family_build(check: Check, family: str) -> None:
 
 
 def child_family_build(check: Check, args: dict) -> dict:
+    import shutil
+
     from bench.quantized_pipeline import weights_for
 
+    family = args["family"]
+    if not check.tiny and not (check.workdir / f"{family}-sized" / "model_index.json").exists():
+        needed = variant_plan(family, None, family_size(check, family))["weights_gb"] + 1.0
+        check.workdir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(check.workdir).free / 1e9
+        if free < needed:  # a clear MISS, not a disk filled part-way (FLUX.1's 34 GB may be there already)
+            raise RuntimeError(f"its weights need {needed:.0f} GB of disk and {free:.0f} GB are free under "
+                               f"{check.workdir}: run `--lines {family}` alone, or delete what is built there")  # fmt: skip
     started = time.perf_counter()
-    weights = weights_for(args["family"], check.tiny, check.workdir)
+    weights = weights_for(family, check.tiny, check.workdir)
     return {"weights": str(weights), "seconds": time.perf_counter() - started}
 
 

@@ -164,3 +164,19 @@ def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
     assert keys("qwenimage") == {"qwenimage.build", "qwenimage.bf16", "qwenimage.float8_weight_only",
                                  "qwenimage.release"}  # fmt: skip
     assert keys("zimage.bf16") == {"zimage.bf16"}  # it builds its weights itself when run alone
+
+
+def test_a_familys_build_that_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    """Qwen-Image's real-size weights (57.7 GB) beside FLUX.1's 34 GB would fill a lent machine's 64 GiB part-way: the
+    build says so first, and its line is a MISS with the reason."""
+    import shutil
+    from types import SimpleNamespace
+
+    check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=None)
+    check.tiny = False  # judged as on a GPU: the real size
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=30e9))
+    with pytest.raises(
+        RuntimeError, match="its weights need 59 GB of disk and 30 GB are free .* .--lines qwenimage. alone"
+    ):
+        gpu_check.child_family_build(check, {"family": "qwenimage"})
+    assert list(tmp_path.iterdir()) == [], "it wrote something"
