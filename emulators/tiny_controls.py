@@ -80,3 +80,27 @@ def build_control(kind: str, pipeline_dir: Path, out_dir: Path, seed: int) -> Pa
 def control_files(folder: Path) -> dict[str, bytes]:
     """A built control version's files by their path in the folder (what is uploaded under its version prefix)."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def publish_controls(spec, pipeline_dir: Path, out_dir: Path, bucket_name: str) -> list[str]:
+    """Builds the tiny control models of the kinds the model's family serves, uploads them under
+    `adapters/_controls/{model}/{name}/1/` and registers them the way the admin call does (the same checks)."""
+    from contract import google_clients, naming
+    from contract.settings import Settings
+    from contract.stores.control_registry import ControlRegistry
+
+    bucket = google_clients.storage_client(Settings.from_env()).bucket(bucket_name)
+    registry = ControlRegistry(bucket)
+    registered = []
+    for name, (kind, seed) in TINY_CONTROLS.items():
+        if kind not in spec.family.controls:
+            continue
+        folder = out_dir / name / CONTROL_VERSION
+        if not folder.exists():
+            build_control(kind, pipeline_dir, folder, seed)
+        prefix = naming.control_prefix(spec.name, name, CONTROL_VERSION)
+        for file, data in control_files(folder).items():
+            bucket.blob(prefix + file).upload_from_string(data)
+        record = registry.register(spec, name, kind, CONTROL_VERSION)
+        registered.append(f"{name}@{record.version} ({kind}, {record.bytes} bytes)")
+    return registered

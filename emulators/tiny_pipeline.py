@@ -635,6 +635,11 @@ def main() -> None:
             if spec.adapters is not None:
                 adapters = publish_adapters(spec, target, args.out / "adapters" / spec.name, settings.model_bucket)
                 log.info("registered adapters for %s: %s", spec.name, ", ".join(adapters))
+            if spec.controls is not None:
+                from emulators.tiny_controls import publish_controls
+
+                controls = publish_controls(spec, target, args.out / "controls" / spec.name, settings.model_bucket)
+                log.info("registered control models for %s: %s", spec.name, ", ".join(controls))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import requests
 
 from contract import google_clients, naming
 from emulators.tiny_controls import build_controlnet, build_ip_adapter, control_files
-from tests.conftest import TEST_ADMIN_KEY
+from tests.conftest import TEST_ADMIN_KEY, query_rows
 
 pytestmark = pytest.mark.stack
 MODEL = "sd15-txt2img"
@@ -76,4 +76,73 @@ def test_control_models_are_registered_by_an_admin_listed_and_hostile_files_refu
                                        ("never-uploaded", "controlnet", "1", "version")):  # fmt: skip
         response = register(stack, admin, name, kind, version)
         assert response.status_code == 422, (name, response.text)
+        assert response.json()["error"]["field"] == field, response.text
+
+
+def png_b64(seed: int, size: int = 64) -> str:
+    """A control image: a bright square on black, somewhere by `seed` (edges for a ControlNet to follow)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (size, size))
+    image.paste((255, 255, 255), (8 + seed % 16, 8, 40 + seed % 16, 40))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def predict(stack, headers, seed: int, controls=None) -> requests.Response:
+    parameters = {"seed": seed, "width": 64, "height": 64, "num_inference_steps": 4}
+    if controls is not None:
+        parameters["controls"] = controls
+    body = {"instances": [{"prompt": "a lighthouse"}], "parameters": parameters}
+    return requests.post(f"{stack.api_url}/v1/models/{MODEL}:predict", json=body,
+                         headers={**headers, "Cache-Control": "no-cache"}, timeout=120)  # fmt: skip
+
+
+def pixels(response: requests.Response):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    assert response.status_code == 200, response.text
+    png = base64.b64decode(response.json()["predictions"][0]["image_b64"])
+    return np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
+
+
+def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_the_control_model(
+    stack, auth_headers, bigquery, settings
+):
+    """`make up`'s tiny ControlNet (tiny-edges) steers a request served in the same running set as a plain request of
+    the same seed; its BigQuery row names the control model and its version; bad controls are 422s naming the field."""
+    import threading
+
+    control = [{"name": "tiny-edges", "image": png_b64(1), "scale": 0.8, "preprocess": "canny"}]
+    answers: dict[str, requests.Response] = {}
+
+    def send(key: str, controls) -> None:
+        answers[key] = predict(stack, auth_headers, 7, controls)
+
+    threads = [threading.Thread(target=send, args=args) for args in (("plain", None), ("controlled", control))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    plain, controlled = pixels(answers["plain"]), pixels(answers["controlled"])
+    assert abs(plain - controlled).max() > 10  # the ControlNet steered it
+    request_id = answers["controlled"].headers["X-Request-Id"]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    [row] = query_rows(bigquery, f"SELECT controls FROM {table} WHERE request_id = '{request_id}'", 1, timeout=30)
+    assert row["controls"] == "tiny-edges@1:0.8"
+    for controls, field in (([{"name": "nothing-here", "image": png_b64(2)}], "parameters.controls.0.name"),
+                            ([{"name": "tiny-edges", "image": png_b64(2), "scale": 9.0}], "parameters.controls.0.scale"),
+                            ([{"name": "tiny-edges", "image": "bm90IGFuIGltYWdl"}], "parameters.controls.0.image"),
+                            ([{"name": "tiny-edges", "image": png_b64(2), "preprocess": "depth"}],
+                             "parameters.controls.0.preprocess")):  # fmt: skip
+        response = predict(stack, auth_headers, 8, controls)
+        assert response.status_code == 422, response.text
         assert response.json()["error"]["field"] == field, response.text
