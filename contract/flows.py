@@ -114,8 +114,8 @@ def _default_takes(spec: ModelSpec, first: bool) -> tuple[str, ...]:
     wanted = REQUEST_PARAMETERS if first else LATER_STAGE_TAKES
     takes = []
     for name in wanted:
-        if name in ("image", "strength") and not spec.needs_image:
-            continue
+        if (name == "image" and not spec.needs_image) or (name == "strength" and not spec.takes_strength):
+            continue  # an edit model takes an image but no strength (its image is a reference, not a start)
         if name == "guidance_scale" and spec.guidance_mode == "none":
             continue
         if name == "negative_prompt" and spec.guidance_mode != "cfg":
@@ -197,6 +197,8 @@ def _check_parameters(where: str, stage: FlowStage, spec: ModelSpec, first: bool
         )
     if not spec.needs_image and {"strength", "image"} & (set(takes) | set(stage.fixes)):
         raise FlowError(f"{where}: {_unit_label(spec)} takes no image, so no `strength` or `image`")
+    if spec.needs_image and not spec.takes_strength and "strength" in set(takes) | set(stage.fixes):
+        raise FlowError(f"{where}: {_unit_label(spec)} takes no `strength` (its image is a reference, not a start)")
     if "adapters" in takes and spec.adapters is None:
         raise FlowError(f"{where}: takes adapters, but {spec.name} serves none (no `adapters` in its catalog entry)")
     if "adapters" in stage.fixes:
@@ -396,7 +398,7 @@ def plan_stages(
         values.update(stage.fixes)
         values.setdefault("seed", asked["seed"])
         values["adapters"] = tuple((adapters or {}).get(stage.name, ())) if "adapters" in takes else ()
-        if not unit.needs_image:
+        if not unit.takes_strength:
             values.pop("strength", None)
         if size is not None:
             values["width"], values["height"] = size

@@ -150,3 +150,28 @@ def test_a_plan_refuses_a_parameter_no_request_carries(tmp_path):
     flow = loaded.flow("sd15-hires")
     with pytest.raises(FlowError, match=r"\['steps'\] are not request parameters"):
         plan_stages(flow, [loaded.get(stage.model) for stage in flow.stages], {"seed": 1, "steps": 4})
+
+
+def test_a_flow_ending_in_an_edit_plans_the_instruction_stage_without_strength(tmp_path):
+    """A FLUX.1 [schnell] draft, then a FLUX.1 Kontext edit of it: the edit stage takes the draft as its image and no
+    `strength` (its image is a reference, not a start), so it runs every step it is asked; fixing one is refused."""
+    draft_then_edit = {
+        "stages": [
+            {"name": "draft", "model": "flux-schnell"},
+            {
+                "name": "edit",
+                "model": "flux-kontext",
+                "takes": ["prompt", "seed"],
+                "fixes": {"num_inference_steps": 20},
+            },
+        ]
+    }
+    loaded = catalog(tmp_path, {"draft-edit": draft_then_edit})
+    flow = loaded.flow("draft-edit")
+    draft, edit = plan_stages(flow, [loaded.get(stage.model) for stage in flow.stages], {"seed": 3, "strength": 0.5})
+    assert (edit.parameters.strength, edit.steps, edit.parameters.guidance_scale) == (None, 20, 2.5)
+    assert (draft.steps, total_steps([draft, edit])) == (4, 24)
+    with pytest.raises(
+        ValueError, match=r"stage 'edit': flux-kontext \(FluxKontextPipeline, edit\) takes no `strength`"
+    ):
+        catalog(tmp_path, {"draft-edit": with_stage(draft_then_edit, 1, fixes={"strength": 0.5})})
