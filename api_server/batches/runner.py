@@ -43,7 +43,7 @@ from api_server.core.errors import ApiError
 from api_server.flows.rows import rows_of
 from api_server.flows.serving import FlowService
 from api_server.inference_log.job_rows import ended_row
-from api_server.inference_log.records import now_to_the_millisecond
+from api_server.inference_log.records import mask_fraction, now_to_the_millisecond
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from api_server.jobs.service import stage_timings
 from api_server.jobs.webhooks import WebhookNotifier
@@ -513,6 +513,7 @@ class BatchRunner:
             cache_hit=False,
             num_images=len(prepared.prompts),
             input_bytes=sum(len(image) for image in prepared.images if image),
+            mask_fraction=mask_fraction(prepared.masks),
             api_instance=self._settings.instance_id,
             batch_job_id=batch.batch_id,
             custom_id=custom_id,

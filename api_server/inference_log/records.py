@@ -165,8 +165,7 @@ class RequestRecords:
             if prepared.params.controls:
                 row.controls = ",".join(f"{c.name}@{c.version}:{c.scale:g}" for c in prepared.params.controls)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
-            if masks := [mask for mask in prepared.masks if mask is not None]:
-                row.mask_fraction = round(sum(repaint_fraction(mask) for mask in masks) / len(masks), 4)
+            row.mask_fraction = mask_fraction(prepared.masks)
             if (step_cache := running_step_cache(prepared.spec.step_cache, prepared.params.step_cache)) is not None:
                 row.step_cache = step_cache.kind
 
@@ -276,3 +275,10 @@ def access_line(request: Request, response: Response, started: float) -> None:
             }
         },
     )
+
+
+def mask_fraction(masks: list[bytes | None]) -> float | None:
+    """An inpaint request's log `mask_fraction`: the share of its images' pixels the masks repaint (the mean over its
+    instances, 4 places); None without masks. The same for a predict's row and a batch line's."""
+    given = [mask for mask in masks if mask is not None]
+    return round(sum(repaint_fraction(mask) for mask in given) / len(given), 4) if given else None

@@ -147,3 +147,18 @@ def test_outpainting_on_predict_answers_the_larger_image(stack, auth_headers):
     assert response.status_code == 200, response.text
     (prediction,) = response.json()["predictions"]
     assert decoded(prediction["image_b64"]).size == (64, 48)
+
+
+def test_an_instruction_edit_is_answered_by_the_edit_model_at_the_input_size_and_logged_as_edit(
+    client, bigquery, settings
+):
+    """`images.edit` without a mask to FLUX.1 Kontext (the tiny one, in flux-schnell's worker): the instruction and
+    the image, answered at the image's size; its row says task `edit` and no mask area."""
+    raw = client.images.with_raw_response.edit(model="flux-kontext", image=png_file(80, 64), prompt="make it night",
+                                               extra_body=FAST)  # fmt: skip
+    assert [decoded(item.b64_json).size for item in raw.parse().data] == [(80, 64)]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    request_id = raw.headers["X-Request-Id"]
+    (row,) = query_rows(bigquery, f"SELECT * FROM {table} WHERE request_id = '{request_id}'", 1, timeout=60)
+    assert row["task"] == "edit" and row["model"] == "flux-kontext" and row["http_status"] == 200
+    assert row["mask_fraction"] is None

@@ -136,3 +136,19 @@ def test_an_edit_request_carries_its_image_and_no_strength_and_openais_edit_with
     assert call.model == "flux-kontext"
     via_openai = prepare(EDIT, call.payload["instances"][0], **call.payload["parameters"])
     assert via_openai.images == [IMAGE] and (via_openai.params.width, via_openai.params.height) == (256, 256)
+
+
+def test_a_batch_lines_row_has_its_masks_repainted_share_as_a_predicts_row_has():
+    from types import SimpleNamespace
+
+    from api_server.batches.runner import BatchRunner
+    from api_server.inference_log.writer import InferenceLogRow
+
+    made = BatchRunner(SimpleNamespace(instance_id="api-1"), *[None] * 9)  # type: ignore[arg-type]
+    batch = SimpleNamespace(batch_id="b1", owner="k")
+    # A 16x16 box of a 64x48 mask: a twelfth of its pixels repainted.
+    inpaint = prepare(INPAINT, {"prompt": "p", "image": b64(IMAGE), "mask": b64(mask())})
+    row = InferenceLogRow.from_json(made._row(batch, inpaint, "c1"))  # type: ignore[arg-type]
+    assert (row.task, row.endpoint, row.mask_fraction) == ("inpaint", "batch", round(256 / (64 * 48), 4))
+    edit = prepare(EDIT, {"prompt": "make it night", "image": b64(IMAGE)})
+    assert InferenceLogRow.from_json(made._row(batch, edit, "c2")).mask_fraction is None  # type: ignore[arg-type]
