@@ -132,7 +132,7 @@ def generation_call(payload: object) -> ImagesCall:
 
 def edit_call(form: dict[str, str], files: dict[str, list[bytes]]) -> ImagesCall:
     """The multipart body's fields (`form`) and file parts (`files`, by part name) as a predict body: without a mask
-    the image is an image-to-image model's input; with one, an inpaint model's image and mask."""
+    the image is an image-to-image or edit model's input; with one, an inpaint model's image and mask."""
     repeated = [name for name, parts in files.items() if len(parts) > 1 and name != "image[]"]
     if repeated:
         raise ApiError(422, f"{repeated[0]}: sent {len(files[repeated[0]])} times; send one", repeated[0])

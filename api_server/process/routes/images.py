@@ -71,8 +71,9 @@ def edits():
 
     OpenAI's `images.edit`, multipart/form-data: `image` (PNG, JPEG or WebP), `prompt`, `model`, and optionally
     `mask`, `n`, `size` (default: the image's own), `response_format`. Without a mask, an image-to-image model
-    redraws the image; with one, an inpaint model repaints the mask's fully transparent pixels (OpenAI's
-    convention; a mask without transparency is read as white = repaint). Errors in OpenAI's shape."""
+    redraws the image, or an edit model (FLUX.1 Kontext) changes it as the prompt says; with one, an inpaint model
+    repaints the mask's fully transparent pixels (OpenAI's convention; a mask without transparency is read as
+    white = repaint). Errors in OpenAI's shape."""
     if not request.mimetype.startswith("multipart/form-data"):
         raise ApiError(400, "body must be multipart/form-data (image, prompt, model, ...)")
     files: dict[str, list[bytes]] = {}
