@@ -186,3 +186,52 @@ def test_the_reply_counts_the_steps_its_images_skipped(runners, scheduling):
     fields = worker.outcomes.fields
     assert fields["counted"]["steps_skipped"] > 0
     assert "steps_skipped" not in fields["off"]
+
+
+def test_a_compiled_model_never_recompiles_as_the_count_of_full_rows_changes(directory, runners):
+    from model_worker.model import compiled
+    from model_worker.model.pipeline import DiffusionRunner
+
+    defaults = NEVER.defaults.model_copy(update={"width": 64, "height": 64})
+    spec = NEVER.model_copy(update={"defaults": defaults, "max_batch_size": 2, "max_instances_per_request": 2})
+    runner = DiffusionRunner(spec, directory[0], torch_threads=1, compile_unet=True, compile_backend="eager")
+    runner.warm_up()  # every batch bucket, its first step full: the remaining blocks at every bucket too
+    graphs = compiled.graphs_compiled()
+    counts: list[int] = []
+    tail = runner._denoiser.cached_parts()[2]
+    forward = tail.forward
+    tail.forward = lambda hidden, *args: counts.append(hidden.shape[0]) or forward(hidden, *args)
+
+    def pattern(r, step):  # images skip at other steps: the count of full rows moves call by call
+        return (step + r.item.seed) % 3 != 0
+
+    requests = {"pair": (items("a red cube", 1, 2), params(), 0)}
+    for each in (runner, runners(NEVER)):
+        each._denoiser.forced_skips = pattern
+    try:
+        got, eager = serve(runner, requests), serve(runners(NEVER), requests)
+    finally:
+        runners(NEVER)._denoiser.forced_skips = None
+    assert compiled.graphs_compiled() == graphs, "a changing count of full rows compiled a new graph"
+    assert set(counts) == {1, 2}  # the count of full rows changed (2, 1, 2, 1, ...), each run at its own bucket
+    for name in requests:
+        assert got[name][1] == eager[name][1] and any(got[name][1])
+        assert differences(got[name][0], eager[name][0]) < ROUNDING
+
+
+def test_the_full_rows_are_padded_to_a_compiled_bucket_and_the_padding_dropped():
+    import torch
+
+    from model_worker.model.families.first_block import run_tail
+    from model_worker.model.step_cache import TailCalls
+
+    seen, counted = [], TailCalls()
+
+    def tail(hidden, encoder, temb, rotary):
+        seen.append((hidden.shape[0], encoder.shape[0], temb.shape[0]))
+        return hidden * 2
+
+    hidden = torch.arange(3.0).reshape(3, 1, 1)
+    out = run_tail(tail, lambda rows: 4, hidden, torch.zeros(3, 1, 1), torch.zeros(3, 1), None, counted)
+    assert seen == [(4, 4, 4)] and torch.equal(out, hidden * 2)  # 3 full rows ran as the 4-row bucket
+    assert (counted.calls, counted.rows) == (1, 3)

@@ -13,38 +13,83 @@ catalog refuses those settings there).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from model_worker.model.runners import RunningItem
 from model_worker.model.step_cache import ForcedPattern, TailCalls, first_block_skips, record_full, record_skip
 
 
-def first_block_flux(transformer, running: list[RunningItem], forced: ForcedPattern | None = None,
-                     tail_calls: TailCalls | None = None, *, hidden_states, timestep, guidance, pooled_projections,
-                     encoder_hidden_states, txt_ids, img_ids):  # fmt: skip
-    """The transformer's prediction for `running`'s rows (the first `len(running)` rows of the inputs; rows beyond
-    them pad a compiled batch and are dropped), each image skipping the remaining blocks when its cache says so."""
+def flux_parts(transformer, compile_with: tuple | None = None) -> tuple:
+    """The transformer's cheap part (embeddings and first block) and expensive part (the other blocks) as modules over
+    its own layers; compiled (`compile_with`: torch.compile's mode and backend, compiled.py) for a compiled model, so
+    each runs at the batch buckets the warm-up compiled and a changing count of full rows never recompiles."""
     import torch
 
+    from model_worker.model.compiled import compile_model
+
     model = getattr(transformer, "_orig_mod", transformer)  # the eager modules under a compiled wrapper
+
+    class FirstBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids,
+                    img_ids):  # fmt: skip
+            m = self.model
+            hidden = m.x_embedder(hidden_states)
+            timestep = timestep.to(hidden.dtype) * 1000
+            if guidance is not None:
+                temb = m.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled_projections)
+            else:
+                temb = m.time_text_embed(timestep, pooled_projections)
+            encoder = m.context_embedder(encoder_hidden_states)
+            rotary = m.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+            encoder, first = m.transformer_blocks[0](
+                hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary
+            )
+            return hidden, first, encoder, temb, rotary
+
+    class RemainingBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden, encoder, temb, rotary):
+            m = self.model
+            for block in [*m.transformer_blocks[1:], *m.single_transformer_blocks]:
+                encoder, hidden = block(
+                    hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary
+                )
+            return hidden
+
+    head, tail = FirstBlock(), RemainingBlocks()
+    if compile_with is not None:
+        head, tail = compile_model(head, *compile_with), compile_model(tail, *compile_with)
+    return model, head, tail
+
+
+def first_block_flux(parts: tuple, running: list[RunningItem], forced: ForcedPattern | None = None,
+                     tail_calls: TailCalls | None = None, padded: Callable[[int], int] = lambda rows: rows, *,
+                     hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids,
+                     img_ids):  # fmt: skip
+    """The transformer's prediction for `running`'s rows (the first `len(running)` rows of the inputs; rows beyond
+    them pad a compiled batch and are dropped), each image skipping the remaining blocks when its cache says so. The
+    full rows are gathered and padded to `padded(count)` rows (a compiled bucket) for the remaining blocks."""
+    import torch
+
+    model, head, tail = parts
     rows = len(running)
-    hidden = model.x_embedder(hidden_states[:rows])
-    timestep = timestep[:rows].to(hidden.dtype) * 1000
-    if guidance is not None:
-        guidance = guidance[:rows].to(hidden.dtype) * 1000
-        temb = model.time_text_embed(timestep, guidance, pooled_projections[:rows])
-    else:
-        temb = model.time_text_embed(timestep, pooled_projections[:rows])
-    encoder = model.context_embedder(encoder_hidden_states[:rows])
-    rotary = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
-    head, *tail = [*model.transformer_blocks, *model.single_transformer_blocks]
-    encoder, first = head(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+    hidden, first, encoder, temb, rotary = head(
+        hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids, img_ids
+    )  # fmt: skip
+    hidden, first, encoder, temb = hidden[:rows], first[:rows], encoder[:rows], temb[:rows]
     residual = first - hidden
     skips = first_block_skips(running, residual, forced)
     full = [i for i, skip in enumerate(skips) if not skip]
     if len(full) == rows:
-        computed = run_tail(tail, first, encoder, temb, rotary, tail_calls)
+        computed = run_tail(tail, padded, first, encoder, temb, rotary, tail_calls)
         for i in full:  # copies: a row's cache must not keep the whole set's tensors alive
             record_full(running[i], residual[i : i + 1].clone(), (computed - first)[i : i + 1].clone())
         return model.proj_out(model.norm_out(computed, temb))
@@ -52,7 +97,7 @@ def first_block_flux(transformer, running: list[RunningItem], forced: ForcedPatt
     if full:
         index = torch.tensor(full, device=first.device)
         start = first[index]
-        computed = run_tail(tail, start, encoder[index], temb[index], rotary, tail_calls)
+        computed = run_tail(tail, padded, start, encoder[index], temb[index], rotary, tail_calls)
         out[index] = computed
         for slot, i in enumerate(full):
             record_full(running[i], residual[i : i + 1].clone(), (computed[slot : slot + 1] - start[slot : slot + 1]))
@@ -63,14 +108,20 @@ def first_block_flux(transformer, running: list[RunningItem], forced: ForcedPatt
     return model.proj_out(model.norm_out(out, temb))
 
 
-def run_tail(blocks, hidden, encoder, temb, rotary, tail_calls: TailCalls | None):
-    """The remaining blocks (the expensive part) over the rows that need them: their hidden states."""
-    for block in blocks:
-        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+def run_tail(tail, padded: Callable[[int], int], hidden, encoder, temb, rotary, tail_calls: TailCalls | None):
+    """The remaining blocks (the expensive part) over the rows that need them, padded to `padded(rows)` rows and
+    the padding dropped: their hidden states."""
+    from model_worker.model.families.base import pad_rows
+
+    rows = hidden.shape[0]
+    size = padded(rows)
+    if size != rows:
+        hidden, encoder, temb = pad_rows(hidden, size), pad_rows(encoder, size), pad_rows(temb, size)
+    computed = tail(hidden, encoder, temb, rotary)[:rows]
     if tail_calls is not None:
         tail_calls.calls += 1
-        tail_calls.rows += hidden.shape[0]
-    return hidden
+        tail_calls.rows += rows
+    return computed
 
 
 class HookCounts:

@@ -23,7 +23,7 @@ from typing import Any
 from contract.messages import GenerationParameters
 from contract.step_cache import StepCache
 from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
-from model_worker.model.families.first_block import diffusers_first_block, first_block_flux
+from model_worker.model.families.first_block import diffusers_first_block, first_block_flux, flux_parts
 from model_worker.model.families.linear_steps import host_values
 from model_worker.model.runners import GenerationItem, RunningItem
 from model_worker.model.step_cache import caching, row_cache
@@ -145,7 +145,8 @@ class FluxDenoiser(Denoiser):
                 "img_ids": first["image_ids"],
             }  # fmt: skip
             if caching(running):  # each image's first-block cache decides whether it runs the remaining blocks
-                output = first_block_flux(self.model, running, self.forced_skips, self.tail_calls, **inputs)
+                output = first_block_flux(self.cached_parts(), running, self.forced_skips, self.tail_calls,
+                                          self.padded_rows, **inputs)  # fmt: skip
             else:
                 output = self.pipeline.transformer(**inputs, return_dict=False)[0]
             predicted = output[:rows, : first["latents"].shape[1]]
@@ -155,6 +156,19 @@ class FluxDenoiser(Denoiser):
         """An image's row of the transformer's input: its packed latents, and after them the tokens its family adds
         per image (Kontext's reference image); the prediction is read for the latents' tokens only."""
         return r.state["latents"]
+
+    def compile(self) -> None:
+        """The model compiled, and its first-block cache's parts too (a model with one): the full rows' count then
+        changes which compiled bucket runs, never what is compiled."""
+        super().compile()
+        if self.spec.step_cache is not None:
+            self._cached_parts = flux_parts(self.model, (self.compile_mode, self.compile_backend))
+
+    def cached_parts(self) -> tuple:
+        """The first-block cache's parts of the transformer (families/first_block.py), eager until compiled."""
+        if getattr(self, "_cached_parts", None) is None:
+            self._cached_parts = flux_parts(self.model)
+        return self._cached_parts
 
     @contextmanager
     def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
