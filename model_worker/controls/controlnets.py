@@ -184,3 +184,24 @@ def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
         "control_guidance_end": refs[0].end if single else [ref.end for ref in refs],
     }
     return controlled, arguments
+
+
+def zero_residuals(unet, sample) -> dict:
+    """Zero residuals of the shapes a ControlNet hands the UNet for `sample` (one per down residual: conv_in's, each
+    layer's, each downsampler's; and the mid block's), derived from the UNet's config. A compiled UNet of a model
+    that takes ControlNets is always called with residuals (these when no row has a ControlNet), so its warm-up
+    traces the graph the ControlNets use and the first ControlNet compiles nothing; x + 0 is x, so a row without
+    control is still exactly the base model's."""
+    config = unet.config
+    channels, per_block = list(config.block_out_channels), config.layers_per_block
+    if not isinstance(per_block, int):
+        return {}
+    batch, _, height, width = sample.shape
+    down = [sample.new_zeros((batch, channels[0], height, width))]
+    for index, width_channels in enumerate(channels):
+        down += [sample.new_zeros((batch, width_channels, height, width)) for _ in range(per_block)]
+        if index < len(channels) - 1:
+            height, width = (height + 1) // 2, (width + 1) // 2
+            down.append(sample.new_zeros((batch, width_channels, height, width)))
+    mid = sample.new_zeros((batch, channels[-1], height, width))
+    return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}

@@ -4,14 +4,11 @@ pipeline's own UNet in the model bucket (the GCS emulator), hostile files refuse
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-
 import pytest
 import requests
 
 from contract import google_clients, naming
-from emulators.tiny_controls import build_controlnet, build_ip_adapter, control_files
+from emulators.tiny_controls import control_files
 from tests.conftest import TEST_ADMIN_KEY, query_rows
 
 pytestmark = pytest.mark.stack
@@ -41,10 +38,10 @@ def register(stack, headers, name: str, kind: str, version: str = "1") -> reques
 def test_control_models_are_registered_by_an_admin_listed_and_hostile_files_refused(stack, auth_headers, admin, bucket):
     from safetensors.torch import load, save
 
-    root = Path(stack.stack_dir) / f"controls-{uuid.uuid4().hex[:6]}"
-    pipeline = stack.tiny_model_dir / MODEL
-    controlnet = control_files(build_controlnet(pipeline, root / "cn", seed=3))
-    ip_adapter = control_files(build_ip_adapter(pipeline, root / "ip", seed=4))
+    # The tiny ControlNet and IP-Adapter `make up` built for this model, registered again under other names.
+    built = stack.tiny_model_dir / "controls" / MODEL
+    controlnet = control_files(built / "tiny-edges" / "1")
+    ip_adapter = control_files(built / "tiny-style" / "1")
     upload(bucket, "fresh-edges", controlnet)
     upload(bucket, "fresh-style", ip_adapter)
     assert register(stack, auth_headers, "fresh-edges", "controlnet").status_code == 403

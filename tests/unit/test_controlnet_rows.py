@@ -181,3 +181,30 @@ def test_scheduling_request_runs_diffusers_controlnet_pipelines_one_per_control_
     assert differences(got[:2], expected) <= TOLERANCE
     plain = batch.generate(items_of(sd15, 12, []), params(5.0), lambda step, total: None)
     assert differences(got[2:], plain) <= TOLERANCE
+
+
+def test_a_compiled_model_serves_a_controlnet_without_compiling_after_its_warm_up(sd15):
+    """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
+    bucket: the warm-up traces the UNet with zero residuals; a base request, a ControlNet request, a multi-ControlNet
+    one and the base again add no graph, and the ControlNet image is still the pipeline's."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from model_worker.model.pipeline import DiffusionRunner
+
+    spec = SD15.model_copy(update={"max_batch_size": 1, "scheduling": "step",
+                                   "defaults": SD15.defaults.model_copy(update={"width": SIZE, "height": SIZE})})  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        compiled = DiffusionRunner(spec, sd15["directory"], torch_threads=1, compile_unet=True, compile_backend="eager")
+        compiled.warm_up()
+        graphs = counters["stats"]["unique_graphs"]
+        (base,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+        (controlled,) = stepped(compiled, [(items_of(sd15, 5, EDGES), 6.0)])
+        stepped(compiled, [(items_of(sd15, 8, MULTI), 5.0)])
+        (again,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+        assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the UNet again"
+        assert differences(controlled, reference(sd15, 5, 6.0, EDGES)) <= TOLERANCE
+        assert np.array_equal(np.asarray(again), np.asarray(base))
+    finally:
+        torch._dynamo.reset()

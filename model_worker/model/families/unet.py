@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract.messages import GenerationParameters
-from model_worker.controls.controlnets import ControlNetRows
+from model_worker.controls.controlnets import ControlNetRows, zero_residuals
 from model_worker.model.families.base import GuidedDenoiser, conditions
 from model_worker.model.families.deep_cache import deep_cache_unet
 from model_worker.model.runners import GenerationItem, RunningItem, is_latent
@@ -74,6 +74,8 @@ class UNetDenoiser(GuidedDenoiser):
 
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
         if not any(r.state.get("controlnets") for r in running):
+            if self._compiled_buckets is not None and self.spec.controls is not None:
+                return zero_residuals(self.pipeline.unet, sample)  # the compiled graph ControlNets use: no recompile
             return {}
         return self.controlnets.residuals(running, inputs, sample, timestep, condition["context"])
 
