@@ -130,3 +130,12 @@ def test_a_worker_giving_every_row_the_first_images_tokens_fails_the_oracle(pipe
     _, outcomes = serve_running_set(runner_for(pipelines, "step"), first, joiner)
     off = running_set_difference(pipelines, outcomes, first, joiner)
     assert off > 3 * PIXEL_TOLERANCE, f"the oracle passed a worker that shares one image's tokens: off by {off:.1f}/255"
+
+
+@pytest.mark.parametrize("scheduling", ["step", "request"])
+def test_the_edit_runner_warms_up_and_counts_every_step_whatever_the_strength(pipelines, scheduling):
+    """The warm-up's parameters carry a strength (1.0) for any model: an edit model's progress counts every step
+    (its image is a reference, not a start) instead of asking its pipeline for an img2img schedule it has not."""
+    runner = runner_for(pipelines, scheduling)
+    runner.warm_up()
+    assert runner._denoiser.requested_steps(request("w", SPEC, steps=5, strength=0.5).request.parameters) == 5

@@ -109,7 +109,7 @@ class Denoiser:
         its strength runs, as the img2img pipeline's own `get_timesteps` counts it (SD's and SDXL's
         `int(steps x strength)`, FLUX's `steps - int(steps x (1 - strength))`: one more for 25 at 0.5)."""
         steps = params.num_inference_steps
-        if not self.spec.needs_image or params.strength is None:
+        if not self.spec.takes_strength or params.strength is None:  # an edit model runs every step
             return steps
         # The class's own method over a stand-in pipeline whose scheduler has no schedule: it only counts.
         counting = SimpleNamespace(scheduler=SimpleNamespace(timesteps=(), order=1))
