@@ -136,6 +136,7 @@ def predict_body(
     priority: str | None = None,
     webhook_url: str | None = None,
     adapters: dict[str, float] | list[dict] | None = None,
+    controls: list[dict] | None = None,
 ) -> dict:
     """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest.
     An inpaint model takes `image` and `mask` (white repaints, black keeps), or `image` and `outpaint`
@@ -173,10 +174,37 @@ def predict_body(
             if isinstance(adapters, dict)
             else adapters
         )
+    if controls:  # [{"name", "image" (a path, bytes or PIL image), "scale", "start", "end", "preprocess"}, ...]
+        parameters["controls"] = [control_body(index, control) for index, control in enumerate(controls)]
     body: dict[str, Any] = {"instances": [instance] * n, "parameters": parameters}
     if webhook_url:
         body["webhook_url"] = webhook_url
     return body
+
+
+def control_body(index: int, control: dict) -> dict:
+    """One ControlNet of `parameters.controls`, its image read and sent as base64."""
+    if not isinstance(control, dict) or "name" not in control or "image" not in control:
+        raise InputError(f"controls[{index}]: a dict with name and image (and scale, start, end, preprocess)")
+    try:
+        image = base64.b64encode(image_bytes(control["image"])).decode()
+    except InputError as exc:
+        raise InputError(f"controls[{index}].image: {exc}") from None
+    return {**control, "image": image}
+
+
+def parse_control(text: str) -> dict:
+    """The CLI's `--control NAME=IMAGE[:SCALE]`: a ControlNet, its control image's path and its scale."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise InputError(f"--control {text!r}: NAME=IMAGE[:SCALE], e.g. tiny-edges=edges.png:0.8")
+    path, colon, scale = rest.rpartition(":")
+    if not colon:
+        return {"name": name, "image": rest}
+    try:
+        return {"name": name, "image": path, "scale": float(scale)}
+    except ValueError:
+        return {"name": name, "image": rest}  # a path with a colon and no scale
 
 
 MAX_PAGE = 100

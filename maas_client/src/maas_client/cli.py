@@ -261,9 +261,23 @@ def predict(
     negative: Negative = None,
     n: Count = 1,
     out_dir: OutDir = Path("."),
+    control: Annotated[
+        list[str] | None,
+        typer.Option("--control", help="a ControlNet: NAME=IMAGE[:SCALE] (repeat it for several)"),
+    ] = None,
+    canny: Annotated[bool, typer.Option("--canny", help="the worker makes Canny edges of each control image")] = False,
 ) -> None:
     """Generate images and write them as PNGs (a request that becomes a job is followed to its end)."""
-    _predict(model, prompt, _options_dict(seed, steps, size, image, negative, n, mask), out_dir)
+    options = _options_dict(seed, steps, size, image, negative, n, mask)
+    if control:
+        try:
+            controls = [_core.parse_control(text) for text in control]
+            for index, parsed in enumerate(controls):
+                _core.control_body(index, parsed)  # its image is read now: a bad one is refused before any request
+        except InputError as exc:
+            _fail(exc)
+        options["controls"] = [{**c, "preprocess": "canny"} if canny else c for c in controls]
+    _predict(model, prompt, options, out_dir)
 
 
 @app.command()
