@@ -14,7 +14,9 @@ computed, not measured (no GPU was lent for this work): the larger of
   and the denoiser's share of that call is under 0.5 GiB, so the rest is the decode's. All four families share the
   decoder's layout (128/256/512/512 channels). SDXL's VAE decodes in float32 (`force_upcast`): twice the bytes, and
   a float32 copy of the VAE's weights beside its half-precision ones.
-The text encoders' activations (77 to 512 tokens) are small beside both and are not counted.
+The text encoders' activations (77 to 512 tokens) are small beside both and are not counted. A first-block step
+cache adds each image's two cached residuals to the denoiser's (DeepCache's features, one up block's input per row,
+are small beside the call and are not counted).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from contract.architectures import Architecture
+from contract.architectures import TRANSFORMER_WIDTHS_PER_TOKEN, Architecture
 from contract.hardware import GIB, HARDWARE, MAX_SHARED_CLIENTS_PER_GPU, RESERVE_BYTES
 from contract.model_spec import architecture_of
 from contract.quantization import QUANTIZED_BYTES_PER_PARAMETER
@@ -226,7 +228,13 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
     decode = width * height * DECODE_BYTES_PER_PIXEL * serving // 2
     if spec.family.name == "sdxl":  # decoded in float32 (force_upcast): twice the bytes, and the VAE's float32 copy
         decode = 2 * decode + architecture.components["vae"].parameters * 4
-    return (denoiser, "denoiser") if denoiser > decode else (decode, "decode")
+    cache = 0
+    if spec.step_cache is not None and spec.step_cache.kind == "first_block":
+        # Each running image keeps two residuals between its steps (its first block's and the other blocks', its image
+        # tokens x the hidden width each: model_worker/model/step_cache.py), through every call and decode.
+        hidden = architecture.denoiser_elements_per_token // TRANSFORMER_WIDTHS_PER_TOKEN
+        cache = batch * 2 * (tokens - architecture.text_tokens) * hidden * serving
+    return (denoiser + cache, "denoiser") if denoiser > decode else (decode + cache, "decode")
 
 
 def unit_plan(spec: ModelSpec) -> UnitPlan | None:

@@ -124,3 +124,14 @@ def test_settings_only_the_per_image_cache_honours_need_scheduling_step(tmp_path
                                                pipeline="StableDiffusionPipeline")  # fmt: skip
     threshold_only = ModelSpec.model_validate(entry(step_cache={"kind": "first_block"}, scheduling="request"))
     assert threshold_only.step_cache.threshold == 0.08
+
+
+def test_the_memory_plan_counts_each_images_cached_residuals():
+    from contract.architectures import ARCHITECTURES
+    from contract.memory_plan import unit_plan
+
+    plain, cached = unit_plan(PLAIN), unit_plan(CACHED)
+    flux = ARCHITECTURES["flux.1-schnell" if PLAIN.guidance_mode == "none" else "flux.1-dev"]
+    tokens = 1536 * 1536 // flux.pixels_per_token
+    hidden = flux.denoiser_elements_per_token // 20
+    assert cached.activation_bytes - plain.activation_bytes == 4 * 2 * tokens * hidden * 2  # batch 4, bf16
