@@ -32,7 +32,7 @@ class StepCache(BaseModel):
     # mean |r_last|, r_last the image's at its last full step) since. ParaAttention published 0.08 for FLUX.1 [dev].
     threshold: float = Field(default=0.08, ge=0.0, le=1.0)
     # deepcache: the deep path runs every this many steps of an image (1: every step, exactly no cache). DeepCache's
-    # paper reports about 2.3x on SD 1.5 at interval 3 (its `cache_interval`).
+    # paper reports about 2.3x on SD 1.5 (its `cache_interval` is this).
     interval: int | None = Field(default=None, ge=1, le=50)
     # The first steps of each image always run in full (the layout forms there); 0: only the first step.
     warmup_steps: int = Field(default=0, ge=0)
