@@ -46,6 +46,8 @@ class StepCache(BaseModel):
         if self.kind == "deepcache" and (self.interval is None or "threshold" in self.model_fields_set):
             raise ValueError("step_cache: deepcache runs the deep path every `interval` steps: set interval, not "
                              "threshold")  # fmt: skip
+        if self.kind == "deepcache" and self.batch_threshold is not None:
+            raise ValueError("step_cache: deepcache has no threshold for batch lines to raise (batch_threshold)")
         if self.kind == "first_block" and self.interval is not None:
             raise ValueError("step_cache: first_block decides by threshold; interval is deepcache's")
         return self
@@ -69,6 +71,11 @@ class StepCache(BaseModel):
         return self.model_dump(mode="json")
 
 
-def running_step_cache(catalog: StepCache | None, asked: bool | None) -> StepCache | None:
-    """The step cache a request runs with: its model's (`catalog`), unless the request turned it off (`asked` False)."""
-    return catalog if asked is not False else None
+def running_step_cache(catalog: StepCache | None, asked: bool | None, batch_line: bool = False) -> StepCache | None:
+    """The step cache a request runs with: its model's (`catalog`), unless the request turned it off (`asked` False);
+    a batch line's decides by the catalog's `batch_threshold` where it has one."""
+    if catalog is None or asked is False:
+        return None
+    if batch_line and catalog.batch_threshold is not None:
+        return catalog.model_copy(update={"threshold": catalog.batch_threshold})
+    return catalog

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contract.messages import InferenceRequest
@@ -52,6 +52,11 @@ class PendingRequest:
     cancelled: bool = field(default=False)
     # A flow's stage (model_worker/flows/stages.py `FlowRun`): where its output goes when it finishes; None otherwise.
     flow: Any = None
+
+    def __post_init__(self) -> None:
+        # A batch line's images say so to the runner: their step cache decides by the catalog's `batch_threshold`.
+        if self.priority == "batch":
+            self.items = [replace(item, batch_line=True) for item in self.items]
 
     @property
     def request_id(self) -> str:

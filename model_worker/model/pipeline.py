@@ -208,7 +208,8 @@ class DiffusionRunner:
             "output_type": "latent" if items[0].latent_output else "np",
             **self._denoiser.call_kwargs(items, params),
         }
-        step_cache = running_step_cache(self.spec.step_cache, params.step_cache)
+        # Batch lines never share a call with interactive requests (model_worker/serving/device.py): one threshold.
+        step_cache = running_step_cache(self.spec.step_cache, params.step_cache, items[0].batch_line)
         with torch.inference_mode(), self._denoiser.call_step_cache(step_cache) as skipped:
             # Requests with other ControlNets (or none) in one batch: diffusers' pipelines, one per control set.
             images = pipeline_call(self._pipeline, items, kwargs)

@@ -48,6 +48,8 @@ class GenerationItem:
     denoising_start: float | None = None
     denoising_end: float | None = None
     latent_output: bool = False
+    # A batch line's image (priority `batch`): its step cache decides by the catalog's `batch_threshold`.
+    batch_line: bool = False
 
     @property
     def call_shape(self) -> tuple:

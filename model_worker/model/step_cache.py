@@ -49,9 +49,10 @@ class TailCalls:
         self.rows = 0
 
 
-def row_cache(catalog: StepCache | None, asked: bool | None) -> RowCache | None:
-    """A new image's cache state: empty, so its first step is full; None when the request runs without one."""
-    settings = running_step_cache(catalog, asked)
+def row_cache(catalog: StepCache | None, asked: bool | None, batch_line: bool = False) -> RowCache | None:
+    """A new image's cache state: empty, so its first step is full; None when the request runs without one. A batch
+    line's decides by the catalog's `batch_threshold` (each row by its own settings, whatever else runs beside it)."""
+    settings = running_step_cache(catalog, asked, batch_line)
     return RowCache(settings) if settings is not None else None
 
 

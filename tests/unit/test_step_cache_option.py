@@ -51,6 +51,7 @@ def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
         ({"kind": "deepcache"}, "StableDiffusionPipeline", "set interval"),
         ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "set interval"),
         ({"kind": "first_block", "interval": 3}, "FluxPipeline", "interval is deepcache's"),
+        ({"kind": "deepcache", "interval": 3, "batch_threshold": 0.2}, "StableDiffusionPipeline", "no threshold"),
     ],
 )
 def test_a_catalog_step_cache_the_family_cannot_run_is_refused_at_load(tmp_path, step_cache, pipeline, message):

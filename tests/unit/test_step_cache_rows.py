@@ -235,3 +235,20 @@ def test_the_full_rows_are_padded_to_a_compiled_bucket_and_the_padding_dropped()
     out = run_tail(tail, lambda rows: 4, hidden, torch.zeros(3, 1, 1), torch.zeros(3, 1), None, counted)
     assert seen == [(4, 4, 4)] and torch.equal(out, hidden * 2)  # 3 full rows ran as the 4-row bucket
     assert (counted.calls, counted.rows) == (1, 3)
+
+
+@pytest.mark.parametrize("scheduling", ["step", "request"])
+def test_a_batch_line_decides_by_the_batch_threshold(runners, scheduling):
+    from tests.unit.test_step_scheduler import Worker, request
+
+    # The tiny model's residual moves 0.2-0.4 a step: between the interactive threshold and the batch lines'.
+    runner = runners(with_cache(threshold=0.1, batch_threshold=0.5), scheduling)
+    interactive = request("interactive", runner.spec, steps=STEPS, guidance=3.5, seed=3)
+    line = request("line", runner.spec, steps=STEPS, guidance=3.5, seed=3, priority="batch")
+    assert [item.batch_line for item in line.items] == [True] and not interactive.items[0].batch_line
+    with Worker({runner.spec.queue: runner}) as worker:
+        worker.pool.add(interactive)
+        worker.pool.add(line)
+        worker.outcomes.wait(2)
+    fields = worker.outcomes.fields
+    assert fields["line"]["steps_skipped"] > fields["interactive"]["steps_skipped"]

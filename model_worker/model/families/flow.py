@@ -114,7 +114,7 @@ class FluxDenoiser(Denoiser):
                     "size": (params.height, params.width),
                     "mu": mu,
                     "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
-                    "step_cache": row_cache(self.spec.step_cache, params.step_cache),
+                    "step_cache": row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)

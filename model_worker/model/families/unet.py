@@ -74,8 +74,10 @@ class UNetDenoiser(GuidedDenoiser):
 
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
         if not any(r.state.get("controlnets") for r in running):
-            if self._compiled_buckets is not None and self.spec.controls is not None:
-                return zero_residuals(self.pipeline.unet, sample)  # the compiled graph ControlNets use: no recompile
+            # A compiled model is always called with residuals (zeros here): the graph ControlNets use, so the first
+            # one compiles nothing. Not with a step cache, whose calls go without residuals (step_cache.py).
+            if self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None:
+                return zero_residuals(self.pipeline.unet, sample)
             return {}
         return self.controlnets.residuals(running, inputs, sample, timestep, condition["context"])
 
@@ -137,7 +139,7 @@ class UNetDenoiser(GuidedDenoiser):
                     "condition": condition,
                     "guidance": params.guidance_scale if guided else None,
                     "step_kwargs": step_kwargs,
-                    "step_cache": row_cache(self.spec.step_cache, params.step_cache),
+                    "step_cache": row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 }
                 steps = len(timesteps) if handoff else requested
                 running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
