@@ -38,10 +38,12 @@ class SystemBackend:
         self._api_url, self._path = api_url, f"/v1/models/{model}:predict"
         self._key = key
         self._registry = ProcessRegistry(config.stack_dir)
-        deployment = config.catalog().get(model).deployment
-        index = list(config.catalog().deployments()).index(deployment)
-        self._stack_worker = f"worker-{deployment}"
-        self._env = worker_env(config, deployment, index)
+        spec = config.catalog().get(model)
+        index = list(config.catalog().deployments()).index(spec.deployment)
+        self._stack_worker = f"worker-{spec.deployment}"
+        # The benchmark's worker serves the measured model alone: its group's other models would only lengthen
+        # each of the sweep's restarts.
+        self._env = {**worker_env(config, spec.deployment, index), "MAAS_MODELS": spec.queue}
         self._ready = f"http://127.0.0.1:{config.worker_health_port(index)}/readyz"
         self._active: str | None = None
         self.mix = STEP_MIX

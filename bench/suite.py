@@ -220,7 +220,8 @@ class Suite:
         return self._module("LoRA adapters", "bench.adapters", "adapters.json", 300,
                             ["--model-root", str(tiny_model_dir(self.config, "sd15-txt2img").parent),
                              "--calls", "2" if self.smoke else "15" if self.quick else "40",
-                             *(["--batches", "1"] if self.smoke else [])],
+                             # smoke: one UNet family and one transformer family (the same code for the others)
+                             *(["--batches", "1", "--families", "sd15", "flux"] if self.smoke else [])],
                             {"MAAS_TORCH_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
     def step_caches(self) -> dict | None:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 
+import grpc
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from pydantic import ValidationError
@@ -37,8 +38,13 @@ from model_worker.serving.health import WorkerHealth
 from model_worker.serving.presence import PullerPresence
 
 log = logging.getLogger(__name__)
-# Short, so a draining worker notices SIGTERM quickly; an idle pull costs one cheap RPC.
-PULL_WAIT_SECONDS = 2.0
+# How long a request pull waits for a message. An idle subscription costs one pull RPC per wait (the emulator answers
+# an empty pull about 0.9 s before it): at 2 s an idle test stack's ~180 pull threads kept a third of a core busy.
+# A draining worker waits its request pulls out (a message handed to one then is handed back at once), so this is
+# also the longest a drain waits for them: well inside the 15 s a stop allows before SIGKILL.
+PULL_WAIT_SECONDS = 5.0
+# Dead letters are rare: their pulls wait long and a draining worker cancels them (`SubscriptionLoop.stop`).
+DEAD_LETTER_PULL_WAIT_SECONDS = 30.0
 PULL_ERROR_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
 
 
@@ -221,6 +227,10 @@ class Triage:
 class SubscriptionLoop:
     """A thread pulling one subscription: the error handling, readiness reports and backoff both loops share."""
 
+    # How long one pull waits, and whether `stop` cancels a waiting pull instead of waiting it out.
+    wait_seconds = PULL_WAIT_SECONDS
+    cancel_on_stop = False
+
     def __init__(self, subscriber: pubsub_v1.SubscriberClient, subscription: str, health: WorkerHealth, name: str):
         self.subscription = subscription
         self._subscriber = subscriber
@@ -228,9 +238,22 @@ class SubscriptionLoop:
         self._failures = 0
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._waiting: grpc.Future | None = None  # the pull in flight, cancelled by `stop`
+        self._waiting_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """Stops pulling: the pull under way ends at its wait (anything it brings is handed back), or now where
+        `cancel_on_stop` (a message the broker hands a pull in the instant it is cancelled comes back after its
+        ack deadline, as any unacked message does: the emulator was seen to take a moment to drop a cancelled
+        pull on a loaded machine)."""
+        self.stopping.set()
+        if self.cancel_on_stop:
+            with self._waiting_lock:
+                if self._waiting is not None:
+                    self._waiting.cancel()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -242,20 +265,40 @@ class SubscriptionLoop:
         """One waiting pull: what came ([] when the queue had nothing for it), or None when it failed (reported to
         readiness, then backed off)."""
         try:
-            response = self._subscriber.pull(
-                request={"subscription": self.subscription, "max_messages": max_messages}, timeout=PULL_WAIT_SECONDS
-            )
-        except (exceptions.DeadlineExceeded, exceptions.RetryError):
-            response = None
-        except exceptions.NotFound:
-            self._failed("subscription does not exist (run the bootstrap)")
-            return None
-        except exceptions.GoogleAPICallError as exc:
-            self._failed(f"pull failed: {type(exc).__name__}")
-            return None
+            response = self._waiting_pull(max_messages)
+        except grpc.FutureCancelledError:
+            return []  # stopped
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and self.stopping.is_set():
+                return []
+            error = exceptions.from_grpc_error(exc)
+            if isinstance(error, exceptions.DeadlineExceeded):
+                response = None
+            elif isinstance(error, exceptions.NotFound):
+                self._failed("subscription does not exist (run the bootstrap)")
+                return None
+            else:
+                self._failed(f"pull failed: {type(error).__name__}")
+                return None
         self._health.clear_problem(self.subscription)
         self._failures = 0
         return list(response.received_messages) if response is not None else []
+
+    def _waiting_pull(self, max_messages: int) -> pubsub_v1.types.PullResponse:
+        """The pull RPC as a future (the client library's blocking call cannot be cancelled), with the routing
+        header the library would send."""
+        request = pubsub_v1.types.PullRequest(subscription=self.subscription, max_messages=max_messages)
+        metadata = (("x-goog-request-params", f"subscription={self.subscription}"),)
+        with self._waiting_lock:
+            if self.stopping.is_set():
+                raise grpc.FutureCancelledError()
+            waiting = self._subscriber.api.transport.pull.future(request, timeout=self.wait_seconds, metadata=metadata)
+            self._waiting = waiting
+        try:
+            return waiting.result()
+        finally:
+            with self._waiting_lock:
+                self._waiting = None
 
     def _failed(self, reason: str) -> None:
         self._health.report_problem(self.subscription, reason)
@@ -338,6 +381,9 @@ class SubscriptionPuller(SubscriptionLoop):
 
 class DeadLetterResponder(SubscriptionLoop):
     """Answers requests that exhausted their delivery attempts, so their clients hear `failed`, not a timeout."""
+
+    wait_seconds = DEAD_LETTER_PULL_WAIT_SECONDS
+    cancel_on_stop = True
 
     def __init__(
         self,

@@ -35,12 +35,14 @@ from model_worker.model.runners import Runner, build_runner
 from model_worker.serving.device import DeviceLoop, ProgressReporter
 from model_worker.serving.finisher import ReplyFinisher
 from model_worker.serving.health import WorkerHealth, serve_health
-from model_worker.serving.intake import PULL_WAIT_SECONDS, DeadLetterResponder, ReplyFactory, SubscriptionPuller, Triage
+from model_worker.serving.intake import DeadLetterResponder, ReplyFactory, SubscriptionPuller, Triage
 from model_worker.serving.metrics import WorkerMetrics
 from model_worker.serving.presence import PullerPresence
 from model_worker.serving.watchdog import Watchdog
 
 log = logging.getLogger("model_worker")
+# How long past its slowest request's timeout the device loop may go without a beat before /livez says stalled.
+STALL_MARGIN_SECONDS = 8.0
 # Redis calls from the worker fail fast: a reply is never held up by the result store.
 REDIS_TIMEOUT_SECONDS = 2.0
 
@@ -105,7 +107,8 @@ class WorkerService:
         self.specs = specs
         self.metrics = WorkerMetrics()
         slowest = max(spec.request_timeout_seconds for spec in specs)
-        self.health = WorkerHealth(stall_seconds=PULL_WAIT_SECONDS * 4 + slowest)
+        # The device loop beats at least once a second when idle, and once per call or step when busy.
+        self.health = WorkerHealth(stall_seconds=STALL_MARGIN_SECONDS + slowest)
         self._health_server = serve_health(
             self.health, settings.worker_health_port, settings.worker_health_host, self.metrics.render
         )
@@ -347,7 +350,7 @@ class WorkerService:
         self.health.draining = True
         self.readiness.stop()
         for worker in [*self.pullers, *self.dead_letter_responders]:
-            worker.stopping.set()
+            worker.stop()
         self.device.stopping.set()
 
     def _drain(self) -> None:
@@ -357,7 +360,7 @@ class WorkerService:
         for pending in held:
             self.leases.release(pending.message)
         for worker in [*self.pullers, *self.dead_letter_responders]:
-            worker.join(PULL_WAIT_SECONDS + 1)
+            worker.join(worker.wait_seconds + 1)  # a request pull's wait, a dead-letter pull's cancel
         self.presence.stop()
         self.flows.close()
         self.finisher.close()

@@ -26,15 +26,15 @@ pytestmark = pytest.mark.stack
 # Cases per operation: the inference bodies get most; an operation without inputs has one case to make.
 # The pinned-version predict and the admin-only traffic split mostly answer 404/403 for generated inputs: few.
 EXAMPLES = {
-    "POST": 450,
-    "DELETE": 60,
-    "GET /v1/jobs/{job_id}": 60,
+    "POST": 270,
+    "DELETE": 40,
+    "GET /v1/jobs/{job_id}": 40,
     "GET /v1/models/{model}": 10,
-    "POST /v1/models/{model}/versions/{version}:predict": 40,
+    "POST /v1/models/{model}/versions/{version}:predict": 30,
     "DELETE /v1/models/{model}/traffic": 5,
     # The OpenAI Images routes: the same serving path as :predict, fuzzed for their own body shapes.
-    "POST /v1/images/generations": 80,
-    "POST /v1/images/edits": 40,
+    "POST /v1/images/generations": 60,
+    "POST /v1/images/edits": 30,
 }
 CASES = {"count": 0}
 STATUSES: Counter[str] = Counter()

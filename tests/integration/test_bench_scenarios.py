@@ -47,5 +47,5 @@ def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
     for section in ("direct", "adapters", "step_caches", "event_streams", "batches", "batch_beside", "flows"):
         assert result[section], section
     assert set(result["step_caches"]) == {"first_block", "deepcache"}
-    assert {family["family"] for family in result["adapters"]["families"]} == {"sd15", "sdxl", "flux", "sd3"}
+    assert {family["family"] for family in result["adapters"]["families"]} == {"sd15", "flux"}  # the smoke's two
     assert len(result["open_loop"]) == 2, result["open_loop"].keys()
