@@ -208,3 +208,29 @@ def test_a_compiled_model_serves_a_controlnet_without_compiling_after_its_warm_u
         assert np.array_equal(np.asarray(again), np.asarray(base))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scheduling", ["step", "request"])
+def test_controls_never_split_a_batch_and_a_request_waits_aside_until_its_controlnets_are_loaded(scheduling):
+    """The pool's batch key stays model, size and adapter set: requests with other ControlNets, or none, share it;
+    a request whose ControlNets are still loading is not ready (it blocks no one) until they are."""
+    from dataclasses import replace
+
+    from model_worker.controls.loader import ControlSet
+    from tests.unit.test_step_scheduler import request
+
+    spec = SD15.model_copy(update={"scheduling": scheduling})
+    edges = ControlRef(name="edges", kind="controlnet", version="1", sha256="e", scale=0.8)
+    depth = ControlRef(name="depth", kind="controlnet", version="1", sha256="d", scale=1.2, start=0.2)
+    keys = set()
+    for index, refs in enumerate(((), (edges,), (edges, depth))):
+        pending = request(f"r{index}", spec)
+        pending.request.parameters.controls = refs
+        keys.add(pending.batch_key)
+    assert len(keys) == 1
+    loading = ControlSet((edges,))
+    pending = request("loading", spec)
+    pending.items = [replace(item, controls=loading) for item in pending.items]
+    assert not pending.ready
+    loading.done.set()
+    assert pending.ready
