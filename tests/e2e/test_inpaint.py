@@ -29,8 +29,21 @@ def mask_png(size=(64, 64), box=(16, 16, 48, 48)) -> bytes:
 def test_models_say_what_each_instance_takes(stack, auth_headers):
     listed = requests.get(f"{stack.api_url}/v1/models", headers=auth_headers, timeout=10).json()["models"]
     inputs = {model["name"]: model["inputs"] for model in listed}
-    assert inputs["sd15-inpaint"] == ["prompt", "image", "mask"]
-    assert inputs["sd15-img2img"] == ["prompt", "image"] and inputs["sd15-txt2img"] == ["prompt"]
+    assert inputs["sd15-inpaint"] == inputs["sdxl-inpaint"] == inputs["flux-fill"] == ["prompt", "image", "mask"]
+    assert inputs["sd15-img2img"] == inputs["flux-kontext"] == ["prompt", "image"]
+    assert inputs["sd15-txt2img"] == ["prompt"]
+
+
+@pytest.mark.parametrize("model", ["sdxl-inpaint", "flux-fill"])
+def test_sdxl_and_flux_fill_inpaint_as_sd15_does(stack, auth_headers, model):
+    """The same mask contract on the other inpaint families' tiny pipelines (in SD 3.5's local worker)."""
+    body = {"instances": [{"prompt": "a window", "image": png_b64(64, 64, noise=True),
+                           "mask": base64.b64encode(mask_png()).decode()}],
+            "parameters": {"width": 64, "height": 64, "num_inference_steps": 2, "seed": 3}}  # fmt: skip
+    response = requests.post(f"{stack.api_url}/v1/models/{model}:predict", json=body, headers=auth_headers, timeout=120)
+    assert response.status_code == 200, response.text
+    (prediction,) = response.json()["predictions"]
+    assert Image.open(io.BytesIO(base64.b64decode(prediction["image_b64"]))).size == (64, 64)
 
 
 def test_cli_inpaint_writes_the_repainted_image(stack, tmp_path):
