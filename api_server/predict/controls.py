@@ -107,4 +107,9 @@ class ControlService:
             raise ApiError(503, f"control registry unavailable: {type(exc).__name__}") from exc
 
     def listing(self, spec: ModelSpec) -> list[ControlRecord]:
-        return self._registry.list(spec) if spec.controls is not None else []
+        if spec.controls is None:
+            return []
+        try:
+            return self._registry.list(spec)
+        except exceptions.GoogleAPICallError as exc:
+            raise ApiError(503, f"control registry unavailable: {type(exc).__name__}") from exc

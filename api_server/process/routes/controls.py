@@ -15,7 +15,7 @@ bp = authenticated(Blueprint("controls", __name__))
 
 
 @bp.get("/v1/models/<model:model>/controls")
-@documented(Response(HTTP_200=ControlList, **errors(401, 404)), tags=["models"])
+@documented(Response(HTTP_200=ControlList, **errors(401, 404, 503)), tags=["models"])
 def list_controls(model: str):
     """The ControlNets and IP-Adapters registered for this model"""
     state = app_state()

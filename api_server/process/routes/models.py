@@ -46,7 +46,7 @@ def list_models():
 
 
 @bp.get("/v1/models/<model:model>")
-@documented(Response(HTTP_200=ModelDetail, **errors(401, 404)), tags=["models"])
+@documented(Response(HTTP_200=ModelDetail, **errors(401, 404, 503)), tags=["models"])
 def get_model(model: str):
     """One model of the catalog, its versions and the traffic split in force (a flow: its stages)"""
     flows = app_state().flows
