@@ -121,7 +121,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
     elif given.strength is not None:
         raise ApiError(
             422,
-            f"parameters.strength: only for image-to-image and inpaint models, not {spec.name}",
+            f"parameters.strength: only for image-to-image and inpaint models, not {spec.task} model {spec.name}",
             "parameters.strength",
         )
     _check_outpaint(given.outpaint, spec)
