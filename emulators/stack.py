@@ -584,7 +584,9 @@ def up(config: StackConfig, supervise: bool = True) -> StackConfig:
         if services:
             _start_and_wait(config, registry, services)
             ready = components(config)["api"].health
-            registry.wait_until("api", lambda: ready()[0], timeout=60)
+            # A bound for a hang, not a pace: the API's readiness follows its workers', and on a crowded machine
+            # (load average 30) 60 s was seen to run out with every part healthy.
+            registry.wait_until("api", lambda: ready()[0], timeout=180)
         if SUPERVISOR in missing:
             _start_and_wait(config, registry, [SUPERVISOR])
     except BaseException:
