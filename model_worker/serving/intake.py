@@ -172,6 +172,8 @@ class Triage:
                 image = inputs[index]
             elif spec.needs_image:
                 # Resized here, on the puller's thread, so the device thread only runs the model.
+                if instance.image is None:
+                    raise PayloadError(f"{spec.task} needs an input image")
                 image = self._image(instance.image, spec.limits.max_input_pixels).resize((params.width, params.height))
             if spec.takes_mask:
                 if instance.mask is None:
@@ -212,9 +214,7 @@ class Triage:
             raise PayloadError(str(exc)) from exc
         return self._controls.request(spec, refs), images
 
-    def _image(self, payload: Payload | None, max_pixels: int):
-        if payload is None:
-            raise PayloadError("image-to-image needs an input image")
+    def _image(self, payload: Payload, max_pixels: int):
         return decode_image(self._payloads.unpack(payload), max_pixels)
 
     def _answer(
