@@ -54,6 +54,16 @@ class ControlIn(BaseModel):
     high_threshold: int = Field(default=200, ge=0, le=255)
 
 
+class ImagePromptIn(BaseModel):
+    """One image prompt as a client names it: a registered IP-Adapter, its reference image (base64) and its scale
+    (diffusers' `set_ip_adapter_scale`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: str = Field(pattern=ADAPTER_NAME_PATTERN, max_length=ADAPTER_NAME_LENGTH)
+    image: str = Field(min_length=1)
+    scale: float = 1.0
+
+
 class ControlRef(BaseModel):
     """A control model (ControlNet, IP-Adapter) resolved by the API for one request: the registered version and
     digest the worker loads and checks, the request's scale and, for a ControlNet, its window (`start`, `end`: the
@@ -89,8 +99,9 @@ class GenerationParameters(BaseModel):
     # LoRA adapters, in the order asked; empty: the base model, left out of the message and the cache key
     # (so base requests read exactly as before adapters existed).
     adapters: tuple[AdapterRef, ...] = Field(default=(), exclude_if=lambda adapters: not adapters)
-    # Control models (ControlNets), in the order asked, their images in the message's `control_images`; empty: left
-    # out of the message and the cache key. Never per call: rows with other controls share the base model's call.
+    # Control models (ControlNets, then the image prompts' IP-Adapters: `kind`), in the order asked, their images in
+    # the message's `control_images`; empty: left out of the message and the cache key. Never per call: rows with
+    # other controls share the base model's call.
     controls: tuple[ControlRef, ...] = Field(default=(), exclude_if=lambda controls: not controls)
     # False: every denoising step in full, where the catalog has a step cache (contract/step_cache.py); None: the
     # catalog's. Left out of the message and the cache key when None.

@@ -18,12 +18,14 @@ from contract.generation import (
     ADAPTER_VERSION_PATTERN,
     ControlIn,
     ControlRef,
+    ImagePromptIn,
 )
 from contract.lora_files import AdapterFileError
 from contract.model_spec import ModelSpec
 from contract.stores.control_registry import ControlNotFoundError, ControlRecord, ControlRegistry
 
 FIELD = "parameters.controls"
+PROMPTS = "parameters.image_prompts"
 
 
 class ControlService:
@@ -67,6 +69,42 @@ class ControlService:
                 preprocess=control.preprocess, low_threshold=control.low_threshold,
                 high_threshold=control.high_threshold,
             ))  # fmt: skip
+            images.append(image)
+        return tuple(refs), images
+
+    def resolve_image_prompts(
+        self, spec: ModelSpec, requested: list[ImagePromptIn], controls: int
+    ) -> tuple[tuple[ControlRef, ...], list[bytes]]:
+        """Each named IP-Adapter at its registered version and digest, with its reference image checked and decoded;
+        `controls` ControlNets already count against the model's `max_controls_per_request`."""
+        from api_server.predict.schemas import decode_input_image
+
+        policy = spec.controls
+        if policy is None:
+            family = spec.family.name if spec.family else "synthetic"
+            raise ApiError(422, f"{PROMPTS}: {spec.name} takes no control models ({family} models here serve none)",
+                           PROMPTS)  # fmt: skip
+        if spec.task != "text-to-image":
+            raise ApiError(422, f"{PROMPTS}: only text-to-image models take image prompts yet, not {spec.task} "
+                           f"model {spec.name}", PROMPTS)  # fmt: skip
+        if controls + len(requested) > policy.max_controls_per_request:
+            raise ApiError(422, f"{PROMPTS}: at most {policy.max_controls_per_request} control models per request "
+                           f"for {spec.name} (ControlNets and image prompts together)", PROMPTS)  # fmt: skip
+        refs, images = [], []
+        for index, prompt in enumerate(requested):
+            field = f"{PROMPTS}.{index}"
+            if not policy.min_scale <= prompt.scale <= policy.max_scale:
+                raise ApiError(422, f"{field}.scale: must be between {policy.min_scale} and {policy.max_scale}",
+                               f"{field}.scale")  # fmt: skip
+            if any(other.name == prompt.name for other in requested[:index]):
+                raise ApiError(422, f"{field}.name: {prompt.name!r} is named twice", f"{field}.name")
+            image = decode_input_image(prompt.image, f"{field}.image", spec.limits.max_input_pixels)
+            record = self._record(spec, prompt.name, f"{field}.name")
+            if record.kind != "ip_adapter":
+                raise ApiError(422, f"{field}.name: {prompt.name!r} is a {record.kind}, not an IP-Adapter (ControlNets "
+                               "go in parameters.controls)", f"{field}.name")  # fmt: skip
+            refs.append(ControlRef(name=record.name, kind="ip_adapter", version=record.version, sha256=record.sha256,
+                                   scale=prompt.scale, image_sha256=hashlib.sha256(image).hexdigest()))  # fmt: skip
             images.append(image)
         return tuple(refs), images
 

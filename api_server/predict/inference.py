@@ -59,7 +59,7 @@ class PreparedRequest:
     flow: FlowCall | None = None
     # An inpaint request's masks, one per instance (white repaints); None for other tasks.
     masks: list[bytes | None] = field(default_factory=list)
-    # Its ControlNets' control images, in `params.controls`' order.
+    # Its control models' images (ControlNets' control images, then image prompts), in `params.controls`' order.
     control_images: list[bytes] = field(default_factory=list)
 
     def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
@@ -125,6 +125,15 @@ class InferenceService:
                 raise ApiError(422, "parameters.controls: not taken here (flows take none yet)", "parameters.controls")
             refs, control_images = self._controls.resolve(spec, body.parameters.controls)
             params = params.model_copy(update={"controls": refs})
+        if body.parameters.image_prompts:  # IP-Adapters ride after the ControlNets, their images after theirs
+            if flow is not None or self._controls is None:
+                raise ApiError(422, "parameters.image_prompts: not taken here (flows take none yet)",
+                               "parameters.image_prompts")  # fmt: skip
+            refs, images = self._controls.resolve_image_prompts(
+                spec, body.parameters.image_prompts, len(params.controls)
+            )
+            params = params.model_copy(update={"controls": params.controls + refs})
+            control_images = [*control_images, *images]
         priority = body.parameters.priority or "normal"
         if priority == "high" and caller.digest not in self._high_priority_keys:
             raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")

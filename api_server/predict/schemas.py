@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_server.core.errors import ApiError
 from api_server.predict.masks import Outpaint
-from contract.generation import MAX_SEED, ROLES, GenerationParameters, optional_parameters_model
+from contract.generation import MAX_SEED, ROLES, GenerationParameters, ImagePromptIn, optional_parameters_model
 from contract.images import InputImageError
 from contract.images import decode_input_image as decode_image
 from contract.model_spec import ModelSpec
@@ -41,6 +41,15 @@ ParametersIn = optional_parameters_model(
     priority=(
         Literal["high", "normal"] | None,
         Field(default=None, description="high: the high-priority queue (API keys configured for it)"),
+    ),
+    # IP-Adapters: resolved into the parameters' `controls` (kind ip_adapter) by api_server/predict/controls.py.
+    image_prompts=(
+        list[ImagePromptIn] | None,
+        Field(
+            default=None,
+            description="image prompts: IP-Adapters registered for the model, each with its "
+            "reference image (base64) and scale",
+        ),
     ),
     # Inpaint models only: the API pads each image and makes its mask (api_server/predict/masks.py).
     outpaint=(

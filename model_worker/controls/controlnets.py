@@ -128,11 +128,12 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
     `MultiControlNetModel`, the images per request). The images, in the items' order."""
     groups: OrderedDict[tuple, list[int]] = OrderedDict()
     for index, item in enumerate(items):
-        groups.setdefault(_call_key(item), []).append(index)
-    if len(groups) == 1 and () in groups:
+        groups.setdefault((_call_key(item), image_prompts_key(item)), []).append(index)
+    if len(groups) == 1 and ((), ()) in groups:
+        ip_adapters(pipeline).load([])
         return list(pipeline(**kwargs).images)
     images: list = [None] * len(items)
-    for key, indices in groups.items():
+    for (key, _prompts), indices in groups.items():
         call = {name: ([value[i] for i in indices] if isinstance(value, list) and len(value) == len(items) else value)
                 for name, value in kwargs.items()}  # fmt: skip
         runner = pipeline
@@ -140,6 +141,10 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
             runner, control = _controlnet_pipeline(pipeline, items[indices[0]])
             call.update(control)
             call["image" if "image" not in call else "control_image"] = _control_images(items, indices, len(key))
+        # diffusers' `load_ip_adapter` + `set_ip_adapter_scale`: the group's IP-Adapters in the UNet at their scales
+        # (none: the base processors), their image embeddings made as the pipeline makes them.
+        call.update(ip_adapters(pipeline).pipeline_arguments(runner, [items[i] for i in indices],
+                                                             call.get("guidance_scale", 1.0) > 1))  # fmt: skip
         for index, image in zip(indices, runner(**call).images, strict=True):
             images[index] = image
     return images
@@ -156,6 +161,25 @@ def _controlnets(item) -> list[tuple[Any, Any, Any]]:
 
 def _call_key(item) -> tuple:
     return tuple((weights.key, ref.scale, ref.start, ref.end) for weights, ref, _ in _controlnets(item))
+
+
+def image_prompts_key(item) -> tuple:
+    controls = getattr(item, "controls", None)
+    if controls is None:
+        return ()
+    return tuple((weights.key, ref.scale) for weights, ref in zip(controls.weights(), controls.refs, strict=True)
+                 if weights.kind == "ip_adapter")  # fmt: skip
+
+
+def ip_adapters(pipeline):
+    """The pipeline's IP-Adapter rows (model_worker/controls/ip_adapters.py), made once per pipeline."""
+    from model_worker.controls.ip_adapters import IPAdapterRows
+
+    rows = getattr(pipeline, "_maas_ip_adapters", None)
+    if rows is None:
+        rows = IPAdapterRows(pipeline)
+        pipeline._maas_ip_adapters = rows
+    return rows
 
 
 def _control_images(items, indices: list[int], count: int) -> list:

@@ -90,10 +90,12 @@ def png_b64(seed: int, size: int = 64) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def predict(stack, headers, seed: int, controls=None) -> requests.Response:
+def predict(stack, headers, seed: int, controls=None, image_prompts=None) -> requests.Response:
     parameters = {"seed": seed, "width": 64, "height": 64, "num_inference_steps": 4}
     if controls is not None:
         parameters["controls"] = controls
+    if image_prompts is not None:
+        parameters["image_prompts"] = image_prompts
     body = {"instances": [{"prompt": "a lighthouse"}], "parameters": parameters}
     return requests.post(f"{stack.api_url}/v1/models/{MODEL}:predict", json=body,
                          headers={**headers, "Cache-Control": "no-cache"}, timeout=120)  # fmt: skip
@@ -114,17 +116,20 @@ def pixels(response: requests.Response):
 def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_the_control_model(
     stack, auth_headers, bigquery, settings
 ):
-    """`make up`'s tiny ControlNet (tiny-edges) steers a request served in the same running set as a plain request of
-    the same seed; its BigQuery row names the control model and its version; bad controls are 422s naming the field."""
+    """`make up`'s tiny ControlNet (tiny-edges) and tiny IP-Adapter (tiny-style) each steer a request served in the
+    same running set as a plain request of the same seed; their BigQuery rows name the control model and its version;
+    bad controls and image prompts are 422s naming the field."""
     import threading
 
     control = [{"name": "tiny-edges", "image": png_b64(1), "scale": 0.8, "preprocess": "canny"}]
+    prompt = [{"name": "tiny-style", "image": png_b64(5), "scale": 0.6}]
     answers: dict[str, requests.Response] = {}
 
-    def send(key: str, controls) -> None:
-        answers[key] = predict(stack, auth_headers, 7, controls)
+    def send(key: str, controls, image_prompts) -> None:
+        answers[key] = predict(stack, auth_headers, 7, controls, image_prompts)
 
-    threads = [threading.Thread(target=send, args=args) for args in (("plain", None), ("controlled", control))]
+    asks = (("plain", None, None), ("controlled", control, None), ("prompted", None, prompt))
+    threads = [threading.Thread(target=send, args=args) for args in asks]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -135,6 +140,18 @@ def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_t
     table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
     [row] = query_rows(bigquery, f"SELECT controls FROM {table} WHERE request_id = '{request_id}'", 1, timeout=30)
     assert row["controls"] == "tiny-edges@1:0.8"
+    assert abs(plain - pixels(answers["prompted"])).max() > 10  # the image prompt steered it
+    request_id = answers["prompted"].headers["X-Request-Id"]
+    [row] = query_rows(bigquery, f"SELECT controls FROM {table} WHERE request_id = '{request_id}'", 1, timeout=30)
+    assert row["controls"] == "tiny-style@1:0.6"
+    for prompts, field in (([{"name": "nothing-here", "image": png_b64(2)}], "parameters.image_prompts.0.name"),
+                           ([{"name": "tiny-edges", "image": png_b64(2)}], "parameters.image_prompts.0.name"),
+                           ([{"name": "tiny-style", "image": png_b64(2), "scale": 9.0}],
+                            "parameters.image_prompts.0.scale"),
+                           ([{"name": "tiny-style", "image": "bm90IGFuIGltYWdl"}], "parameters.image_prompts.0.image")):  # fmt: skip
+        response = predict(stack, auth_headers, 8, image_prompts=prompts)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["field"] == field, response.text
     for controls, field in (([{"name": "nothing-here", "image": png_b64(2)}], "parameters.controls.0.name"),
                             ([{"name": "tiny-edges", "image": png_b64(2), "scale": 9.0}], "parameters.controls.0.scale"),
                             ([{"name": "tiny-edges", "image": "bm90IGFuIGltYWdl"}], "parameters.controls.0.image"),

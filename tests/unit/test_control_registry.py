@@ -273,6 +273,40 @@ def test_a_requests_controls_resolve_to_registered_versions_and_each_bad_input_i
     assert field_of(other, {}) == "parameters.controls"
 
 
+def test_a_requests_image_prompts_resolve_to_ip_adapters_and_each_bad_input_is_a_422_naming_its_field(built):
+    from api_server.core.errors import ApiError
+    from api_server.predict.controls import ControlService
+    from contract.generation import ImagePromptIn
+    from contract.stores.control_registry import ControlRegistry
+
+    bucket = bucket_with(built["pipeline"], "edges", built["controlnet"])
+    bucket.objects.update({naming.control_prefix(SPEC.name, "style", "1") + file: data
+                           for file, data in built["ip_adapter"].items()})  # fmt: skip
+    registry = ControlRegistry(bucket)
+    registry.register(SPEC, "edges", "controlnet", "1")
+    registry.register(SPEC, "style", "ip_adapter", "1")
+    service = ControlService(registry)
+    refs, images = service.resolve_image_prompts(SPEC, [ImagePromptIn(name="style", image=png(), scale=0.6)], 0)
+    assert (refs[0].name, refs[0].kind, refs[0].version) == ("style", "ip_adapter", "1")
+    assert (refs[0].sha256, refs[0].scale) == (digest(built["ip_adapter"]), 0.6)
+    assert len(images) == 1 and refs[0].image_sha256  # the image's digest: in the cache key with the parameters
+
+    def field_of(spec, *prompts: dict, controls: int = 0) -> str:
+        with pytest.raises(ApiError) as refused:
+            service.resolve_image_prompts(spec, [ImagePromptIn(**{"name": "style", "image": png(), **p})
+                                                 for p in prompts], controls)  # fmt: skip
+        assert refused.value.status == 422
+        return refused.value.field
+
+    assert field_of(SPEC, {"name": "unknown"}) == "parameters.image_prompts.0.name"
+    assert field_of(SPEC, {"name": "edges"}) == "parameters.image_prompts.0.name"  # a ControlNet, not an IP-Adapter
+    assert field_of(SPEC, {}, {}) == "parameters.image_prompts.1.name"  # named twice
+    assert field_of(SPEC, {}, controls=2) == "parameters.image_prompts"  # with the ControlNets, past the catalog's
+    assert field_of(SPEC, {"scale": 2.5}) == "parameters.image_prompts.0.scale"
+    assert field_of(SPEC, {"image": "bm90IGFuIGltYWdl"}) == "parameters.image_prompts.0.image"  # "not an image"
+    assert field_of(local_catalog().get("sdxl-txt2img"), {}) == "parameters.image_prompts"  # a family with none
+
+
 def test_an_unknown_preprocessor_or_window_out_of_range_is_refused_by_the_request_schema():
     from pydantic import ValidationError
 

@@ -234,3 +234,88 @@ def test_controls_never_split_a_batch_and_a_request_waits_aside_until_its_contro
     assert not pending.ready
     loading.done.set()
     assert pending.ready
+
+
+# IP-Adapters (image prompts): the tiny plain IP-Adapter and its image encoder `make up` registers
+# (emulators/tiny_controls.py), loaded as the worker loads them, against diffusers' `load_ip_adapter` +
+# `set_ip_adapter_scale` on a pipeline of its own (loading changes the UNet's processors).
+
+
+@pytest.fixture(scope="module")
+def styled(sd15, tmp_path_factory) -> dict:
+    import diffusers
+
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from model_worker.controls.loader import ControlWeights, _build
+
+    folder = build_ip_adapter(sd15["directory"], tmp_path_factory.mktemp("ip-adapter") / "style", 12)
+    encoder, state_dict = _build("ip_adapter", control_files(folder))
+    sd15["controls"]["style"] = ControlWeights("style", "ip_adapter", "1", "s" * 8, 0, encoder, state_dict)
+    sd15["images"]["style"] = input_image(23)
+    reference = diffusers.StableDiffusionPipeline.from_pretrained(sd15["directory"], safety_checker=None)
+    reference.load_ip_adapter(str(folder), subfolder="", weight_name="ip_adapter.safetensors")
+    reference.set_progress_bar_config(disable=True)
+    return {"reference": reference}
+
+
+def prompted(sd15, seed: int, scale: float, images: int = 1, controls=()):
+    """Items whose requests carry the image prompt `style` at `scale` (after any ControlNets in `controls`)."""
+    from model_worker.controls.loader import ControlSet
+    from model_worker.model.runners import GenerationItem
+
+    refs = tuple(ControlRef(name=name, kind="controlnet", version="1", sha256=name * 8, scale=s, start=a, end=b)
+                 for name, s, a, b in controls)  # fmt: skip
+    refs += (ControlRef(name="style", kind="ip_adapter", version="1", sha256="s" * 8, scale=scale),)
+    names = [name for name, *_ in controls] + ["style"]
+    loaded = ControlSet(refs, loaded=[sd15["controls"][name] for name in names])
+    loaded.done.set()
+    return [GenerationItem(prompt="a lighthouse", seed=seed + i, controls=loaded,
+                           control_images=tuple(sd15["images"][name] for name in names))
+            for i in range(images)]  # fmt: skip
+
+
+def ip_reference(sd15, styled, seed: int, guidance: float, scale: float, images: int = 1) -> list:
+    import torch
+
+    pipe = styled["reference"]
+    pipe.set_ip_adapter_scale(scale)
+    return [pipe(prompt="a lighthouse", ip_adapter_image=sd15["images"]["style"], num_inference_steps=STEPS,
+                 guidance_scale=guidance, width=SIZE, height=SIZE, generator=torch.Generator().manual_seed(seed + i),
+                 output_type="np").images[0] for i in range(images)]  # fmt: skip
+
+
+def test_an_image_prompt_alone_equals_diffusers_ip_adapter_pipeline_and_is_steered_by_it(sd15, styled, stepper):
+    (got,) = stepped(stepper, [(prompted(sd15, 5, 0.7, images=2), 6.0)])
+    assert differences(got, ip_reference(sd15, styled, 5, 6.0, 0.7, images=2)) <= TOLERANCE
+    (base,) = stepped(stepper, [(items_of(sd15, 5, [], images=2), 6.0)])
+    assert differences(got, base) > 10  # the tiny IP-Adapter visibly steers the image: the oracle can tell
+
+
+def test_a_mixed_running_set_with_image_prompts_equals_each_alone_and_a_row_without_is_the_base_models(
+    sd15, styled, stepper
+):
+    mixed = [(prompted(sd15, 3, 0.7), 6.0), (items_of(sd15, 12, []), 6.0), (items_of(sd15, 4, EDGES), 6.0),
+             (prompted(sd15, 9, 1.4, images=2, controls=EDGES), 1.0)]  # fmt: skip
+    got = stepped(stepper, mixed)
+    alone = [stepped(stepper, [(prompted(sd15, 3, 0.7), 6.0)])[0], stepped(stepper, [(items_of(sd15, 12, []), 6.0)])[0],
+             stepped(stepper, [(items_of(sd15, 4, EDGES), 6.0)])[0],
+             stepped(stepper, [(prompted(sd15, 9, 1.4, images=2, controls=EDGES), 1.0)])[0]]  # fmt: skip
+    for images, expected in zip(got, alone, strict=True):
+        assert differences(images, expected) <= TOLERANCE
+    # The same running set with no image prompt or control anywhere (the UNet's base processors): the request
+    # without either gets exactly the same image, though its rows went through the IP-Adapter processors above.
+    plain = [(items_of(sd15, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(stepper, plain)[1][0], got[1][0])
+    assert differences(got[0], ip_reference(sd15, styled, 3, 6.0, 0.7)) <= TOLERANCE
+
+
+def test_scheduling_request_runs_the_ip_adapter_pipeline_per_image_prompt_set(sd15, styled):
+    """A request-scheduled batch mixing an image prompt, an image prompt with a ControlNet and none: each image the
+    pipeline's own, the one without exactly the base pipeline's (the UNet's base processors restored)."""
+    batch = runner(sd15, "request")
+    plain = batch.generate(items_of(sd15, 12, []), params(5.0), lambda step, total: None)
+    items = prompted(sd15, 5, 0.7) + prompted(sd15, 8, 0.7, controls=EDGES) + items_of(sd15, 12, [])
+    got = batch.generate(items, params(5.0), lambda step, total: None)
+    assert differences(got[:1], ip_reference(sd15, styled, 5, 5.0, 0.7)) <= TOLERANCE
+    assert differences(got[1:2], got[:1]) > 2  # its ControlNet acts too
+    assert np.array_equal(np.asarray(got[2]), np.asarray(plain[0]))

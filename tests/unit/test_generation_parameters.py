@@ -22,7 +22,7 @@ def test_every_parameter_has_one_role():
 
 def test_the_api_accepts_every_parameter_optionally_and_priority_and_outpaint_besides():
     accepted = ParametersIn.model_fields
-    assert set(accepted) == set(ROLES) | {"priority", "outpaint"}
+    assert set(accepted) == set(ROLES) | {"priority", "outpaint", "image_prompts"}
     assert all(not field.is_required() for field in accepted.values())
 
 

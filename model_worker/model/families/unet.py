@@ -11,6 +11,7 @@ from typing import Any
 
 from contract.messages import GenerationParameters
 from model_worker.controls.controlnets import ControlNetRows, zero_residuals
+from model_worker.controls.ip_adapters import IPAdapterRows
 from model_worker.model.families.base import GuidedDenoiser, conditions
 from model_worker.model.families.deep_cache import deep_cache_unet
 from model_worker.model.runners import GenerationItem, RunningItem, is_latent
@@ -73,13 +74,25 @@ class UNetDenoiser(GuidedDenoiser):
                                timestep, condition["context"])  # fmt: skip
 
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
+        # IP-Adapters first: their processors are in the UNet (or restored) before the call either way.
+        prompts = self.ip_adapters.call_kwargs(running, inputs, sample) if self._ip_adapters or any(
+            r.state.get("image_prompts") for r in running) else {}  # fmt: skip
         if not any(r.state.get("controlnets") for r in running):
             # A compiled model is always called with residuals (zeros here): the graph ControlNets use, so the first
             # one compiles nothing. Not with a step cache, whose calls go without residuals (step_cache.py).
             if self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None:
-                return zero_residuals(self.pipeline.unet, sample)
-            return {}
-        return self.controlnets.residuals(running, inputs, sample, timestep, condition["context"])
+                return {**zero_residuals(self.pipeline.unet, sample), **prompts}
+            return prompts
+        return {**self.controlnets.residuals(running, inputs, sample, timestep, condition["context"]), **prompts}
+
+    _ip_adapters: IPAdapterRows | None = None
+
+    @property
+    def ip_adapters(self) -> IPAdapterRows:
+        """Made on first use, as `controlnets` is."""
+        if self._ip_adapters is None:
+            self._ip_adapters = IPAdapterRows(self.pipeline)
+        return self._ip_adapters
 
     @property
     def controlnets(self) -> ControlNetRows:
@@ -129,10 +142,12 @@ class UNetDenoiser(GuidedDenoiser):
                 handoff = item.denoising_start is not None or item.denoising_end is not None
                 if item.controls is not None:
                     controlnets = self.controlnets.prepare(item, guided, params.height, params.width, dtype)
+                    image_prompts = self.ip_adapters.prepare(item, guided, dtype)
                 else:
-                    controlnets = []
+                    controlnets, image_prompts = [], []
                 state = {
                     "controlnets": controlnets,
+                    "image_prompts": image_prompts,
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,
