@@ -8,6 +8,7 @@ const FIELD_ERRORS = {
   "parameters.width": "size", "parameters.height": "size", "parameters.seed": "seed",
   "parameters.num_inference_steps": "steps", "parameters.negative_prompt": "negative",
   "instances": "count", "instances.0.prompt": "prompt", "instances.0.image": "image",
+  "instances.0.mask": "mask",
 };
 let catalog = [];
 let current = null; // {jobId, controller}
@@ -47,8 +48,10 @@ async function loadModels() {
     return;
   }
   const select = $("model");
+  const chosen = select.value; // the key's change event can come again (on blur): the user's choice stays
   select.replaceChildren(...catalog.map((model) => new Option(model.name + " (" + describe(model) + ")", model.name)));
-  const preferred = catalog.find((model) => model.name.startsWith("sd15-txt2img"));
+  const preferred = catalog.find((model) => model.name === chosen)
+    || catalog.find((model) => model.name.startsWith("sd15-txt2img"));
   if (preferred) select.value = preferred.name;
   modelChanged();
 }
@@ -65,8 +68,12 @@ function modelChanged() {
   $("steps").placeholder = String(model.defaults.num_inference_steps);
   $("size").placeholder = model.defaults.width + "x" + model.defaults.height;
   $("count").max = String(model.max_instances_per_request);
-  // An edit model takes its image as image-to-image does (an inpaint model's mask painting is not here yet).
-  $("image-label").hidden = !["image-to-image", "edit"].includes(model.task);
+  // GET /v1/models says what an instance takes: an image (image-to-image, edit, inpaint) and a mask (inpaint),
+  // painted over the uploaded image. An edit model's prompt is its instruction.
+  const inputs = model.inputs || ["prompt"];
+  $("image-label").hidden = !inputs.includes("image");
+  $("mask-editor").hidden = !inputs.includes("mask") || !$("mask-image").naturalWidth;
+  $("prompt-name").textContent = model.task === "edit" ? "Instruction" : "Prompt";
   // A model without classifier-free guidance (FLUX) refuses a negative prompt: the field is not offered.
   $("negative-label").hidden = model.guidance !== "cfg";
   if (model.guidance !== "cfg") $("negative").value = "";
@@ -82,6 +89,83 @@ function readImage(file) {
     reader.onerror = () => reject(new Error("the image file cannot be read"));
     reader.readAsDataURL(file);
   });
+}
+
+// The mask is painted on a canvas of the input image's own size (the API wants them alike); a stroke is opaque
+// there, shown translucent over the image (CSS), and sent as a PNG: white where painted (repaint), black elsewhere.
+const painting = { down: false, last: null, painted: false };
+
+async function imageChosen() {
+  const file = $("image").files[0];
+  $("mask-image").removeAttribute("src");
+  $("mask-editor").hidden = true;
+  if (!file) return;
+  const source = "data:" + file.type + ";base64," + await readImage(file);
+  $("mask-image").onload = () => {
+    $("mask-canvas").width = $("mask-image").naturalWidth; // resizing a canvas clears it
+    $("mask-canvas").height = $("mask-image").naturalHeight;
+    painting.painted = false;
+    modelChanged();
+  };
+  $("mask-image").onerror = () => { $("image-error").textContent = "the image cannot be shown"; };
+  $("mask-image").src = source;
+}
+
+function canvasPoint(event) {
+  const canvas = $("mask-canvas");
+  const box = canvas.getBoundingClientRect();
+  const scale = canvas.width / box.width;
+  return { x: (event.clientX - box.left) * scale, y: (event.clientY - box.top) * scale, scale };
+}
+
+function paint(event) {
+  if (!painting.down) return;
+  const point = canvasPoint(event);
+  const context = $("mask-canvas").getContext("2d");
+  context.strokeStyle = context.fillStyle = "#ff2d55";
+  context.lineCap = context.lineJoin = "round";
+  context.lineWidth = Number($("brush").value) * point.scale;
+  context.beginPath();
+  const from = painting.last || point;
+  context.moveTo(from.x, from.y);
+  context.lineTo(point.x, point.y);
+  context.stroke();
+  painting.last = point;
+  painting.painted = true;
+}
+
+function paintStart(event) {
+  event.preventDefault();
+  $("mask-canvas").setPointerCapture(event.pointerId);
+  painting.down = true;
+  painting.last = null;
+  paint(event);
+}
+
+function paintEnd() {
+  painting.down = false;
+  painting.last = null;
+}
+
+function clearMask() {
+  const canvas = $("mask-canvas");
+  canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  painting.painted = false;
+}
+
+// The PNG the request sends: every pixel white (painted) or black, nothing in between.
+function maskPng() {
+  const source = $("mask-canvas");
+  const pixels = source.getContext("2d").getImageData(0, 0, source.width, source.height);
+  for (let at = 0; at < pixels.data.length; at += 4) {
+    const value = pixels.data[at + 3] >= 128 ? 255 : 0;
+    pixels.data.set([value, value, value, 255], at);
+  }
+  const out = document.createElement("canvas");
+  out.width = source.width;
+  out.height = source.height;
+  out.getContext("2d").putImageData(pixels, 0, 0);
+  return out.toDataURL("image/png").split(",", 2)[1];
 }
 
 function integer(id, errors) {
@@ -110,6 +194,12 @@ async function buildRequest() {
   const instance = { prompt: $("prompt").value };
   const file = $("image").files[0];
   if (file && !$("image-label").hidden) instance.image = await readImage(file);
+  const model = catalog.find((entry) => entry.name === $("model").value);
+  if (model && (model.inputs || []).includes("mask")) {
+    if (!file) errors.image = "an inpaint model repaints an input image";
+    else if (!painting.painted) errors.mask = "paint the area to repaint over the image";
+    else instance.mask = maskPng();
+  }
   Object.entries(errors).forEach(([id, message]) => { $(id + "-error").textContent = message; });
   if (Object.keys(errors).length) return null;
   return { model: $("model").value, body: { instances: Array(count).fill(instance), parameters } };
@@ -268,6 +358,12 @@ document.addEventListener("DOMContentLoaded", () => {
   $("form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
   $("rerun").addEventListener("click", rerun);
+  $("image").addEventListener("change", imageChosen);
+  $("mask-canvas").addEventListener("pointerdown", paintStart);
+  $("mask-canvas").addEventListener("pointermove", paint);
+  $("mask-canvas").addEventListener("pointerup", paintEnd);
+  $("mask-canvas").addEventListener("pointercancel", paintEnd);
+  $("mask-clear").addEventListener("click", clearMask);
   loadModels();
   loadBatches();
 });

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 import uuid
 
@@ -9,10 +12,11 @@ import pytest
 import requests
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.conftest import TEST_API_KEYS
+from tests.conftest import TEST_API_KEYS, png_b64
 
 pytestmark = pytest.mark.stack
 
@@ -85,3 +89,49 @@ def test_generate_an_image_with_progress_then_refuse_a_bad_size_and_never_run_a_
     WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "size-error").text)
     assert "1024" in browser.find_element(By.ID, "size-error").text
     assert browser.find_element(By.ID, "form-error").text == ""
+
+
+def test_a_painted_stroke_is_sent_as_a_black_and_white_mask_and_the_inpainted_image_shown(browser, stack, tmp_path):
+    from PIL import Image
+
+    open_playground(browser, stack)
+    Select(browser.find_element(By.ID, "model")).select_by_value("sd15-inpaint")
+    assert browser.find_element(By.ID, "mask-editor").is_displayed() is False  # no image yet, nothing to paint on
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(base64.b64decode(png_b64(64, 64, noise=True)))
+    browser.find_element(By.ID, "image").send_keys(str(photo))
+    WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "mask-editor").is_displayed())
+    # Record the bodies the page sends (the request itself still goes to the API).
+    browser.execute_script(
+        "window.sentBodies = []; const send = window.fetch;"
+        "window.fetch = (url, init) => { if (init && init.body) window.sentBodies.push(init.body);"
+        " return send(url, init); };"
+    )
+    canvas = browser.find_element(By.ID, "mask-canvas")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", canvas)  # strokes aim at its center
+    shown = canvas.size["width"]  # the 64 px image is shown larger; the stroke is in screen pixels
+    stroke = ActionChains(browser).move_to_element_with_offset(canvas, -shown // 4, 0).click_and_hold()
+    for _ in range(4):
+        stroke.move_by_offset(shown // 8, 0)
+    stroke.release().perform()  # a horizontal stroke through the middle, a quarter of the width to three quarters
+    fill(browser, "prompt", f"a door {uuid.uuid4().hex}")
+    fill(browser, "size", "64x64")
+    fill(browser, "steps", "2")
+    browser.find_element(By.ID, "submit").click()
+    WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "status").text in ("succeeded", "failed"))
+    assert browser.find_element(By.ID, "status").text == "succeeded", browser.find_element(By.ID, "form-error").text
+    image = browser.find_element(By.CSS_SELECTOR, "#results img")
+    assert browser.execute_script("return [arguments[0].naturalWidth, arguments[0].naturalHeight]", image) == [64, 64]
+
+    (body,) = [json.loads(sent) for sent in browser.execute_script("return window.sentBodies")]
+    (instance,) = body["instances"]
+    assert instance["image"] == base64.b64encode(photo.read_bytes()).decode()
+    mask = Image.open(io.BytesIO(base64.b64decode(instance["mask"]))).convert("L")
+    assert mask.size == (64, 64)  # the image's own size
+    pixels = mask.load()
+    assert {pixels[x, y] for x in range(64) for y in range(64)} == {0, 255}  # white or black, nothing between
+    assert all(pixels[x, 32] == 255 for x in range(18, 47))  # along the stroke: repaint
+    brush = 24 * 64 / shown  # the brush's default 24 screen pixels, in image pixels
+    reach = int(brush / 2) + 2
+    painted = [(x, y) for x in range(64) for y in range(64) if pixels[x, y] == 255]
+    assert all(16 - reach <= x <= 48 + reach and abs(y - 32) <= reach for x, y in painted)  # the rest: keep
