@@ -41,3 +41,20 @@ def test_the_cli_refuses_a_bad_control_before_any_request(tmp_path, monkeypatch)
     assert result.exit_code == 2 and "NAME=IMAGE" in result.output
     missing = CliRunner().invoke(cli.app, ["predict", "sd15-txt2img", "x", "--control", "e=nothing-here.png:0.5"])
     assert missing.exit_code == 2 and "controls[0].image" in missing.output
+
+
+def test_image_prompts_go_in_the_body_and_the_image_prompt_flag_is_checked_before_any_request(tmp_path, monkeypatch):
+    reference = tmp_path / "reference.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(reference, format="PNG")
+    body = _core.predict_body("a lighthouse", image_prompts=[{"name": "tiny-style", "image": reference, "scale": 0.6}])
+    assert body["parameters"]["image_prompts"] == [{"name": "tiny-style", "scale": 0.6,
+                                                    "image": base64.b64encode(reference.read_bytes()).decode()}]  # fmt: skip
+    with pytest.raises(InputError, match=r"^image_prompts\[0\].image: "):
+        _core.predict_body("x", image_prompts=[{"name": "tiny-style", "image": b"not a png"}])
+    assert _core.parse_control("tiny-style=ref.png:0.6", "--image-prompt") == {"name": "tiny-style", "image": "ref.png",
+                                                                              "scale": 0.6}  # fmt: skip
+    monkeypatch.setenv("MAAS_URL", "http://127.0.0.1:9")  # nothing listens: a request would fail otherwise
+    result = CliRunner().invoke(cli.app, ["predict", "sd15-txt2img", "x", "--image-prompt", "tiny-style"])
+    assert result.exit_code == 2 and "--image-prompt" in result.output and "NAME=IMAGE" in result.output
+    missing = CliRunner().invoke(cli.app, ["predict", "sd15-txt2img", "x", "--image-prompt", "s=nothing.png:0.5"])
+    assert missing.exit_code == 2 and "image_prompts[0].image" in missing.output

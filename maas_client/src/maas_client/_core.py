@@ -137,6 +137,7 @@ def predict_body(
     webhook_url: str | None = None,
     adapters: dict[str, float] | list[dict] | None = None,
     controls: list[dict] | None = None,
+    image_prompts: list[dict] | None = None,
 ) -> dict:
     """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest.
     An inpaint model takes `image` and `mask` (white repaints, black keeps), or `image` and `outpaint`
@@ -176,28 +177,35 @@ def predict_body(
         )
     if controls:  # [{"name", "image" (a path, bytes or PIL image), "scale", "start", "end", "preprocess"}, ...]
         parameters["controls"] = [control_body(index, control) for index, control in enumerate(controls)]
+    if image_prompts:  # [{"name", "image" (a path, bytes or PIL image), "scale"}, ...]: IP-Adapters
+        parameters["image_prompts"] = [control_body(index, prompt, "image_prompts")
+                                       for index, prompt in enumerate(image_prompts)]  # fmt: skip
     body: dict[str, Any] = {"instances": [instance] * n, "parameters": parameters}
     if webhook_url:
         body["webhook_url"] = webhook_url
     return body
 
 
-def control_body(index: int, control: dict) -> dict:
-    """One ControlNet of `parameters.controls`, its image read and sent as base64."""
+def control_body(index: int, control: dict, field: str = "controls") -> dict:
+    """One ControlNet of `parameters.controls` (or image prompt of `parameters.image_prompts`), its image read and
+    sent as base64."""
     if not isinstance(control, dict) or "name" not in control or "image" not in control:
-        raise InputError(f"controls[{index}]: a dict with name and image (and scale, start, end, preprocess)")
+        also = "scale" if field == "image_prompts" else "scale, start, end, preprocess"
+        raise InputError(f"{field}[{index}]: a dict with name and image (and {also})")
     try:
         image = base64.b64encode(image_bytes(control["image"])).decode()
     except InputError as exc:
-        raise InputError(f"controls[{index}].image: {exc}") from None
+        raise InputError(f"{field}[{index}].image: {exc}") from None
     return {**control, "image": image}
 
 
-def parse_control(text: str) -> dict:
-    """The CLI's `--control NAME=IMAGE[:SCALE]`: a ControlNet, its control image's path and its scale."""
+def parse_control(text: str, flag: str = "--control") -> dict:
+    """The CLI's `--control NAME=IMAGE[:SCALE]` (and `--image-prompt`, the same spelling): a control model, its
+    image's path and its scale."""
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
-        raise InputError(f"--control {text!r}: NAME=IMAGE[:SCALE], e.g. tiny-edges=edges.png:0.8")
+        example = "tiny-style=reference.png:0.6" if flag == "--image-prompt" else "tiny-edges=edges.png:0.8"
+        raise InputError(f"{flag} {text!r}: NAME=IMAGE[:SCALE], e.g. {example}")
     path, colon, scale = rest.rpartition(":")
     if not colon:
         return {"name": name, "image": rest}

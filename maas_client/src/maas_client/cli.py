@@ -266,6 +266,10 @@ def predict(
         typer.Option("--control", help="a ControlNet: NAME=IMAGE[:SCALE] (repeat it for several)"),
     ] = None,
     canny: Annotated[bool, typer.Option("--canny", help="the worker makes Canny edges of each control image")] = False,
+    image_prompt: Annotated[
+        list[str] | None,
+        typer.Option("--image-prompt", help="an image prompt (IP-Adapter): NAME=IMAGE[:SCALE] (repeat it for several)"),
+    ] = None,
 ) -> None:
     """Generate images and write them as PNGs (a request that becomes a job is followed to its end)."""
     options = _options_dict(seed, steps, size, image, negative, n, mask)
@@ -277,6 +281,14 @@ def predict(
         except InputError as exc:
             _fail(exc)
         options["controls"] = [{**c, "preprocess": "canny"} if canny else c for c in controls]
+    if image_prompt:
+        try:
+            prompts = [_core.parse_control(text, "--image-prompt") for text in image_prompt]
+            for index, parsed in enumerate(prompts):
+                _core.control_body(index, parsed, "image_prompts")  # read now: a bad one is refused before a request
+        except InputError as exc:
+            _fail(exc)
+        options["image_prompts"] = prompts
     _predict(model, prompt, options, out_dir)
 
 
