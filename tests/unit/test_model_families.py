@@ -45,8 +45,10 @@ FAMILIES = {
     "z-image-turbo": ZIMAGE, "flux2-klein": KLEIN, "qwen-image": QWEN, "z-image-img2img": ZIMAGE_IMG2IMG,
     "qwen-image-img2img": QWEN_IMG2IMG,
 }  # fmt: skip
-# Pixel values may move by one or two inside a different batch composition (float rounding), no more.
-PIXEL_TOLERANCE = 3
+# A different batch composition moves pixel values by float rounding only (measured: under 0.002/255 for every
+# family here); half precision moves them more (FLOAT16_TOLERANCE: the float16 SDXL case, 1.5/255 measured).
+PIXEL_TOLERANCE = 1
+FLOAT16_TOLERANCE = 3
 SIZE = 64  # a multiple of 16, so every family takes it
 
 
@@ -101,9 +103,9 @@ def differences(got: list, expected: list) -> float:
     )
 
 
-def assert_close(got: list, expected: list) -> None:
+def assert_close(got: list, expected: list, tolerance: float = PIXEL_TOLERANCE) -> None:
     difference = differences(got, expected)
-    assert difference <= PIXEL_TOLERANCE, f"differs from the pipeline's own image by {difference:.1f}/255"
+    assert difference <= tolerance, f"differs from the pipeline's own image by {difference:.1f}/255"
 
 
 def input_image(seed: int):
@@ -210,7 +212,7 @@ def test_requests_with_other_steps_and_guidance_share_steps_and_each_equals_the_
 # --- the oracle sees a wrong worker --------------------------------------------------------------------------
 # Each check breaks the worker on purpose and asserts that the running set's comparison with the pipeline then
 # fails, by far more than the tolerance: an oracle that passes a wrong timestep, guidance or shift proves nothing.
-MUTATION_MARGIN = 3 * PIXEL_TOLERANCE
+MUTATION_MARGIN = 9  # /255: nine times the tolerance the oracles held when it was 3
 
 
 def model_call_with_timesteps(model, change):
@@ -330,8 +332,8 @@ def test_a_float16_sdxl_decodes_through_the_float32_upcast_as_the_pipeline_does(
     assert decoded and set(decoded) == {(torch.float32, torch.float32)}, decoded
     assert vae.dtype == torch.float16, "the VAE must be half precision again after the decode"
     for pending in (first, joiner):
-        assert_close(outcomes.images[pending.request_id], reference_images({"sdxl": (directory, reference)}, "sdxl",
-                                                                           pending))  # fmt: skip
+        expected = reference_images({"sdxl": (directory, reference)}, "sdxl", pending)
+        assert_close(outcomes.images[pending.request_id], expected, FLOAT16_TOLERANCE)
 
 
 @pytest.mark.parametrize(
