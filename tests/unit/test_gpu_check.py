@@ -22,6 +22,7 @@ TINY_LINES = [
     "open-loop",
     "flux.build",
     "flux.bf16",
+    "flux.step-cache",
     "zimage.bf16",
     "flux2-klein.bf16",
     "qwenimage.bf16",
@@ -44,6 +45,7 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     lines = {line["key"]: line for line in document["lines"]}
     expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
                 "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16",
+                "sd15.step-cache", "flux.step-cache",
                 "zimage.build", "zimage.bf16", "flux2-klein.build", "flux2-klein.bf16", "qwenimage.build",
                 "qwenimage.bf16", "qwenimage.release"}  # fmt: skip
     assert expected <= set(lines), sorted(set(lines))
@@ -57,6 +59,11 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     assert phases["request"]["generate"] >= phases["request"]["to_first_step"] > 0
     steps = lines["sd15.scheduler-steps"]["detail"]
     assert len(steps) == 7 and all(row["set_ops"] < row["per_image_ops"] for n, row in steps.items() if "Flow" not in n)
+    # Each step cache line: half the steps after the warm-up skipped (forced), both timings in one run.
+    for key, steps in (("sd15.step-cache", 4), ("flux.step-cache", 4)):
+        row = lines[key]["detail"]
+        assert (row["steps"], row["steps_skipped_per_image"]) == (steps, 2), row  # steps 1 and 3 (step 0 warms up)
+        assert row["ms_per_step_with"] > 0 and row["ms_per_step_without"] > 0
     errors = {key: line["measured"] for key, line in lines.items() if line["measured"].startswith(("error", "skipped"))}
     assert errors == {}
     assert all(line["result"] in ("PASS", "MISS", "INFO") for line in lines.values())
@@ -157,7 +164,7 @@ def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
 
     assert keys("flux.bf16") == {"flux.bf16"}
     assert keys("sd15") == keys("sd15.") == {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone",
-                                             "sd15.syncs", "sd15.scheduler-steps"}  # fmt: skip
+                                             "sd15.syncs", "sd15.scheduler-steps", "sd15.step-cache"}  # fmt: skip
     assert keys("sd15-compiled") == {"sd15-compiled", "sd15-compiled.warm-start"}
     assert keys("sd15-compiled.warm-start") == {"sd15-compiled", "sd15-compiled.warm-start"}  # the line it needs
     assert {"flux.build", "flux.bf16", "flux.bf16-compiled"} <= keys("flux")
