@@ -84,7 +84,15 @@ def test_get_models_lists_each_flow_with_its_stages(stack, auth_headers):
     assert detail["stages"][0]["resize"] == {"scale": 2, "space": "pixel"} and detail["traffic"] is None
 
 
-@pytest.mark.parametrize("flow", ["sd15-hires", "sdxl-refined"])
+# Each flow's stages, their models and its output size (sd15-hires doubles the size between its stages).
+FLOW_STAGES = {
+    "sd15-hires": (["base", "hires"], ["sd15-txt2img", "sd15-img2img"], 128),
+    "sdxl-refined": (["base", "refiner"], ["sdxl-txt2img", "sdxl-refiner"], 64),
+    "flux-draft-edit": (["draft", "edit"], ["flux-schnell", "flux-kontext"], 64),  # ending in an edit (issue 51)
+}
+
+
+@pytest.mark.parametrize("flow", list(FLOW_STAGES))
 def test_a_flow_answers_like_a_model_with_a_row_per_stage_linked_to_its_own(stack, auth_headers, bigquery, settings,
                                                                             flow):  # fmt: skip
     response = predict(stack, auth_headers, flow, seed=11)
@@ -92,8 +100,8 @@ def test_a_flow_answers_like_a_model_with_a_row_per_stage_linked_to_its_own(stac
     answer, request_id = response.json(), response.headers["X-Request-Id"]
     assert answer["model"] == flow and answer["request_id"] == request_id
     stages = [stage["stage"] for stage in answer["stages"]]
-    assert stages == (["base", "hires"] if flow == "sd15-hires" else ["base", "refiner"])
-    size = 128 if flow == "sd15-hires" else 64  # sd15-hires doubles the size between its stages
+    expected_stages, models, size = FLOW_STAGES[flow]
+    assert stages == expected_stages
     assert (answer["predictions"][0]["width"], answer["predictions"][0]["height"]) == (size, size)
     rows = log_rows(bigquery, settings, request_id, 3)
     assert len(rows) == 3, rows  # exactly one row per stage that ran, and the flow's
@@ -101,6 +109,7 @@ def test_a_flow_answers_like_a_model_with_a_row_per_stage_linked_to_its_own(stac
     assert (own["model"], own["flow"], own["stage"], own["status"]) == (flow, flow, None, "ok")
     staged = [row for row in rows if row["stage"] is not None]
     assert [row["stage"] for row in staged] == stages
+    assert [row["model"] for row in staged] == models
     assert all(row["flow_request_id"] == request_id and row["flow"] == flow for row in staged)
     assert all(row["batch_id"] and row["inference_ms"] > 0 and row["gpu_seconds"] > 0 for row in staged)
     assert own["gpu_seconds"] == pytest.approx(sum(row["gpu_seconds"] for row in staged), rel=1e-6)
