@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import grpc
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from pydantic import ValidationError
@@ -36,6 +36,9 @@ from model_worker.model.runners import GenerationItem
 from model_worker.serving.finisher import ReplyFinisher
 from model_worker.serving.health import WorkerHealth
 from model_worker.serving.presence import PullerPresence
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger(__name__)
 # How long a request pull waits for a message. An idle subscription costs one pull RPC per wait (the emulator answers
@@ -264,6 +267,8 @@ class SubscriptionLoop:
     def _pull(self, max_messages: int) -> list | None:
         """One waiting pull: what came ([] when the queue had nothing for it), or None when it failed (reported to
         readiness, then backed off)."""
+        import grpc  # here: the GPU check runs the worker's stages in an image without the service clients
+
         try:
             response = self._waiting_pull(max_messages)
         except grpc.FutureCancelledError:
@@ -287,6 +292,8 @@ class SubscriptionLoop:
     def _waiting_pull(self, max_messages: int) -> pubsub_v1.types.PullResponse:
         """The pull RPC as a future (the client library's blocking call cannot be cancelled), with the routing
         header the library would send."""
+        import grpc
+
         request = pubsub_v1.types.PullRequest(subscription=self.subscription, max_messages=max_messages)
         metadata = (("x-goog-request-params", f"subscription={self.subscription}"),)
         with self._waiting_lock:

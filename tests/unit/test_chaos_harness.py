@@ -135,6 +135,7 @@ def test_the_admin_run_selects_exactly_the_admin_operations_with_the_admin_key()
     selected = {label for label, operation in operations.items() if resolve_pointer(operation, pointer) == value}
     assert selected == {
         "PUT /v1/models/{model}/traffic", "DELETE /v1/models/{model}/traffic", "PUT /v1/models/{model}/adapters/{name}",
+        "PUT /v1/models/{model}/controls/{name}",
     }  # fmt: skip
     every, admin = fuzz.runs("user-key", "admin-key")
     assert "--header=Authorization: Bearer user-key" in fuzz.argv("st", "http://api", every, 5, 190)
