@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from model_worker.controls.controlnets import DEVICE_CACHE
+
 
 @dataclass(frozen=True)
 class RowImagePrompt:
@@ -39,7 +41,7 @@ class IPAdapterRows:
         self._pipeline = pipeline
         self._loaded: tuple = ()  # the keys of the IP-Adapters in the UNet now, in its order
         self._base_processors: dict | None = None
-        self._encoders: dict[tuple, Any] = {}
+        self._encoders: OrderedDict[tuple, Any] = OrderedDict()
 
     def prepare(self, item, guided: bool, dtype) -> list[RowImagePrompt]:
         """An image's IP-Adapters with its image prompts embedded (diffusers' `prepare_ip_adapter_image_embeds`)."""
@@ -131,7 +133,9 @@ class IPAdapterRows:
         """The IP-Adapter's image encoder on the denoiser's device, and the image processor the pipeline uses (its
         `feature_extractor`, or the one `load_ip_adapter` makes for the encoder's image size)."""
         key = weights.key
-        if key not in self._encoders:
+        if key in self._encoders:
+            self._encoders.move_to_end(key)
+        else:
             from transformers import CLIPImageProcessor
 
             unet = self._pipeline.unet
@@ -141,4 +145,7 @@ class IPAdapterRows:
                 size = encoder.config.image_size
                 features = CLIPImageProcessor(size=size, crop_size=size)
             self._encoders[key] = (encoder, features)
+            while len(self._encoders) > DEVICE_CACHE:  # the least recently used encoder moved back off the device
+                _, (dropped, _) = self._encoders.popitem(last=False)
+                dropped.to("cpu")
         return self._encoders[key]
