@@ -18,7 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from model_worker.controls.controlnets import DEVICE_CACHE
+# Image encoders kept on the device per denoiser, as many as ControlNets (`controlnets.DEVICE_CACHE`).
+ENCODER_DEVICE_CACHE = 4
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ class IPAdapterRows:
                 size = encoder.config.image_size
                 features = CLIPImageProcessor(size=size, crop_size=size)
             self._encoders[key] = (encoder, features)
-            while len(self._encoders) > DEVICE_CACHE:  # the least recently used encoder moved back off the device
+            while (
+                len(self._encoders) > ENCODER_DEVICE_CACHE
+            ):  # the least recently used encoder moved back off the device
                 _, (dropped, _) = self._encoders.popitem(last=False)
                 dropped.to("cpu")
         return self._encoders[key]

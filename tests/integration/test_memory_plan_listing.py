@@ -19,9 +19,10 @@ def test_the_model_listing_shows_each_models_memory_plan(stack, auth_headers):
     assert flux["activation_at"] == {"batch": 4, "width": 1024, "height": 1024}
     assert 31 * GIB < flux["weights_bytes"] < 32 * GIB  # FLUX.1's 31.4 GiB in bf16 (diffusers' quantization blog)
     assert flux["total_bytes"] == flux["weights_bytes"] + flux["activation_bytes"] < 79 * GIB
-    # FLUX.1 Kontext in its worker (one process for the two): both bf16 copies count.
+    # FLUX.1 Kontext in its worker (one process): both bf16 copies count; flux-schnell-cached (FLUX.1 [schnell]'s
+    # own weights with a step cache) is served from the same loaded components.
     assert flux["worker_deployment"]["fits"]
-    assert flux["worker_deployment"]["models"] == ["flux-schnell", "flux-kontext"]
+    assert flux["worker_deployment"]["models"] == ["flux-schnell", "flux-kontext", "flux-schnell-cached"]
     # Two versions in one worker: their weights add up.
     versions = models["flux-versions"]["memory_plan"]["worker_deployment"]
     assert versions["weights_bytes"] == 2 * models["flux-versions"]["memory_plan"]["weights_bytes"]

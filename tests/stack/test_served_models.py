@@ -22,7 +22,7 @@ from emulators.stack import (
 from tests.conftest import stack_config
 
 PRODUCTION = load_catalog()  # contract/models.yaml alone: what Terraform and the Kubernetes renderer read
-LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm"}
+LOCAL_ONLY = {"noop", "sleep", "flux-versions", "sdxl-refiner", "sd15-lcm", "flux-schnell-cached"}
 # The integration and e2e tests' models: rollouts, fallback, shadows, the re-dispatch tests' long ack deadline and
 # the batch lines' stepped and slow synthetic models.
 FIXTURES = {
