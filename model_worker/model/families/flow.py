@@ -102,22 +102,32 @@ class FluxDenoiser(Denoiser):
                         1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
                     )
                     scheduler.set_begin_index(0)
-                state = {
-                    "scheduler": scheduler,
-                    "timesteps": timesteps,
-                    "latents": latents,
-                    "image_ids": image_ids,
-                    "text_ids": text_ids,
-                    "context": prompt_embeds[index : index + 1],
-                    "pooled": pooled[index : index + 1],
-                    "guidance": params.guidance_scale,
-                    "size": (params.height, params.width),
-                    "mu": mu,
-                    "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
-                    "step_cache": row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
-                }
+                state = self.row_state(
+                    scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index, params,
+                    (params.height, params.width),
+                    mu=mu, step_cache=row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
+                )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
+
+    @staticmethod
+    def row_state(scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index: int, params,
+                  size: tuple[int, int], **extra) -> dict:  # fmt: skip
+        """One image's row of a FLUX call: its scheduler, latents, position ids, prompt, guidance and size; `extra`:
+        what a member of the family adds (Kontext's reference tokens, Fill's mask, the step cache)."""
+        return {
+            "scheduler": scheduler,
+            "timesteps": timesteps,
+            "latents": latents,
+            "image_ids": image_ids,
+            "text_ids": text_ids,
+            "context": prompt_embeds[index : index + 1],
+            "pooled": pooled[index : index + 1],
+            "guidance": params.guidance_scale,
+            "size": size,
+            "step_kwargs": {},  # the pipeline passes nothing else to the flow-matching step
+            **extra,
+        }
 
     def denoise(self, running: list[RunningItem]) -> None:
         torch = self._torch
@@ -232,19 +242,10 @@ class FluxKontextDenoiser(FluxDenoiser):
                 sigmas = np.linspace(1.0, 1 / steps, steps)
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
                 scheduler.set_begin_index(0)
-                state = {
-                    "scheduler": scheduler,
-                    "timesteps": timesteps,
-                    "latents": latents,
-                    "reference": image_latents,
-                    "image_ids": torch.cat([latent_ids, image_ids], dim=0),
-                    "text_ids": text_ids,
-                    "context": prompt_embeds[index : index + 1],
-                    "pooled": pooled[index : index + 1],
-                    "guidance": params.guidance_scale,
-                    "size": (height, width),
-                    "step_kwargs": {},
-                }
+                state = self.row_state(
+                    scheduler, timesteps, latents, torch.cat([latent_ids, image_ids], dim=0), text_ids, prompt_embeds,
+                    pooled, index, params, (height, width), reference=image_latents,
+                )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
         return self.prepared(running)
 
@@ -313,19 +314,10 @@ class FluxFillDenoiser(FluxDenoiser):
                     mask, masked_latents = pipe.prepare_mask_latents(
                         mask, masked_image, 1, channels, 1, height, width, dtype, device, [generator]
                     )
-                state = {
-                    "scheduler": scheduler,
-                    "timesteps": timesteps,
-                    "latents": latents,
-                    "fill": torch.cat((masked_latents, mask), dim=-1),
-                    "image_ids": image_ids,
-                    "text_ids": text_ids,
-                    "context": prompt_embeds[index : index + 1],
-                    "pooled": pooled[index : index + 1],
-                    "guidance": params.guidance_scale,
-                    "size": (height, width),
-                    "step_kwargs": {},
-                }
+                state = self.row_state(
+                    scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index, params,
+                    (height, width), fill=torch.cat((masked_latents, mask), dim=-1),
+                )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
 
