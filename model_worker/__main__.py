@@ -6,11 +6,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from contract.jsonlog import configure_logging
 from contract.settings import Settings
 from model_worker.serving.service import WorkerService, served_specs
+from model_worker.serving.signals import DrainOnSignal
 
 log = logging.getLogger("model_worker")
 
@@ -25,16 +25,8 @@ def main() -> int:
         log.error("%s", exc)
         return 2
     service = WorkerService(settings, specs)
-    drain_seconds = max(spec.drain_seconds for spec in specs)
 
-    def drain(signum: int, _frame) -> None:
-        # Stop pulling; the running batch finishes and is answered, held requests go back to the queue.
-        log.info("signal %d: draining (at most %ds)", signum, drain_seconds)
-        service.stop()
-        deadline = threading.Timer(drain_seconds, lambda: os._exit(1))
-        deadline.daemon = True
-        deadline.start()
-
+    drain = DrainOnSignal(service.stop, max(spec.drain_seconds for spec in specs))
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
     service.serve()
