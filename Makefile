@@ -2,14 +2,15 @@
 PYTHON ?= python3
 VENV := .venv
 # The test files run on two processes (pytest-xdist), each with its own stack; `make test PYTEST_PARALLEL=` runs them on one.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# The files go out longest first (tests/file_order.py), not by their number of tests.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 VENV_BQ := .venv-bq
 VENV_CHECKOV := .venv-checkov
 PY := $(VENV)/bin/python
 # One install step: says what it does, runs it, says how long it took. $(call step,what,command)
 step = @printf '==> %s\n' "$(1)"; started=$$(date +%s); $(2) && printf '    done in %ss (%s)\n' $$(( $$(date +%s) - started )) "$@"
 
-.PHONY: analytics capacity chaos gpu-check import-model install run up down test test-fast lint format bench clean system-deps
+.PHONY: analytics capacity chaos gpu-check import-model install run up down test test-durations test-fast lint format bench clean system-deps
 
 .PHONY: status restart bootstrap browser-deps docs docs-serve
 
@@ -80,6 +81,11 @@ browser-deps:
 test: system-deps browser-deps
 	@$(MAKE) --no-print-directory --silent -j3 $(VENV)/.installed $(VENV_BQ)/.installed $(VENV_CHECKOV)/.installed
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
+
+# The whole suite, writing each file's seconds to tests/file_seconds.json (the order the files are handed out in).
+test-durations: system-deps browser-deps
+	@$(MAKE) --no-print-directory --silent -j3 $(VENV)/.installed $(VENV_BQ)/.installed $(VENV_CHECKOV)/.installed
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --write-file-seconds tests/file_seconds.json
 
 # The layering contracts ([tool.importlinter] in pyproject.toml) also run in `make test` (tests/unit/test_layering.py).
 lint: $(VENV)/.installed
