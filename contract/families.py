@@ -100,6 +100,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
             adapters=True,
             lora_components=("unet", "text_encoder", "text_encoder_2"),
+            controls=("controlnet",),  # IP-Adapters for SDXL not yet
             # The refiner's configuration (stable-diffusion-xl-refiner-1.0): `text_encoder_2` only.
             optional_components=("text_encoder",),
             latent_space="sdxl-vae: 4 channels, scaling 0.13025",
@@ -123,7 +124,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
-            step_caches=("first_block",),
+            step_caches=("first_block", "taylorseer"),
         ),
         Family(
             "sd3",

@@ -33,6 +33,8 @@ from contract.quantization import QUANTIZED_BYTES_PER_PARAMETER
 if TYPE_CHECKING:
     from contract.model_spec import ModelSpec
 
+# A FLUX.1 transformer's output channels per image token: 16 latent channels packed 2x2.
+FLUX_PACKED_CHANNELS = 64
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # torchao keeps one float32 scale per output row of a quantized Linear (per-row fp8, per-channel int8).
 SCALE_BYTES_PER_ROW = 4
@@ -234,6 +236,11 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
         # tokens x the hidden width each: model_worker/model/step_cache.py), through every call and decode.
         hidden = architecture.denoiser_elements_per_token // TRANSFORMER_WIDTHS_PER_TOKEN
         cache = batch * 2 * (tokens - architecture.text_tokens) * hidden * serving
+    elif spec.step_cache is not None and spec.step_cache.kind == "taylorseer":
+        # Each running image keeps its output's Taylor factors (orders 0 to max_order, float32) between its steps: its
+        # image tokens x the packed latent channels (FLUX's 16 x 2x2) each (model_worker/model/step_cache.py).
+        factors = (spec.step_cache.max_order or 1) + 1
+        cache = batch * factors * (tokens - architecture.text_tokens) * FLUX_PACKED_CHANNELS * 4
     return (denoiser + cache, "denoiser") if denoiser > decode else (decode + cache, "decode")
 
 

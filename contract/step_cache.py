@@ -10,6 +10,11 @@ alone and in any running set.
 block, every up block but the last) runs every `interval` steps of an image, and its output is reused in between;
 the shallow path runs every step. Interval 1 never skips. `scheduling: step` only (diffusers has no UNet hook).
 
+`taylorseer` (FLUX.1; TaylorSeer, Liu et al. 2025, diffusers' `TaylorSeerCacheConfig` in its lite mode): the whole
+transformer runs on an image's first `warmup_steps` steps and then every `interval` steps (diffusers' schedule:
+`cache_interval`, `disable_cache_before_step`); in between, the image's output is predicted by a Taylor expansion
+(to `max_order`) of the outputs of its last full steps, divided differences by step. Interval 1 never predicts.
+
 Off unless the catalog entry has the block; a request may turn it off
 (`"step_cache": false`), never on.
 """
@@ -20,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-StepCacheKind = Literal["first_block", "deepcache"]
+StepCacheKind = Literal["first_block", "taylorseer", "deepcache"]
 
 
 class StepCache(BaseModel):
@@ -32,8 +37,12 @@ class StepCache(BaseModel):
     # mean |r_last|, r_last the image's at its last full step) since. ParaAttention published 0.08 for FLUX.1 [dev].
     threshold: float = Field(default=0.08, ge=0.0, le=1.0)
     # deepcache: the deep path runs every this many steps of an image (1: every step, exactly no cache). DeepCache's
-    # paper reports about 2.3x on SD 1.5 (its `cache_interval` is this).
+    # paper reports about 2.3x on SD 1.5 (its `cache_interval` is this). taylorseer: the transformer runs every this
+    # many steps after the warm-up (diffusers' `cache_interval`, default 5), predicted in between.
     interval: int | None = Field(default=None, ge=1, le=50)
+    # taylorseer: the Taylor expansion's order (diffusers' `max_order`, default 1: the last full output plus its
+    # slope). Absent from the cache key of the other kinds (they have none).
+    max_order: int | None = Field(default=None, ge=1, le=4, exclude_if=lambda order: order is None)
     # The first steps of each image always run in full (the layout forms there); 0: only the first step.
     warmup_steps: int = Field(default=0, ge=0)
     # At most this many skipped steps in a row (then a full step refreshes the cache); None: no bound (diffusers').
@@ -50,6 +59,15 @@ class StepCache(BaseModel):
             raise ValueError("step_cache: deepcache has no threshold for batch lines to raise (batch_threshold)")
         if self.kind == "first_block" and self.interval is not None:
             raise ValueError("step_cache: first_block decides by threshold; interval is deepcache's")
+        if self.kind == "taylorseer":
+            if self.interval is None or {"threshold", "batch_threshold"} & self.model_fields_set:
+                raise ValueError("step_cache: taylorseer runs the transformer every `interval` steps after its "
+                                 "warm-up: set interval (and warmup_steps), not threshold")  # fmt: skip
+            if self.warmup_steps < 1:
+                raise ValueError("step_cache: taylorseer predicts from earlier full steps: warmup_steps must be at "
+                                 "least 1 (diffusers' disable_cache_before_step, default 3)")  # fmt: skip
+        elif self.max_order is not None:
+            raise ValueError("step_cache: max_order is taylorseer's (the order of its prediction)")
         return self
 
     @model_validator(mode="after")
@@ -63,8 +81,10 @@ class StepCache(BaseModel):
 
     @property
     def per_row_only(self) -> bool:
-        """Settings only the worker's own per-image cache honours (`scheduling: step`), not diffusers' hook."""
-        return self.kind == "deepcache" or self.warmup_steps > 0 or self.max_consecutive_skips is not None
+        """Settings only the worker's own per-image cache honours (`scheduling: step`), not diffusers' hook (whose
+        TaylorSeer has a warm-up: `disable_cache_before_step`)."""
+        warmup = self.warmup_steps > 0 and self.kind != "taylorseer"
+        return self.kind == "deepcache" or warmup or self.max_consecutive_skips is not None
 
     def cache_key_part(self) -> dict:
         """What of it changes an image: part of the result cache key (api_server/predict/cache.py)."""

@@ -10,6 +10,10 @@ gets the same decisions, and so the same answer, alone and in any running set.
 
 `deepcache` (SD 1.5) reuses the UNet's deep features for `interval - 1` steps after each full one, per image.
 
+`taylorseer` (FLUX.1) runs the whole transformer on an image's full steps, by diffusers' `TaylorSeerCacheConfig`
+schedule counted in the image's own steps, and predicts its output in between from its own Taylor factors
+(families/taylorseer.py).
+
 `first_block` decides as diffusers' `FirstBlockCacheConfig` does (its `FBCHeadBlockHook`): the relative L1 change
 of the first block's residual since the image's last full step, `mean|r - r_last| / mean|r_last|`, skips when at
 most `threshold`; the residual compared with is the last full step's (a skipped step does not move it).
@@ -39,6 +43,14 @@ class RowCache:
     # What the remaining blocks added at that step (the image's hidden states), reused by a skipped step.
     tail_residual: Any = None
     consecutive_skips: int = 0
+    # taylorseer: the Taylor factors of the image's output (order 0 first) at its last full step, and that step.
+    factors: list | None = None
+    last_full: int | None = None
+
+    @property
+    def primed(self) -> bool:
+        """Whether a full step has left something a skipped step can reuse."""
+        return self.tail_residual is not None or self.factors is not None
 
 
 class TailCalls:
@@ -59,7 +71,7 @@ def row_cache(catalog: StepCache | None, asked: bool | None, batch_line: bool = 
 def may_skip(r: RunningItem) -> bool:
     """Whether the image's settings and history allow a skip at all this step (before its numbers are looked at)."""
     cache: RowCache | None = r.state.get("step_cache")
-    if cache is None or cache.tail_residual is None or r.done < cache.settings.warmup_steps:
+    if cache is None or not cache.primed or r.done < cache.settings.warmup_steps:
         return False
     bound = cache.settings.max_consecutive_skips
     return bound is None or cache.consecutive_skips < bound
@@ -101,6 +113,48 @@ def scheduled_skips(running: list[RunningItem], forced: ForcedPattern | None = N
     return skips
 
 
+def taylor_skips(running: list[RunningItem], forced: ForcedPattern | None = None) -> list[bool]:
+    """Each image's decision by its own step (TaylorSeer's schedule, as diffusers' `TaylorSeerCacheHook` counts its
+    calls): full for the first `warmup_steps`, then at every `interval`-th step after them, predicted in between.
+    Interval 1 never predicts (exactly no cache)."""
+    skips = []
+    for r in running:
+        if not may_skip(r):
+            skips.append(False)
+        elif forced is not None:
+            skips.append(forced(r, r.done))
+        else:
+            settings = r.state["step_cache"].settings
+            skips.append((r.done - settings.warmup_steps - 1) % (settings.interval or 1) != 0)
+    return skips
+
+
+def record_taylor(r: RunningItem, output) -> None:
+    """A full step of a TaylorSeer image: its output (one row, float32) becomes its order-0 factor, and each higher
+    order the divided difference with the last full step's factor of the order below (diffusers' update)."""
+    cache: RowCache | None = r.state.get("step_cache")
+    if cache is None:
+        return
+    factors = [output]
+    if cache.factors is not None:
+        delta = r.done - cache.last_full
+        for previous in cache.factors[: cache.settings.max_order or 1]:
+            factors.append((factors[-1] - previous) / delta)
+    cache.factors, cache.last_full, cache.consecutive_skips = factors, r.done, 0
+
+
+def taylor_prediction(r: RunningItem):
+    """A skipped step's output for a TaylorSeer image: its Taylor expansion from its last full step (float32)."""
+    import math
+
+    cache: RowCache = r.state["step_cache"]
+    offset = r.done - cache.last_full
+    output = cache.factors[0]
+    for order, factor in enumerate(cache.factors[1:], start=1):
+        output = output + factor * (offset**order / math.factorial(order))
+    return output
+
+
 def record_full(r: RunningItem, head_residual, tail_residual) -> None:
     """A full step: the image's cache now holds this step's residuals."""
     cache: RowCache | None = r.state.get("step_cache")
@@ -124,5 +178,5 @@ def forget(running: list[RunningItem]) -> None:
     for r in running:
         cache: RowCache | None = r.state.get("step_cache")
         if cache is not None:
-            cache.head_residual = cache.tail_residual = None
+            cache.head_residual = cache.tail_residual = cache.factors = cache.last_full = None
             cache.consecutive_skips = 0

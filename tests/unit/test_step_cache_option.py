@@ -52,6 +52,12 @@ def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
         ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "set interval"),
         ({"kind": "first_block", "interval": 3}, "FluxPipeline", "interval is deepcache's"),
         ({"kind": "deepcache", "interval": 3, "batch_threshold": 0.2}, "StableDiffusionPipeline", "no threshold"),
+        ({"kind": "taylorseer", "interval": 3, "warmup_steps": 2}, "StableDiffusionPipeline", "not served for sd15"),
+        ({"kind": "taylorseer", "warmup_steps": 2}, "FluxPipeline", "set interval"),
+        ({"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "threshold": 0.1}, "FluxPipeline", "set interval"),
+        ({"kind": "taylorseer", "interval": 3}, "FluxPipeline", "warmup_steps must be at least 1"),
+        ({"kind": "first_block", "max_order": 2}, "FluxPipeline", "max_order is taylorseer's"),
+        ({"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "max_order": 5}, "FluxPipeline", "max_order"),
     ],
 )
 def test_a_catalog_step_cache_the_family_cannot_run_is_refused_at_load(tmp_path, step_cache, pipeline, message):
@@ -136,3 +142,24 @@ def test_the_memory_plan_counts_each_images_cached_residuals():
     tokens = 1536 * 1536 // flux.pixels_per_token
     hidden = flux.denoiser_elements_per_token // 20
     assert cached.activation_bytes - plain.activation_bytes == 4 * 2 * tokens * hidden * 2  # batch 4, bf16
+
+
+def test_taylorseer_runs_in_both_schedulings_with_its_warm_up_and_its_order_in_the_key():
+    taylor = {"kind": "taylorseer", "interval": 3, "warmup_steps": 2}
+    request = ModelSpec.model_validate(entry(step_cache=taylor, scheduling="request"))  # diffusers' hook has both
+    assert request.step_cache.max_order is None and "max_order" not in request.step_cache.cache_key_part()
+    second = ModelSpec.model_validate(entry(step_cache={**taylor, "max_order": 2}))
+    assert key(second) != key(ModelSpec.model_validate(entry(step_cache=taylor)))
+    assert "max_order" not in CACHED.step_cache.cache_key_part()  # the other kinds' keys are as they were
+
+
+def test_the_memory_plan_counts_each_images_taylor_factors():
+    from contract.architectures import ARCHITECTURES
+    from contract.memory_plan import unit_plan
+
+    taylor = {"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "max_order": 2}
+    cached = unit_plan(ModelSpec.model_validate(entry(step_cache=taylor)))
+    flux = ARCHITECTURES["flux.1-schnell" if PLAIN.guidance_mode == "none" else "flux.1-dev"]
+    tokens = 1536 * 1536 // flux.pixels_per_token
+    # batch 4, orders 0 to 2, 64 packed channels a token, float32
+    assert cached.activation_bytes - unit_plan(PLAIN).activation_bytes == 4 * 3 * tokens * 64 * 4

@@ -25,6 +25,7 @@ from contract.step_cache import StepCache
 from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
 from model_worker.model.families.first_block import diffusers_first_block, first_block_flux, flux_parts
 from model_worker.model.families.linear_steps import host_values
+from model_worker.model.families.taylorseer import diffusers_taylorseer, taylorseer_rows
 from model_worker.model.runners import GenerationItem, RunningItem
 from model_worker.model.step_cache import caching, row_cache
 
@@ -154,13 +155,30 @@ class FluxDenoiser(Denoiser):
                 "pooled_projections": pooled, "encoder_hidden_states": context, "txt_ids": first["text_ids"],
                 "img_ids": first["image_ids"],
             }  # fmt: skip
-            if caching(running):  # each image's first-block cache decides whether it runs the remaining blocks
+            if caching(running) and self.spec.step_cache.kind == "taylorseer":  # each image runs or predicts
+                output = taylorseer_rows(running, self.gathered_call(inputs), self.forced_skips, self.tail_calls)
+            elif caching(running):  # each image's first-block cache decides whether it runs the remaining blocks
                 output = first_block_flux(self.cached_parts(), running, self.forced_skips, self.tail_calls,
                                           self.padded_rows, **inputs)  # fmt: skip
             else:
                 output = self.pipeline.transformer(**inputs, return_dict=False)[0]
             predicted = output[:rows, : first["latents"].shape[1]]
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
+
+    def gathered_call(self, inputs: dict) -> Callable:
+        """The transformer over some rows of a call's `inputs` (TaylorSeer's full rows), gathered and padded to a
+        compiled bucket; over all of them as they are (None)."""
+        shared = ("txt_ids", "img_ids")  # position ids: no batch axis
+
+        def call(index: list[int] | None):
+            if index is None:
+                return self.pipeline.transformer(**inputs, return_dict=False)[0]
+            size, rows = self.padded_rows(len(index)), self._torch.tensor(index)
+            gathered = {key: value if key in shared or value is None else pad_rows(value[rows.to(value.device)], size)
+                        for key, value in inputs.items()}  # fmt: skip
+            return self.pipeline.transformer(**gathered, return_dict=False)[0][: len(index)]
+
+        return call
 
     def model_tokens(self, r: RunningItem):
         """An image's row of the transformer's input: its packed latents, and after them the tokens its family adds
@@ -171,7 +189,7 @@ class FluxDenoiser(Denoiser):
         """The model compiled, and its first-block cache's parts too (a model with one): the full rows' count then
         changes which compiled bucket runs, never what is compiled."""
         super().compile()
-        if self.spec.step_cache is not None:
+        if self.spec.step_cache is not None and self.spec.step_cache.kind == "first_block":
             self._cached_parts = flux_parts(self.model, (self.compile_mode, self.compile_backend))
 
     def cached_parts(self) -> tuple:
@@ -182,11 +200,16 @@ class FluxDenoiser(Denoiser):
 
     @contextmanager
     def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
-        """diffusers' First-Block-Cache hook, fresh for this call (families/first_block.py)."""
+        """diffusers' First-Block-Cache or TaylorSeer hook, fresh for this call (families/first_block.py,
+        families/taylorseer.py)."""
         if settings is None:
             yield lambda: 0
             return
-        with diffusers_first_block(self.model, settings.threshold) as counts:
+        if settings.kind == "taylorseer":
+            hook = diffusers_taylorseer(self.model, settings.interval, settings.warmup_steps, settings.max_order or 1)
+        else:
+            hook = diffusers_first_block(self.model, settings.threshold)
+        with hook as counts:
             yield lambda: counts.skipped
 
     def decode_latents(self, latents, running: list[RunningItem]):
