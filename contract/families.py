@@ -136,6 +136,7 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
+            step_caches=("first_block",),
         ),
         Family(
             "zimage",

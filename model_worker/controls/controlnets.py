@@ -20,6 +20,8 @@ from typing import Any
 
 # ControlNets kept on the device per denoiser (least recently used moved back off).
 DEVICE_CACHE = 4
+# SDXL's `added_cond_kwargs`, which its ControlNets take as its UNet does.
+ADDED_CONDITIONS = ("text_embeds", "time_ids")
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,11 @@ class ControlNetRows:
             rows.append(RowControl(weights, prepared, use.scale, use.start, use.end))
         return rows
 
-    def residuals(self, running, inputs, sample, timestep, context) -> dict:
+    def residuals(self, running, inputs, sample, timestep, condition: dict) -> dict:
         """The UNet's `down_block_additional_residuals` and `mid_block_additional_residual` for the call's rows
-        (`sample` may be padded past the running set's rows: those get zeros); {} when no row has a ControlNet."""
+        (`sample` may be padded past the running set's rows: those get zeros); {} when no row has a ControlNet.
+        `condition`: the call's conditioning rows, the context and, for SDXL, the pooled embeddings and time ids the
+        ControlNet takes as the UNet does (`added_cond_kwargs`)."""
         torch = self._torch
         uses: OrderedDict[tuple, list[tuple[int, int, Any, float]]] = OrderedDict()
         offset = 0
@@ -93,9 +97,13 @@ class ControlNetRows:
             images = torch.cat([control.image for _, _, control, _ in rows])
             scales = torch.cat([torch.full((count,), scale, dtype=sample.dtype) for _, count, _, scale in rows])
             scales = scales.to(sample.device)
+            added = {key: condition[key][index] for key in ADDED_CONDITIONS if key in condition}
+            # An inpainting UNet's rows carry the mask and the masked image's latents after the latents; its
+            # ControlNet takes the latents alone (the inpaint pipeline's `control_model_input`).
             down_rows, mid_rows = model(
-                sample[index], timestep[index], encoder_hidden_states=context[index], controlnet_cond=images,
-                conditioning_scale=1.0, return_dict=False,
+                sample[index, : model.config.in_channels], timestep[index], encoder_hidden_states=condition["context"][index],
+                controlnet_cond=images, conditioning_scale=1.0, return_dict=False,
+                **({"added_cond_kwargs": added} if added else {}),
             )  # fmt: skip
             if down is None:
                 down = [torch.zeros_like(sample[:1]).new_zeros((sample.shape[0], *d.shape[1:])) for d in down_rows]
@@ -125,22 +133,29 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
     diffusers takes one set of ControlNets, scales and windows per call, so the batch's images are grouped by what
     their requests use: the group without any runs the base pipeline, each other group
     `StableDiffusionControlNetPipeline` over the same components with its ControlNet (several: a
-    `MultiControlNetModel`, the images per request). The images, in the items' order."""
+    `MultiControlNetModel`, the images per request; SDXL's and FLUX's take one image's control images per call, so
+    there an image with several ControlNets is a call of its own). The images, in the items' order."""
     groups: OrderedDict[tuple, list[int]] = OrderedDict()
+    one_by_one = type(pipeline).__name__ not in MULTI_CONTROLNET_BATCHES
     for index, item in enumerate(items):
-        groups.setdefault((_call_key(item), image_prompts_key(item)), []).append(index)
+        key = _call_key(item)
+        alone = (index,) if one_by_one and len(key) > 1 else ()
+        groups.setdefault((key, image_prompts_key(item), *alone), []).append(index)
     if len(groups) == 1 and ((), ()) in groups:
         ip_adapters(pipeline).load([])
         return list(pipeline(**kwargs).images)
     images: list = [None] * len(items)
-    for (key, _prompts), indices in groups.items():
+    for (key, _prompts, *alone), indices in groups.items():
         call = {name: ([value[i] for i in indices] if isinstance(value, list) and len(value) == len(items) else value)
                 for name, value in kwargs.items()}  # fmt: skip
         runner = pipeline
         if key:
             runner, control = _controlnet_pipeline(pipeline, items[indices[0]])
             call.update(control)
-            call["image" if "image" not in call else "control_image"] = _control_images(items, indices, len(key))
+            images_of = _control_images(items, indices, len(key))
+            call["image" if "image" not in call else "control_image"] = images_of[0] if alone else images_of
+            if "image" in call and "height" not in call:  # image-to-image: control images made at the output's size
+                call["height"], call["width"] = _output_size(pipeline, items[indices[0]].image)
         # diffusers' `load_ip_adapter` + `set_ip_adapter_scale`: the group's IP-Adapters in the UNet at their scales
         # (none: the base processors), their image embeddings made as the pipeline makes them.
         call.update(ip_adapters(pipeline).pipeline_arguments(runner, [items[i] for i in indices],
@@ -182,24 +197,51 @@ def ip_adapters(pipeline):
     return rows
 
 
+def _output_size(pipeline, image) -> tuple[int, int]:
+    """An image-to-image item's output height and width: its input image's (resized to the request's size at intake),
+    or a flow's latents' times the VAE's scale."""
+    if hasattr(image, "shape"):
+        return image.shape[-2] * pipeline.vae_scale_factor, image.shape[-1] * pipeline.vae_scale_factor
+    return image.height, image.width
+
+
 def _control_images(items, indices: list[int], count: int) -> list:
     if count == 1:
         return [_controlnets(items[i])[0][2] for i in indices]
     return [[image for _, _, image in _controlnets(items[i])] for i in indices]  # per image, its ControlNets' images
 
 
+# The ControlNet pipeline of each base pipeline, and the arguments it takes beyond the components.
+CONTROLNET_PIPELINES = {
+    "StableDiffusionPipeline": "StableDiffusionControlNetPipeline",
+    "StableDiffusionImg2ImgPipeline": "StableDiffusionControlNetImg2ImgPipeline",
+    "StableDiffusionInpaintPipeline": "StableDiffusionControlNetInpaintPipeline",
+    "StableDiffusionXLPipeline": "StableDiffusionXLControlNetPipeline",
+}
+
+# The base pipelines whose ControlNet pipeline takes a batch of images with several ControlNets (SDXL's refuses "a
+# single batch of multiple conditionings").
+MULTI_CONTROLNET_BATCHES = ("StableDiffusionPipeline",)
+
+
 def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
     """The ControlNet pipeline over the base pipeline's components and the item's ControlNets, and its arguments."""
-    from diffusers import StableDiffusionControlNetPipeline
+    import diffusers
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
     uses = _controlnets(item)
+    base = type(pipeline).__name__
+    if base not in CONTROLNET_PIPELINES:
+        raise ValueError(f"{base} serves no ControlNet in scheduling: request")
     unet = pipeline.unet
     models = [weights.model.to(device=unet.device, dtype=unet.dtype) for weights, _, _ in uses]
     single = len(models) == 1
     controlnet = models[0] if single else MultiControlNetModel(models)
     components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
-    controlled = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
+    extra = {}
+    if base == "StableDiffusionXLPipeline":  # the base's own settings (no watermark: the base pipeline adds none)
+        extra = {"force_zeros_for_empty_prompt": pipeline.config.force_zeros_for_empty_prompt, "add_watermarker": False}
+    controlled = getattr(diffusers, CONTROLNET_PIPELINES[base])(**components, controlnet=controlnet, **extra)
     controlled.set_progress_bar_config(disable=True)
     refs = [ref for _, ref, _ in uses]
     arguments = {

@@ -83,7 +83,16 @@ class UNetDenoiser(GuidedDenoiser):
             if self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None:
                 return {**zero_residuals(self.pipeline.unet, sample), **prompts}
             return prompts
-        return {**self.controlnets.residuals(running, inputs, sample, timestep, condition["context"]), **prompts}
+        return {**self.controlnets.residuals(running, inputs, sample, timestep, condition), **prompts}
+
+    def control_state(self, item: GenerationItem, guided: bool, params: GenerationParameters, dtype) -> dict:
+        """An image's ControlNets (control images at the output's size) and image prompts, for its running state."""
+        if item.controls is None:
+            return {"controlnets": [], "image_prompts": []}
+        return {
+            "controlnets": self.controlnets.prepare(item, guided, params.height, params.width, dtype),
+            "image_prompts": self.ip_adapters.prepare(item, guided, dtype),
+        }
 
     _ip_adapters: IPAdapterRows | None = None
 
@@ -140,14 +149,8 @@ class UNetDenoiser(GuidedDenoiser):
                     cut = self.schedule_cut(scheduler, item.denoising_end)
                     timesteps = timesteps[: int((timesteps >= cut).sum())]
                 handoff = item.denoising_start is not None or item.denoising_end is not None
-                if item.controls is not None:
-                    controlnets = self.controlnets.prepare(item, guided, params.height, params.width, dtype)
-                    image_prompts = self.ip_adapters.prepare(item, guided, dtype)
-                else:
-                    controlnets, image_prompts = [], []
                 state = {
-                    "controlnets": controlnets,
-                    "image_prompts": image_prompts,
+                    **self.control_state(item, guided, params, dtype),
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,
@@ -200,11 +203,12 @@ class SDXLDenoiser(UNetDenoiser):
                     "time_ids": negative_time_ids.to(device).repeat(count, 1)}  # fmt: skip
         return conditions(positive, negative if guided else None)
 
-    def call_model(self, sample, timestep, condition: dict):
+    def call_model(self, sample, timestep, condition: dict, **controls):
         added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
         return self.pipeline.unet(
-            sample, timestep, encoder_hidden_states=condition["context"], added_cond_kwargs=added, return_dict=False
-        )[0]
+            sample, timestep, encoder_hidden_states=condition["context"], added_cond_kwargs=added, return_dict=False,
+            **controls,
+        )[0]  # fmt: skip
 
     def decode_latents(self, latents, running: list[RunningItem]):
         """As the pipeline decodes: in float32 when the VAE is half precision and its config says it overflows."""
@@ -284,6 +288,7 @@ class SD15InpaintDenoiser(UNetDenoiser):
                     )  # fmt: skip
                     step_kwargs = pipe.prepare_extra_step_kwargs([generator], 0.0)
                 state = {
+                    **self.control_state(item, guided, params, dtype),
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,

@@ -1,0 +1,142 @@
+"""SDXL and FLUX.1 ControlNets chosen per request and batched across requests, against diffusers' own ControlNet
+pipelines (`StableDiffusionXLControlNetPipeline`, `FluxControlNetPipeline`; several ControlNets: their multi models)
+on tiny random-weight ControlNets built offline from each family's tiny denoiser (emulators/tiny_controls.py).
+
+The SD 1.5 contract (tests/unit/test_controlnet_rows.py) for the other families: a request alone equals the pipeline
+within 1/255 in both schedulings (and the ControlNet visibly steers it: the oracle can tell); in a running set mixing
+two ControlNets at two scales and windows with a request without any, each image equals the same request alone, and
+the request without control is exactly the base model's image (the same running set with no control anywhere)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from emulators.stack import local_catalog
+from tests.unit.family_references import tiny_pipelines
+from tests.unit.test_controlnet_rows import STEPS, TOLERANCE, items_of, params, stepped
+from tests.unit.test_model_families import differences, input_image
+
+CATALOG = local_catalog(test_fixtures=True)
+SIZE = 64  # test_controlnet_rows' `params` size
+MODELS = ("sdxl-txt2img",)
+EDGES = [("edges", 0.8, 0.0, 1.0)]
+MULTI = [("edges", 0.7, 0.0, 0.5), ("depth", 1.3, 0.25, 1.0)]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def family(request, tmp_path_factory) -> dict:
+    """A family's tiny pipeline (the reference), two tiny ControlNets of its denoiser loaded as the worker loads them
+    (`loader._build`), two control images, and a stepping runner."""
+    from emulators.tiny_controls import build_controlnet, control_files
+    from model_worker.controls.loader import ControlWeights, _build
+    from model_worker.model.pipeline import DiffusionRunner
+
+    name = request.param
+    spec = CATALOG.get(name)
+    root = tmp_path_factory.mktemp(name)
+    directory, reference = tiny_pipelines(root, {name: spec})[name]
+    controls = {}
+    for control, seed in (("edges", 1), ("depth", 2)):
+        model, _ = _build("controlnet", control_files(build_controlnet(directory, root / control, seed)))
+        controls[control] = ControlWeights(control, "controlnet", "1", control * 8, 0, model)
+    stepper = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), directory, torch_threads=1)
+    return {"name": name, "spec": spec, "directory": directory, "reference": reference, "controls": controls,
+            "images": {"edges": input_image(21), "depth": input_image(22)}, "stepper": stepper}  # fmt: skip
+
+
+def guidance_of(family) -> float:
+    """A guided request's guidance (FLUX.1 [schnell] takes none)."""
+    return 1.0 if family["spec"].guidance_mode == "none" else 5.0
+
+
+def reference(family, seed: int, guidance: float, uses, images: int = 1) -> list:
+    """diffusers' own ControlNet pipeline for the family (a multi-ControlNet model for several), one call per image."""
+    import diffusers
+    import torch
+
+    models = [family["controls"][name].model for name, *_ in uses]
+    single = len(models) == 1
+    base = family["reference"]
+    if family["spec"].family.name == "sdxl":
+        pipe = diffusers.StableDiffusionXLControlNetPipeline(**base.components, controlnet=models[0] if single
+                                                             else models, add_watermarker=False)  # fmt: skip
+        image_argument = "image"
+    else:
+        raise AssertionError(family["name"])
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {
+        image_argument: family["images"][uses[0][0]] if single else [family["images"][name] for name, *_ in uses],
+        "controlnet_conditioning_scale": uses[0][1] if single else [scale for _, scale, _, _ in uses],
+        "control_guidance_start": uses[0][2] if single else [start for _, _, start, _ in uses],
+        "control_guidance_end": uses[0][3] if single else [end for _, _, _, end in uses],
+    }
+    return [pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE,
+                 generator=torch.Generator().manual_seed(seed + i), output_type="np", **kwargs).images[0]
+            for i in range(images)]  # fmt: skip
+
+
+def test_a_controlnet_request_alone_equals_the_familys_controlnet_pipeline_in_both_schedulings(family):
+    from model_worker.model.pipeline import DiffusionRunner
+
+    guidance = guidance_of(family)
+    expected = reference(family, 5, guidance, EDGES, images=2)
+    (got,) = stepped(family["stepper"], [(items_of(family, 5, EDGES, images=2), guidance)])
+    assert differences(got, expected) <= TOLERANCE
+    (base,) = stepped(family["stepper"], [(items_of(family, 5, [], images=2), guidance)])
+    assert differences(got, base) > 10  # the tiny ControlNet visibly steers the image: the oracle can tell
+    batch = DiffusionRunner(family["spec"].model_copy(update={"scheduling": "request"}), family["directory"],
+                            torch_threads=1)  # fmt: skip
+    items = items_of(family, 5, EDGES, images=2) + items_of(family, 8, MULTI) + items_of(family, 12, [])
+    requested = batch.generate(items, params(guidance), lambda step, total: None)
+    assert differences(requested[:2], expected) <= TOLERANCE
+    assert differences(requested[2:3], reference(family, 8, guidance, MULTI)) <= TOLERANCE
+    assert differences(requested[3:], stepped(family["stepper"], [(items_of(family, 12, []), guidance)])[0]) <= 1
+
+
+def test_a_mixed_running_set_equals_each_request_alone_and_a_row_without_control_is_the_base_models(family):
+    stepper, guided = family["stepper"], guidance_of(family)
+    depth = [("depth", 1.2, 0.0, 1.0)]
+    mixed = [(items_of(family, 3, EDGES), guided), (items_of(family, 9, depth, images=2), 1.0),
+             (items_of(family, 4, MULTI), guided), (items_of(family, 12, []), guided)]  # fmt: skip
+    got = stepped(stepper, mixed)
+    assert differences(got[2], reference(family, 4, guided, MULTI)) <= TOLERANCE
+    for (items, guidance), images in zip(mixed, got, strict=True):
+        uses = [(r.name, r.scale, r.start, r.end) for r in items[0].controls.refs] if items[0].controls else []
+        (alone,) = stepped(stepper, [(items_of(family, items[0].seed, uses, images=len(items)), guidance)])
+        assert differences(images, alone) <= TOLERANCE
+    plain = [(items_of(family, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(stepper, plain)[3][0], got[3][0])
+
+
+def test_an_sdxl_controlnet_registers_for_an_sdxl_base_and_is_refused_for_sd15(tmp_path):
+    """Registration's shape checks against the base's own UNet (contract/control_files.py): an SDXL ControlNet
+    (`ControlNetModel.from_unet` on the tiny SDXL UNet) registers for the SDXL model and is refused for SD 1.5 by
+    its architecture, as an SD 1.5 ControlNet is for SDXL."""
+    import torch
+
+    from contract import naming
+    from contract.control_files import ControlFileError, check_control, digest
+    from contract.stores.control_registry import ControlRegistry
+    from emulators.tiny_controls import build_controlnet, control_files
+    from emulators.tiny_pipeline import _sdxl_unet, sd15_unet
+    from tests.unit.test_adapter_parts import FakeBucket
+    from tests.unit.test_control_registry import base_of
+
+    sdxl = CATALOG.get("sdxl-txt2img")
+    torch.manual_seed(0)
+    _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64).save_pretrained(
+        tmp_path / "sdxl" / "unet", safe_serialization=True
+    )
+    sd15_unet().save_pretrained(tmp_path / "sd15" / "unet", safe_serialization=True)
+    files = {name: control_files(build_controlnet(tmp_path / name, tmp_path / f"{name}-edges", seed=3))
+             for name in ("sdxl", "sd15")}  # fmt: skip
+    objects = {f"{sdxl.weights_path}/unet/{file}": (tmp_path / "sdxl" / "unet" / file).read_bytes()
+               for file in ("config.json", "diffusion_pytorch_model.safetensors")}  # fmt: skip
+    objects.update({naming.control_prefix(sdxl.name, "edges", "1") + file: data
+                    for file, data in files["sdxl"].items()})  # fmt: skip
+    record = ControlRegistry(FakeBucket(objects)).register(sdxl, "edges", "controlnet", "1")
+    assert (record.kind, record.sha256) == ("controlnet", digest(files["sdxl"]))
+    for control, base in (("sdxl", "sd15"), ("sd15", "sdxl")):
+        with pytest.raises(ControlFileError, match="does not match the base UNet's"):
+            check_control("controlnet", files[control], *base_of(tmp_path / base))
