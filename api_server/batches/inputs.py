@@ -1,7 +1,7 @@
-"""Which `gs://` objects a key may name as a batch's `input_file`, and which `bq://` tables as its `input_table`: only
-those under the locations its settings give it (MAAS_BATCH_INPUTS), never the service's own buckets or datasets, and
-a refusal that reads the same whether the object or table is missing, forbidden or outside the key's locations, so
-the route cannot be used to probe for them."""
+"""Which `gs://` objects a key may name as a batch's `input_file` or as a line's image, and which `bq://` tables as its
+`input_table`: only those under the locations its settings give it (MAAS_BATCH_INPUTS), never the service's own
+buckets or datasets, and a refusal that reads the same whether the object or table is missing, forbidden or outside
+the key's locations, so the route cannot be used to probe for them."""
 
 from __future__ import annotations
 
@@ -53,6 +53,30 @@ class BatchInputPolicy:
         if not self._entitled(bucket, name, caller) or not self._readable(bucket, name):
             raise self._refusal(uri, caller)  # type: ignore[arg-type]
         return uri  # type: ignore[return-value]
+
+    def read_image(self, caller: Caller, uri: str, field: str, max_bytes: int) -> bytes:
+        """A line's image named by URI (`lines.inline_images`): its bytes, if the caller may name it and the service can
+        read it (else the one 422 for every reason, naming `field`), and it is at most `max_bytes` (else a 413)."""
+        match = URI.fullmatch(uri)
+        if match is None:
+            raise ApiError(422, f"{field}: base64 image data or a gs://bucket/object URI", field)
+        bucket, name = match[1], match[2]
+        blob, data = None, None
+        if self._entitled(bucket, name, caller):
+            try:
+                blob = self._storage.bucket(bucket).get_blob(name)
+                if blob is not None and (blob.size or 0) <= max_bytes:
+                    data = blob.download_as_bytes()
+            except Exception:  # noqa: BLE001 - forbidden, unreachable or gone: one answer for all (no probing)
+                blob = None
+        if blob is None:
+            raise self._refusal(uri, caller, field)
+        if data is None or len(data) > max_bytes:
+            size = blob.size if data is None else len(data)
+            raise ApiError(413, f"{field}: {uri[:300]} is {size} bytes, past the {max_bytes} left for this line's "
+                                "images (the line with its images inline, as base64, is limited by "
+                                "MAAS_MAX_REQUEST_BYTES)", field)  # fmt: skip
+        return data
 
     def _entitled(self, bucket: str, name: str, caller: Caller) -> bool:
         if bucket in self._service_buckets or any(part in ("", ".", "..") for part in name.split("/")):
@@ -111,8 +135,9 @@ class BatchInputPolicy:
         except Exception:  # noqa: BLE001 - forbidden, unreachable or missing: one answer for all (no probing)
             return None
 
-    def _refusal(self, uri: str, caller: Caller) -> ApiError:
+    def _refusal(self, uri: str, caller: Caller, field: str = "input_file") -> ApiError:
         locations = self.locations(caller)
-        allowed = f"this key's: {', '.join(locations)}" if locations else "none for this key: send the lines inline"
-        message = f"input_file: {uri[:300]} is not a readable object in this key's batch input locations ({allowed})"
-        return ApiError(422, message, "input_file")
+        inline = "the lines" if field == "input_file" else "the image"
+        allowed = f"this key's: {', '.join(locations)}" if locations else f"none for this key: send {inline} inline"
+        message = f"{field}: {uri[:300]} is not a readable object in this key's batch input locations ({allowed})"
+        return ApiError(422, message, field)

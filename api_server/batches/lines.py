@@ -3,13 +3,18 @@
 `read_lines` reads a binary stream in fixed chunks from a byte offset, yielding each line with the offset just
 past it (the resume point recorded in Redis), so memory stays at one chunk plus one line whatever the file's
 size; a line longer than the limit is skipped to its end and reported, never held whole.
+
+A line's images (an instance's `image` and `mask`, a control's or an image prompt's `image`) are base64, as predict
+takes them, or `gs://` URIs under the key's batch input locations (`inline_images`): read and put inline before the
+line is validated, so it is checked as the same line sent inline would be.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
@@ -87,11 +92,51 @@ def custom_id_of(data: bytes | None) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= MAX_CUSTOM_ID_LENGTH else None
 
 
+# Reads one image named by URI: (uri, field, max_bytes) -> its bytes, or an ApiError (`BatchInputPolicy.read_image`).
+ImageReader = Callable[[str, str, int], bytes]
+
+
+def image_fields(payload: dict) -> Iterator[tuple[dict, str, str]]:
+    """Every place a line names an image: (the object holding it, its key, the field's name in errors)."""
+    instances = payload.get("instances")
+    for index, instance in enumerate(instances if isinstance(instances, list) else []):
+        for key in ("image", "mask"):
+            if isinstance(instance, dict) and key in instance:
+                yield instance, key, f"instances.{index}.{key}"
+    parameters = payload.get("parameters")
+    for group in ("controls", "image_prompts"):
+        entries = parameters.get(group) if isinstance(parameters, dict) else None
+        for index, entry in enumerate(entries if isinstance(entries, list) else []):
+            if isinstance(entry, dict) and "image" in entry:
+                yield entry, "image", f"parameters.{group}.{index}.image"
+
+
+def inline_images(payload: dict, read: ImageReader, room: int) -> None:
+    """Each image the line names by `gs://` URI, read and put in its place as base64: the line as if sent inline,
+    so its images take no more than `room` bytes as base64 (the line limit less the line), as inline ones would."""
+    for holder, key, field in image_fields(payload):
+        value = holder[key]
+        if not isinstance(value, str) or not value.startswith("gs://"):
+            continue  # base64 (or not a string): predict's checks judge it
+        room += len(value)  # the URI's place in the line becomes the image's
+        data = read(value, field, max(room, 0) * 3 // 4)
+        holder[key] = base64.b64encode(data).decode("ascii")
+        room -= len(holder[key])
+
+
 def validate_line(
-    serving: ServingStage, flows: FlowService | None, batch_id: str, line: Line, caller: Caller, max_line_bytes: int
+    serving: ServingStage,
+    flows: FlowService | None,
+    batch_id: str,
+    line: Line,
+    caller: Caller,
+    max_line_bytes: int,
+    read_image: ImageReader | None = None,
 ) -> PreparedRequest | InvalidLine:
     """The line as the predict route would take its body: the same checks in the same order (model or flow, then
-    body), the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first."""
+    body), the same status and message; a batch line's own rules (custom_id, no priority, no webhook) first. Its
+    images named by `gs://` URI are read by `read_image` (`inline_images`); without one, such a URI is refused as
+    predict refuses it."""
     if line.refused is not None:
         return InvalidLine(custom_id_of(line.data), line.refused)
     if line.data is None:
@@ -116,14 +161,16 @@ def validate_line(
         if isinstance(parameters, dict) and "priority" in parameters:
             raise ApiError(422, "parameters.priority: a batch line runs at batch priority", "parameters.priority")
         request_id = line_request_id(batch_id, custom_id)
-        body = {key: payload[key] for key in ("instances", "parameters") if key in payload}
         if flows is not None and (flow := flows.get(payload["model"])) is not None:
             # A flow: each stage's unit chosen as the predict route chooses it (api_server/flows/serving.py).
             call = flows.call(flow, request_id, caller)
-            prepared = serving.prepare(call.spec, body, request_id, caller, flow=call)
+            spec, options = call.spec, {"flow": call}
         else:
-            spec = serving.model(payload["model"], request_id, caller)
-            prepared = serving.prepare(spec, body, request_id, caller)
+            spec, options = serving.model(payload["model"], request_id, caller), {}
+        if read_image is not None:  # once the model is known: a line for no model reads nothing
+            inline_images(payload, read_image, max_line_bytes - len(line.data))
+        body = {key: payload[key] for key in ("instances", "parameters") if key in payload}
+        prepared = serving.prepare(spec, body, request_id, caller, **options)
     except ApiError as error:
         return InvalidLine(custom_id, error)
     return replace(prepared, priority="batch", payload=None)

@@ -7,7 +7,8 @@ Each step of a leased batch, in order:
 2. **Republish** the lines a dead feeder took but may not have published (`store.py`, `:publishing`): only those
    with neither an in-flight record nor a stored answer; the request id is the same, so a worker answers it once.
 3. **Feed**: the next lines of the file (a stream from the cursor), each validated as the predict route does
-   (`lines.py`): an invalid one goes to the errors file with the predict's status and message; a valid one is
+   (`lines.py`; its images named by `gs://` URI read first, under the key's batch input locations: `inputs.py`): an
+   invalid one goes to the errors file with the predict's status and message; a valid one is
    taken (cursor, custom_id and in-flight count in one script) and published at priority `batch` to its model's
    batch topic, while that model has fewer than its bound of the batch's lines in flight: the capacity its batch
    workers can use (contract/batch_capacity.py: their max replicas x max_batch_size x 4), or
@@ -31,10 +32,12 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import redis
 from google.cloud import pubsub_v1
 
+from api_server.batches.inputs import BatchInputPolicy
 from api_server.batches.lines import InvalidLine, Line, custom_id_digest, custom_id_of, read_lines, validate_line
 from api_server.batches.store import KINDS, Batch, BatchStore, view
 from api_server.batches.tables import read_table
@@ -105,9 +108,11 @@ class BatchRunner:
         subscriber: pubsub_v1.SubscriberClient | None = None,
         flows: FlowService | None = None,
         bigquery_client=None,
+        inputs: BatchInputPolicy | None = None,
     ) -> None:
         self._settings = settings
         self._bigquery = bigquery_client
+        self._inputs = inputs  # reads a line's images named by gs:// URI (none: such a line is refused)
         self._flows = flows
         self._store = store
         self._serving = serving
@@ -371,6 +376,7 @@ class BatchRunner:
             self._fail(batch_id, 422, f"{field}: cannot read {batch.fields['input_file']}: {exc}"[:1024])
             return True
         caller = Caller(batch.owner, batch.fields.get("digest", ""))
+        read_image = partial(self._inputs.read_image, caller) if self._inputs is not None else None
         in_flight = self._store.in_flight(batch_id)
         bounds: dict[str, int] = {}  # per model, computed once a slice
         started, worked, invalid = time.monotonic(), False, []
@@ -383,7 +389,8 @@ class BatchRunner:
                         return True
                     return self._fed_all(batch_id) or worked
                 max_bytes = self._settings.max_request_bytes
-                reader.held = (line, validate_line(self._serving, self._flows, batch_id, line, caller, max_bytes))
+                checked = validate_line(self._serving, self._flows, batch_id, line, caller, max_bytes, read_image)
+                reader.held = (line, checked)
             line, checked = reader.held
             if isinstance(checked, InvalidLine):
                 invalid.append((line, checked))  # written in one round trip with the invalid lines after it
@@ -588,7 +595,7 @@ class BatchRunner:
             row, outcome = ended_row(row, reply)
         row.http_status = outcome.spec.http_status
         # A flow's line: its row sums its stages' GPU-seconds, and each stage that ran has its row, as interactively.
-        row, *stage_rows = rows_of(row, reply)
+        row, *stage_rows = rows_of(row, reply, self._catalog)
         line: dict = {"custom_id": entry["custom_id"], "line": entry["line"], "request_id": request_id}
         if outcome is Outcome.OK and reply is not None:
             images = self._save_images(batch_id, entry["line"], reply)

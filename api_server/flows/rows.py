@@ -3,8 +3,9 @@
 The worker's final reply to a flow lists every stage that ran, once each (`InferenceReply.stages`), the stage
 it ended in included when it did not finish (a failure, a deadline or a cancel inside it); each becomes a row of
 its own, keyed `<flow request id>:<stage>` (so the log's one-row-per-request-id view keeps
-each once), linked to the flow's row by `flow_request_id`, with the stage's unit, timings, batch and
-GPU-seconds. The flow's row sums its stages' GPU-seconds; stage rows are never billed.
+each once), linked to the flow's row by `flow_request_id`, with the stage's unit (its task and family from the
+catalog: an edit stage's row says `edit`), timings, batch and GPU-seconds. The flow's row sums its stages'
+GPU-seconds; stage rows are never billed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from api_server.inference_log.writer import InferenceLogRow, from_epoch_ms
+from contract.catalog import ModelCatalog
 from contract.messages import InferenceReply, StageReport
 from contract.outcomes import Outcome
 
@@ -23,12 +25,12 @@ def stage_row_id(flow_request_id: str, stage: str) -> str:
     return f"{flow_request_id}:{stage}"
 
 
-def rows_of(row: InferenceLogRow, reply: InferenceReply | None) -> list[InferenceLogRow]:
+def rows_of(row: InferenceLogRow, reply: InferenceReply | None, catalog: ModelCatalog | None) -> list[InferenceLogRow]:
     """`row` and, when `reply` is a flow's final reply, a row per stage that ran (the flow's row then carries
-    the sum of their GPU-seconds)."""
+    the sum of their GPU-seconds); `catalog` gives each stage's task and family (without one they are left NULL)."""
     if reply is None or not reply.stages:
         return [row]
-    stages = [_stage_row(row, reply, report) for report in _once_each(reply.stages)]
+    stages = [_stage_row(row, reply, report, catalog) for report in _once_each(reply.stages)]
     row.flow = row.flow or row.model
     row.gpu_seconds = round(sum(stage.gpu_seconds or 0.0 for stage in stages), 6)
     return [row, *stages]
@@ -40,8 +42,12 @@ def _once_each(reports: list[StageReport]) -> list[StageReport]:
     return [by_index[index] for index in sorted(by_index)]
 
 
-def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport) -> InferenceLogRow:
+def _stage_row(
+    flow: InferenceLogRow, reply: InferenceReply, report: StageReport, catalog: ModelCatalog | None
+) -> InferenceLogRow:
     failed = not report.finished
+    # The stage's unit as the catalog has it (a canary's version, else the model's stable one).
+    unit = (catalog.version(report.model, report.model_version) or catalog.get(report.model)) if catalog else None
     outcome = Outcome.for_reply(report.status, report.error_kind)
     images = flow.num_images or 1
     gpu_seconds = round(report.inference_ms / 1000 * images / report.batch_size, 6) if report.batch_size else None
@@ -50,8 +56,8 @@ def _stage_row(flow: InferenceLogRow, reply: InferenceReply, report: StageReport
         request_id=stage_row_id(flow.request_id, report.stage),
         model=report.model,
         model_version=report.model_version,
-        task=None,
-        model_family=None,
+        task=unit.task if unit is not None else None,
+        model_family=unit.family.name if unit is not None and unit.family else None,
         endpoint=STAGE_ENDPOINT,
         status=outcome.spec.log_status,
         error=(reply.error or report.status)[:1024] if failed else None,

@@ -104,7 +104,7 @@ class JobLogFinisher:
                 row.model_version = self._stable_version(row.model) or _flow_version(reply) or row.model_version
                 row.fallback_from, row.fallback_error = ended.fallback_from, ended.fallback_error
             row, outcome = ended_row(row, reply)
-            for each in rows_of(row, reply):
+            for each in rows_of(row, reply, self._catalog):
                 self._log.write(each)
             if ended.observe:
                 self._observe(row, outcome, reply)
@@ -136,7 +136,7 @@ class JobLogFinisher:
                 "wrote the log row of request %s: its API process %s died before answering", item.request_id,
                 item.owner,
             )  # fmt: skip
-            for each in rows_of(row, reply):
+            for each in rows_of(row, reply, self._catalog):
                 self._log.write(each)
             written += 1
             if row.reply_mode == "per-request" and self._forget_reply_subscription is not None:

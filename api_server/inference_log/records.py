@@ -30,6 +30,7 @@ from api_server.predict.limits import NO_LEASE, Lease
 from api_server.predict.masks import repaint_fraction
 from api_server.predict.serving import Answer, JobMade, Mode
 from api_server.versions.rollouts import RolloutObservations
+from contract.catalog import ModelCatalog
 from contract.generation import LOGGED_PARAMETERS
 from contract.model_spec import ModelSpec
 from contract.outcomes import Outcome
@@ -76,9 +77,11 @@ class RequestRecords:
         reply_mode: str,
         observations: RolloutObservations | None = None,
         inflight: InflightStore | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self._log = inference_log
         self._inflight = inflight
+        self._catalog = catalog  # a flow's stage rows take their unit's task and family from it
         self._observations = observations
         self._jobs = jobs
         self._redis = redis_state
@@ -135,7 +138,7 @@ class RequestRecords:
         if answer is not None and answer.job_made in DEFERRED and http_status == 202:
             self._defer(row, answer)
         else:
-            for each in rows_of(row, answer.reply if answer is not None else None):
+            for each in rows_of(row, answer.reply if answer is not None else None, self._catalog):
                 self._log.write(each)
 
     def _settle(self, request_id: str) -> bool:

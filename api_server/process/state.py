@@ -219,16 +219,16 @@ def build_app_state(settings: Settings) -> AppState:
     )  # fmt: skip
     flows = FlowService(catalog, serving.model)
     batch_store = BatchStore(redis_client, storage.bucket(settings.payload_bucket))
-    batch_runner = None
-    if settings.batch_runner:
-        batch_runner = BatchRunner(
-            settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
-            storage, webhooks, subscriber, flows, bigquery,
-        )  # fmt: skip
     inputs = BatchInputPolicy(
         storage, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket}, bigquery,
         {f"{settings.project_id}.{settings.dataset}"},
     )  # fmt: skip
+    batch_runner = None
+    if settings.batch_runner:
+        batch_runner = BatchRunner(
+            settings, batch_store, serving, inference, payloads, results, redis_client, inference_log, catalog,
+            storage, webhooks, subscriber, flows, bigquery, inputs,
+        )  # fmt: skip
     batches = BatchService(
         batch_store, redis_state, inputs, targets, settings.batch_inline_max_lines, batch_runner,
         max_active_per_key=settings.batch_max_active_per_key,
@@ -255,7 +255,14 @@ def build_app_state(settings: Settings) -> AppState:
         batches=batches,
         batch_runner=batch_runner,
         records=RequestRecords(
-            inference_log, jobs, redis_state, settings.instance_id, waiter.mode, rollouts.observations, inflight
+            inference_log,
+            jobs,
+            redis_state,
+            settings.instance_id,
+            waiter.mode,
+            rollouts.observations,
+            inflight,
+            catalog,
         ),
         job_log=JobLogFinisher(
             jobs,

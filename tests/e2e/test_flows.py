@@ -90,6 +90,9 @@ FLOW_STAGES = {
     "sdxl-refined": (["base", "refiner"], ["sdxl-txt2img", "sdxl-refiner"], 64),
     "flux-draft-edit": (["draft", "edit"], ["flux-schnell", "flux-kontext"], 64),  # ending in an edit (issue 51)
 }
+# Each stage model's task: its stage row's `task`.
+STAGE_TASKS = {"sd15-txt2img": "text-to-image", "sd15-img2img": "image-to-image", "sdxl-txt2img": "text-to-image",
+               "sdxl-refiner": "image-to-image", "flux-schnell": "text-to-image", "flux-kontext": "edit"}  # fmt: skip
 
 
 @pytest.mark.parametrize("flow", list(FLOW_STAGES))
@@ -110,6 +113,7 @@ def test_a_flow_answers_like_a_model_with_a_row_per_stage_linked_to_its_own(stac
     staged = [row for row in rows if row["stage"] is not None]
     assert [row["stage"] for row in staged] == stages
     assert [row["model"] for row in staged] == models
+    assert [row["task"] for row in staged] == [STAGE_TASKS[model] for model in models]
     assert all(row["flow_request_id"] == request_id and row["flow"] == flow for row in staged)
     assert all(row["batch_id"] and row["inference_ms"] > 0 and row["gpu_seconds"] > 0 for row in staged)
     assert own["gpu_seconds"] == pytest.approx(sum(row["gpu_seconds"] for row in staged), rel=1e-6)

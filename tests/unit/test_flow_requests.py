@@ -118,11 +118,11 @@ def flow_row() -> InferenceLogRow:
                            flow="sd15-hires")  # fmt: skip
 
 
-def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gpu_seconds():
+def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gpu_seconds(catalog):
     stages = [report("base", 0, "sd15-txt2img", 400.0, 1), report("hires", 1, "sd15-img2img", 600.0, 2)]
     reply = InferenceReply(request_id="req-1", model="sd15-hires", model_version="", status="ok",
                            stages=[*stages, stages[1]])  # a stage reported twice is still one row  # fmt: skip
-    flow, base, hires = rows_of(flow_row(), reply)
+    flow, base, hires = rows_of(flow_row(), reply, catalog)
     assert [row.request_id for row in (flow, base, hires)] == ["req-1", "req-1:base", "req-1:hires"]
     assert (base.model, base.stage, base.stage_index, base.flow_request_id, base.flow) == (
         "sd15-txt2img", "base", 0, "req-1", "sd15-hires",
@@ -130,11 +130,14 @@ def test_every_stage_that_ran_has_one_row_linked_to_the_flow_which_sums_their_gp
     assert (base.gpu_seconds, hires.gpu_seconds, flow.gpu_seconds) == (0.4, 0.3, 0.7)
     assert hires.batch_id == "b1" and hires.num_inference_steps == 8 and flow.stage is None
     assert (base.endpoint, hires.endpoint) == ("stage", "stage")
+    # Each stage's row has its own unit's task and family (the catalog's), not NULL.
+    assert [(row.task, row.model_family) for row in (base, hires)] == [("text-to-image", "sd15"),
+                                                                        ("image-to-image", "sd15")]  # fmt: skip
     for row in (flow, base, hires):
         row.to_json()  # each a valid row of the log's schema
 
 
-def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_stage_rows():
+def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_stage_rows(catalog):
     failed = flow_row()
     failed.status, failed.error, failed.error_kind = "error", "stage hires (sd15-img2img): out of memory", "worker"
     ended = report("hires", 1, "sd15-img2img", 10.0, 1).model_copy(
@@ -142,13 +145,13 @@ def test_a_failed_stage_row_carries_the_flows_error_and_a_model_reply_has_no_sta
     )
     reply = InferenceReply(request_id="req-1", model="sd15-hires", model_version="", status="error",
                            error=failed.error, stages=[report("base", 0, "sd15-txt2img", 400.0, 1), ended])  # fmt: skip
-    _, base, hires = rows_of(failed, reply)
+    _, base, hires = rows_of(failed, reply, catalog)
     assert (base.status, hires.status, hires.error_kind, hires.error) == (
         "ok", "error", "inference_failed", "stage hires (sd15-img2img): out of memory",
     )  # fmt: skip
     assert base.error is None and hires.request_id == "req-1:hires"
     plain = InferenceReply(request_id="r", model="sd15-txt2img", model_version="1", status="ok")
-    assert len(rows_of(flow_row(), plain)) == 1
+    assert len(rows_of(flow_row(), plain, catalog)) == 1
 
 
 def test_the_sdk_names_a_flows_running_stage_to_a_callback_that_takes_it_and_the_cli_lists_its_stages(catalog):
