@@ -76,7 +76,7 @@ def stack(tmp_path_factory) -> StackConfig:
     yield config
     os.environ.clear()
     os.environ.update(saved)
-    down(config)
+    down(config, graceful=False)  # nothing reads it again: no drain
 
 
 @pytest.fixture(scope="session")
