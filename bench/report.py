@@ -184,6 +184,8 @@ def markdown(result: dict) -> str:
         lines += adapter_lines(result["adapters"])
     if result.get("step_caches"):
         lines += step_cache_lines(result["step_caches"])
+    if result.get("edit_scheduling"):
+        lines += edit_scheduling_lines(result["edit_scheduling"])
     lines += ["", "## Targets (measured side by side in this run; printed, never asserted)", ""]
     lines.append("| target | measured | threshold | result |")
     lines.append("|---|---|---|---|")
@@ -263,6 +265,19 @@ def step_cache_lines(caches: dict) -> list[str]:
         for variant, r in c["variants"].items():
             lines.append(f"| {kind} | {c['model']} | {variant} | {_fmt(r['call_ms'], 2)} | {_fmt(r['image_ms'], 2)} | "
                          f"{r['speedup_per_call']} | {r['expensive_rows_ran']:.0%} |")  # fmt: skip
+    return lines
+
+
+def edit_scheduling_lines(e: dict) -> list[str]:
+    """Inpainting and editing mixed with text-to-image (bench/step_vs_request.py --mixed): both schedulings."""
+    lines = ["", f"## Inpainting and editing mixed with text-to-image (tiny models on the CPU, {e['size']}², "
+                 f"{e['steps']} steps, {e['images']} images, batch {e['batch']})", "",
+             "| mix | models | request-level img/s | images a call | step-level img/s | images a call | step / request |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for mix, m in e["mixes"].items():
+        lines.append(f"| {mix} | {' + '.join(m['models'])} | {_fmt(m['request']['images_per_s'], 2)} | "
+                     f"{m['request']['images_per_call']} | {_fmt(m['step']['images_per_s'], 2)} | "
+                     f"{m['step']['images_per_call']} | {m['step_over_request']:.0%} |")  # fmt: skip
     return lines
 
 

@@ -12,20 +12,29 @@ the run weighs on both alike; the ratio is of their summed rates.
 
     .venv/bin/python -m bench.step_vs_request [--images 40] [--steps 25] [--rounds 1] [--png-level N]
         [--finisher-nice N] [--lone REPEATS]
+
+`--mixed MODEL_ROOT` (issue 51): inpainting and editing instead, on the stack's tiny models (the CPU, one torch
+thread): one worker serving a text-to-image model and an inpaint (SD 1.5: sd15-txt2img + sd15-inpaint) or edit
+model (FLUX.1: flux-schnell + flux-kontext), fed single-image requests alternating between the two, each inpaint
+row with its own image and mask, each edit row with its own reference image; img/s and images a model call, step-level
+against request-level, rounds interleaved as above. `--json` writes the figures; `--smoke` is the smallest run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
+import uuid
+from pathlib import Path
 
 from bench.worker_harness import worker_images_per_second
-from contract.messages import GenerationParameters
+from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
 from contract.settings import Settings
 from emulators.stack import local_catalog
-from model_worker.model.runners import RunningItem
+from model_worker.model.runners import GenerationItem, RunningItem
 
 SIZE = 512
 NOISE_IMAGES = 8  # distinct decoded images, reused: PNGs of noise cost what the heaviest real ones do
@@ -113,7 +122,16 @@ def main() -> None:
                         help="the finisher threads' CPU priority below the device thread's (MAAS_FINISHER_NICE)")  # fmt: skip
     parser.add_argument("--lone", type=int, default=0, metavar="REPEATS",
                         help="instead: a lone 12- and 25-step request's latency in both schedulings (median of REPEATS)")  # fmt: skip
+    parser.add_argument("--mixed", type=Path, metavar="MODEL_ROOT",
+                        help="instead: inpainting and editing mixed with text-to-image on the stack's tiny models")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="--mixed: write its figures here")
+    parser.add_argument("--smoke", action="store_true", help="--mixed: the smallest run (that it works, no figure)")
     args = parser.parse_args()
+    if args.mixed:
+        report = mixed(args.mixed, *((2, 1, 0) if args.smoke else (args.images, args.steps, args.rounds)))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return
     if args.png_level is not None:
         encode_at(args.png_level)
     base = local_catalog(test_fixtures=True).get("sd15-txt2img")
@@ -134,6 +152,81 @@ def main() -> None:
     ideal = args.batch / (args.steps * step_seconds(2 * args.batch))
     print(f"stand-in bound at batch {args.batch}: {ideal:.2f} img/s")
     print(f"step / request: {sum(rates['step']) / sum(rates['request']):.1%}")
+
+
+# Each mix: a text-to-image model and the inpaint or edit model its worker group serves beside it.
+MIXES = {"inpaint": ("sd15-txt2img", "sd15-inpaint"), "edit": ("flux-schnell", "flux-kontext")}
+MIXED_SIZE, MIXED_BATCH = 64, 4
+
+
+def mixed_request(spec, steps: int, seed: int):
+    """A single-image request to `spec` at 64x64: an inpaint row with its own image and mask (a box that moves with
+    the seed), an edit row with its own reference image, a text-to-image row with only its prompt."""
+    from PIL import Image
+
+    from model_worker.held.pool import HeldMessage, PendingRequest
+
+    params = GenerationParameters(
+        seed=seed, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale, width=MIXED_SIZE,
+        height=MIXED_SIZE, strength=1.0 if spec.task == "inpaint" else None,
+    )  # fmt: skip
+    item = GenerationItem(prompt=f"bench {seed}", seed=seed)
+    if spec.task in ("inpaint", "edit"):
+        image = Image.new("RGB", (MIXED_SIZE, MIXED_SIZE), (seed * 37 % 256, 90, 160))
+        mask = None
+        if spec.task == "inpaint":
+            mask = Image.new("L", (MIXED_SIZE, MIXED_SIZE), 0)
+            corner = seed * 8 % (MIXED_SIZE // 2)
+            mask.paste(255, (corner, corner, corner + MIXED_SIZE // 2, corner + MIXED_SIZE // 2))
+        item = GenerationItem(prompt=f"bench {seed}", seed=seed, image=image, mask=mask)
+    request_id = uuid.uuid4().hex
+    request = InferenceRequest(request_id=request_id, model=spec.name, model_version=spec.version,
+                               instances=[RequestInstance(prompt=item.prompt)], parameters=params)  # fmt: skip
+    message = HeldMessage(f"bench/{spec.name}", f"ack-{request_id}", {}, b"", 1, time.time())
+    return PendingRequest(message, spec, request, [item], "normal", None)
+
+
+def mixed(model_root: Path, images: int, steps: int, rounds: int) -> dict:
+    """Each mix in both schedulings (rounds of request, step, step, request; none: each once, the smoke's run, with
+    no warm-up): img/s and images a model call."""
+    import torch
+
+    from model_worker.model.pipeline import DiffusionRunner
+
+    torch.set_num_threads(1)
+    catalog = local_catalog(test_fixtures=True)
+    report: dict = {"images": images, "steps": steps, "size": MIXED_SIZE, "batch": MIXED_BATCH, "mixes": {}}
+    for mix, names in MIXES.items():
+        specs = [catalog.get(name).model_copy(update={"max_batch_size": MIXED_BATCH}) for name in names]
+        # One runner per model, built once: the scheduling is the request's spec's (the device loop reads it there).
+        runners = {spec.queue: DiffusionRunner(spec, model_root / spec.name, torch_threads=1) for spec in specs}
+        rates: dict[str, list[float]] = {"request": [], "step": []}
+        calls: dict[str, list[float]] = {"request": [], "step": []}
+        for scheduling in ("request", "step", "step", "request") * rounds or ("request", "step"):
+            scheduled = [spec.model_copy(update={"scheduling": scheduling}) for spec in specs]
+
+            def request(seed: int, scheduled=scheduled):
+                return mixed_request(scheduled[seed % 2], steps, seed)  # text-to-image, then inpaint or edit, ...
+
+            first = scheduled[0]
+            warmup = 2 if rounds else 0
+            r = worker_images_per_second(None, first, None, MIXED_BATCH, images, warmup_images=warmup, runners=runners,
+                                         request=request)  # fmt: skip
+            rates[scheduling].append(r["images_per_s"])
+            # Request-level counts pipeline calls (each all of its steps), step-level denoising calls: images a call.
+            per_call = (images + warmup) * (1 if scheduling == "request" else steps) / max(r["pipeline_calls"], 1)
+            calls[scheduling].append(per_call)
+        row = {scheduling: {"images_per_s": round(sum(rates[scheduling]) / len(rates[scheduling]), 3),
+                            "images_per_call": round(statistics.fmean(calls[scheduling]), 2)}
+               for scheduling in rates}  # fmt: skip
+        row["step_over_request"] = round(sum(rates["step"]) / sum(rates["request"]), 3)
+        report["mixes"][mix] = {"models": list(names), **row}
+        print(f"{mix} mixed with text-to-image ({' + '.join(names)}, {MIXED_SIZE}x{MIXED_SIZE}, {steps} steps, "
+              f"{images} images, batch {MIXED_BATCH}, CPU): request-level {row['request']['images_per_s']:.2f} img/s "
+              f"({row['request']['images_per_call']:.1f} images a call), step-level {row['step']['images_per_s']:.2f} "
+              f"img/s ({row['step']['images_per_call']:.1f} a call): step / request {row['step_over_request']:.1%}",
+              flush=True)  # fmt: skip
+    return report
 
 
 def lone_latencies(spec, repeats: int) -> None:

@@ -79,8 +79,8 @@ class Suite:
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
         # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
-        # streams, batch jobs, interactive beside a batch
-        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1 + 1
+        # streams, batch jobs, interactive beside a batch, inpainting and editing
+        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + 1
 
     @property
     def size(self) -> str:
@@ -232,6 +232,16 @@ class Suite:
                              *(["--smoke"] if self.smoke else ["--repeats", "1"] if self.quick else [])],
                             {"HF_HUB_OFFLINE": "1"})  # fmt: skip
 
+    def edit_scheduling(self) -> dict | None:
+        """Inpainting and editing mixed with text-to-image, step-level against request-level on the stack's tiny
+        models (bench/step_vs_request.py --mixed)."""
+        size = ["--smoke"] if self.smoke else ["--images", "8", "--steps", "4"] if self.quick else ["--images", "16",
+                                                                                                   "--steps", "8"]  # fmt: skip
+        return self._module("Inpainting and editing, step against request level", "bench.step_vs_request",
+                            "edit_scheduling.json", 300,
+                            ["--mixed", str(tiny_model_dir(self.config, "sd15-txt2img").parent), *size],
+                            {"HF_HUB_OFFLINE": "1"})  # fmt: skip
+
     def _module(
         self, title: str, module: str, json_name: str, timeout: float, args: list[str], env: dict
     ) -> dict | None:
@@ -355,7 +365,7 @@ def main() -> int:
     os.environ.update(config.client_env())
     suite = Suite(config, args.quick, out_dir, smoke=args.smoke)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
-    direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = step_caches = None
+    direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = step_caches = edit_scheduling = None
     sweeps: dict[str, dict] = {}
     try:
         if args.flows_only:
@@ -373,6 +383,7 @@ def main() -> int:
             direct = suite.direct()
             adapters = suite.adapters()
             step_caches = suite.step_caches()
+            edit_scheduling = suite.edit_scheduling()
             event_streams = suite.event_streams()
             batch_jobs = suite.batch_jobs()
             batch_beside = suite.batch_beside()
@@ -408,6 +419,7 @@ def main() -> int:
         "batch_beside": batch_beside,
         "adapters": adapters,
         "step_caches": step_caches,
+        "edit_scheduling": edit_scheduling,
         "flows": flow_result,
     }
     plot = None

@@ -14,6 +14,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from contract.messages import GenerationParameters, InferenceRequest, RequestInstance
@@ -145,12 +146,17 @@ def worker_images_per_second(
     finisher_threads: int = 4,
     inline_limit: int = 256 * 1024,
     finisher_nice: int = Settings.finisher_nice,
+    runners: dict[str, Runner] | None = None,
+    request: Callable[[int], PendingRequest] | None = None,
 ) -> dict:
     """Images/s of the worker's path at `batch` images per pipeline call, fed single-image requests.
 
     The pool holds `batch` images, the device takes them as one call, a feeder thread refills the pool as
-    soon as there is room: the steady state of a worker under a backlog.
+    soon as there is room: the steady state of a worker under a backlog. `runners` (by queue) and `request(seed)`:
+    a worker serving several models, fed the requests `request` makes (default: `runner` alone, text-to-image).
     """
+    runners = runners or {spec.queue: runner}
+    request = request or (lambda seed: single_image_request(spec, params, seed))
     pool = RequestPool(capacity=batch)
     publisher = RecordingPublisher()
     leases = NoLeases()
@@ -162,8 +168,8 @@ def worker_images_per_second(
                              finisher_nice, max_images=2 * batch)  # fmt: skip
     progress = ProgressReporter(results, finisher)
     health = WorkerHealth(stall_seconds=3600)
-    replies = ReplyFactory("bench", {spec.name: runner.accelerator})
-    device = DeviceLoop({spec.name: runner}, pool, finisher, leases, replies, progress, metrics, health)
+    replies = ReplyFactory("bench", {name: each.accelerator for name, each in runners.items()})
+    device = DeviceLoop(runners, pool, finisher, leases, replies, progress, metrics, health)
     total = warmup_images + images
     stop = threading.Event()
 
@@ -172,7 +178,7 @@ def worker_images_per_second(
         while not stop.is_set() and seed < total + batch:
             room = pool.wait_for_room("normal", timeout=0.5)
             for _ in range(room):
-                pool.add(single_image_request(spec, params, seed))
+                pool.add(request(seed))
                 seed += 1
 
     feeder = threading.Thread(target=feed, name="bench-feeder", daemon=True)

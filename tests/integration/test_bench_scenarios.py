@@ -44,8 +44,11 @@ def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
     assert {("pubsub floor", None), ("naive per-request", None), ("noop", "per-instance"), ("sleep", "per-instance"),
             ("sd15-txt2img", "per-instance"), ("noop", "per-request"), ("noop cache hits", "per-instance"),
             ("noop async job submit-to-result", "per-instance")} <= scenarios, scenarios  # fmt: skip
-    for section in ("direct", "adapters", "step_caches", "event_streams", "batches", "batch_beside", "flows"):
+    sections = ("direct", "adapters", "step_caches", "edit_scheduling", "event_streams", "batches", "batch_beside",
+                "flows")  # fmt: skip
+    for section in sections:
         assert result[section], section
     assert set(result["step_caches"]) == {"first_block", "deepcache"}
+    assert set(result["edit_scheduling"]["mixes"]) == {"inpaint", "edit"}  # both schedulings of each ran
     assert {family["family"] for family in result["adapters"]["families"]} == {"sd15", "flux"}  # the smoke's two
     assert len(result["open_loop"]) == 2, result["open_loop"].keys()
