@@ -233,9 +233,10 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
     cache = 0
     if spec.step_cache is not None and spec.step_cache.kind == "first_block":
         # Each running image keeps two residuals between its steps (its first block's and the other blocks', its image
-        # tokens x the hidden width each: model_worker/model/step_cache.py), through every call and decode.
+        # tokens x the hidden width each, for each of its rows: SD 3.5's guided two: model_worker/model/step_cache.py),
+        # through every call and decode.
         hidden = architecture.denoiser_elements_per_token // TRANSFORMER_WIDTHS_PER_TOKEN
-        cache = batch * 2 * (tokens - architecture.text_tokens) * hidden * serving
+        cache = rows * 2 * (tokens - architecture.text_tokens) * hidden * serving
     elif spec.step_cache is not None and spec.step_cache.kind == "taylorseer":
         # Each running image keeps its output's Taylor factors (orders 0 to max_order, float32) between its steps: its
         # image tokens x the packed latent channels (FLUX's 16 x 2x2) each (model_worker/model/step_cache.py).

@@ -77,9 +77,11 @@ def may_skip(r: RunningItem) -> bool:
     return bound is None or cache.consecutive_skips < bound
 
 
-def first_block_skips(running: list[RunningItem], residuals, forced: ForcedPattern | None = None) -> list[bool]:
-    """Each image's decision from its first block's residual (`residuals[i]`: row i's) against its own last full
-    step's: one device-to-host read for the whole set. Threshold 0 never skips (exactly no cache)."""
+def first_block_skips(running: list[RunningItem], residuals, forced: ForcedPattern | None = None,
+                      rows_per_image: list[int] | None = None) -> list[bool]:  # fmt: skip
+    """Each image's decision from its first block's residual (`residuals[i]`: row i's; with `rows_per_image`, image
+    i's rows, its guided pair deciding together) against its own last full step's: one device-to-host read for the
+    whole set. Threshold 0 never skips (exactly no cache)."""
     import torch
 
     skips = [False] * len(running)
@@ -88,6 +90,18 @@ def first_block_skips(running: list[RunningItem], residuals, forced: ForcedPatte
         return [i in candidates and forced(running[i], running[i].done) for i in range(len(running))]
     candidates = [i for i in candidates if running[i].state["step_cache"].settings.threshold > 0]
     if not candidates:
+        return skips
+    if rows_per_image is not None:  # an image's means over all its rows, as diffusers' hook takes them for one image
+        starts = [sum(rows_per_image[:i]) for i in range(len(running))]
+        moved, sizes = [], []
+        for i in candidates:
+            previous = running[i].state["step_cache"].head_residual
+            current = residuals[starts[i] : starts[i] + rows_per_image[i]]
+            moved.append((current - previous).abs().mean())
+            sizes.append(previous.abs().mean())
+        changes = (torch.stack(moved) / torch.stack(sizes)).tolist()
+        for i, change in zip(candidates, changes, strict=True):
+            skips[i] = change <= running[i].state["step_cache"].settings.threshold
         return skips
     previous = torch.cat([running[i].state["step_cache"].head_residual for i in candidates])
     current = residuals[candidates]

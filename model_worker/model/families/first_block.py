@@ -163,3 +163,116 @@ def counted(forward, counts: HookCounts, attribute: str):
         return forward(*args, **kwargs)
 
     return forward_counted
+
+
+def sd3_parts(transformer) -> tuple:
+    """SD 3.5's transformer (`SD3Transformer2DModel.forward`) in its parts, eager (the eager modules under a compiled
+    wrapper): the cheap part (patch and time/text embeddings, the first joint block), the expensive part (the other
+    blocks) and the output layers."""
+    import torch
+
+    model = getattr(transformer, "_orig_mod", transformer)
+
+    def head(sample, timestep, context, pooled):
+        hidden = model.pos_embed(sample).contiguous()
+        temb = model.time_text_embed(timestep, pooled)
+        encoder = model.context_embedder(context)
+        encoder, first = model.transformer_blocks[0](
+            hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, joint_attention_kwargs=None
+        )
+        return hidden, first, encoder, temb
+
+    def tail(hidden, encoder, temb):
+        for block in model.transformer_blocks[1:]:
+            encoder, hidden = block(
+                hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, joint_attention_kwargs=None
+            )
+        return hidden
+
+    def out(hidden, temb, height: int, width: int):
+        hidden = model.proj_out(model.norm_out(hidden, temb))
+        patch, channels = model.config.patch_size, model.out_channels
+        height, width = height // patch, width // patch
+        hidden = hidden.reshape(shape=(hidden.shape[0], height, width, patch, patch, channels))
+        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+        return hidden.reshape(shape=(hidden.shape[0], channels, height * patch, width * patch))
+
+    return model, head, tail, out
+
+
+def first_block_sd3(parts: tuple, running: list[RunningItem], rows_per_image: list[int],
+                    forced: ForcedPattern | None = None, tail_calls: TailCalls | None = None, *, sample, timestep,
+                    context, pooled):  # fmt: skip
+    """SD 3.5's prediction for the images' rows (the first `sum(rows_per_image)` rows; rows beyond pad a compiled
+    batch and are dropped), each image skipping the remaining blocks when its cache says so. A guided image's two rows
+    (negative, positive) decide together, as one image alone in diffusers' hook does (its means over both rows)."""
+    import torch
+
+    model, head, tail, out = parts
+    rows = sum(rows_per_image)
+    sample, timestep, context, pooled = sample[:rows], timestep[:rows], context[:rows], pooled[:rows]
+    height, width = sample.shape[-2:]
+    hidden, first, encoder, temb = head(sample, timestep, context, pooled)
+    residual = first - hidden
+    skips = first_block_skips(running, residual, forced, rows_per_image)
+    starts = [sum(rows_per_image[:i]) for i in range(len(running))]
+    spans = [slice(start, start + width_) for start, width_ in zip(starts, rows_per_image, strict=True)]
+    full_rows = [row for i, skip in enumerate(skips) if not skip for row in range(spans[i].start, spans[i].stop)]
+    if len(full_rows) == rows:
+        computed = tail(first, encoder, temb)
+        count(tail_calls, rows)
+        for i, span in enumerate(spans):  # copies: an image's cache must not keep the whole set's tensors alive
+            record_full(running[i], residual[span].clone(), (computed[span] - first[span]).clone())
+        return out(computed, temb, height, width)
+    hidden_out = first.clone()
+    if full_rows:
+        index = torch.tensor(full_rows, device=first.device)
+        hidden_out[index] = tail(first[index], encoder[index], temb[index])
+        count(tail_calls, len(full_rows))
+    for i, span in enumerate(spans):
+        if skips[i]:
+            hidden_out[span] = first[span] + running[i].state["step_cache"].tail_residual
+            record_skip(running[i])
+        else:
+            record_full(running[i], residual[span].clone(), (hidden_out[span] - first[span]).clone())
+    return out(hidden_out, temb, height, width)
+
+
+def count(tail_calls: TailCalls | None, rows: int) -> None:
+    if tail_calls is not None:
+        tail_calls.calls += 1
+        tail_calls.rows += rows
+
+
+@contextmanager
+def diffusers_first_block_sd3(transformer, threshold: float) -> Iterator[HookCounts]:
+    """diffusers' First-Block-Cache hooks (`apply_first_block_cache`) on SD 3.5's transformer for one pipeline call.
+    The transformer has no `enable_cache` (not a `CacheMixin`) and its pipeline sets no cache context, so the context
+    is set here; its last block gives no text stream back (`context_pre_only`), which the hook's tail residual needs,
+    so for the call it gives back the text stream it was given (the model reads none after its last block)."""
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    model = getattr(transformer, "_orig_mod", transformer)
+    head, *_, last = model.transformer_blocks
+    forward = last.forward
+
+    def forward_keeping_text(*args, **kwargs):
+        encoder, hidden = forward(*args, **kwargs)
+        return (kwargs["encoder_hidden_states"] if encoder is None else encoder), hidden
+
+    last.forward = forward_keeping_text
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=threshold))
+    _set_cache_context(model, CacheContext("cond"))
+    counts = HookCounts()
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    try:
+        for block, name, attribute in ((head, "fbc_leader_block_hook", "head"), (last, "fbc_block_hook", "tail")):
+            hook = HookRegistry.check_if_exists_or_initialize(block).get_hook(name)
+            hook.fn_ref.original_forward = counted(hook.fn_ref.original_forward, counts, attribute)
+        yield counts
+    finally:
+        _set_cache_context(model, None)
+        registry.remove_hook("fbc_leader_block_hook", recurse=True)
+        registry.remove_hook("fbc_block_hook", recurse=True)
+        del last.forward  # the block's own forward again

@@ -23,11 +23,18 @@ from typing import Any
 from contract.messages import GenerationParameters
 from contract.step_cache import StepCache
 from model_worker.model.families.base import Denoiser, GuidedDenoiser, conditions, pad_rows
-from model_worker.model.families.first_block import diffusers_first_block, first_block_flux, flux_parts
+from model_worker.model.families.first_block import (
+    diffusers_first_block,
+    diffusers_first_block_sd3,
+    first_block_flux,
+    first_block_sd3,
+    flux_parts,
+    sd3_parts,
+)
 from model_worker.model.families.linear_steps import host_values
 from model_worker.model.families.taylorseer import diffusers_taylorseer, taylorseer_rows
 from model_worker.model.runners import GenerationItem, RunningItem
-from model_worker.model.step_cache import caching, row_cache
+from model_worker.model.step_cache import caching, forget, row_cache
 
 # The T5 prompt length, in both schedulings: FLUX.1 [dev]'s 512 (its pipeline's default); [schnell] was distilled
 # with 256, the length its reference code and model card use (512 would double the text tokens of every step);
@@ -91,6 +98,8 @@ class FluxDenoiser(Denoiser):
                 scheduler = self.new_scheduler()
                 timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
                 if self.spec.needs_image:
+                    if item.controls:  # FluxControlNetImg2ImgPipeline draws in another order: not served yet
+                        raise ValueError(f"{self.spec.name}: FLUX.1 image-to-image takes no ControlNets yet")
                     with self.using(scheduler):
                         timesteps, _ = pipe.get_timesteps(steps, params.strength, device)
                         image = pipe.image_processor.preprocess(item.image, height=params.height, width=params.width)
@@ -98,14 +107,18 @@ class FluxDenoiser(Denoiser):
                             image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
                             params.width, prompt_embeds.dtype, device, [generator],
                         )  # fmt: skip
+                    controlnets = []
                 else:
+                    # FluxControlNetPipeline's order: each ControlNet's image drawn from the generator, then the noise.
+                    controlnets = self.controlnets.prepare(item, generator, params.height, params.width,
+                                                           prompt_embeds.dtype) if item.controls else []  # fmt: skip
                     latents, image_ids = pipe.prepare_latents(
                         1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
                     )
                     scheduler.set_begin_index(0)
                 state = self.row_state(
                     scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index, params,
-                    (params.height, params.width),
+                    (params.height, params.width), controlnets=controlnets,
                     mu=mu, step_cache=row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
@@ -155,7 +168,12 @@ class FluxDenoiser(Denoiser):
                 "pooled_projections": pooled, "encoder_hidden_states": context, "txt_ids": first["text_ids"],
                 "img_ids": first["image_ids"],
             }  # fmt: skip
-            if caching(running) and self.spec.step_cache.kind == "taylorseer":  # each image runs or predicts
+            controls = self.controlnets.flux_residuals(running, inputs) if any(
+                r.state.get("controlnets") for r in running) else {}  # fmt: skip
+            if controls:  # a call with ControlNets runs in full; no image's step cache reuses what predates it
+                forget(running)
+                output = self.pipeline.transformer(**inputs, **controls, return_dict=False)[0]
+            elif caching(running) and self.spec.step_cache.kind == "taylorseer":  # each image runs or predicts
                 output = taylorseer_rows(running, self.gathered_call(inputs), self.forced_skips, self.tail_calls)
             elif caching(running):  # each image's first-block cache decides whether it runs the remaining blocks
                 output = first_block_flux(self.cached_parts(), running, self.forced_skips, self.tail_calls,
@@ -179,6 +197,15 @@ class FluxDenoiser(Denoiser):
             return self.pipeline.transformer(**gathered, return_dict=False)[0][: len(index)]
 
         return call
+
+    @property
+    def controlnets(self):
+        """Made on first use: a model whose requests name no ControlNet never builds it."""
+        if getattr(self, "_controlnets", None) is None:
+            from model_worker.controls.flux_controlnets import FluxControlNetRows
+
+            self._controlnets = FluxControlNetRows(self.pipeline)
+        return self._controlnets
 
     def model_tokens(self, r: RunningItem):
         """An image's row of the transformer's input: its packed latents, and after them the tokens its family adds
@@ -406,6 +433,7 @@ class SD3Denoiser(GuidedDenoiser):
                     "guidance": params.guidance_scale if guided else None,
                     "size": (params.height, params.width),
                     "step_kwargs": {},
+                    "step_cache": row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 }
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
@@ -415,6 +443,23 @@ class SD3Denoiser(GuidedDenoiser):
             hidden_states=sample, timestep=timestep, encoder_hidden_states=condition["context"],
             pooled_projections=condition["pooled"], return_dict=False,
         )[0]  # fmt: skip
+
+    def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
+        """First-Block-Cache per image (families/first_block.py), its parts eager."""
+        if getattr(self, "_cached_parts", None) is None:
+            self._cached_parts = sd3_parts(self.model)
+        return first_block_sd3(self._cached_parts, running, rows_per_image, self.forced_skips, self.tail_calls,
+                               sample=sample, timestep=timestep, context=condition["context"],
+                               pooled=condition["pooled"])  # fmt: skip
+
+    @contextmanager
+    def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
+        """diffusers' First-Block-Cache hooks, fresh for this call (families/first_block.py)."""
+        if settings is None:
+            yield lambda: 0
+            return
+        with diffusers_first_block_sd3(self.model, settings.threshold) as counts:
+            yield lambda: counts.skipped
 
     def decode_latents(self, latents, running: list[RunningItem]):
         return from_flow_latents(self.pipeline.vae, latents)
