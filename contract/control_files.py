@@ -47,6 +47,8 @@ ARCHITECTURE_KEYS = (
     "use_linear_projection", "class_embed_type", "addition_embed_type", "addition_time_embed_dim",
     "projection_class_embeddings_input_dim", "encoder_hid_dim", "encoder_hid_dim_type",
 )  # fmt: skip
+# An inpainting UNet's input channels: the latents (4), the mask (1) and the masked image's latents (4).
+INPAINT_IN_CHANNELS = 9
 _CONTROLNET_OWN = ("controlnet_cond_embedding.", "controlnet_down_blocks.", "controlnet_mid_block.")
 _IP_KEY = re.compile(r"^ip_adapter\.(\d+)\.(to_k_ip|to_v_ip)\.weight$")
 _ATTN2 = re.compile(r"^(down_blocks|up_blocks|mid_block)\.(?:(\d+)\.)?attentions\.(\d+)\.transformer_blocks\.(\d+)"
@@ -141,6 +143,7 @@ def _shape(shape: list[int]) -> str:
 def _check_controlnet(config: dict, header: dict, base_config: dict, base_header: dict) -> None:
     if config.get("_class_name") != "ControlNetModel":
         raise ControlFileError(f"config.json: _class_name {config.get('_class_name')!r} is not ControlNetModel")
+    base_config, base_header = _latents_view(base_config, base_header)
     for key in ARCHITECTURE_KEYS:
         mine, base = config.get(key), base_config.get(key)
         if isinstance(mine, list) or isinstance(base, list):  # JSON lists; a config may write a scalar for all
@@ -181,6 +184,21 @@ def _check_controlnet(config: dict, header: dict, base_config: dict, base_header
              and name not in wanted]  # fmt: skip
     if extra:
         raise ControlFileError(f"{where}: {extra[0]}: more zero convolutions than the base UNet has down residuals")
+
+
+def _latents_view(base_config: dict, base_header: dict) -> tuple[dict, dict]:
+    """The base UNet as its ControlNets see it. An inpainting UNet's input is the latents, the mask and the masked
+    image's latents (9 channels); its ControlNets take the latents alone (4: diffusers'
+    `StableDiffusionControlNetInpaintPipeline` gives them `control_model_input`), so theirs is the plain UNet's."""
+    channels = base_config.get("in_channels")
+    if channels != INPAINT_IN_CHANNELS:
+        return base_config, base_header
+    latents = (channels - 1) // 2
+    view = dict(base_header)
+    conv_in = view.get("conv_in.weight")
+    if conv_in is not None:
+        view["conv_in.weight"] = {**conv_in, "shape": [conv_in["shape"][0], latents, *conv_in["shape"][2:]]}
+    return {**base_config, "in_channels": latents}, view
 
 
 def cross_attention_layers(base_header: dict) -> list[list[int]]:

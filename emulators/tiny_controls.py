@@ -16,12 +16,24 @@ IMAGE_ENCODER = {"hidden_size": 32, "projection_dim": 32, "num_hidden_layers": 2
 
 
 def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
-    """A ControlNet of the pipeline's UNet (`ControlNetModel.from_unet`); its own layers random (a trained one's zero
-    convolutions are no longer zero), with conditioning embedding channels small enough for 32-64 px images."""
+    """A ControlNet of the pipeline's UNet (`ControlNetModel.from_unet`; an inpainting UNet's of its 4 latent
+    channels, as SD 1.5's own ControlNets are); its own layers random (a trained one's zero convolutions are no longer
+    zero), with conditioning embedding channels small enough for 32-64 px images."""
     import torch
     from diffusers import ControlNetModel, UNet2DConditionModel
 
+    from contract.control_files import INPAINT_IN_CHANNELS
+
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir / "unet")
+    if unet.config.in_channels == INPAINT_IN_CHANNELS:  # an inpainting UNet's ControlNets take its latents alone
+        latents = (INPAINT_IN_CHANNELS - 1) // 2
+        conv_in = torch.nn.Conv2d(latents, unet.conv_in.out_channels, unet.conv_in.kernel_size,
+                                  padding=unet.conv_in.padding)  # fmt: skip
+        with torch.no_grad():
+            conv_in.weight.copy_(unet.conv_in.weight[:, :latents])
+            conv_in.bias.copy_(unet.conv_in.bias)
+        unet.conv_in = conv_in
+        unet.register_to_config(in_channels=latents)
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -84,9 +84,6 @@ class ControlService:
             family = spec.family.name if spec.family else "synthetic"
             raise ApiError(422, f"{PROMPTS}: {spec.name} takes no control models ({family} models here serve none)",
                            PROMPTS)  # fmt: skip
-        if spec.task != "text-to-image":
-            raise ApiError(422, f"{PROMPTS}: only text-to-image models take image prompts yet, not {spec.task} "
-                           f"model {spec.name}", PROMPTS)  # fmt: skip
         if controls + len(requested) > policy.max_controls_per_request:
             raise ApiError(422, f"{PROMPTS}: at most {policy.max_controls_per_request} control models per request "
                            f"for {spec.name} (ControlNets and image prompts together)", PROMPTS)  # fmt: skip

@@ -130,6 +130,31 @@ def test_hostile_controlnet_files_are_refused_with_their_reason(built):
     )
 
 
+def test_an_inpainting_models_controlnets_are_of_its_latents_not_its_nine_input_channels(built, tmp_path):
+    """An inpainting UNet (9 input channels) takes SD 1.5's own ControlNets (4: the latents, as diffusers'
+    StableDiffusionControlNetInpaintPipeline feeds them); one made of the 9-channel UNet is refused."""
+    import torch
+    from diffusers import ControlNetModel
+
+    from emulators.tiny_pipeline import sd15_unet
+
+    inpainting = tmp_path / "sd15-inpaint"
+    torch.manual_seed(0)
+    unet = sd15_unet(in_channels=9)
+    unet.save_pretrained(inpainting / "unet", safe_serialization=True)
+    summary = check_control("controlnet", built["controlnet"], *base_of(inpainting))
+    assert summary.sha256 == digest(built["controlnet"])
+    # The tiny one `make up` registers for sd15-inpaint: built of the inpainting UNet's latent channels.
+    check_control("controlnet", control_files(build_controlnet(inpainting, tmp_path / "tiny", seed=1)),
+                  *base_of(inpainting))  # fmt: skip
+    ControlNetModel.from_unet(unet).save_pretrained(tmp_path / "nine", safe_serialization=True)
+    nine = control_files(tmp_path / "nine")
+    with pytest.raises(ControlFileError, match="in_channels 9 does not match the base UNet's 4"):
+        check_control("controlnet", nine, *base_of(inpainting))
+    # The plain model's ControlNets stay of its own 4 channels.
+    assert "in_channels 9 does not match the base UNet's 4" in refusal(built, "controlnet", nine)
+
+
 def test_hostile_ip_adapter_files_are_refused_with_their_reason(built):
     import torch
 
