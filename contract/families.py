@@ -106,6 +106,7 @@ FAMILIES: dict[str, Family] = {
             latent_space="sdxl-vae: 4 channels, scaling 0.13025",
             denoising_handoff=True,
             scheduler="EulerDiscreteScheduler",
+            step_caches=("deepcache",),
             scheduler_config=SAVED_UNET_SCHEDULER,
         ),
         Family(
@@ -124,6 +125,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
+            controls=("controlnet",),  # FluxControlNetModel (text-to-image); IP-Adapters for FLUX.1 not yet
             step_caches=("first_block", "taylorseer"),
         ),
         Family(

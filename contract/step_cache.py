@@ -6,9 +6,11 @@ diffusers measures it) since the image's last full step, the image reuses the re
 Every image keeps its own history and decides alone (model_worker/model/step_cache.py), so its answer is the same
 alone and in any running set.
 
-`deepcache` (SD 1.5; DeepCache, Ma et al. 2023): the UNet's deep path (every down block but the first, the mid
-block, every up block but the last) runs every `interval` steps of an image, and its output is reused in between;
-the shallow path runs every step. Interval 1 never skips. `scheduling: step` only (diffusers has no UNet hook).
+`deepcache` (SD 1.5, SDXL; DeepCache, Ma et al. 2023): the UNet's deep path (every down block but the first, the
+mid block, every up block but the last) runs every `interval` steps of an image, and its output is reused in
+between; the shallow path runs every step. Interval 1 never skips. Or by `threshold` (instead of `interval`): the
+deep path runs when the first down block's output moved more than that (relative L1, as first_block measures) since
+the image's last full step; threshold 0 never skips. `scheduling: step` only (diffusers has no UNet hook).
 
 `taylorseer` (FLUX.1; TaylorSeer, Liu et al. 2025, diffusers' `TaylorSeerCacheConfig` in its lite mode): the whole
 transformer runs on an image's first `warmup_steps` steps and then every `interval` steps (diffusers' schedule:
@@ -52,11 +54,13 @@ class StepCache(BaseModel):
 
     @model_validator(mode="after")
     def _kind_settings(self) -> StepCache:
-        if self.kind == "deepcache" and (self.interval is None or "threshold" in self.model_fields_set):
-            raise ValueError("step_cache: deepcache runs the deep path every `interval` steps: set interval, not "
-                             "threshold")  # fmt: skip
-        if self.kind == "deepcache" and self.batch_threshold is not None:
-            raise ValueError("step_cache: deepcache has no threshold for batch lines to raise (batch_threshold)")
+        by_threshold = "threshold" in self.model_fields_set
+        if self.kind == "deepcache" and (self.interval is None) == (not by_threshold):
+            raise ValueError("step_cache: deepcache runs the deep path every `interval` steps or when its shallow "
+                             "features moved more than `threshold`: set interval or threshold, one of them")  # fmt: skip
+        if self.kind == "deepcache" and self.batch_threshold is not None and not by_threshold:
+            raise ValueError("step_cache: deepcache by interval has no threshold for batch lines to raise "
+                             "(batch_threshold)")  # fmt: skip
         if self.kind == "first_block" and self.interval is not None:
             raise ValueError("step_cache: first_block decides by threshold; interval is deepcache's")
         if self.kind == "taylorseer":

@@ -48,10 +48,12 @@ def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
         ({"kind": "first_block", "max_consecutive_skips": 0}, "FluxPipeline", "max_consecutive_skips"),
         ({"kind": "first_block", "warmup": 2}, "FluxPipeline", "warmup"),
         ({"kind": "deepcache", "interval": 3}, "FluxPipeline", "not served for flux models"),
-        ({"kind": "deepcache"}, "StableDiffusionPipeline", "set interval"),
-        ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "set interval"),
+        ({"kind": "deepcache"}, "StableDiffusionPipeline", "set interval or threshold"),
+        ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "one of them"),
+        ({"kind": "first_block"}, "StableDiffusionXLPipeline", "not served for sdxl models"),
         ({"kind": "first_block", "interval": 3}, "FluxPipeline", "interval is deepcache's"),
         ({"kind": "deepcache", "interval": 3, "batch_threshold": 0.2}, "StableDiffusionPipeline", "no threshold"),
+        ({"kind": "deepcache", "threshold": 0.2, "batch_threshold": 0.1}, "StableDiffusionPipeline", "below threshold"),
         ({"kind": "taylorseer", "interval": 3, "warmup_steps": 2}, "StableDiffusionPipeline", "not served for sd15"),
         ({"kind": "taylorseer", "warmup_steps": 2}, "FluxPipeline", "set interval"),
         ({"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "threshold": 0.1}, "FluxPipeline", "set interval"),
@@ -163,3 +165,15 @@ def test_the_memory_plan_counts_each_images_taylor_factors():
     tokens = 1536 * 1536 // flux.pixels_per_token
     # batch 4, orders 0 to 2, 64 packed channels a token, float32
     assert cached.activation_bytes - unit_plan(PLAIN).activation_bytes == 4 * 3 * tokens * 64 * 4
+
+
+def test_deepcache_decides_by_interval_or_by_threshold_on_sd15_and_sdxl():
+    for pipeline in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
+        by_interval = ModelSpec.model_validate(
+            entry(pipeline=pipeline, step_cache={"kind": "deepcache", "interval": 3})
+        )
+        assert by_interval.step_cache.interval == 3
+    looser = {"kind": "deepcache", "threshold": 0.2, "batch_threshold": 0.4}
+    by_threshold = ModelSpec.model_validate(entry(pipeline="StableDiffusionPipeline", step_cache=looser))
+    assert by_threshold.step_cache.interval is None
+    assert running_step_cache(by_threshold.step_cache, None, batch_line=True).threshold == 0.4

@@ -203,6 +203,11 @@ class SDXLDenoiser(UNetDenoiser):
                     "time_ids": negative_time_ids.to(device).repeat(count, 1)}  # fmt: skip
         return conditions(positive, negative if guided else None)
 
+    def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
+        added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
+        return deep_cache_unet(self.model, running, rows_per_image, self.forced_skips, self.tail_calls, sample,
+                               timestep, condition["context"], added)  # fmt: skip
+
     def call_model(self, sample, timestep, condition: dict, **controls):
         added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
         return self.pipeline.unet(
