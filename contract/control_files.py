@@ -39,6 +39,17 @@ FILES: dict[str, tuple[str, ...]] = {"controlnet": CONTROLNET_FILES, "ip_adapter
 # The base model's UNet, relative to its weights path (diffusers' layout).
 BASE_UNET_CONFIG = "unet/config.json"
 BASE_UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+# FLUX.1's transformer: its config alone (the published weights are sharded; the config fixes every shape a
+# ControlNet of it must have).
+BASE_TRANSFORMER_CONFIG = "transformer/config.json"
+# The ControlNet class of each base denoiser class (diffusers' names): what a controlnet version's config must name.
+CONTROLNET_CLASSES = {"ControlNetModel": "ControlNetModel", "FluxControlNetModel": "FluxControlNetModel"}
+_CONTROLNET_OF = {"UNet2DConditionModel": "ControlNetModel", "FluxTransformer2DModel": "FluxControlNetModel"}
+# The FLUX.1 transformer architecture a FluxControlNetModel's config repeats (`from_transformer` copies these).
+FLUX_ARCHITECTURE_KEYS = (
+    "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+    "pooled_projection_dim", "axes_dims_rope",
+)  # fmt: skip
 WEIGHT_DTYPES = ("F16", "BF16", "F32")
 # The UNet architecture a ControlNet's config repeats (`ControlNetModel.from_unet` copies these from the UNet).
 ARCHITECTURE_KEYS = (
@@ -101,7 +112,14 @@ def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_he
             headers[name] = _checked_weights(name, data)
     if kind == "controlnet":
         config = _config(files["config.json"], "config.json")
-        _check_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config, base_header)
+        expected = _CONTROLNET_OF.get(base_config.get("_class_name"), "ControlNetModel")
+        if config.get("_class_name") != expected:
+            raise ControlFileError(f"config.json: _class_name {config.get('_class_name')!r} is not {expected} (the "
+                                   f"base model's {base_config.get('_class_name')} takes that)")  # fmt: skip
+        if expected == "FluxControlNetModel":
+            _check_flux_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config)
+        else:
+            _check_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config, base_header)
     else:
         encoder = _config(files["image_encoder/config.json"], "image_encoder/config.json")
         _check_ip_adapter(headers["ip_adapter.safetensors"], encoder, headers["image_encoder/model.safetensors"],
@@ -199,6 +217,43 @@ def _latents_view(base_config: dict, base_header: dict) -> tuple[dict, dict]:
     if conv_in is not None:
         view["conv_in.weight"] = {**conv_in, "shape": [conv_in["shape"][0], latents, *conv_in["shape"][2:]]}
     return {**base_config, "in_channels": latents}, view
+
+
+def base_denoiser_files(family: str) -> tuple[str, str | None]:
+    """The base model's denoiser files a control version is checked against, relative to its weights path: its
+    config and its safetensors weights (None: the config alone, FLUX.1's sharded transformer)."""
+    if family == "flux":
+        return BASE_TRANSFORMER_CONFIG, None
+    return BASE_UNET_CONFIG, BASE_UNET_WEIGHTS
+
+
+def _check_flux_controlnet(config: dict, header: dict, base_config: dict) -> None:
+    """A FluxControlNetModel of the base transformer: its architecture, and the shapes of its embedders and of one
+    projection per block it hands the transformer (derived from the base's config)."""
+    for key in FLUX_ARCHITECTURE_KEYS:
+        if json.dumps(config.get(key)) != json.dumps(base_config.get(key)):
+            raise ControlFileError(f"config.json: {key} {config.get(key)!r} does not match the base transformer's "
+                                   f"{base_config.get(key)!r} (a ControlNet for another model?)")  # fmt: skip
+    inner = base_config["num_attention_heads"] * base_config["attention_head_dim"]
+    channels = base_config["in_channels"]
+    wanted = {
+        "x_embedder.weight": [inner, channels],
+        "controlnet_x_embedder.weight": [inner, channels],
+        "context_embedder.weight": [inner, base_config["joint_attention_dim"]],
+        **{f"controlnet_blocks.{i}.weight": [inner, inner] for i in range(int(config.get("num_layers") or 0))},
+        **{f"controlnet_single_blocks.{i}.weight": [inner, inner]
+           for i in range(int(config.get("num_single_layers") or 0))},
+    }  # fmt: skip
+    if config.get("num_mode") is not None:
+        wanted["controlnet_mode_embedder.weight"] = [int(config["num_mode"]), inner]
+    where = "diffusion_pytorch_model.safetensors"
+    for name, shape in wanted.items():
+        entry = header.get(name)
+        if entry is None:
+            raise ControlFileError(f"{where}: {name} is missing")
+        if entry["shape"] != shape:
+            raise ControlFileError(f"{where}: {name} is {_shape(entry['shape'])}, the base transformer needs "
+                                   f"{_shape(shape)} (a ControlNet for another model?)")  # fmt: skip
 
 
 def cross_attention_layers(base_header: dict) -> list[list[int]]:

@@ -24,6 +24,8 @@ def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: flo
 
     from contract.control_files import INPAINT_IN_CHANNELS
 
+    if (pipeline_dir / "transformer").is_dir():  # FLUX.1's: `FluxControlNetModel.from_transformer`
+        return build_flux_controlnet(pipeline_dir, out_dir, seed, strength)
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir / "unet")
     if unet.config.in_channels == INPAINT_IN_CHANNELS:  # an inpainting UNet's ControlNets take its latents alone
         latents = (INPAINT_IN_CHANNELS - 1) // 2
@@ -41,6 +43,30 @@ def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: flo
             if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
                 parameter.copy_(
                     strength * torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5
+                )
+    controlnet.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
+    """An InstantX-style ControlNet of the pipeline's FLUX.1 transformer (`FluxControlNetModel.from_transformer`: one
+    double and one single block, its embedders copied from the transformer), its own layers (the control embedder and
+    the per-block projections, zero when untrained) random."""
+    import torch
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel.from_pretrained(pipeline_dir / "transformer")
+    config = transformer.config
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder")):
+                parameter.copy_(
+                    strength * torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5
                 )
     controlnet.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -19,10 +19,9 @@ from pydantic import BaseModel, ConfigDict
 
 from contract import naming
 from contract.control_files import (
-    BASE_UNET_CONFIG,
-    BASE_UNET_WEIGHTS,
     ControlFileError,
     ControlKind,
+    base_denoiser_files,
     check_control,
     check_file_names,
 )
@@ -122,13 +121,16 @@ class ControlRegistry:
         if cached is not None:
             return cached
         root = spec.weights_path.rstrip("/")
-        config_blob = self._bucket.get_blob(f"{root}/{BASE_UNET_CONFIG}")
-        weights_blob = self._bucket.get_blob(f"{root}/{BASE_UNET_WEIGHTS}")
-        if config_blob is None or weights_blob is None:
-            raise ControlFileError(f"the base UNet of {spec.name} is not in the bucket: nothing to check against")
+        config_file, weights_file = base_denoiser_files(spec.family.name if spec.family else "")
+        config_blob = self._bucket.get_blob(f"{root}/{config_file}")
+        weights_blob = self._bucket.get_blob(f"{root}/{weights_file}") if weights_file else None
+        if config_blob is None or (weights_file and weights_blob is None):
+            raise ControlFileError(f"the base denoiser of {spec.name} is not in the bucket: nothing to check against")
         config = json.loads(config_blob.download_as_bytes())
-        header = read_header(lambda start, end: weights_blob.download_as_bytes(start=start, end=end),
-                             weights_blob.size, file=f"the base model's {BASE_UNET_WEIGHTS}")  # fmt: skip
+        header: dict = {}
+        if weights_blob is not None:  # FLUX.1's transformer: its config alone (contract/control_files.py)
+            header = read_header(lambda start, end: weights_blob.download_as_bytes(start=start, end=end),
+                                 weights_blob.size, file=f"the base model's {weights_file}")  # fmt: skip
         with self._lock:
             self._base[spec.weights_path] = (config, header)
         return config, header

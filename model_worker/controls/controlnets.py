@@ -119,8 +119,9 @@ class ControlNetRows:
         if key in self._on_device:
             self._on_device.move_to_end(key)
             return self._on_device[key]
-        unet = self._pipeline.unet
-        model = weights.model.to(device=unet.device, dtype=unet.dtype)
+        pipe = self._pipeline
+        denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+        model = weights.model.to(device=denoiser.device, dtype=denoiser.dtype)
         self._on_device[key] = model
         while len(self._on_device) > self._device_cache:
             _, dropped = self._on_device.popitem(last=False)
@@ -153,7 +154,8 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
             runner, control = _controlnet_pipeline(pipeline, items[indices[0]])
             call.update(control)
             images_of = _control_images(items, indices, len(key))
-            call["image" if "image" not in call else "control_image"] = images_of[0] if alone else images_of
+            argument = "control_image" if "image" in call or type(pipeline).__name__ in CONTROL_IMAGE else "image"
+            call[argument] = images_of[0] if alone else images_of
             if "image" in call and "height" not in call:  # image-to-image: control images made at the output's size
                 call["height"], call["width"] = _output_size(pipeline, items[indices[0]].image)
         # diffusers' `load_ip_adapter` + `set_ip_adapter_scale`: the group's IP-Adapters in the UNet at their scales
@@ -217,7 +219,10 @@ CONTROLNET_PIPELINES = {
     "StableDiffusionImg2ImgPipeline": "StableDiffusionControlNetImg2ImgPipeline",
     "StableDiffusionInpaintPipeline": "StableDiffusionControlNetInpaintPipeline",
     "StableDiffusionXLPipeline": "StableDiffusionXLControlNetPipeline",
+    "FluxPipeline": "FluxControlNetPipeline",
 }
+# The base pipelines whose ControlNet pipeline takes the control images as `control_image` though it takes no `image`.
+CONTROL_IMAGE = ("FluxPipeline",)
 
 # The base pipelines whose ControlNet pipeline takes a batch of images with several ControlNets (SDXL's refuses "a
 # single batch of multiple conditionings").
@@ -233,10 +238,11 @@ def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
     base = type(pipeline).__name__
     if base not in CONTROLNET_PIPELINES:
         raise ValueError(f"{base} serves no ControlNet in scheduling: request")
-    unet = pipeline.unet
-    models = [weights.model.to(device=unet.device, dtype=unet.dtype) for weights, _, _ in uses]
+    denoiser = pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer
+    models = [weights.model.to(device=denoiser.device, dtype=denoiser.dtype) for weights, _, _ in uses]
     single = len(models) == 1
-    controlnet = models[0] if single else MultiControlNetModel(models)
+    multi = diffusers.FluxMultiControlNetModel if base in CONTROL_IMAGE else MultiControlNetModel
+    controlnet = models[0] if single else multi(models)
     components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
     extra = {}
     if base == "StableDiffusionXLPipeline":  # the base's own settings (no watermark: the base pipeline adds none)

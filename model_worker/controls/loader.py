@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from contract import naming
-from contract.control_files import BASE_UNET_CONFIG, BASE_UNET_WEIGHTS, FILES, ControlFileError, check_control, digest
+from contract.control_files import (
+    CONTROLNET_CLASSES,
+    FILES,
+    ControlFileError,
+    base_denoiser_files,
+    check_control,
+    digest,
+)
 from contract.lora_files import read_header
 from contract.model_spec import ModelSpec
 from contract.settings import CONTROL_HOST_CACHE_BYTES
@@ -207,17 +214,21 @@ class ControlLoader:
         return ControlWeights(ref.name, ref.kind, ref.version, ref.sha256, summary.bytes, model, state_dict)
 
     def _base_unet(self, spec: ModelSpec) -> tuple[dict, dict]:
+        """The base denoiser's config and safetensors header (a FLUX.1 transformer's config alone: an empty header)."""
         if spec.queue not in self._base:
             root = self._weights_dirs[spec.queue]
-            config = json.loads((root / BASE_UNET_CONFIG).read_text())
-            path = root / BASE_UNET_WEIGHTS
-            with path.open("rb") as handle:
+            config_file, weights_file = base_denoiser_files(spec.family.name if spec.family else "")
+            config = json.loads((root / config_file).read_text())
+            header: dict = {}
+            if weights_file is not None:
+                path = root / weights_file
+                with path.open("rb") as handle:
 
-                def read(start: int, end: int) -> bytes:
-                    handle.seek(start)
-                    return handle.read(end - start + 1)
+                    def read(start: int, end: int) -> bytes:
+                        handle.seek(start)
+                        return handle.read(end - start + 1)
 
-                header = read_header(read, path.stat().st_size)
+                    header = read_header(read, path.stat().st_size)
             self._base[spec.queue] = (config, header)
         return self._base[spec.queue]
 
@@ -227,9 +238,11 @@ def _build(kind: str, files: dict[str, bytes]) -> tuple[Any, dict | None]:
     from safetensors.torch import load as load_safetensors
 
     if kind == "controlnet":
-        from diffusers import ControlNetModel
+        import diffusers
 
-        model = ControlNetModel.from_config(json.loads(files["config.json"]))
+        config = json.loads(files["config.json"])
+        # ControlNetModel (SD 1.5, SDXL) or FluxControlNetModel: the class the checked config names.
+        model = getattr(diffusers, CONTROLNET_CLASSES[config["_class_name"]]).from_config(config)
         model.load_state_dict(load_safetensors(files["diffusion_pytorch_model.safetensors"]), strict=True)
         return model.eval(), None
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection

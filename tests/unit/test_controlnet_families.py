@@ -19,7 +19,7 @@ from tests.unit.test_model_families import differences, input_image
 
 CATALOG = local_catalog(test_fixtures=True)
 SIZE = 64  # test_controlnet_rows' `params` size
-MODELS = ("sdxl-txt2img",)
+MODELS = ("sdxl-txt2img", "flux-schnell")
 EDGES = [("edges", 0.8, 0.0, 1.0)]
 MULTI = [("edges", 0.7, 0.0, 0.5), ("depth", 1.3, 0.25, 1.0)]
 
@@ -61,15 +61,19 @@ def reference(family, seed: int, guidance: float, uses, images: int = 1) -> list
     if family["spec"].family.name == "sdxl":
         pipe = diffusers.StableDiffusionXLControlNetPipeline(**base.components, controlnet=models[0] if single
                                                              else models, add_watermarker=False)  # fmt: skip
-        image_argument = "image"
-    else:
-        raise AssertionError(family["name"])
+        image_argument, kwargs_extra = "image", {}
+    else:  # FLUX.1: the control image as `control_image`, the T5 prompt length the worker uses ([schnell]'s 256)
+        multi = models[0] if single else diffusers.FluxMultiControlNetModel(models)
+        pipe = diffusers.FluxControlNetPipeline(**base.components, controlnet=multi)
+        image_argument = "control_image"
+        kwargs_extra = {"max_sequence_length": 256}
     pipe.set_progress_bar_config(disable=True)
     kwargs = {
         image_argument: family["images"][uses[0][0]] if single else [family["images"][name] for name, *_ in uses],
         "controlnet_conditioning_scale": uses[0][1] if single else [scale for _, scale, _, _ in uses],
         "control_guidance_start": uses[0][2] if single else [start for _, _, start, _ in uses],
         "control_guidance_end": uses[0][3] if single else [end for _, _, _, end in uses],
+        **kwargs_extra,
     }
     return [pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE,
                  generator=torch.Generator().manual_seed(seed + i), output_type="np", **kwargs).images[0]
@@ -109,34 +113,61 @@ def test_a_mixed_running_set_equals_each_request_alone_and_a_row_without_control
     assert np.array_equal(stepped(stepper, plain)[3][0], got[3][0])
 
 
-def test_an_sdxl_controlnet_registers_for_an_sdxl_base_and_is_refused_for_sd15(tmp_path):
-    """Registration's shape checks against the base's own UNet (contract/control_files.py): an SDXL ControlNet
-    (`ControlNetModel.from_unet` on the tiny SDXL UNet) registers for the SDXL model and is refused for SD 1.5 by
-    its architecture, as an SD 1.5 ControlNet is for SDXL."""
+def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_others(tmp_path):
+    """Registration's checks against the base's own denoiser (contract/control_files.py): an SDXL ControlNet
+    (`ControlNetModel.from_unet` on the tiny SDXL UNet) registers for the SDXL model, a FLUX.1 one
+    (`FluxControlNetModel.from_transformer`) for FLUX.1 [schnell] (against its transformer's config: FLUX.1's
+    weights are sharded); each is refused for the other bases, an SD 1.5 ControlNet for both, naming why."""
+    import json
+
     import torch
+    from diffusers import FluxTransformer2DModel
 
     from contract import naming
     from contract.control_files import ControlFileError, check_control, digest
+    from contract.lora_files import bytes_reader, read_header
     from contract.stores.control_registry import ControlRegistry
     from emulators.tiny_controls import build_controlnet, control_files
     from emulators.tiny_pipeline import _sdxl_unet, sd15_unet
     from tests.unit.test_adapter_parts import FakeBucket
-    from tests.unit.test_control_registry import base_of
 
-    sdxl = CATALOG.get("sdxl-txt2img")
     torch.manual_seed(0)
     _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64).save_pretrained(
         tmp_path / "sdxl" / "unet", safe_serialization=True
     )
     sd15_unet().save_pretrained(tmp_path / "sd15" / "unet", safe_serialization=True)
-    files = {name: control_files(build_controlnet(tmp_path / name, tmp_path / f"{name}-edges", seed=3))
-             for name in ("sdxl", "sd15")}  # fmt: skip
-    objects = {f"{sdxl.weights_path}/unet/{file}": (tmp_path / "sdxl" / "unet" / file).read_bytes()
-               for file in ("config.json", "diffusion_pytorch_model.safetensors")}  # fmt: skip
-    objects.update({naming.control_prefix(sdxl.name, "edges", "1") + file: data
-                    for file, data in files["sdxl"].items()})  # fmt: skip
-    record = ControlRegistry(FakeBucket(objects)).register(sdxl, "edges", "controlnet", "1")
-    assert (record.kind, record.sha256) == ("controlnet", digest(files["sdxl"]))
-    for control, base in (("sdxl", "sd15"), ("sd15", "sdxl")):
-        with pytest.raises(ControlFileError, match="does not match the base UNet's"):
-            check_control("controlnet", files[control], *base_of(tmp_path / base))
+    flux = tmp_path / "flux"  # the tiny FLUX.1 pipeline's transformer (emulators/tiny_pipeline.py `_flux`)
+    FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    ).save_pretrained(flux / "transformer", safe_serialization=True)  # fmt: skip
+    bases = {"sd15": tmp_path / "sd15", "sdxl": tmp_path / "sdxl", "flux": flux}
+    files = {name: control_files(build_controlnet(base, tmp_path / f"{name}-edges", seed=3))
+             for name, base in bases.items()}  # fmt: skip
+
+    def base_of(name: str) -> tuple[dict, dict]:
+        if name == "flux":
+            return json.loads((flux / "transformer" / "config.json").read_text()), {}
+        data = (bases[name] / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+        return json.loads((bases[name] / "unet" / "config.json").read_text()), read_header(bytes_reader(data),
+                                                                                           len(data))  # fmt: skip
+
+    for name, model, denoiser in (("sdxl", "sdxl-txt2img", "unet"), ("flux", "flux-schnell", "transformer")):
+        spec = CATALOG.get(model)
+        objects = {f"{spec.weights_path}/{path.relative_to(bases[name]).as_posix()}": path.read_bytes()
+                   for path in (bases[name] / denoiser).iterdir()}  # fmt: skip
+        objects.update({naming.control_prefix(spec.name, "edges", "1") + file: data
+                        for file, data in files[name].items()})  # fmt: skip
+        record = ControlRegistry(FakeBucket(objects)).register(spec, "edges", "controlnet", "1")
+        assert (record.kind, record.sha256) == ("controlnet", digest(files[name]))
+    refusals = {("sdxl", "sd15"): "does not match the base UNet's", ("sd15", "sdxl"): "does not match the base UNet's",
+                ("flux", "sd15"): "is not ControlNetModel", ("sd15", "flux"): "is not FluxControlNetModel",
+                ("flux", "sdxl"): "is not ControlNetModel", ("sdxl", "flux"): "is not FluxControlNetModel"}  # fmt: skip
+    for (control, base), reason in refusals.items():
+        with pytest.raises(ControlFileError, match=reason):
+            check_control("controlnet", files[control], *base_of(base))
+    # A FLUX.1 ControlNet of another transformer width: its config says so.
+    config = json.loads(files["flux"]["config.json"])
+    other = {**files["flux"], "config.json": json.dumps({**config, "num_attention_heads": 4}).encode()}
+    with pytest.raises(ControlFileError, match="num_attention_heads 4 does not match the base transformer's 2"):
+        check_control("controlnet", other, *base_of("flux"))
