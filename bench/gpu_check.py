@@ -11,7 +11,8 @@ lines beside an interactive request, the open-loop sweep up to the batch capacit
 catalog's compile mode (compile seconds, worker img/s against the card's bound, graphs made by adapter swaps, a
 fresh process's first answer from the saved artifacts), then FLUX.1 [schnell] at its real size, bf16 and float8,
 eager and compiled, against the memory plan, and the 2026 families (Z-Image-Turbo, FLUX.2 [klein] 4B, Qwen-Image) at
-their real sizes, one image at the catalog's defaults in bf16 and float8, eager, against the memory plan.
+their real sizes, one image at the catalog's defaults in bf16 and float8, eager, against the memory plan; then FLUX.1's
+inpaint and edit models (Fill [dev] and Kontext [dev], issue 51) likewise at 1024², with an input image (and mask).
 
 Each line is its own function, guarded: an error, a missing feature or a spent budget makes its line a MISS with the
 reason, and the rest still run. The whole run has one deadline (`--budget`); a line is skipped when less is left
@@ -852,20 +853,28 @@ def child_flux_step_cache(check: Check, args: dict) -> dict:
 # eager: seconds per image, GB loaded and at the peak against the memory plan. Then its weights are deleted (a lent
 # machine's 64 GiB disk holds FLUX.1's 34 GB beside Z-Image's or klein's, not beside Qwen-Image's 57.7 GB: a build
 # checks the free disk first).
-FAMILY_NAMES = {"zimage": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein] 4B", "qwenimage": "Qwen-Image"}
+FAMILY_NAMES = {"zimage": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein] 4B", "qwenimage": "Qwen-Image",
+                "flux-fill": "FLUX.1 Fill [dev]", "flux-kontext": "FLUX.1 Kontext [dev]"}  # fmt: skip
+# FLUX.1's inpaint and edit models (issue 51) run as the families do, at 1024² (their catalog's limit), an input image
+# (and Fill's mask) of that size; their builds write only their transformer (23.8 GB), the rest linked from FLUX.1's.
+FAMILY_SIZES = {"flux-fill": 1024, "flux-kontext": 1024}
+FLUX_TOOL_TRANSFORMER_GB = 23.8
 FAMILY_KINDS = (None, "float8_weight_only")
 # The eager warm-up call's steps (its kernels and allocations are the timed call's; its image need not be whole).
 FAMILY_WARMUP_STEPS = 2
 # Seconds a line needs at least on a GPU, and the most its child may run: (build, variant) per family.
 FAMILY_SECONDS = {"zimage": ((40.0, 200.0), (40.0, 240.0)), "flux2-klein": ((30.0, 150.0), (20.0, 150.0)),
-                  "qwenimage": ((120.0, 400.0), (150.0, 560.0))}  # fmt: skip
+                  "qwenimage": ((120.0, 400.0), (150.0, 560.0)), "flux-fill": ((40.0, 200.0), (40.0, 300.0)),
+                  "flux-kontext": ((40.0, 200.0), (40.0, 300.0))}  # fmt: skip
 
 
 def family_size(check: Check, family: str) -> int:
     from bench.quantized_pipeline import CATALOG_ENTRY
     from contract.catalog import load_catalog
 
-    return check.sizes.flux_size if check.tiny else load_catalog().get(CATALOG_ENTRY[family]).defaults.width
+    if check.tiny:
+        return check.sizes.flux_size
+    return FAMILY_SIZES.get(family) or load_catalog().get(CATALOG_ENTRY[family]).defaults.width
 
 
 def line_family_build(check: Check, family: str) -> None:
@@ -884,6 +893,8 @@ def child_family_build(check: Check, args: dict) -> dict:
     family = args["family"]
     if not check.tiny and not (check.workdir / f"{family}-sized" / "model_index.json").exists():
         needed = variant_plan(family, None, family_size(check, family))["weights_gb"] + 1.0
+        if family in FAMILY_SIZES and (check.workdir / "flux-sized" / "model_index.json").exists():
+            needed = FLUX_TOOL_TRANSFORMER_GB + 1.0  # only the transformer is written: the rest is FLUX.1's, linked
         check.workdir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(check.workdir).free / 1e9
         if free < needed:  # a clear MISS, not a disk filled part-way (FLUX.1's 34 GB may be there already)

@@ -9,6 +9,11 @@ safetensors (no download): the transformer's defaults in diffusers are FLUX.1's 
 pipelines' (the models' vocabularies keep the real sizes). The catalog's `flux-schnell` entry quantizes the
 transformer and T5 (`COMPONENTS`). `--tiny` uses the local stack's tiny pipeline instead: seconds on a CPU (the
 smoke test), where memory is not measured and only what torchao runs there is timed (the rest is reported refused).
+
+FLUX.1 Fill [dev] and Kontext [dev] (`flux-fill`, `flux-kontext`, issue 51) at their real size reuse FLUX.1's text
+encoders, tokenizers and VAE (linked from the [schnell] build: the same architectures) and build only their
+transformer ([dev]'s, guidance embedded; Fill's takes the packed latents, masked image and mask: 384 channels in);
+their images are measured with an input image (and Fill's mask) of the asked size.
 """
 
 from __future__ import annotations
@@ -22,11 +27,21 @@ from pathlib import Path
 # families' transformer and Qwen text encoder, as the catalog's z-image-turbo entry does).
 COMPONENTS = {"flux": ["transformer", "text_encoder_2"], "sd15": ["unet", "text_encoder"],
               "zimage": ["transformer", "text_encoder"], "flux2-klein": ["transformer", "text_encoder"],
-              "qwenimage": ["transformer", "text_encoder"]}  # fmt: skip
+              "qwenimage": ["transformer", "text_encoder"], "flux-fill": ["transformer", "text_encoder_2"],
+              "flux-kontext": ["transformer", "text_encoder_2"]}  # fmt: skip
 CATALOG_ENTRY = {"flux": "flux-schnell", "sd15": "sd15-txt2img", "zimage": "z-image-turbo",
-                 "flux2-klein": "flux2-klein", "qwenimage": "qwen-image"}  # fmt: skip
+                 "flux2-klein": "flux2-klein", "qwenimage": "qwen-image", "flux-fill": "flux-fill",
+                 "flux-kontext": "flux-kontext"}  # fmt: skip
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd15": "StableDiffusionPipeline", "zimage": "ZImagePipeline",
-                  "flux2-klein": "Flux2KleinPipeline", "qwenimage": "QwenImagePipeline"}  # fmt: skip
+                  "flux2-klein": "Flux2KleinPipeline", "qwenimage": "QwenImagePipeline",
+                  "flux-fill": "FluxFillPipeline", "flux-kontext": "FluxKontextPipeline"}  # fmt: skip
+# FLUX.1's [dev]-based tools: their transformer's settings over diffusers' FLUX.1 defaults (Fill's input is the
+# packed latents, the packed masked image's latents and the packed mask: 64 + 64 + 256 channels).
+FLUX_TOOLS = {"flux-fill": {"guidance_embeds": True, "in_channels": 384, "out_channels": 64},
+              "flux-kontext": {"guidance_embeds": True}}  # fmt: skip
+# [dev]'s schedule: shifted by the image's token count (`calculate_shift`), unlike [schnell]'s.
+DEV_SCHEDULER = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                 "base_image_seq_len": 256, "max_image_seq_len": 4096}  # fmt: skip
 # The 2026 families built at their real sizes from the recorded configurations (the memory plan's own,
 # tests/data/model_configs/: what contract/architectures.py counts), random weights.
 RECORDED = {"zimage": "z-image-turbo", "flux2-klein": "flux.2-klein-4b", "qwenimage": "qwen-image"}
@@ -90,6 +105,45 @@ def build_flux_sized(out_dir: Path) -> Path:
     return out_dir
 
 
+def build_flux_tool_sized(family: str, out_dir: Path, flux_dir: Path) -> Path:
+    """FLUX.1 Fill [dev] or Kontext [dev] at its real size: its own transformer (random, made in bf16 on the GPU
+    when there is one) and [dev]'s scheduler, beside links to FLUX.1's text encoders, tokenizers and VAE in
+    `flux_dir` (built first if missing): about 23.8 GB written, not 34. Built once per directory."""
+    if (out_dir / "model_index.json").exists():
+        return out_dir
+    import json
+    import shutil
+
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    build_flux_sized(flux_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a build cut off part-way
+    out_dir.mkdir(parents=True)
+    for shared in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):
+        (out_dir / shared).symlink_to((flux_dir / shared).resolve(), target_is_directory=True)
+    FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER).save_pretrained(out_dir / "scheduler")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = FluxTransformer2DModel(**FLUX_TOOLS[family])  # FLUX.1's sizes otherwise
+    finally:
+        torch.set_default_dtype(default_dtype)
+    transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
+    del transformer
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    index = json.loads((flux_dir / "model_index.json").read_text())
+    index["_class_name"] = PIPELINE_CLASS[family]
+    (out_dir / "model_index.json").write_text(json.dumps(index, indent=2))  # last: the build's mark of completion
+    return out_dir
+
+
 def build_recorded_sized(family: str, out_dir: Path) -> Path:
     """A 2026 family's pipeline at its real size: its transformer, text encoder and VAE from the recorded
     configurations with random weights (made in bf16 on the GPU when there is one, so the host never holds an fp32
@@ -141,11 +195,15 @@ def weights_for(family: str, tiny: bool, workdir: Path) -> Path:
 
         directory = workdir / f"{family}-tiny"
         if not (directory / "model_index.json").exists():
-            guidance = "none" if family in ("flux", "zimage", "flux2-klein") else "cfg"
+            guidance = (
+                "embedded" if family in FLUX_TOOLS else "none" if family in ("flux", "zimage", "flux2-klein") else "cfg"
+            )
             build_pipeline(directory, PIPELINE_CLASS[family], guidance)
         return directory
     if family == "flux":
         return build_flux_sized(workdir / "flux-sized")
+    if family in FLUX_TOOLS:
+        return build_flux_tool_sized(family, workdir / f"{family}-sized", workdir / "flux-sized")
     if family in RECORDED:
         return build_recorded_sized(family, workdir / f"{family}-sized")
     from bench.gpu_models import build_sd15_sized
@@ -183,7 +241,8 @@ def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: 
     spec = variant_spec(family, kind, size)
     steps = steps or spec.defaults.num_inference_steps
     params = GenerationParameters(seed=0, num_inference_steps=steps, guidance_scale=spec.defaults.guidance_scale,
-                                  width=size, height=size)  # fmt: skip
+                                  width=size, height=size, strength=spec.defaults.strength)  # fmt: skip
+    inputs = edit_inputs(spec.task, size)
     row: dict = {"quantization": kind or "none", "compiled": compiled, "size": size, "steps": steps}
     runner = None
     if cuda:
@@ -207,7 +266,8 @@ def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: 
             call = (
                 params if index or not warmup_steps else params.model_copy(update={"num_inference_steps": warmup_steps})
             )
-            runner.generate([GenerationItem(prompt=f"bench {index}", seed=index)], call, lambda step, total: None)
+            runner.generate([GenerationItem(prompt=f"bench {index}", seed=index, **inputs)], call,
+                            lambda step, total: None)  # fmt: skip
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)
@@ -226,6 +286,21 @@ def measure(family: str, kind: str | None, compiled: bool, weights: Path, size: 
         if cuda:
             torch.cuda.empty_cache()
     return row
+
+
+def edit_inputs(task: str, size: int) -> dict:
+    """An inpaint or edit model's inputs at `size`: an image (smooth colours) and, to inpaint, a mask repainting its
+    centre quarter; none for the other tasks."""
+    if task not in ("inpaint", "edit"):
+        return {}
+    from PIL import Image
+
+    image = Image.linear_gradient("L").resize((size, size)).convert("RGB")
+    if task == "edit":
+        return {"image": image}
+    mask = Image.new("L", (size, size), 0)
+    mask.paste(255, (size // 4, size // 4, 3 * size // 4, 3 * size // 4))
+    return {"image": image, "mask": mask}
 
 
 def compare(family: str, kinds: list[str], eager: bool, compiled: bool, tiny: bool, workdir: Path, size: int,

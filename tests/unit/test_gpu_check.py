@@ -27,6 +27,8 @@ TINY_LINES = [
     "flux2-klein.bf16",
     "qwenimage.bf16",
     "qwenimage.release",
+    "flux-fill.bf16",
+    "flux-kontext.bf16",
 ]
 # What a GPU image lacks: the service clients (and what only they pull in), the API's web stack, plotting.
 ABSENT = ("google.cloud", "google.api_core", "google.auth", "grpc", "redis", "flask", "prometheus_client", "matplotlib")
@@ -47,10 +49,13 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
                 "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16",
                 "sd15.step-cache", "flux.step-cache",
                 "zimage.build", "zimage.bf16", "flux2-klein.build", "flux2-klein.bf16", "qwenimage.build",
-                "qwenimage.bf16", "qwenimage.release"}  # fmt: skip
+                "qwenimage.bf16", "qwenimage.release", "flux-fill.build", "flux-fill.bf16", "flux-kontext.build",
+                "flux-kontext.bf16"}  # fmt: skip
     assert expected <= set(lines), sorted(set(lines))
-    # Each 2026 family's image at its tiny size, against its own memory plan (the weights' figure is the family's).
-    for family, plan_gb in (("zimage", 20.5), ("flux2-klein", 16.0), ("qwenimage", 57.7)):
+    # Each 2026 family's image at its tiny size, against its own memory plan (the weights' figure is the family's);
+    # FLUX.1 Fill's and Kontext's with an input image (and mask), against theirs (issue 51).
+    for family, plan_gb in (("zimage", 20.5), ("flux2-klein", 16.0), ("qwenimage", 57.7), ("flux-fill", 33.7),
+                            ("flux-kontext", 33.7)):  # fmt: skip
         line = lines[f"{family}.bf16"]
         assert line["measured"].endswith("s/image (memory: GPU only)") and f"loaded <= {plan_gb} GB" in line["target"]
     assert not (tmp_path / "work" / "qwenimage-tiny").exists(), "the release line left Qwen-Image's weights"
@@ -187,3 +192,28 @@ def test_a_familys_build_that_the_disk_cannot_hold_is_refused_before_writing(tmp
     ):
         gpu_check.child_family_build(check, {"family": "qwenimage"})
     assert list(tmp_path.iterdir()) == [], "it wrote something"
+
+
+def test_flux_fills_and_kontexts_real_size_build_links_flux1s_encoders_and_writes_only_its_transformer(tmp_path,
+                                                                                                       monkeypatch):  # fmt: skip
+    """The GPU line's build (bench/quantized_pipeline.py `build_flux_tool_sized`) with a tiny transformer over the
+    tiny FLUX.1: FLUX.1's text encoders, tokenizers and VAE linked, not copied; its own transformer and [dev]'s
+    scheduler written; diffusers loads the pipeline it makes (the TINY run above answers through one)."""
+    from bench import quantized_pipeline
+
+    flux = quantized_pipeline.weights_for("flux", True, tmp_path)
+    tiny = {"patch_size": 1, "in_channels": 16 + 16 + 4 * 64, "out_channels": 16, "num_layers": 1,
+            "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+            "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "guidance_embeds": True}  # fmt: skip
+    monkeypatch.setitem(quantized_pipeline.FLUX_TOOLS, "flux-fill", tiny)
+    fill = quantized_pipeline.build_flux_tool_sized("flux-fill", tmp_path / "flux-fill-sized", flux)
+    assert all((fill / name).is_symlink() for name in ("text_encoder", "text_encoder_2", "tokenizer", "vae"))
+    assert not (fill / "transformer").is_symlink() and json.loads((fill / "model_index.json").read_text())[
+        "_class_name"] == "FluxFillPipeline"  # fmt: skip
+    assert json.loads((fill / "scheduler" / "scheduler_config.json").read_text())["use_dynamic_shifting"]
+    from diffusers import FluxFillPipeline
+
+    pipeline = FluxFillPipeline.from_pretrained(fill)
+    assert (
+        pipeline.transformer.config.in_channels == tiny["in_channels"] and pipeline.transformer.config.guidance_embeds
+    )
