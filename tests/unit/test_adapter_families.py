@@ -558,3 +558,40 @@ def test_a_lora_for_another_family_or_in_a_layout_it_does_not_take_is_refused_at
     for name, reason in reasons.items():
         with pytest.raises(AdapterFileError, match=reason):
             registry.register(spec, name, "1")
+
+
+def test_a_step_cached_model_serves_adapters_with_each_images_own_cache(pipelines):
+    """Issue 54 with LoRA: the adapter set is the batch key's, the step cache each image's. A cached FLUX.1 image
+    under an adapter equals diffusers' pipeline with the LoRA loaded and its First-Block-Cache hook; the base request
+    after it equals the hook's base image (no residual or adapter carried over)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    from contract.model_spec import ModelSpec
+    from model_worker.model.pipeline import DiffusionRunner
+
+    family, threshold = "flux-dev", 0.5
+    directory, reference = pipelines[family]
+    cached = ModelSpec.model_validate(
+        {
+            **FAMILIES[family].model_dump(),
+            "scheduling": "step",
+            "step_cache": {"kind": "first_block", "threshold": threshold},
+        }
+    )
+    runner = DiffusionRunner(cached, directory, torch_threads=1)
+    files, scales = {"ink": peft_file(directory, 1, 4)}, {"ink": 0.8}
+    rows = runner._denoiser.tail_calls.rows
+    images, pending, _ = served(pipelines, family, "step", runner, loaded(family, pipelines, files, scales), images=1)
+    assert runner._denoiser.tail_calls.rows - rows < 3  # of its 3 steps, some skipped the remaining blocks
+    base, base_pending, _ = served(pipelines, family, "step", runner, images=1)
+    reference.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        expected = reference_with(pipelines, family, pending, files, scales)
+        reference.transformer.disable_cache()  # fresh: no residual of the adapter's call
+        reference.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        expected_base = reference_images({family: pipelines[family]}, family, base_pending)
+    finally:
+        reference.transformer.disable_cache()
+    assert_close(images, expected)
+    assert_close(base, expected_base)
+    assert differs(images, base) > VISIBLE  # the adapter reached the cached call

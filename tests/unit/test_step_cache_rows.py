@@ -252,3 +252,35 @@ def test_a_batch_line_decides_by_the_batch_threshold(runners, scheduling):
         worker.outcomes.wait(2)
     fields = worker.outcomes.fields
     assert fields["line"]["steps_skipped"] > fields["interactive"]["steps_skipped"]
+
+
+def test_a_cancelled_images_cache_is_freed_at_the_next_step(runners):
+    import weakref
+
+    from tests.unit.test_step_scheduler import Hooked, Worker, request
+
+    runner = runners(CACHED)
+    live: dict[str, weakref.ref] = {}
+
+    class Watched(Hooked):
+        def denoise_step(self, running) -> None:
+            for r in running:  # each image's cache, by its request, as the step sees it
+                live.setdefault(r.item.prompt.split()[0], weakref.ref(r.state["step_cache"]))
+            super().denoise_step(running)
+
+    watched = Watched(runner)
+    stays = request("stays", runner.spec, steps=STEPS, guidance=3.5, seed=3)
+    leaves = request("leaves", runner.spec, steps=STEPS, guidance=3.5, seed=5)
+    counted = []
+
+    def cancel() -> None:
+        leaves.cancelled = True
+
+    watched.after[2] = cancel
+    watched.after[3] = lambda: counted.append([name for name, ref in live.items() if ref() is not None])
+    with Worker({runner.spec.queue: watched}) as worker:
+        worker.pool.add(stays)
+        worker.pool.add(leaves)
+        worker.outcomes.wait(2)
+    assert watched.sizes[:3] == [2, 2, 1]  # it left at the step after its cancel
+    assert counted == [["stays"]]  # by then its cache was gone (nothing else held it), the other's still there
