@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from contract import naming
-from contract.generation import ROLES, AdapterRef, GenerationParameters, optional_parameters_model
+from contract.generation import ROLES, AdapterRef, ControlRef, GenerationParameters, optional_parameters_model
 from contract.messages import FlowStagePlan, Handoff, Resize, StageOutput
 
 if TYPE_CHECKING:
@@ -29,9 +29,12 @@ if TYPE_CHECKING:
 REQUEST_PARAMETERS: tuple[str, ...] = ("prompt", "image", *ROLES)
 # A later stage's size is the previous stage's output times its resize: never the request's.
 SIZE_PARAMETERS = ("width", "height")
-# What a later stage takes when its `takes` is left out: the prompt and the conditioning, not the size or
-# the step count (a hires pass has its own) or the strength (the flow fixes it).
-LATER_STAGE_TAKES = ("prompt", "negative_prompt", "seed", "guidance_scale", "adapters")
+# What a later stage takes when its `takes` is left out: the prompt and the conditioning (a ControlNet's control
+# image holds a hires pass to the same layout), not the size or the step count (a hires pass has its own) or the
+# strength (the flow fixes it).
+LATER_STAGE_TAKES = ("prompt", "negative_prompt", "seed", "guidance_scale", "adapters", "controls")
+# Resolved per stage's model (registered per model), never taken from the request as sent.
+PER_MODEL = ("adapters", "controls")
 STAGE_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
 # The VAE's downscale of every served family: a latent resize works on sizes divided by it.
 LATENT_FACTOR = 8
@@ -120,7 +123,7 @@ def _default_takes(spec: ModelSpec, first: bool) -> tuple[str, ...]:
             continue
         if name == "negative_prompt" and spec.guidance_mode != "cfg":
             continue
-        if name == "adapters" and spec.adapters is None:
+        if (name == "adapters" and spec.adapters is None) or (name == "controls" and spec.controls is None):
             continue
         takes.append(name)
     return tuple(takes)
@@ -203,6 +206,10 @@ def _check_parameters(where: str, stage: FlowStage, spec: ModelSpec, first: bool
         raise FlowError(f"{where}: takes adapters, but {spec.name} serves none (no `adapters` in its catalog entry)")
     if "adapters" in stage.fixes:
         raise FlowError(f"{where}: adapters are the request's (registered per model): `takes` them, do not fix them")
+    if "controls" in takes and spec.controls is None:
+        raise FlowError(f"{where}: takes controls, but {spec.name} serves none (no `controls` in its catalog entry)")
+    if "controls" in stage.fixes:
+        raise FlowError(f"{where}: controls are the request's (registered per model): `takes` them, do not fix them")
     if "guidance_scale" in set(takes) | set(stage.fixes) and spec.guidance_mode == "none":
         raise FlowError(f"{where}: {spec.name} takes no guidance (its guidance is 'none')")
     steps = stage.fixes.get("num_inference_steps")
@@ -374,12 +381,14 @@ def plan_stages(
     units: Sequence[ModelSpec],
     asked: Mapping[str, Any],
     adapters: Mapping[str, tuple[AdapterRef, ...]] | None = None,
+    controls: Mapping[str, tuple[ControlRef, ...]] | None = None,
 ) -> list[FlowStagePlan]:
     """Every stage's plan for one request: `units` are the served units the API chose, one per stage (a
     version or canary of the stage's model); `asked` the request's parameters as the client sent them (those
     left out absent) with its `seed` resolved; `adapters` the adapters resolved per stage name for the stages
-    that take them. Per stage: its model's defaults, then what it takes of the request, then what it fixes; a
-    later stage's size is the previous one's times its resize."""
+    that take them, and `controls` their control models (ControlNets, then image prompts). Per stage: its model's
+    defaults, then what it takes of the request, then what it fixes; a later stage's size is the previous one's
+    times its resize."""
     if len(units) != len(flow.stages):
         raise FlowError(f"flow {flow.name}: {len(units)} units for {len(flow.stages)} stages")
     if "seed" not in asked:
@@ -394,10 +403,11 @@ def plan_stages(
             raise FlowError(f"{where}: unit {unit.queue} is not a version of {stage.model}")
         takes = flow.takes(stage.name)
         values = _defaults(unit)
-        values.update({k: v for k, v in asked.items() if k in takes and k in ROLES and k != "adapters"})
+        values.update({k: v for k, v in asked.items() if k in takes and k in ROLES and k not in PER_MODEL})
         values.update(stage.fixes)
         values.setdefault("seed", asked["seed"])
         values["adapters"] = tuple((adapters or {}).get(stage.name, ())) if "adapters" in takes else ()
+        values["controls"] = tuple((controls or {}).get(stage.name, ())) if "controls" in takes else ()
         if not unit.takes_strength:
             values.pop("strength", None)
         if size is not None:

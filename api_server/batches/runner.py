@@ -46,7 +46,7 @@ from api_server.core.errors import ApiError
 from api_server.flows.rows import rows_of
 from api_server.flows.serving import FlowService
 from api_server.inference_log.job_rows import ended_row
-from api_server.inference_log.records import mask_fraction, now_to_the_millisecond
+from api_server.inference_log.records import listed, mask_fraction, now_to_the_millisecond
 from api_server.inference_log.writer import InferenceLogRow, InferenceLogWriter
 from api_server.jobs.service import stage_timings
 from api_server.jobs.webhooks import WebhookNotifier
@@ -528,8 +528,7 @@ class BatchRunner:
         )
         for name in LOGGED_PARAMETERS:
             setattr(row, name, getattr(prepared.params, name))
-        if prepared.params.adapters:
-            row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
+        row.adapters, row.controls = listed(prepared.params.adapters), listed(prepared.params.controls)
         row.published_at = row.created_at
         return row.to_json()
 

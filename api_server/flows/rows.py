@@ -66,7 +66,8 @@ def _stage_row(
         coalesced=False,
         idempotent_replay=False,
         num_inference_steps=report.steps or None,
-        adapters=None,
+        adapters=None,  # the flow's row lists the request's adapters and control models
+        controls=None,
         input_bytes=None,
         output_bytes=None,
         worker_started_at=from_epoch_ms(report.worker_started_ms),

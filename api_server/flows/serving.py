@@ -23,10 +23,11 @@ from typing import Any
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
 from api_server.predict.adapters import AdapterService
+from api_server.predict.controls import ControlService
 from api_server.predict.schemas import PredictBody
 from contract.catalog import ModelCatalog
 from contract.flows import FlowError, FlowSpec, plan_stages
-from contract.generation import ROLES, AdapterRef, GenerationParameters
+from contract.generation import ROLES, AdapterRef, ControlRef, GenerationParameters
 from contract.messages import FlowContext, FlowStagePlan, InferenceRequest, StageReport
 from contract.model_spec import TASK_INPUTS, ModelSpec
 
@@ -63,6 +64,10 @@ class FlowCall:
     # What `plan_stages` planned from (the request's parameters and resolved adapters): a fallback plans again.
     asked: dict[str, Any] = field(default_factory=dict)
     adapters: dict[str, tuple[AdapterRef, ...]] = field(default_factory=dict)
+    # The control models resolved per stage that takes them (registered per model), and their images: the same
+    # for every such stage, in the request's order (ControlNets', then image prompts').
+    controls: dict[str, tuple[ControlRef, ...]] = field(default_factory=dict)
+    control_images: list[bytes] = field(default_factory=list)
 
     def fallback(self, ended: StageReport) -> FlowCall | None:
         """This call with the stage it ended in (`ended`, a failed stage's report) on that stage's stable version,
@@ -84,16 +89,24 @@ class FlowCall:
                  for index, (unit, stable) in enumerate(zip(self.units, self.stable, strict=True))]  # fmt: skip
         behind = [None if index in indices else stable for index, stable in enumerate(self.stable)]
         call = FlowCall(self.flow, units, flow_model(self.flow, units), stable=behind, asked=self.asked,
-                        adapters=self.adapters)  # fmt: skip
-        call.plans = plan_stages(self.flow, units, self.asked, self.adapters)
+                        adapters=self.adapters, controls=self.controls,
+                        control_images=self.control_images)  # fmt: skip
+        call.plans = plan_stages(self.flow, units, self.asked, self.adapters, self.controls)
         return call
 
-    def check(self, body: PredictBody, params: GenerationParameters, adapters: AdapterService | None) -> None:
+    def check(
+        self,
+        body: PredictBody,
+        params: GenerationParameters,
+        adapters: AdapterService | None,
+        controls: ControlService | None = None,
+    ) -> None:
         """Refuses (422, naming the field) what no stage takes, then plans every stage."""
         contract = self.flow.request_contract
         given = body.parameters.model_dump(exclude_none=True, exclude={"priority"})
         for name in given:
-            if name not in contract.takes:
+            # Image prompts ride in the parameters' controls (their IP-Adapters after the ControlNets).
+            if (name if name != "image_prompts" else "controls") not in contract.takes:
                 raise ApiError(422, f"parameters.{name}: flow {self.flow.name} does not take it ({_fixed_by(self.flow, name)})",
                                f"parameters.{name}")  # fmt: skip
         for axis in ("width", "height"):
@@ -101,12 +114,14 @@ class FlowCall:
                 raise ApiError(422, f"parameters.{axis}: must be a multiple of {contract.size_multiple} for flow "
                                f"{self.flow.name} (every stage's size after its resizes must fit its model)",
                                f"parameters.{axis}")  # fmt: skip
-        asked: dict[str, Any] = {name: value for name, value in given.items() if name in ROLES and name != "adapters"}
+        asked: dict[str, Any] = {name: value for name, value in given.items()
+                                 if name in ROLES and name not in ("adapters", "controls")}  # fmt: skip
         asked["seed"] = params.seed
         resolved = self._adapters(body, adapters)
         self.asked, self.adapters = asked, resolved
+        self._controls(body, controls)
         try:
-            self.plans = plan_stages(self.flow, self.units, asked, resolved)
+            self.plans = plan_stages(self.flow, self.units, asked, resolved, self.controls)
         except FlowError as exc:
             raise ApiError(422, f"parameters: {exc}", "parameters") from exc
 
@@ -120,6 +135,29 @@ class FlowCall:
         taking = {stage.name: unit for stage, unit in zip(self.flow.stages, self.units, strict=True)
                   if "adapters" in self.flow.takes(stage.name)}  # fmt: skip
         return {name: adapters.resolve(unit, requested) for name, unit in taking.items()}
+
+    def _controls(self, body: PredictBody, controls: ControlService | None) -> None:
+        """The request's control models, resolved for each stage that takes them as predict resolves them for its
+        model (the same 422s), and their images."""
+        requested, prompts = body.parameters.controls, body.parameters.image_prompts
+        if not requested and not prompts:
+            return
+        if controls is None:
+            field = "parameters.controls" if requested else "parameters.image_prompts"
+            raise ApiError(422, f"{field}: not served here", field)
+        for stage, unit in zip(self.flow.stages, self.units, strict=True):
+            if "controls" in self.flow.takes(stage.name):
+                refs, images = controls.resolve_all(unit, requested, prompts)
+                self.controls[stage.name], self.control_images = refs, images
+
+    @property
+    def logged_controls(self) -> tuple[ControlRef, ...]:
+        """Each control model once, as the stages that take it resolved it (the flow's cache key and log row)."""
+        seen: dict[tuple, ControlRef] = {}
+        for refs in self.controls.values():
+            for ref in refs:
+                seen.setdefault((ref.name, ref.kind, ref.version, ref.sha256), ref)
+        return tuple(seen.values())
 
     def message(self, request: InferenceRequest) -> InferenceRequest:
         """The flow's request as its first stage's unit takes it, with every stage's plan on it."""

@@ -163,10 +163,7 @@ class RequestRecords:
             for name in LOGGED_PARAMETERS:
                 setattr(row, name, getattr(prepared.params, name))
             row.num_images, row.priority = len(prepared.prompts), prepared.priority
-            if prepared.params.adapters:
-                row.adapters = ",".join(f"{a.name}@{a.version}:{a.scale:g}" for a in prepared.params.adapters)
-            if prepared.params.controls:
-                row.controls = ",".join(f"{c.name}@{c.version}:{c.scale:g}" for c in prepared.params.controls)
+            row.adapters, row.controls = listed(prepared.params.adapters), listed(prepared.params.controls)
             row.input_bytes = sum(len(image) for image in prepared.images if image)
             row.mask_fraction = mask_fraction(prepared.masks)
             if (step_cache := running_step_cache(prepared.spec.step_cache, prepared.params.step_cache)) is not None:
@@ -278,6 +275,12 @@ def access_line(request: Request, response: Response, started: float) -> None:
             }
         },
     )
+
+
+def listed(refs) -> str | None:
+    """A log row's `adapters` or `controls` column: each as `name@version:scale`, in the request's order; None for
+    none. The same for a predict's row and a batch line's."""
+    return ",".join(f"{ref.name}@{ref.version}:{ref.scale:g}" for ref in refs) or None
 
 
 def mask_fraction(masks: list[bytes | None]) -> float | None:

@@ -32,6 +32,17 @@ class ControlService:
     def __init__(self, registry: ControlRegistry) -> None:
         self._registry = registry
 
+    def resolve_all(
+        self, spec: ModelSpec, controls: list[ControlIn] | None, image_prompts: list[ImagePromptIn] | None
+    ) -> tuple[tuple[ControlRef, ...], list[bytes]]:
+        """A request's ControlNets, then its image prompts' IP-Adapters (`resolve`, `resolve_image_prompts`), and
+        their images in the same order: what the parameters' `controls` and the message's `control_images` hold."""
+        refs, images = self.resolve(spec, controls) if controls else ((), [])
+        if image_prompts:
+            prompts, prompt_images = self.resolve_image_prompts(spec, image_prompts, len(refs))
+            refs, images = refs + prompts, [*images, *prompt_images]
+        return refs, images
+
     def resolve(self, spec: ModelSpec, requested: list[ControlIn]) -> tuple[tuple[ControlRef, ...], list[bytes]]:
         """Each named ControlNet at its registered version and digest, with its control image checked and decoded
         (the images travel beside the parameters); in the order asked."""

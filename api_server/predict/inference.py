@@ -113,27 +113,23 @@ class InferenceService:
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
-        if flow is not None:  # its adapters are each stage's that takes them, planned with its stages
-            flow.check(body, params, self._adapters)
-        elif body.parameters.adapters:
-            if self._adapters is None:
-                raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
-            params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
         control_images: list[bytes] = []
-        if body.parameters.controls:
-            if flow is not None or self._controls is None:
-                raise ApiError(422, "parameters.controls: not taken here (flows take none yet)", "parameters.controls")
-            refs, control_images = self._controls.resolve(spec, body.parameters.controls)
-            params = params.model_copy(update={"controls": refs})
-        if body.parameters.image_prompts:  # IP-Adapters ride after the ControlNets, their images after theirs
-            if flow is not None or self._controls is None:
-                raise ApiError(422, "parameters.image_prompts: not taken here (flows take none yet)",
-                               "parameters.image_prompts")  # fmt: skip
-            refs, images = self._controls.resolve_image_prompts(
-                spec, body.parameters.image_prompts, len(params.controls)
-            )
-            params = params.model_copy(update={"controls": params.controls + refs})
-            control_images = [*control_images, *images]
+        if flow is not None:  # its adapters and controls are each stage's that takes them, planned with its stages
+            flow.check(body, params, self._adapters, self._controls)
+            params, control_images = params.model_copy(update={"controls": flow.logged_controls}), flow.control_images
+        else:
+            if body.parameters.adapters:
+                if self._adapters is None:
+                    raise ApiError(422, "parameters.adapters: not served here", "parameters.adapters")
+                params = params.model_copy(update={"adapters": self._adapters.resolve(spec, body.parameters.adapters)})
+            if body.parameters.controls or body.parameters.image_prompts:
+                if self._controls is None:
+                    field = "parameters.controls" if body.parameters.controls else "parameters.image_prompts"
+                    raise ApiError(422, f"{field}: not served here", field)
+                # IP-Adapters ride after the ControlNets, their images after theirs.
+                refs, control_images = self._controls.resolve_all(spec, body.parameters.controls,
+                                                                   body.parameters.image_prompts)  # fmt: skip
+                params = params.model_copy(update={"controls": refs})
         priority = body.parameters.priority or "normal"
         if priority == "high" and caller.digest not in self._high_priority_keys:
             raise ApiError(403, "parameters.priority: 'high' is not enabled for this API key", "parameters.priority")

@@ -160,3 +160,44 @@ def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_t
         response = predict(stack, auth_headers, 8, controls)
         assert response.status_code == 422, response.text
         assert response.json()["error"]["field"] == field, response.text
+
+
+def test_a_batch_line_and_a_flows_stages_take_controls_as_predict_does(stack, auth_headers, bigquery, settings):
+    """A batch line with `make up`'s tiny ControlNet is answered and its row names it; a line with a bad control is
+    the predict route's own 422 in the errors file; sd15-hires takes it in both stages (each its model's
+    registration), its flow row naming it."""
+    import time
+
+    control = {"name": "tiny-edges", "image": png_b64(3), "scale": 0.8}
+    parameters = {"seed": 11, "width": 64, "height": 64, "num_inference_steps": 4}
+    lines = [{"custom_id": "edges", "model": MODEL, "instances": [{"prompt": "a lighthouse"}],
+              "parameters": {**parameters, "controls": [control]}},
+             {"custom_id": "too-strong", "model": MODEL, "instances": [{"prompt": "a lighthouse"}],
+              "parameters": {**parameters, "controls": [{**control, "scale": 9.0}]}}]  # fmt: skip
+    created = requests.post(f"{stack.api_url}/v1/batches", json={"requests": lines}, headers=auth_headers, timeout=30)
+    assert created.status_code == 200, created.text
+    flow = requests.post(f"{stack.api_url}/v1/models/sd15-hires:predict", headers=auth_headers, timeout=120,
+                         json={"instances": [{"prompt": "a lighthouse"}],
+                               "parameters": {**parameters, "controls": [control]}})  # fmt: skip
+    assert flow.status_code == 200, flow.text
+    assert [stage["stage"] for stage in flow.json()["stages"]] == ["base", "hires"]
+    batch = f"{stack.api_url}/v1/batches/{created.json()['id']}"
+    deadline = time.monotonic() + 60
+    while (view := requests.get(batch, headers=auth_headers, timeout=10).json())["status"] != "completed":
+        assert time.monotonic() < deadline and view["status"] not in ("failed", "cancelled", "expired"), view
+        time.sleep(0.2)
+    [result] = _lines(requests.get(f"{batch}/results", headers=auth_headers, timeout=30))
+    [error] = _lines(requests.get(f"{batch}/errors", headers=auth_headers, timeout=30))
+    assert (result["custom_id"], result["status"], error["custom_id"]) == ("edges", "succeeded", "too-strong")
+    assert error["error"]["code"] == 422 and "parameters.controls.0.scale" in error["error"]["message"]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    ids = (result["request_id"], flow.headers["X-Request-Id"])
+    rows = query_rows(bigquery, f"SELECT request_id, controls FROM {table} WHERE request_id IN {ids}", 2, timeout=30)
+    assert {row["request_id"]: row["controls"] for row in rows} == dict.fromkeys(ids, "tiny-edges@1:0.8")
+
+
+def _lines(response: requests.Response) -> list[dict]:
+    import json
+
+    assert response.status_code == 200, response.text
+    return [json.loads(text) for text in response.text.splitlines()]

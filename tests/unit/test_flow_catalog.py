@@ -16,6 +16,7 @@ REFINER = {
     "pipeline": "StableDiffusionXLImg2ImgPipeline",
     "weights_path": "sdxl-refiner/1",
     "adapters": None,
+    "controls": None,
 }
 HIRES = {
     "stages": [
@@ -53,6 +54,9 @@ def test_the_two_flows_load_with_their_request_contracts(tmp_path):
     )  # fmt: skip
     assert "strength" not in hires.takes and {"prompt", "seed", "width", "adapters"} <= set(hires.takes)
     assert set(hires.adapters) == {"base", "hires"}
+    # Control models too: a hires pass holds the same layout (a later stage takes them when its model serves them).
+    assert all("controls" in loaded.flow("sd15-hires").takes(stage) for stage in ("base", "hires"))
+    assert "controls" not in loaded.flow("sdxl-refined").takes("refiner")
     assert hires.max_instances_per_request == 4
     assert not loaded.flow_runs_in_one_worker(loaded.flow("sd15-hires"))  # two deployments in models.yaml
     refined = loaded.flow("sdxl-refined").request_contract
@@ -108,6 +112,10 @@ def test_the_two_flows_load_with_their_request_contracts(tmp_path):
          "flow sd15-hires: stage 'hires': fixes num_inference_steps 99; sd15-img2img runs 1 to 50"),
         ({"sd15-hires": with_stage(HIRES, 1, fixes={"sharpness": 1})},
          "flow sd15-hires: stage 'hires': fixes ['sharpness'], which are not generation parameters"),
+        ({"sdxl-refined": with_stage(REFINED, 1, takes=["prompt", "controls"])},
+         "flow sdxl-refined: stage 'refiner': takes controls, but sdxl-refiner serves none"),
+        ({"sd15-hires": with_stage(HIRES, 1, fixes={"strength": 0.5, "controls": []})},
+         "flow sd15-hires: stage 'hires': controls are the request's (registered per model): `takes` them"),
         ({"sd15-hires": {"stages": HIRES["stages"][:1]}},
          "flow sd15-hires: stages: List should have at least 2 items"),
     ],

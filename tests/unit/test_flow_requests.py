@@ -199,3 +199,65 @@ def test_adapters_are_resolved_for_each_stage_that_takes_them_against_its_own_mo
     assert [a.version for a in base.parameters.adapters] == ["sd15-txt2img-v1"]
     assert [a.version for a in hires.parameters.adapters] == ["sd15-img2img-v1"]
     assert message.parameters.adapters == base.parameters.adapters  # the first stage's, on the message itself
+
+
+def test_controls_are_resolved_for_each_stage_that_takes_them_as_predict_resolves_them(catalog):
+    """A flow's ControlNets and image prompts: resolved against each taking stage's own model (both of sd15-hires:
+    a later stage takes them by default), in each stage's plan with the images once on the message; the flow's row
+    and cache key list them once; a bad one is predict's own 422, naming its field."""
+    import base64
+
+    from api_server.inference_log.records import listed
+    from api_server.predict.controls import ControlService
+    from contract.messages import Payload
+    from contract.stores.control_registry import ControlRecord
+    from tests.unit.test_control_registry import png
+
+    class Registry:
+        """Each model's ControlNet `edges` and IP-Adapter `style`, at a version of its own."""
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def resolve(self, spec, name):
+            self.asked.append(spec.name)
+            kind = {"edges": "controlnet", "style": "ip_adapter"}.get(name)
+            return kind and ControlRecord(name=name, kind=kind, version=f"{spec.name}-v1", sha256=name, bytes=1,
+                                          tensors=1)  # fmt: skip
+
+    class Inline:
+        def pack(self, data: bytes, name: str, content_type: str):
+            return Payload(b64=base64.b64encode(data).decode())
+
+    registry = Registry()
+    inference = InferenceService(None, Inline(), 900, controls=ControlService(registry))  # type: ignore[arg-type]
+
+    def prepare(parameters: dict):
+        call = flows(catalog).call(catalog.flow("sd15-hires"), "req-3", CALLER)
+        body = {"instances": [{"prompt": "x"}], "parameters": {"seed": 1, **parameters}}
+        return inference.prepare(call.spec, body, "req-3", CALLER, flow=call)
+
+    asked = {"controls": [{"name": "edges", "image": png(), "scale": 0.5}],
+             "image_prompts": [{"name": "style", "image": png(color=(0, 0, 255)), "scale": 0.7}]}  # fmt: skip
+    request = prepare(asked)
+    message = inference.message(request)
+    assert registry.asked == ["sd15-txt2img", "sd15-txt2img", "sd15-img2img", "sd15-img2img"]
+    base, hires = message.flow.stages
+    assert [(c.name, c.kind, c.version, c.scale) for c in base.parameters.controls] == [
+        ("edges", "controlnet", "sd15-txt2img-v1", 0.5), ("style", "ip_adapter", "sd15-txt2img-v1", 0.7),
+    ]  # fmt: skip
+    assert [c.version for c in hires.parameters.controls] == ["sd15-img2img-v1"] * 2
+    assert message.parameters.controls == base.parameters.controls and len(message.control_images) == 2
+    assert listed(request.params.controls) == (
+        "edges@sd15-txt2img-v1:0.5,style@sd15-txt2img-v1:0.7,edges@sd15-img2img-v1:0.5,style@sd15-img2img-v1:0.7"
+    )
+    other = prepare({**asked, "controls": [{"name": "edges", "image": png(), "scale": 0.6}]})
+    assert cache_key(request.spec, request.params, ["x"], [None]) != cache_key(other.spec, other.params, ["x"], [None])
+    for parameters, field in (({"controls": [{"name": "nothing", "image": png()}]}, "parameters.controls.0.name"),
+                              ({"controls": [{"name": "edges", "image": png(), "scale": 9.0}]},
+                               "parameters.controls.0.scale"),
+                              ({"image_prompts": [{"name": "edges", "image": png()}]},
+                               "parameters.image_prompts.0.name")):  # fmt: skip
+        with pytest.raises(ApiError) as refused:
+            prepare(parameters)
+        assert (refused.value.status, refused.value.field) == (422, field)
