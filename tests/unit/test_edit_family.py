@@ -139,3 +139,43 @@ def test_the_edit_runner_warms_up_and_counts_every_step_whatever_the_strength(pi
     runner = runner_for(pipelines, scheduling)
     runner.warm_up()
     assert runner._denoiser.requested_steps(request("w", SPEC, steps=5, strength=0.5).request.parameters) == 5
+
+
+def served_alone(runner, pending) -> tuple[list, dict]:
+    pending.spec = runner.spec  # the catalog entry the worker serves (its step cache, for the reply's count)
+    with Worker({runner.spec.queue: runner}) as worker:
+        worker.pool.add(pending)
+        worker.outcomes.wait(1)
+    return worker.outcomes.images[pending.request_id], worker.outcomes.fields[pending.request_id]
+
+
+def test_a_step_cached_edit_is_exact_at_threshold_zero_and_equals_diffusers_first_block_cache(pipelines):
+    """Issue 54 on Kontext's rows (the reference image's tokens in the sequence, so in the first block's residual)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from contract.model_spec import ModelSpec
+    from model_worker.model.pipeline import DiffusionRunner
+
+    def cached(threshold: float, scheduling: str = "step"):
+        step_cache = {"kind": "first_block", "threshold": threshold}
+        spec = ModelSpec.model_validate({**SPEC.model_dump(), "scheduling": scheduling, "step_cache": step_cache})
+        return DiffusionRunner(spec, pipelines["flux-kontext"][0], torch_threads=1)
+
+    never = served_alone(cached(0.0), edit_request("never", 4, 2.5, 5))
+    plain = served_alone(runner_for(pipelines, "step"), edit_request("never", 4, 2.5, 5))
+    assert never[1]["steps_skipped"] == 0 and np.array_equal(np.asarray(never[0]), np.asarray(plain[0]))
+    pending = edit_request("cached", 4, 2.5, 5)
+    images, fields = served_alone(cached(0.5), pending)
+    assert fields["steps_skipped"] > 0
+    reference = pipelines["flux-kontext"][1].transformer
+    reference.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    _set_cache_context(reference, CacheContext("cond"))  # FluxKontextPipeline names none; the hooks need one
+    try:
+        expected = reference_images(pipelines, pending)
+    finally:
+        reference.disable_cache()
+    assert difference(images, expected) <= PIXEL_TOLERANCE
+    called, fields = served_alone(cached(0.5, "request"), edit_request("cached", 4, 2.5, 5))  # the hook, per call
+    assert fields["steps_skipped"] > 0 and difference(called, expected) == 0
+    assert difference(images, plain[0]) > PIXEL_TOLERANCE  # the skips changed the edit: the comparison means something

@@ -173,3 +173,44 @@ def test_a_worker_giving_every_row_the_first_images_mask_fails_the_oracle(pipeli
     _, outcomes = serve(runner_for(pipelines, case, "step"), first, joiner=joiner)
     off = running_set_difference(pipelines, case, outcomes, first, joiner)
     assert off > 3 * PIXEL_TOLERANCE, f"the oracle passed a worker that shares one mask: off by {off:.1f}/255"
+
+
+def test_a_step_cached_fill_is_exact_at_threshold_zero_and_equals_diffusers_first_block_cache(pipelines):
+    """Issue 54 on FLUX.1 Fill's rows (the masked image and mask packed beside the latents), both schedulings."""
+    import numpy as np
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from contract.model_spec import ModelSpec
+    from model_worker.model.pipeline import DiffusionRunner
+
+    case = CASES["flux-fill"]
+
+    def cached(threshold: float, scheduling: str = "step"):
+        step_cache = {"kind": "first_block", "threshold": threshold}
+        spec = ModelSpec.model_validate({**case.spec.model_dump(), "scheduling": scheduling, "step_cache": step_cache})
+        return DiffusionRunner(spec, pipelines[case.model][0], torch_threads=1)
+
+    def served(runner, request_id: str):
+        pending = inpaint_request(case, request_id, steps=4, guidance=case.guidance, seed=5,
+                                  masks=[box_mask(8, 8, 24, 20)])  # fmt: skip
+        pending.spec = runner.spec  # the catalog entry the worker serves (its step cache, for the reply's count)
+        _, outcomes = serve(runner, pending)
+        return outcomes.images[request_id], outcomes.fields[request_id], pending
+
+    never, fields, _ = served(cached(0.0), "never")
+    plain, _, _ = served(runner_for(pipelines, case, "step"), "never")
+    assert fields["steps_skipped"] == 0 and np.array_equal(np.asarray(never), np.asarray(plain))
+    images, fields, pending = served(cached(0.5), "cached")
+    assert fields["steps_skipped"] > 0
+    reference = pipelines[case.model][1].transformer
+    reference.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    _set_cache_context(reference, CacheContext("cond"))  # FluxFillPipeline names none; the hooks need one
+    try:
+        expected = reference_images(pipelines, case, pending)
+    finally:
+        reference.disable_cache()
+    assert difference(images, expected) <= PIXEL_TOLERANCE
+    assert difference(images, plain) > PIXEL_TOLERANCE  # the skips changed the image: the comparison means something
+    called, fields, _ = served(cached(0.5, "request"), "cached")  # diffusers' hook, fresh per call
+    assert fields["steps_skipped"] > 0 and difference(called, expected) == 0

@@ -141,11 +141,15 @@ class HookCounts:
 def diffusers_first_block(transformer, threshold: float) -> Iterator[HookCounts]:
     """diffusers' own First-Block-Cache hook (`enable_cache`) on `transformer` for one pipeline call: enabled fresh,
     so no call compares with another's residual (the hooks keep one state per module, never reset by the pipeline),
-    and removed after it. Counts the calls of the first and of the last block's own forward."""
+    and removed after it. Counts the calls of the first and of the last block's own forward. FluxPipeline names its
+    calls' cache context itself; its image-to-image, Kontext and Fill pipelines do not, so it is set for them here
+    (the hooks refuse to run without one)."""
     from diffusers.hooks import FirstBlockCacheConfig, HookRegistry
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     model = getattr(transformer, "_orig_mod", transformer)
     model.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    _set_cache_context(model, CacheContext("cond"))
     counts = HookCounts()
     try:
         head, *_, last = [*model.transformer_blocks, *model.single_transformer_blocks]

@@ -295,6 +295,7 @@ class FluxKontextDenoiser(FluxDenoiser):
                 state = self.row_state(
                     scheduler, timesteps, latents, torch.cat([latent_ids, image_ids], dim=0), text_ids, prompt_embeds,
                     pooled, index, params, (height, width), reference=image_latents,
+                    step_cache=row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=steps, state=state))
         return self.prepared(running)
@@ -367,6 +368,7 @@ class FluxFillDenoiser(FluxDenoiser):
                 state = self.row_state(
                     scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index, params,
                     (height, width), fill=torch.cat((masked_latents, mask), dim=-1),
+                    step_cache=row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)

@@ -75,15 +75,18 @@ class HookCounts:
 def diffusers_taylorseer(transformer, interval: int, warmup_steps: int, max_order: int) -> Iterator[HookCounts]:
     """diffusers' own TaylorSeer hook (`enable_cache`, lite mode, float32 factors) on `transformer` for one pipeline
     call: enabled fresh, so no call predicts from another's outputs, and removed after it. Counts the transformer's
-    calls and the output projection's own forwards (a full step's)."""
+    calls and the output projection's own forwards (a full step's). The cache context is set here for the pipelines
+    that name none (FLUX.1's image-to-image, Kontext, Fill: diffusers_first_block)."""
     import torch
     from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     model = getattr(transformer, "_orig_mod", transformer)
     model.enable_cache(
         TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup_steps, max_order=max_order,
                               taylor_factors_dtype=torch.float32, use_lite_mode=True)
     )  # fmt: skip
+    _set_cache_context(model, CacheContext("cond"))
     counts = HookCounts()
     handle = model.register_forward_pre_hook(lambda module, args: setattr(counts, "calls", counts.calls + 1))
     try:
