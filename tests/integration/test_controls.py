@@ -162,6 +162,17 @@ def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_t
         assert response.json()["error"]["field"] == field, response.text
 
 
+def test_a_flux_controlnet_request_is_steered_by_make_ups_tiny_flux_controlnet(stack, auth_headers):
+    """FLUX.1 [schnell] takes ControlNets too: `make up` registers a tiny FluxControlNetModel (tiny-edges) for it,
+    which steers a request away from the same request without it."""
+    body = {"instances": [{"prompt": "a lighthouse"}], "parameters": {"seed": 7, "width": 64, "height": 64}}
+    controlled = {**body, "parameters": {**body["parameters"],
+                                         "controls": [{"name": "tiny-edges", "image": png_b64(1), "scale": 0.8}]}}  # fmt: skip
+    url, headers = f"{stack.api_url}/v1/models/flux-schnell:predict", {**auth_headers, "Cache-Control": "no-cache"}
+    plain, steered = (pixels(requests.post(url, json=b, headers=headers, timeout=120)) for b in (body, controlled))
+    assert abs(plain - steered).max() > 10
+
+
 def test_a_batch_line_and_a_flows_stages_take_controls_as_predict_does(stack, auth_headers, bigquery, settings):
     """A batch line with `make up`'s tiny ControlNet is answered and its row names it; a line with a bad control is
     the predict route's own 422 in the errors file; sd15-hires takes it in both stages (each its model's
