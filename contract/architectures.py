@@ -34,6 +34,9 @@ class Architecture:
     # Text tokens the transformer attends over beside the image (0: a UNet's cross-attention keeps them apart).
     text_tokens: int = 0
     denoiser: str = field(default="transformer")
+    # A UNet's down-path residuals per latent pixel (its skip tensors), the shapes a ControlNet hands it: what the
+    # memory plan counts for a model that takes ControlNets (`unet_skip_elements_per_token`); 0 for transformers.
+    skip_elements_per_token: int = 0
 
 
 # An element count per token: a transformer block's widest moment holds its input and residual streams, the
@@ -50,14 +53,20 @@ def transformer_elements_per_token(hidden: int) -> int:
 
 
 def unet_elements_per_token(block_out_channels: list[int], layers_per_block: int) -> int:
-    """The UNet's working block plus every skip tensor the down path keeps (conv_in's, each resnet's and each
-    downsampler's), each at its resolution (a quarter of the pixels per level), per full-resolution latent pixel."""
+    """The UNet's working block plus every skip tensor the down path keeps, per full-resolution latent pixel."""
+    return int(UNET_WIDTHS_PER_TOKEN * block_out_channels[0] + unet_skips(block_out_channels, layers_per_block))
+
+
+def unet_skips(block_out_channels: list[int], layers_per_block: int) -> float:
+    """The skip tensors the UNet's down path keeps (conv_in's, each resnet's and each downsampler's), each at its
+    resolution (a quarter of the pixels per level), per full-resolution latent pixel; a ControlNet's down residuals
+    are one per skip, of its shape (and the mid block's, a sixty-fourth of the last level's, is left out)."""
     skips = block_out_channels[0]
     for level, channels in enumerate(block_out_channels):
         skips += layers_per_block * channels / 4**level
         if level < len(block_out_channels) - 1:
             skips += channels / 4 ** (level + 1)
-    return int(UNET_WIDTHS_PER_TOKEN * block_out_channels[0] + skips)
+    return skips
 
 
 CLIP_L = ComponentSize(123_060_480, 84_934_656, 82_944)
@@ -82,14 +91,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             "sd1.5", "sd15",
             {"unet": ComponentSize(859_520_964, 270_049_280, 234_880), "text_encoder": CLIP_L, "vae": VAE_4},
             denoiser_elements_per_token=unet_elements_per_token([320, 640, 1280, 1280], 2),
-            pixels_per_token=64, denoiser="unet",
+            pixels_per_token=64, denoiser="unet", skip_elements_per_token=round(unet_skips([320, 640, 1280, 1280], 2)),
         ),
         Architecture(
             "sdxl", "sdxl",
             {"unet": ComponentSize(2_567_463_684, 2_232_647_680, 1_455_040), "text_encoder": CLIP_L,
              "text_encoder_2": CLIP_G_PROJECTION, "vae": VAE_4},
             denoiser_elements_per_token=unet_elements_per_token([320, 640, 1280], 2),
-            pixels_per_token=64, denoiser="unet",
+            pixels_per_token=64, denoiser="unet", skip_elements_per_token=round(unet_skips([320, 640, 1280], 2)),
         ),
         Architecture(
             "flux.1-dev", "flux",

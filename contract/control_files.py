@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -78,6 +79,8 @@ class ControlSummary:
     sha256: str
     bytes: int
     tensors: int
+    # Elements over every tensor: its bytes on the device in the serving dtype are these times the dtype's size.
+    parameters: int = 0
 
 
 def digest(files: dict[str, bytes]) -> str:
@@ -128,6 +131,7 @@ def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_he
         sha256=digest(files),
         bytes=sum(len(data) for data in files.values()),
         tensors=sum(len(header) for header in headers.values()),
+        parameters=sum(math.prod(entry["shape"]) for header in headers.values() for entry in header.values()),
     )
 
 

@@ -14,7 +14,11 @@ computed, not measured (no GPU was lent for this work): the larger of
   and the denoiser's share of that call is under 0.5 GiB, so the rest is the decode's. All four families share the
   decoder's layout (128/256/512/512 channels). SDXL's VAE decodes in float32 (`force_upcast`): twice the bytes, and
   a float32 copy of the VAE's weights beside its half-precision ones.
-The text encoders' activations (77 to 512 tokens) are small beside both and are not counted. A first-block step
+The text encoders' activations (77 to 512 tokens) are small beside both and are not counted. A UNet model that takes
+ControlNets adds their down residuals for every row of the call (the running sum over its ControlNets and the one just
+run: twice the UNet's skip tensors) to the denoiser's, and its control budget (`controls.device_bytes`, the control
+models' weights a worker holds) to the weights; without a budget, what the plan leaves is the budget
+(`control_budget`), which a registration must fit. A first-block step
 cache adds each image's two cached residuals to the denoiser's (DeepCache's features, one up block's input per row,
 are small beside the call and are not counted).
 """
@@ -66,6 +70,8 @@ class UnitPlan:
     width: int
     height: int
     serving_dtype: str = "float16"
+    # Its catalog's control budget (`controls.device_bytes`): GPU memory for its control models' weights; 0 without.
+    control_bytes: int = 0
     # Its loaded components' identity (`ModelSpec.loaded_components`): units of a deployment with the same one are
     # built from one copy of the components, which the deployment counts once.
     loaded_as: tuple | None = None
@@ -76,7 +82,7 @@ class UnitPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes
+        return self.weights_bytes + self.control_bytes + self.activation_bytes
 
     @property
     def file_bytes(self) -> int:
@@ -90,6 +96,7 @@ class UnitPlan:
             "architecture": self.architecture,
             "hardware": self.hardware,
             "weights_bytes": self.weights_bytes,
+            "control_bytes": self.control_bytes,
             "activation_bytes": self.activation_bytes,
             "activation_phase": self.activation_phase,
             "activation_at": {"batch": self.batch, "width": self.width, "height": self.height},
@@ -139,8 +146,13 @@ class DeploymentPlan:
         return max((unit.activation_bytes for unit in self.units), default=0)
 
     @property
+    def control_bytes(self) -> int:
+        """Every unit's control budget: each model's control models are its own (registered per model)."""
+        return sum(unit.control_bytes for unit in self.units)
+
+    @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes
+        return self.weights_bytes + self.control_bytes + self.activation_bytes
 
     @property
     def room_bytes(self) -> int:
@@ -162,6 +174,7 @@ class DeploymentPlan:
             "name": self.name,
             "models": [unit.queue for unit in self.units],
             "weights_bytes": self.weights_bytes,
+            "control_bytes": self.control_bytes,
             "activation_bytes": self.activation_bytes,
             "total_bytes": self.total_bytes,
             "room_bytes": self.room_bytes,
@@ -187,7 +200,9 @@ class DeploymentPlan:
         what = "worker_group" if len(self.units) > 1 else "model"
         return (
             f"{what} {self.name!r} does not fit its GPU: it needs {gib(self.total_bytes)} on {self.hardware} "
-            f"({gpu.name}, {room}): weights {gib(self.weights_bytes)} [{weights}] + activation "
+            f"({gpu.name}, {room}): weights {gib(self.weights_bytes)} [{weights}]"
+            + (f" + control budgets {gib(self.control_bytes)}" if self.control_bytes else "")
+            + " + activation "
             f"{gib(self.activation_bytes)} ({peak.queue}'s {peak.activation_phase} at batch {peak.batch}, "
             f"{peak.width}x{peak.height}). Quantize components (`quantization:`), lower max_batch_size or "
             "limits, split the worker_group, or name larger hardware"
@@ -230,6 +245,10 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
     decode = width * height * DECODE_BYTES_PER_PIXEL * serving // 2
     if spec.family.name == "sdxl":  # decoded in float32 (force_upcast): twice the bytes, and the VAE's float32 copy
         decode = 2 * decode + architecture.components["vae"].parameters * 4
+    if spec.controls is not None and architecture.skip_elements_per_token:
+        # ControlNets' down residuals for every row, beside the UNet's own activations: the running sum over the
+        # call's ControlNets and the one just run (model_worker/controls/controlnets.py).
+        denoiser += 2 * rows * tokens * architecture.skip_elements_per_token * serving
     cache = 0
     if spec.step_cache is not None and spec.step_cache.kind == "first_block":
         # Each running image keeps two residuals between its steps (its first block's and the other blocks', its image
@@ -256,8 +275,20 @@ def unit_plan(spec: ModelSpec) -> UnitPlan | None:
     count, phase = activation(spec, architecture, spec.max_batch_size, width, height)
     return UnitPlan(
         spec.queue, architecture.name, spec.hardware, component_plans(spec, architecture), count, phase,
-        spec.max_batch_size, width, height, spec.family.gpu_dtype, spec.loaded_components,
+        spec.max_batch_size, width, height, spec.family.gpu_dtype,
+        spec.controls.device_bytes or 0 if spec.controls else 0, spec.loaded_components,
     )  # fmt: skip
+
+
+def control_budget(plan: DeploymentPlan, spec: ModelSpec) -> tuple[int, str]:
+    """(bytes, where from) of the GPU memory `spec`'s control models' weights may take in its deployment `plan`: its
+    catalog's `controls.device_bytes`, or what the plan leaves (its room less its weights, budgets and activation,
+    the ControlNets' residuals counted)."""
+    if spec.controls is not None and spec.controls.device_bytes is not None:
+        return spec.controls.device_bytes, "its catalog's controls.device_bytes"
+    left = max(plan.room_bytes - plan.total_bytes, 0)
+    return left, (f"what its worker's memory plan leaves: {gib(plan.room_bytes)} of room less "
+                  f"{gib(plan.total_bytes)} planned")  # fmt: skip
 
 
 def deployment_plan(

@@ -112,6 +112,11 @@ class ControlPolicy(BaseModel):
     max_scale: float = 2.0
     # A control version's files together (an SD 1.5 ControlNet is 1.4 GB in float32, 0.7 GB in float16).
     max_bytes: int = Field(default=2 * 1024**3, ge=1)
+    # The control budget: GPU memory for the control models' weights a worker holds (their tensors in the serving
+    # dtype), counted by the memory plan beside the base weights; None: what the deployment's plan leaves. A request
+    # may name `max_controls_per_request` at once, so a version larger than this over that is refused at
+    # registration (contract/memory_plan.py `control_budget`).
+    device_bytes: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> ControlPolicy:

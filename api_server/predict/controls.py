@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 from google.api_core import exceptions
 
@@ -22,15 +23,20 @@ from contract.generation import (
 )
 from contract.lora_files import AdapterFileError
 from contract.model_spec import ModelSpec
-from contract.stores.control_registry import ControlNotFoundError, ControlRecord, ControlRegistry
+from contract.stores.control_registry import ControlBudgetError, ControlNotFoundError, ControlRecord, ControlRegistry
 
 FIELD = "parameters.controls"
 PROMPTS = "parameters.image_prompts"
 
 
 class ControlService:
-    def __init__(self, registry: ControlRegistry) -> None:
+    def __init__(
+        self, registry: ControlRegistry, budget: Callable[[ModelSpec], tuple[int, str] | None] | None = None
+    ) -> None:
+        """`budget(spec)`: the model's control budget and where it comes from (contract/memory_plan.py
+        `control_budget`), which a registration must fit; None: unchecked."""
         self._registry = registry
+        self._budget = budget
 
     def resolve_all(
         self, spec: ModelSpec, controls: list[ControlIn] | None, image_prompts: list[ImagePromptIn] | None
@@ -144,9 +150,11 @@ class ControlService:
             raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "
                            f"{ADAPTER_VERSION_LENGTH} characters (no '..')", "version")  # fmt: skip
         try:
-            return self._registry.register(spec, name, str(kind), version)
+            return self._registry.register(spec, name, str(kind), version, self._budget(spec) if self._budget else None)
         except ControlNotFoundError as exc:
             raise ApiError(422, f"version: {exc}", "version") from exc
+        except ControlBudgetError as exc:
+            raise ApiError(413, f"control files of {name}@{version}: {exc}", "file") from exc
         except AdapterFileError as exc:
             raise ApiError(422, f"control files of {name}@{version}: {exc}", "file") from exc
         except exceptions.GoogleAPICallError as exc:

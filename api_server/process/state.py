@@ -45,6 +45,7 @@ from api_server.versions.shadow import ShadowTraffic
 from api_server.versions.traffic import TrafficSplits
 from contract import google_clients
 from contract.catalog import ModelCatalog
+from contract.memory_plan import control_budget
 from contract.payloads import PayloadCodec
 from contract.settings import Settings
 from contract.stores.adapter_registry import AdapterRegistry
@@ -167,7 +168,9 @@ def build_app_state(settings: Settings) -> AppState:
     storage = google_clients.storage_client(settings, connections=api_threads + BATCH_IO_THREADS + 1)
     payloads = PayloadCodec(storage, settings.payload_bucket, settings.inline_payload_limit)
     adapters = AdapterService(AdapterRegistry(storage.bucket(settings.model_bucket)))
-    controls = ControlService(ControlRegistry(storage.bucket(settings.model_bucket)))
+    plans = catalog.deployment_plans()
+    controls = ControlService(ControlRegistry(storage.bucket(settings.model_bucket)),
+                              lambda spec: control_budget(plans[spec.deployment], spec))  # fmt: skip
     targets = WebhookTargetPolicy(bool(settings.webhook_signing_secret), settings.webhook_allow_loopback)
     inflight = InflightStore(redis_client)
     inference = InferenceService(

@@ -40,7 +40,29 @@ class ControlRecord(BaseModel):
     sha256: str
     bytes: int
     tensors: int
+    # Elements over its tensors (its GPU bytes are these times the serving dtype's size); None in older records.
+    parameters: int | None = None
     registered_at: str | None = None
+
+
+class ControlBudgetError(ControlFileError):
+    """A version larger than the model's control budget leaves room for (a 413 at registration)."""
+
+
+def check_budget(spec: ModelSpec, record: ControlRecord, budget: int, where: str) -> None:
+    """Refuses a version whose tensors in the serving dtype, `max_controls_per_request` of them at once, exceed the
+    model's control budget (contract/memory_plan.py `control_budget`: `budget` bytes, from `where`)."""
+    from contract.memory_plan import DTYPE_BYTES
+
+    assert spec.controls is not None and spec.family is not None
+    dtype, at_once = spec.family.gpu_dtype, spec.controls.max_controls_per_request
+    device = (record.parameters or 0) * DTYPE_BYTES[dtype]
+    if device * at_once > budget:
+        raise ControlBudgetError(
+            f"{record.name}@{record.version} takes {device} bytes on the GPU ({record.parameters} parameters in "
+            f"{dtype}); {spec.name} runs up to {at_once} control models at once within its control budget of "
+            f"{budget} bytes ({where}): at most {budget // at_once} bytes each"
+        )
 
 
 class ControlNotFoundError(Exception):
@@ -55,9 +77,14 @@ class ControlRegistry:
         self._known: dict[tuple[str, str], tuple[float, ControlRecord | None]] = {}
         self._base: dict[str, tuple[dict, dict]] = {}
 
-    def register(self, spec: ModelSpec, name: str, kind: str, version: str) -> ControlRecord:
-        """Checks the version's files and makes it the control's current one; ControlFileError says why not."""
+    def register(
+        self, spec: ModelSpec, name: str, kind: str, version: str, budget: tuple[int, str] | None = None
+    ) -> ControlRecord:
+        """Checks the version's files (and, given the model's control budget, its size on the GPU: `check_budget`)
+        and makes it the control's current one; ControlFileError says why not."""
         record = self.check(spec, name, kind, version)
+        if budget is not None:
+            check_budget(spec, record, *budget)
         record.registered_at = datetime.now(UTC).isoformat()
         blob = self._bucket.blob(naming.control_record(spec.name, name))
         blob.upload_from_string(record.model_dump_json(), content_type="application/json")
@@ -85,7 +112,7 @@ class ControlRegistry:
             raise ControlFileError(f"the files exceed the limit of {policy.max_bytes} bytes")
         summary = check_control(kind, files, *self._base_unet(spec))
         return ControlRecord(name=name, kind=kind, version=version, sha256=summary.sha256, bytes=summary.bytes,
-                             tensors=summary.tensors)  # fmt: skip
+                             tensors=summary.tensors, parameters=summary.parameters)  # fmt: skip
 
     def resolve(self, spec: ModelSpec, name: str) -> ControlRecord | None:
         """The control's current version, or None when it is not registered for this model."""

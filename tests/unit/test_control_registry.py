@@ -155,6 +155,35 @@ def test_an_inpainting_models_controlnets_are_of_its_latents_not_its_nine_input_
     assert "in_channels 9 does not match the base UNet's 4" in refusal(built, "controlnet", nine)
 
 
+def test_a_version_past_the_models_control_budget_is_a_413_with_the_numbers(built):
+    """Registration through the API checks the version's size on the GPU (its tensors in the serving dtype) against
+    the model's control budget over `max_controls_per_request`; within it, the version registers."""
+    from api_server.core.errors import ApiError
+    from api_server.predict.controls import ControlService
+    from contract.control_files import check_control
+    from contract.memory_plan import control_budget
+    from contract.stores.control_registry import ControlRegistry
+
+    parameters = check_control("controlnet", built["controlnet"], *base_of(built["pipeline"])).parameters
+    device = parameters * 2  # float16, SD 1.5's serving dtype
+    budgets = iter([(2 * device - 1, "a test's"), (2 * device, "a test's")])
+    service = ControlService(ControlRegistry(bucket_with(built["pipeline"], "edges", built["controlnet"])),
+                             lambda spec: next(budgets))  # fmt: skip
+    with pytest.raises(ApiError) as refused:
+        service.register(SPEC, "edges", "controlnet", "1")
+    assert (refused.value.status, refused.value.field) == (413, "file")
+    assert (f"edges@1 takes {device} bytes on the GPU ({parameters} parameters in float16); sd15-txt2img runs up to "
+            f"2 control models at once within its control budget of {2 * device - 1} bytes (a test's): at most "
+            f"{device - 1} bytes each") in refused.value.message  # fmt: skip
+    assert service.listing(SPEC) == []  # nothing recorded
+    record = service.register(SPEC, "edges", "controlnet", "1")
+    assert record.parameters == parameters
+    # The local catalog's sd15-txt2img: what its worker group's plan leaves (hundreds of MB), room for the tiny version.
+    catalog = local_catalog()
+    budget, where = control_budget(catalog.deployment_plans()[SPEC.deployment], SPEC)
+    assert budget > 10**8 and "memory plan leaves" in where
+
+
 def test_hostile_ip_adapter_files_are_refused_with_their_reason(built):
     import torch
 

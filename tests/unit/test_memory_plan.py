@@ -418,3 +418,30 @@ def test_flux2_klein_9b_on_an_l4_is_refused_with_the_numbers(tmp_path):
         "bfloat16, vae 0.16 GiB bfloat16)]" in message  # fmt: skip
     with pytest.raises(ValueError, match=r"it needs 21.63 GiB on l4 .* weights 16.83 GiB .* activation 4.80 GiB"):
         catalog(tmp_path, {"flux2-klein-9b": entry("flux2-klein-9b", hardware="l4", **fp8)})
+
+
+def test_a_controlnet_models_plan_counts_the_residuals_and_its_control_budget_and_refuses_what_does_not_fit(tmp_path):
+    """A UNet model taking ControlNets holds their down residuals for every row (twice the skip tensors) beside the
+    UNet's activations; its `controls.device_bytes` adds to the weights; without one, its budget is what the plan
+    leaves; a budget the card has no room for is refused with the numbers."""
+    from contract.architectures import unet_skips
+    from contract.memory_plan import control_budget
+
+    spec = load_catalog().get("sd15-txt2img")
+    without = unit_plan(spec.model_copy(update={"controls": None}))
+    plan = unit_plan(spec)
+    rows, latent_pixels = 2 * spec.max_batch_size, 1024 * 1024 // 64
+    residuals = 2 * rows * latent_pixels * round(unet_skips([320, 640, 1280, 1280], 2)) * 2
+    assert (plan.activation_phase, without.activation_phase) == ("denoiser", "decode")  # the residuals make it peak
+    base = 16 * latent_pixels * unet_elements_per_token([320, 640, 1280, 1280], 2) * 2
+    assert plan.activation_bytes == base + residuals and residuals / GIB == pytest.approx(1.58, abs=0.01)
+    deployment = load_catalog().deployment_plans()[spec.deployment]
+    left, where = control_budget(deployment, spec)
+    assert left == deployment.room_bytes - deployment.total_bytes and "what its worker's memory plan leaves" in where
+    budgeted = catalog(tmp_path, {"sd15-txt2img": entry("sd15-txt2img", controls={"device_bytes": 2 * GIB})})
+    plans = budgeted.deployment_plans()["sd15-txt2img"]
+    assert plans.control_bytes == 2 * GIB and plans.total_bytes == deployment.total_bytes + 2 * GIB
+    assert control_budget(plans, budgeted.get("sd15-txt2img")) == (2 * GIB, "its catalog's controls.device_bytes")
+    with pytest.raises(ValueError) as refused:
+        catalog(tmp_path, {"sd15-txt2img": entry("sd15-txt2img", controls={"device_bytes": 3 * GIB})})
+    assert "needs 11.11 GiB on l4" in str(refused.value) and "+ control budgets 3.00 GiB" in str(refused.value)
