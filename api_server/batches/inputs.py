@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from google.api_core import exceptions
+
 from api_server.batches.tables import (
     SNAPSHOT_GRACE_MS,
     TABLE_URI,
@@ -56,7 +58,9 @@ class BatchInputPolicy:
 
     def read_image(self, caller: Caller, uri: str, field: str, max_bytes: int) -> bytes:
         """A line's image named by URI (`lines.inline_images`): its bytes, if the caller may name it and the service can
-        read it (else the one 422 for every reason, naming `field`), and it is at most `max_bytes` (else a 413)."""
+        read it (else the one 422 for every reason, naming `field`), and it is at most `max_bytes` (else a 413). GCS
+        failing for a reason of its own (a 5xx, unreachable) raises as it is: the line is read again at the next step
+        (`runner.py`), not refused."""
         match = URI.fullmatch(uri)
         if match is None:
             raise ApiError(422, f"{field}: base64 image data or a gs://bucket/object URI", field)
@@ -67,7 +71,7 @@ class BatchInputPolicy:
                 blob = self._storage.bucket(bucket).get_blob(name)
                 if blob is not None and (blob.size or 0) <= max_bytes:
                     data = blob.download_as_bytes()
-            except Exception:  # noqa: BLE001 - forbidden, unreachable or gone: one answer for all (no probing)
+            except exceptions.ClientError:  # forbidden, missing bucket, bad name: one answer for all (no probing)
                 blob = None
         if blob is None:
             raise self._refusal(uri, caller, field)

@@ -389,7 +389,13 @@ class BatchRunner:
                         return True
                     return self._fed_all(batch_id) or worked
                 max_bytes = self._settings.max_request_bytes
-                checked = validate_line(self._serving, self._flows, batch_id, line, caller, max_bytes, read_image)
+                try:
+                    checked = validate_line(self._serving, self._flows, batch_id, line, caller, max_bytes, read_image)
+                except Exception:
+                    # Its image could not be read for GCS's own reason: the next step reads this line again from the
+                    # cursor in Redis (a reader kept would go on past it, and the cursor with the next line taken).
+                    self._drop(batch_id)
+                    raise
                 reader.held = (line, checked)
             line, checked = reader.held
             if isinstance(checked, InvalidLine):

@@ -19,7 +19,10 @@ from api_server.core.auth import Caller
 from api_server.predict.inference import InferenceService
 from contract.settings import Settings, api_key_digest
 from emulators.stack import local_catalog
+from tests.unit import batch_harness
+from tests.unit.batch_harness import Harness
 
+redis_server = batch_harness.redis_server  # one redis-server for the module (the runner's test below)
 KEY_A, KEY_B = api_key_digest("key-a"), api_key_digest("key-b")
 A, B = Caller(KEY_A[:12], KEY_A), Caller(KEY_B[:12], KEY_B)
 CATALOG = local_catalog(test_fixtures=True)
@@ -181,3 +184,69 @@ def test_every_image_field_of_a_line_is_read_and_a_uri_without_a_reader_is_predi
     refused = checked(f"{OWN}photo.png", b64(MASK), read=False)
     assert isinstance(refused, InvalidLine)
     assert (refused.error.status, refused.error.message) == (422, "instances.0.image: not valid base64")
+
+
+def test_gcs_failing_for_its_own_reason_is_no_refusal_and_the_line_is_read_again_from_the_cursor(monkeypatch):
+    """A 503 (or no answer) from GCS is not the caller's doing: it raises through, not a 422, and the runner reads
+    the line again at its next step from the cursor, so no line is lost nor taken twice."""
+    flaky = Storage({f"{OWN}photo.png": IMAGE}, forbidden=set())
+    calls = []
+
+    def get_blob_once_unavailable(bucket_name: str):
+        bucket = Storage.bucket(flaky, bucket_name)
+        original = bucket.get_blob
+
+        def get_blob(name: str):
+            calls.append(name)
+            if len(calls) == 1:
+                raise exceptions.ServiceUnavailable("503 backend unavailable")
+            return original(name)
+
+        bucket.get_blob = get_blob
+        return bucket
+
+    monkeypatch.setattr(flaky, "bucket", get_blob_once_unavailable)
+    settings = Settings.from_env({"MAAS_PROJECT_ID": "acme", "MAAS_BATCH_INPUTS": "*=gs://inputs/{key_id}/"})
+    checks = BatchInputPolicy(flaky, settings.batch_inputs, {settings.model_bucket, settings.payload_bucket})
+    with pytest.raises(exceptions.ServiceUnavailable):
+        checks.read_image(A, f"{OWN}photo.png", "instances.0.image", MAX_LINE_BYTES)
+    assert checks.read_image(A, f"{OWN}photo.png", "instances.0.image", MAX_LINE_BYTES) == IMAGE
+
+
+class FlakyImages:
+    """A line image reader whose `fail_at`-th read raises as GCS does when it is unavailable."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.reads, self.fail_at = 0, fail_at
+
+    def read_image(self, caller: Caller, uri: str, field: str, max_bytes: int) -> bytes:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise exceptions.ServiceUnavailable("503 backend unavailable")
+        return IMAGE
+
+
+def test_a_line_whose_image_gcs_could_not_serve_is_read_again_and_no_line_is_lost_or_taken_twice(redis_server):
+    redis_server.flushall()
+    harness = Harness(redis_server)
+    ids = [f"i{index}" for index in range(1, 6)]
+    batch_id = harness.submit(ids)
+    lines = [{"custom_id": custom_id, "model": "sleep",
+              "instances": [{"prompt": custom_id, "image": f"{OWN}photo.png"}]} for custom_id in ids]  # fmt: skip
+    harness.bucket.objects[f"batches/{batch_id}/input.jsonl"] = "".join(
+        json.dumps(line) + "\n" for line in lines
+    ).encode()
+    harness.runner._inputs = FlakyImages(fail_at=3)  # the third line's image, once
+    failures = 0
+    while harness.fields(batch_id).get("feed_done") != "1":
+        assert failures <= 1 and harness.store.acquire(batch_id, harness.runner._token, 10) is not None
+        try:
+            harness.runner.step(batch_id)
+        except exceptions.ServiceUnavailable:  # the runner's loop logs it and steps again
+            failures += 1
+    assert failures == 1 and harness.fields(batch_id)["total"] == "5", "every line read, none counted twice"
+    assert len(harness.inference.published) == len(set(harness.inference.published)) == 5
+    for custom_id in ids:
+        harness.answer(batch_id, custom_id)
+    harness.step_until(batch_id, lambda: harness.fields(batch_id).get("status") == "completed")
+    assert sorted(item["custom_id"] for item in harness.output(batch_id, "results")) == ids
