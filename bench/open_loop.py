@@ -256,12 +256,13 @@ class InProcessBackend:
             s: InProcessWorker(runner, spec.model_copy(update={"scheduling": s}), size).start() for s in SCHEDULINGS
         }
 
-    def lone(self, repeats: int) -> dict[str, dict[str, float]]:
-        """Median latency of a request alone, per scheduling and step count, the two schedulings interleaved."""
-        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in self.mix} for s in SCHEDULINGS}
+    def lone(self, repeats: int, schedulings: tuple[str, ...] = SCHEDULINGS) -> dict[str, dict[str, float]]:
+        """Median latency of a request alone, per scheduling and step count, the schedulings interleaved."""
+        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in self.mix} for s in schedulings}
         for repeat in range(repeats):
             for steps in self.mix:
-                for scheduling, worker in self.workers.items():
+                for scheduling in schedulings:
+                    worker = self.workers[scheduling]
                     pending = pending_request(worker.spec, steps, 1000 + repeat, worker.size)
                     began = time.perf_counter()
                     worker.submit(pending)
@@ -297,24 +298,31 @@ def sweep(
     """The whole comparison: lone latencies, then each offered rate for both schedulings in turn (the order
     alternating from one rate to the next, so drift in the machine's load hits both alike). `rates`: offered
     rates in requests/s instead of `multiples` of the lone service rate (a GPU's batch capacity is far above
-    it); `lone_ms`: lone latencies already measured for this mix, not measured again."""
+    it); `lone_ms`: lone latencies already measured for this mix, not measured again.
+
+    A backend that restarts its worker for each change of scheduling (it has `active`: the system's, seconds a
+    restart) measures a scheduling's lone latency just before that scheduling's first run, so the sweep starts each
+    scheduling's worker once: request-level's first (the service rate and the SLO come from it)."""
+    restarts = hasattr(backend, "active")
     try:
-        lone_ms = lone_ms or backend.lone(repeats)
-        progress(
-            f"  lone latency ms: {json.dumps({s: {n: round(v) for n, v in by.items()} for s, by in lone_ms.items()})}"
-        )
+        lone_ms = dict(lone_ms or backend.lone(repeats, ("request",) if restarts else SCHEDULINGS))
         mix = backend.mix
         service_rate = 1000 / (sum(lone_ms["request"].values()) / len(mix))
         slo = {n: SLO_FACTOR * lone_ms["request"][str(n)] / 1000 for n in mix}
         points: dict[str, list[dict]] = {s: [] for s in SCHEDULINGS}
-        # The first rate starts with the scheduling the lone latencies ended on: a system backend restarts its
-        # worker for each change of scheduling (seconds each), and the order alternates from there all the same.
-        order = sorted(SCHEDULINGS, key=lambda s: s != getattr(backend, "active", None))
+        order = list(SCHEDULINGS)  # request-level first: its worker is the one running now
+        printed = False
         for index, rate in enumerate(rates or tuple(multiple * service_rate for multiple in multiples)):
             arrivals = poisson_arrivals(rate, requests, index, mix)
             # Past this wait after the last arrival, what is unanswered counts as missed: bounded overload.
             grace = max(30.0, arrivals[-1].at)
             for scheduling in order:
+                if scheduling not in lone_ms:
+                    lone_ms.update(backend.lone(repeats, (scheduling,)))
+                if all(s in lone_ms for s in SCHEDULINGS) and not printed:
+                    printed = True
+                    rounded = {s: {n: round(v) for n, v in lone_ms[s].items()} for s in SCHEDULINGS}
+                    progress(f"  lone latency ms: {json.dumps(rounded)}")
                 latencies, span = backend.run(scheduling, arrivals, grace)
                 summary = summarize(arrivals, latencies, span, slo)
                 point = {"scheduling": scheduling, "offered_rps": round(rate, 2), **summary}

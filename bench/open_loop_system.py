@@ -69,8 +69,10 @@ class SystemBackend:
         self.restarts += 1
 
     def _stop_bench_worker(self) -> None:
+        # Killed, not drained: between runs it holds nothing (each run waits for its answers or gives them up), and
+        # a drain waits out its pulls (seconds each switch of scheduling).
         if self._registry.pid(BENCH_WORKER) is not None:
-            self._registry.stop(BENCH_WORKER, timeout=60)
+            self._registry.stop(BENCH_WORKER, timeout=0)
         self._active = None
 
     def _client(self) -> Client:
@@ -87,10 +89,10 @@ class SystemBackend:
         except httpx.HTTPError:
             return False
 
-    def lone(self, repeats: int) -> dict[str, dict[str, float]]:
+    def lone(self, repeats: int, schedulings: tuple[str, ...] = SCHEDULINGS) -> dict[str, dict[str, float]]:
         """Lone latency per scheduling, one worker after the other (a restart between them costs seconds)."""
-        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in SCHEDULINGS}
-        for scheduling in SCHEDULINGS:
+        seen: dict[str, dict[int, list[float]]] = {s: {n: [] for n in STEP_MIX} for s in schedulings}
+        for scheduling in schedulings:
             self.activate(scheduling)
             self._call(STEP_MIX[0], fresh_seed())  # the first request through a fresh worker and API pays extra
             for _ in range(repeats):

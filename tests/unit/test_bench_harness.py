@@ -225,3 +225,40 @@ def test_the_beside_scenario_reports_both_runs_and_fails_when_the_batch_ends_too
     monkeypatch.setattr(batch_beside, "Client", short)
     with pytest.raises(batch_beside.ScenarioError, match="raise --lines"):
         batch_beside.one_round("http://api", "sd15-txt2img", predicts=6, lines=10)
+
+
+class RestartingBackend:
+    """A stand-in for the whole-system backend: one worker at a time, restarted for each change of scheduling."""
+
+    mix = (4, 12)
+
+    def __init__(self, restarts: bool) -> None:
+        self.calls: list[tuple[str, str]] = []
+        if restarts:
+            self.active = None
+
+    def lone(self, repeats, schedulings=("request", "step")):
+        self.calls += [("lone", s) for s in schedulings]
+        return {s: {"4": 100.0, "12": 300.0} for s in schedulings}
+
+    def run(self, scheduling, arrivals, grace):
+        self.calls.append(("run", scheduling))
+        return {i: 0.1 for i in range(len(arrivals))}, 1.0
+
+    def close(self):
+        self.calls.append(("close", ""))
+
+
+def test_the_system_sweep_starts_each_schedulings_worker_once():
+    """Each scheduling's lone latency is measured right before its first run, so a backend that restarts its
+    worker per scheduling restarts it once per scheduling, not three times (the bench smoke's longest scenario)."""
+    from bench.open_loop import sweep
+
+    backend = RestartingBackend(restarts=True)
+    result = sweep(backend, (0.5, 1.0), requests=2, repeats=1, progress=lambda line: None)
+    assert backend.calls == [("lone", "request"), ("run", "request"), ("lone", "step"), ("run", "step"),
+                             ("run", "step"), ("run", "request"), ("close", "")]  # fmt: skip
+    assert set(result["lone_ms"]) == {"request", "step"} and len(result["points"]["step"]) == 2
+    in_process = RestartingBackend(restarts=False)  # both workers alive: lone latencies interleaved, first
+    sweep(in_process, (1.0,), requests=2, repeats=1, progress=lambda line: None)
+    assert in_process.calls[:2] == [("lone", "request"), ("lone", "step")]
