@@ -109,6 +109,8 @@ class StageReport(BaseModel):
     batch_size: int = 0
     attempt: int = 0
     steps: int = 0
+    # The steps its images skipped when its model ran with a step cache (contract/step_cache.py); None: it ran without.
+    steps_skipped: int | None = None
     # The stage the flow ended in, when it did not finish (`error_kind` its reply's: inference_failed, expired,
     # cancelled, dead_lettered...): it still gets its log row, and a canary's failure its fallback. "ok" otherwise.
     status: ReplyStatus = "ok"

@@ -51,6 +51,9 @@ def _stage_row(
     outcome = Outcome.for_reply(report.status, report.error_kind)
     images = flow.num_images or 1
     gpu_seconds = round(report.inference_ms / 1000 * images / report.batch_size, 6) if report.batch_size else None
+    # The stage's model's step cache, when the worker counted its skipped steps (it ran with it; the request may have
+    # turned it off).
+    cached = unit is not None and unit.step_cache is not None and report.steps_skipped is not None
     return replace(
         flow,
         request_id=stage_row_id(flow.request_id, report.stage),
@@ -66,6 +69,8 @@ def _stage_row(
         coalesced=False,
         idempotent_replay=False,
         num_inference_steps=report.steps or None,
+        step_cache=unit.step_cache.kind if cached else None,
+        steps_skipped=report.steps_skipped,
         adapters=None,  # the flow's row lists the request's adapters and control models
         controls=None,
         input_bytes=None,

@@ -41,3 +41,21 @@ def test_a_cached_model_answers_with_and_without_its_cache_and_logs_the_steps_sk
     assert (cached["status"], cached["step_cache"]) == ("ok", "first_block")
     assert 0 < cached["steps_skipped"] <= 2 * 3
     assert (off["status"], off["step_cache"], off["steps_skipped"]) == ("ok", None, None)
+
+
+def test_a_flow_stage_on_a_cached_model_runs_and_logs_its_cache(stack, auth_headers, bigquery, settings):
+    body = {"instances": [{"prompt": f"flow {uuid.uuid4().hex}"}],
+            "parameters": {"width": 64, "height": 64, "num_inference_steps": 4, "seed": 7}}  # fmt: skip
+    response = requests.post(f"{stack.api_url}/v1/models/flux-cached-draft-edit:predict", json=body,
+                             headers=auth_headers, timeout=90)  # fmt: skip
+    assert response.status_code == 200, response.text
+    request_id = response.headers["X-Request-Id"]
+    table = f"`{settings.project_id}.{settings.dataset}.{settings.log_table}`"
+    rows = query_rows(
+        bigquery, f"SELECT model, stage, step_cache, steps_skipped FROM {table} "
+        f"WHERE flow_request_id = '{request_id}'", 2, timeout=60,
+    )  # fmt: skip
+    by_stage = {row["stage"]: row for row in rows}
+    assert (by_stage["draft"]["model"], by_stage["draft"]["step_cache"]) == ("flux-schnell-cached", "first_block")
+    assert 0 < by_stage["draft"]["steps_skipped"] <= 3  # its first step full, at most 3 of 4 skipped
+    assert (by_stage["edit"]["step_cache"], by_stage["edit"]["steps_skipped"]) == (None, None)

@@ -261,3 +261,20 @@ def test_controls_are_resolved_for_each_stage_that_takes_them_as_predict_resolve
         with pytest.raises(ApiError) as refused:
             prepare(parameters)
         assert (refused.value.status, refused.value.field) == (422, field)
+
+
+def test_a_stage_on_a_step_cached_model_logs_its_step_cache_and_the_steps_it_skipped():
+    from emulators.stack import local_catalog
+
+    local = local_catalog(test_fixtures=True)
+    draft = report("draft", 0, "flux-schnell-cached", 100.0, 1).model_copy(update={"steps_skipped": 3})
+    edit = report("edit", 1, "flux-kontext", 100.0, 1)
+    reply = InferenceReply(request_id="req-1", model="flux-cached-draft-edit", model_version="", status="ok",
+                           stages=[draft, edit])  # fmt: skip
+    flow, drafted, edited = rows_of(flow_row(), reply, local)
+    assert (drafted.step_cache, drafted.steps_skipped) == ("first_block", 3)
+    assert (edited.step_cache, edited.steps_skipped) == (None, None)  # its model has no cache
+    turned_off = reply.model_copy(update={"stages": [draft.model_copy(update={"steps_skipped": None}), edit]})
+    assert rows_of(flow_row(), turned_off, local)[1].step_cache is None  # no count: it ran without
+    for row in (flow, drafted, edited):
+        row.to_json()
