@@ -122,3 +122,28 @@ def test_images_that_predict_do_not_run_the_transformer(runners):
     # Steps 2 and 4 predicted (the warm-up: steps 0 and 1); the transformer ran 6 times for `runs`, 4 for each `skips`.
     assert served["skips"][1] == [2, 2] and served["runs"][1] == [0]
     assert calls == (STEPS, STEPS + 2 * (STEPS - 2))
+
+
+def test_the_full_rows_are_gathered_and_padded_to_a_compiled_bucket_and_the_padding_dropped():
+    from types import SimpleNamespace
+
+    import torch
+
+    from model_worker.model.families.flow import FluxDenoiser
+
+    seen = []
+
+    def transformer(return_dict, txt_ids, img_ids, **rows):
+        seen.append({key: None if value is None else value.shape[0] for key, value in rows.items()})
+        return (rows["hidden_states"] * 2,)
+
+    denoiser = SimpleNamespace(
+        padded_rows=lambda rows: 4, _torch=torch, pipeline=SimpleNamespace(transformer=transformer)
+    )
+    inputs = {"hidden_states": torch.arange(3.0).reshape(3, 1, 1), "timestep": torch.arange(3.0), "guidance": None,
+              "pooled_projections": torch.zeros(3, 2), "encoder_hidden_states": torch.zeros(3, 1, 2),
+              "txt_ids": torch.zeros(1, 3), "img_ids": torch.zeros(1, 3)}  # fmt: skip
+    out = FluxDenoiser.gathered_call(denoiser, inputs)([0, 2])  # rows 0 and 2 run, as the 4-row bucket
+    assert seen == [{"hidden_states": 4, "timestep": 4, "guidance": None, "pooled_projections": 4,
+                     "encoder_hidden_states": 4}]  # fmt: skip
+    assert torch.equal(out, torch.tensor([0.0, 4.0]).reshape(2, 1, 1))
