@@ -177,3 +177,25 @@ def test_deepcache_decides_by_interval_or_by_threshold_on_sd15_and_sdxl():
     by_threshold = ModelSpec.model_validate(entry(pipeline="StableDiffusionPipeline", step_cache=looser))
     assert by_threshold.step_cache.interval is None
     assert running_step_cache(by_threshold.step_cache, None, batch_line=True).threshold == 0.4
+
+
+@pytest.mark.parametrize("pipeline", ["StableDiffusionPipeline", "StableDiffusionXLPipeline"])
+def test_the_memory_plan_counts_each_images_deep_features(pipeline):
+    import math
+
+    from contract.memory_plan import unit_plan
+    from contract.model_spec import architecture_of
+
+    def plan(step_cache=None):
+        return unit_plan(ModelSpec.model_validate(entry(pipeline=pipeline, step_cache=step_cache)))
+
+    by_interval = plan({"kind": "deepcache", "interval": 3})
+    by_threshold = plan({"kind": "deepcache", "threshold": 0.1})
+    spec = ModelSpec.model_validate(entry(pipeline=pipeline))
+    limits, multiple = spec.limits, spec.family.size_multiple
+    pixels = (limits.max_width - limits.max_width % multiple) * (limits.max_height - limits.max_height % multiple)
+    tokens = math.ceil(pixels / architecture_of(spec).pixels_per_token)
+    rows = spec.max_batch_size * 2  # guided: two rows an image
+    # the last up block's input (640 wide, full latent size), by threshold also the first down block's (320, a quarter)
+    assert by_interval.activation_bytes - plan().activation_bytes == rows * 640 * tokens * 2
+    assert by_threshold.activation_bytes - by_interval.activation_bytes == rows * (320 * tokens // 4) * 2
