@@ -121,7 +121,8 @@ def no_gpu(row: dict) -> bool:
 def test_every_sql_file_is_covered_here():
     tested = {"daily_usage_by_model", "hourly_usage_by_model", "latency_by_model_hourly", "cache_and_coalescing_daily",
               "errors_by_kind_daily", "billing_by_api_key_daily", "batch_efficiency_hourly", "busiest_hours",
-              "version_comparison", "rollouts", "flows_by_stage_daily", "gpu_seconds_by_batch"}  # fmt: skip
+              "version_comparison", "rollouts", "flows_by_stage_daily", "gpu_seconds_by_batch",
+              "usage_by_task_daily"}  # fmt: skip
     assert {path.stem for path in ANALYTICS_SQL_DIR.glob("*.sql")} == tested
 
 
@@ -425,3 +426,34 @@ def test_zz_a_batch_jobs_gpu_seconds_sum_its_lines_shares_once_each(views, setti
     assert (got["lines"], got["succeeded"], got["not_succeeded"], got["images"]) == (3, 2, 1, 2)
     assert got["gpu_seconds"] == pytest.approx(0.8 + 1.2 / 4)
     assert (got["api_key_id"], got["model"]) == ("key-batch", "sd15-txt2img")
+
+
+def test_zz_usage_by_task_counts_each_request_once_with_inpaintings_mean_repainted_share(views, settings):
+    client = google_clients.bigquery_client(dataclasses.replace(settings, dataset=views.dataset))
+    day = datetime(2026, 11, 23, 8, 0, tzinfo=UTC)
+    common = {"created_at": day.isoformat(), "api_key_id": "key-task", "model_version": "1", "endpoint": "sync",
+              "http_status": 200, "num_images": 1}  # fmt: skip
+    rows = [
+        {**common, "request_id": "task-t1", "model": "sd15-txt2img", "task": "text-to-image", "status": "ok",
+         "gpu_seconds": 0.5},
+        {**common, "request_id": "task-i1", "model": "sd15-inpaint", "task": "inpaint", "status": "ok",
+         "gpu_seconds": 0.25, "mask_fraction": 0.2},
+        {**common, "request_id": "task-i2", "model": "sd15-inpaint", "task": "inpaint", "status": "ok",
+         "gpu_seconds": 0.75, "mask_fraction": 0.6, "num_images": 2},
+        {**common, "request_id": "task-i3", "model": "sd15-inpaint", "task": "inpaint", "status": "error",
+         "http_status": 422, "mask_fraction": 1.0},
+        # A flow ending in an edit: its own row counts (its task the flow's), its stage rows do not.
+        {**common, "request_id": "task-f1", "model": "flux-draft-edit", "task": "text-to-image", "status": "ok",
+         "flow": "flux-draft-edit", "gpu_seconds": 1.0},
+        {**common, "request_id": "task-f1:edit", "model": "flux-kontext", "task": "edit", "status": "ok",
+         "flow": "flux-draft-edit", "stage": "edit", "stage_index": 1, "flow_request_id": "task-f1",
+         "endpoint": "stage", "gpu_seconds": 0.6},
+    ]  # fmt: skip
+    rows.append(dict(rows[1]))  # a retried write: counted once
+    assert client.insert_rows_json(f"{settings.project_id}.{views.dataset}.{settings.log_table}", rows) == []
+    got = {r["task"]: r for r in views("usage_by_task_daily", "day, task") if r["day"] == day.date()}
+    assert set(got) == {"text-to-image", "inpaint"}  # the edit stage's row is the flow's, not a request of its own
+    inpaint, text = got["inpaint"], got["text-to-image"]
+    assert (inpaint["requests"], inpaint["succeeded"], inpaint["images"]) == (3, 2, 3)
+    assert inpaint["gpu_seconds"] == pytest.approx(1.0) and inpaint["mean_mask_fraction"] == pytest.approx(0.6)
+    assert (text["requests"], text["images"]) == (2, 2) and text["gpu_seconds"] == pytest.approx(1.5)
