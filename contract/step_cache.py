@@ -28,6 +28,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 StepCacheKind = Literal["first_block", "taylorseer", "deepcache"]
+# first_block's threshold unless the catalog sets one: ParaAttention's published setting for FLUX.1 [dev].
+DEFAULT_THRESHOLD = 0.08
 
 
 class StepCache(BaseModel):
@@ -37,7 +39,7 @@ class StepCache(BaseModel):
     kind: StepCacheKind
     # first_block: a step is skipped when the first block's residual moved at most this much (mean |r - r_last| over
     # mean |r_last|, r_last the image's at its last full step) since. ParaAttention published 0.08 for FLUX.1 [dev].
-    threshold: float = Field(default=0.08, ge=0.0, le=1.0)
+    threshold: float = Field(default=DEFAULT_THRESHOLD, ge=0.0, le=1.0)
     # deepcache: the deep path runs every this many steps of an image (1: every step, exactly no cache). DeepCache's
     # paper reports about 2.3x on SD 1.5 (its `cache_interval` is this). taylorseer: the transformer runs every this
     # many steps after the warm-up (diffusers' `cache_interval`, default 5), predicted in between.
@@ -54,17 +56,20 @@ class StepCache(BaseModel):
 
     @model_validator(mode="after")
     def _kind_settings(self) -> StepCache:
-        by_threshold = "threshold" in self.model_fields_set
-        if self.kind == "deepcache" and (self.interval is None) == (not by_threshold):
-            raise ValueError("step_cache: deepcache runs the deep path every `interval` steps or when its shallow "
-                             "features moved more than `threshold`: set interval or threshold, one of them")  # fmt: skip
-        if self.kind == "deepcache" and self.batch_threshold is not None and not by_threshold:
-            raise ValueError("step_cache: deepcache by interval has no threshold for batch lines to raise "
-                             "(batch_threshold)")  # fmt: skip
+        # A threshold is "given" when it is not the default: an entry dumped and validated again (a worker's
+        # scheduling override, model_worker/serving/service.py) carries every field, the default threshold too.
+        threshold_given = self.threshold != DEFAULT_THRESHOLD or self.batch_threshold is not None
+        if self.kind == "deepcache":
+            if self.interval is None and "threshold" not in self.model_fields_set:
+                raise ValueError("step_cache: deepcache runs the deep path every `interval` steps or when its "
+                                 "shallow features moved more than `threshold`: set interval or threshold")  # fmt: skip
+            if self.interval is not None and threshold_given:
+                raise ValueError("step_cache: deepcache decides by interval or by threshold, one of them; by interval "
+                                 "it has no threshold (nor batch_threshold for batch lines to raise)")  # fmt: skip
         if self.kind == "first_block" and self.interval is not None:
             raise ValueError("step_cache: first_block decides by threshold; interval is deepcache's")
         if self.kind == "taylorseer":
-            if self.interval is None or {"threshold", "batch_threshold"} & self.model_fields_set:
+            if self.interval is None or threshold_given:
                 raise ValueError("step_cache: taylorseer runs the transformer every `interval` steps after its "
                                  "warm-up: set interval (and warmup_steps), not threshold")  # fmt: skip
             if self.warmup_steps < 1:

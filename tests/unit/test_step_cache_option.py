@@ -50,6 +50,11 @@ def test_the_step_cache_is_off_unless_the_catalog_entry_has_one():
         ({"kind": "deepcache", "interval": 3}, "FluxPipeline", "not served for flux models"),
         ({"kind": "deepcache"}, "StableDiffusionPipeline", "set interval or threshold"),
         ({"kind": "deepcache", "interval": 3, "threshold": 0.1}, "StableDiffusionPipeline", "one of them"),
+        (
+            {"kind": "taylorseer", "interval": 3, "warmup_steps": 2, "batch_threshold": 0.5},
+            "FluxPipeline",
+            "not threshold",
+        ),
         ({"kind": "first_block"}, "StableDiffusionXLPipeline", "not served for sdxl models"),
         ({"kind": "first_block", "interval": 3}, "FluxPipeline", "interval is deepcache's"),
         ({"kind": "deepcache", "interval": 3, "batch_threshold": 0.2}, "StableDiffusionPipeline", "no threshold"),
@@ -199,3 +204,18 @@ def test_the_memory_plan_counts_each_images_deep_features(pipeline):
     # the last up block's input (640 wide, full latent size), by threshold also the first down block's (320, a quarter)
     assert by_interval.activation_bytes - plan().activation_bytes == rows * 640 * tokens * 2
     assert by_threshold.activation_bytes - by_interval.activation_bytes == rows * (320 * tokens // 4) * 2
+
+
+@pytest.mark.parametrize(
+    ("step_cache", "pipeline"),
+    [({"kind": "deepcache", "interval": 3}, "StableDiffusionPipeline"),
+     ({"kind": "deepcache", "threshold": 0.2, "batch_threshold": 0.3}, "StableDiffusionXLPipeline"),
+     ({"kind": "taylorseer", "interval": 4, "warmup_steps": 2, "max_order": 2}, "FluxPipeline"),
+     (FIRST_BLOCK, "FluxPipeline")],
+)  # fmt: skip
+def test_an_entry_dumped_and_validated_again_is_the_same(step_cache, pipeline):
+    # What a worker's scheduling override does (model_worker/serving/service.py): every field, defaults too.
+    spec = ModelSpec.model_validate(entry(pipeline=pipeline, step_cache=step_cache))
+    again = ModelSpec.model_validate({**spec.model_dump(), "scheduling": "step"})
+    assert again.step_cache == spec.step_cache
+    assert again.step_cache.cache_key_part() == spec.step_cache.cache_key_part()
