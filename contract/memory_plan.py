@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from contract.model_spec import ModelSpec
 
 # A UNet's first and second block widths (block_out_channels[0] and [1]), what its DeepCache features are made of.
-DEEPCACHE_WIDTHS = {"sd1.5": (320, 640), "sdxl": (320, 640)}
+DEEPCACHE_WIDTHS = {"sd15": (320, 640), "sdxl": (320, 640)}  # by family: the ones deepcache is served for
 # A FLUX.1 transformer's output channels per image token: 16 latent channels packed 2x2.
 FLUX_PACKED_CHANNELS = 64
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -262,7 +262,7 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
         # Each running image keeps its deep features between its steps, for each of its rows: the last up block's
         # input, the UNet's second width at the full latent size; by threshold also its first down block's output,
         # the first width at a quarter of the latent pixels (model_worker/model/families/deep_cache.py).
-        first, second = DEEPCACHE_WIDTHS[architecture.name]
+        first, second = DEEPCACHE_WIDTHS[spec.family.name]
         shallow = first * tokens // 4 if spec.step_cache.interval is None else 0
         cache = rows * (second * tokens + shallow) * serving
     elif spec.step_cache is not None and spec.step_cache.kind == "taylorseer":
