@@ -558,6 +558,105 @@ def line_sd15_step_cache(check: Check) -> None:
     add_step_cache_line(check, "sd15.step-cache", "SD-1.5-sized eager, deepcache", row)
 
 
+# --- ControlNets per row (issue 53) --------------------------------------------------------------------------
+
+# A ControlNet's cost per step beside the plain step, at which its line passes: SD 1.5's is a copy of the UNet's
+# encoder and mid block (about half the UNet's work); InstantX's FLUX.1 ControlNet 5 double and 10 single blocks
+# beside the transformer's 19 and 38 (about a quarter).
+CONTROLNET_OVERHEAD = {"sd15": 1.7, "flux": 1.5}
+FLUX_CONTROLNET_BLOCKS = {"gpu": (5, 10), "tiny": (1, 1)}
+
+
+def controlnet_times(check: Check, runner, controlnet, images: int, size: int, steps: int) -> dict:
+    """One running set of `images` through all its steps, every image with the ControlNet (scale 0.8, a square's
+    control image) and without it, on one runner: milliseconds per step (synchronized). A short untimed set of each
+    first (kernels, allocations, the ControlNet moved to the device)."""
+    from PIL import Image
+
+    from contract.generation import ControlRef
+    from contract.messages import GenerationParameters
+    from model_worker.controls.loader import ControlSet, ControlWeights
+    from model_worker.model.runners import GenerationItem
+
+    weights = ControlWeights("bench-edges", "controlnet", "1", "bench", 0, controlnet)
+    ref = ControlRef(name="bench-edges", kind="controlnet", version="1", sha256="bench", scale=0.8)
+    image = Image.new("RGB", (size, size))
+    image.paste((255, 255, 255), (size // 4, size // 4, 3 * size // 4, 3 * size // 4))
+    guidance = runner.spec.defaults.guidance_scale
+
+    def one_set(controlled: bool, count: int) -> float:
+        controls = ControlSet((ref,), loaded=[weights])
+        controls.done.set()
+        items = [GenerationItem(prompt=f"control {i}", seed=i, controls=controls if controlled else None,
+                                control_images=(image,) if controlled else ()) for i in range(images)]  # fmt: skip
+        p = GenerationParameters(seed=0, num_inference_steps=count, guidance_scale=guidance, width=size, height=size)
+        running = runner.start_items(items, p)
+        check.sync()
+        began = time.perf_counter()
+        while not all(r.finished for r in running):
+            runner.denoise_step(running)
+        check.sync()
+        elapsed = (time.perf_counter() - began) * 1000 / count
+        runner.decode(running)
+        return elapsed
+
+    for controlled in (False, True):
+        one_set(controlled, min(steps, 2))
+    plain_ms, controlled_ms = one_set(False, steps), one_set(True, steps)
+    return {"steps": steps, "images": images, "size": size, "ms_per_step_without": plain_ms,
+            "ms_per_step_with": controlled_ms, "overhead": controlled_ms / plain_ms}  # fmt: skip
+
+
+def add_controlnet_line(check: Check, key: str, name: str, family: str, row: dict) -> None:
+    bound = CONTROLNET_OVERHEAD[family]
+    check.add(key, f"{name} {row['size']}², {row['steps']} steps, {row['images']} image(s), every image with one "
+              "ControlNet, against the same set without", check.judged(row["overhead"] <= bound),
+              f"{row['ms_per_step_with']:.1f} ms/step with the ControlNet, {row['ms_per_step_without']:.1f} without "
+              f"(x{row['overhead']:.2f})", f"<= {bound}x the plain step", **row)  # fmt: skip
+
+
+def line_sd15_controlnet(check: Check) -> None:
+    """SD-1.5-sized eager with one ControlNet (`ControlNetModel.from_unet` of the loaded UNet: the real size, its
+    weights the UNet's), per row of the shared call (model_worker/controls/controlnets.py)."""
+    from diffusers import ControlNetModel
+
+    runner = sd15_runner(check)
+    controlnet = ControlNetModel.from_unet(runner._pipeline.unet)  # noqa: SLF001 - the bench reads the loaded UNet
+    row = controlnet_times(check, runner, controlnet, check.sizes.batch, check.sizes.size, check.sizes.steps)
+    add_controlnet_line(check, "sd15.controlnet", "SD-1.5-sized eager, ControlNet", "sd15", row)
+
+
+def line_flux_controlnet(check: Check) -> None:
+    """FLUX.1 [schnell] bf16 eager with an InstantX-sized ControlNet (`FluxControlNetModel.from_transformer`: 5 double
+    and 10 single blocks, random), one image per set (model_worker/controls/flux_controlnets.py)."""
+    if "flux_weights" not in check.shared:
+        line_flux_build(check)
+    row = run_child(check, "flux-controlnet", {"weights": check.shared["flux_weights"]}, cap=180.0)
+    add_controlnet_line(check, "flux.controlnet", "FLUX.1 [schnell] bf16 eager, ControlNet", "flux", row)
+
+
+def child_flux_controlnet(check: Check, args: dict) -> dict:
+    import torch
+    from diffusers import FluxControlNetModel
+
+    from bench.quantized_pipeline import variant_spec
+    from model_worker.model.pipeline import DiffusionRunner
+
+    size = check.sizes.flux_size
+    spec = variant_spec("flux", None, size).model_copy(update={"scheduling": "step"})
+    runner = DiffusionRunner(spec, Path(args["weights"]), torch_threads=2 if check.tiny else 0)
+    transformer = runner._pipeline.transformer  # noqa: SLF001 - the bench reads the loaded transformer
+    config = transformer.config
+    double, single = FLUX_CONTROLNET_BLOCKS["tiny" if check.tiny else "gpu"]
+    with torch.device(transformer.device):
+        controlnet = FluxControlNetModel.from_transformer(
+            transformer, num_layers=double, num_single_layers=single, attention_head_dim=config.attention_head_dim,
+            num_attention_heads=config.num_attention_heads,
+        )  # fmt: skip
+    steps = FLUX_TINY_STEPS if check.tiny else spec.defaults.num_inference_steps
+    return controlnet_times(check, runner, controlnet.to(dtype=transformer.dtype), 1, size, steps)
+
+
 # --- batch lines and the open loop ---------------------------------------------------------------------------
 
 
@@ -977,6 +1076,7 @@ LINES = [
     LineSpec("sd15.syncs", line_syncs, 5.0),
     LineSpec("sd15.scheduler-steps", line_scheduler_steps, 5.0),
     LineSpec("sd15.step-cache", line_sd15_step_cache, 10.0),
+    LineSpec("sd15.controlnet", line_sd15_controlnet, 10.0),
     LineSpec("batch.interactive", line_batch_lines, 25.0),
     LineSpec("open-loop", line_open_loop, 45.0),
     LineSpec("release-sd15", release_sd15, 0.0),
@@ -984,11 +1084,13 @@ LINES = [
     LineSpec("sd15-compiled.warm-start", line_warm_start, WARM_START_SECONDS + 10),
     *flux_lines(),
     LineSpec("flux.step-cache", line_flux_step_cache, 40.0),
+    LineSpec("flux.controlnet", line_flux_controlnet, 30.0),
     *family_lines(),
 ]
 CHILDREN = {"sd15-compiled": child_sd15_compiled, "warm-start": child_warm_start, "flux-build": child_flux_build,
             "flux-variant": child_flux_variant, "family-build": child_family_build,
-            "family-variant": child_family_variant, "flux-step-cache": child_flux_step_cache}  # fmt: skip
+            "family-variant": child_family_variant, "flux-step-cache": child_flux_step_cache,
+            "flux-controlnet": child_flux_controlnet}  # fmt: skip
 
 
 def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None = None,

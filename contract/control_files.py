@@ -44,7 +44,11 @@ BASE_UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 # ControlNet of it must have).
 BASE_TRANSFORMER_CONFIG = "transformer/config.json"
 # The ControlNet class of each base denoiser class (diffusers' names): what a controlnet version's config must name.
-CONTROLNET_CLASSES = {"ControlNetModel": "ControlNetModel", "FluxControlNetModel": "FluxControlNetModel"}
+CONTROLNET_CLASSES = {"ControlNetModel": "ControlNetModel", "ControlNetUnionModel": "ControlNetUnionModel",
+                      "FluxControlNetModel": "FluxControlNetModel"}  # fmt: skip
+# A UNet's ControlNet may be a ControlNet Union (xinsir's SDXL Union: one model, a control type per mode).
+_UNION_OF = {"ControlNetModel": "ControlNetUnionModel"}
+_UNION_OWN = ("task_embedding", "transformer_layes.", "spatial_ch_projs.", "control_add_embedding.")
 _CONTROLNET_OF = {"UNet2DConditionModel": "ControlNetModel", "FluxTransformer2DModel": "FluxControlNetModel"}
 # The FLUX.1 transformer architecture a FluxControlNetModel's config repeats (`from_transformer` copies these).
 FLUX_ARCHITECTURE_KEYS = (
@@ -116,7 +120,7 @@ def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_he
     if kind == "controlnet":
         config = _config(files["config.json"], "config.json")
         expected = _CONTROLNET_OF.get(base_config.get("_class_name"), "ControlNetModel")
-        if config.get("_class_name") != expected:
+        if config.get("_class_name") not in (expected, _UNION_OF.get(expected)):
             raise ControlFileError(f"config.json: _class_name {config.get('_class_name')!r} is not {expected} (the "
                                    f"base model's {base_config.get('_class_name')} takes that)")  # fmt: skip
         if expected == "FluxControlNetModel":
@@ -163,8 +167,9 @@ def _shape(shape: list[int]) -> str:
 
 
 def _check_controlnet(config: dict, header: dict, base_config: dict, base_header: dict) -> None:
-    if config.get("_class_name") != "ControlNetModel":
+    if config.get("_class_name") not in ("ControlNetModel", "ControlNetUnionModel"):
         raise ControlFileError(f"config.json: _class_name {config.get('_class_name')!r} is not ControlNetModel")
+    own = _CONTROLNET_OWN + (_UNION_OWN if config["_class_name"] == "ControlNetUnionModel" else ())
     base_config, base_header = _latents_view(base_config, base_header)
     for key in ARCHITECTURE_KEYS:
         mine, base = config.get(key), base_config.get(key)
@@ -175,7 +180,7 @@ def _check_controlnet(config: dict, header: dict, base_config: dict, base_header
                                    f"{base_config.get(key)!r} (a ControlNet for another model?)")  # fmt: skip
     where = "diffusion_pytorch_model.safetensors"
     for name, entry in header.items():
-        if name.startswith(_CONTROLNET_OWN):
+        if name.startswith(own):
             continue
         base = base_header.get(name)
         if base is None:
@@ -221,6 +226,18 @@ def _latents_view(base_config: dict, base_header: dict) -> tuple[dict, dict]:
     if conv_in is not None:
         view["conv_in.weight"] = {**conv_in, "shape": [conv_in["shape"][0], latents, *conv_in["shape"][2:]]}
     return {**base_config, "in_channels": latents}, view
+
+
+def union_modes(kind: str, files: dict[str, bytes]) -> int | None:
+    """A ControlNet Union's number of control modes (SDXL's `num_control_type`, FLUX.1's `num_mode`); None for a
+    ControlNet without modes (or an IP-Adapter). For checked files."""
+    if kind != "controlnet":
+        return None
+    config = _config(files["config.json"], "config.json")
+    if config.get("_class_name") == "ControlNetUnionModel":
+        return int(config.get("num_control_type") or 6)  # diffusers' default
+    modes = config.get("num_mode") if config.get("_class_name") == "FluxControlNetModel" else None
+    return None if modes is None else int(modes)
 
 
 def base_denoiser_files(family: str) -> tuple[str, str | None]:

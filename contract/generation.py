@@ -52,6 +52,10 @@ class ControlIn(BaseModel):
     preprocess: Literal["canny"] | None = None
     low_threshold: int = Field(default=100, ge=0, le=255)
     high_threshold: int = Field(default=200, ge=0, le=255)
+    # A ControlNet Union's control mode: the index its model card numbers (xinsir's SDXL Union: 0 openpose, 1 depth,
+    # 2 hed/scribble, 3 canny/lineart, 4 normal, 5 segment; InstantX's FLUX.1 Union: 0 canny, 1 tile, 2 depth, 3 blur,
+    # 4 pose, 5 gray, 6 low quality). Only a Union takes one, and it needs one.
+    mode: int | None = Field(default=None, ge=0)
 
 
 class ImagePromptIn(BaseModel):
@@ -83,6 +87,8 @@ class ControlRef(BaseModel):
     preprocess: Literal["canny"] | None = None
     low_threshold: int = 100
     high_threshold: int = 200
+    # A ControlNet Union's control mode (ControlIn.mode); None, left out of the message and the cache key, otherwise.
+    mode: int | None = Field(default=None, exclude_if=lambda mode: mode is None)
 
 
 class GenerationParameters(BaseModel):

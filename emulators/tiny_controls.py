@@ -72,6 +72,46 @@ def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength
     return out_dir
 
 
+def build_union_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
+    """A ControlNet Union of the pipeline's denoiser: SDXL's `ControlNetUnionModel` (`from_unet`, its task transformer
+    as wide as the UNet's first block, as xinsir's 320 is SDXL's) with six control types, or a FLUX.1
+    `FluxControlNetModel` with `num_mode` 4 (InstantX's Union layout); its own layers random."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    if (pipeline_dir / "transformer").is_dir():
+        from diffusers import FluxControlNetModel
+
+        plain = FluxControlNetModel.from_pretrained(build_flux_controlnet(pipeline_dir, out_dir, seed, strength))
+        config = {key: value for key, value in plain.config.items() if key != "_use_default_values"}
+        union = FluxControlNetModel.from_config({**config, "num_mode": 4})
+        union.load_state_dict(plain.state_dict(), strict=False)
+        with torch.no_grad():
+            union.controlnet_mode_embedder.weight.copy_(torch.randn(union.controlnet_mode_embedder.weight.shape,
+                                                                    generator=generator))  # fmt: skip
+    else:
+        from diffusers import ControlNetUnionModel, UNet2DConditionModel
+
+        unet = UNet2DConditionModel.from_pretrained(pipeline_dir / "unet")
+        base = ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
+        width = unet.config.block_out_channels[0]
+        config = {key: value for key, value in base.config.items() if key != "_use_default_values"}  # else ignored
+        union = ControlNetUnionModel.from_config({**config, "num_trans_channel": width, "num_trans_head": 4,
+                                                  "num_proj_channel": width})  # fmt: skip
+        shapes = {name: tensor.shape for name, tensor in union.state_dict().items()}
+        union.load_state_dict({name: tensor for name, tensor in base.state_dict().items()
+                               if shapes.get(name) == tensor.shape}, strict=False)  # fmt: skip
+        with torch.no_grad():
+            for name, parameter in union.named_parameters():
+                if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding",
+                                    "spatial_ch_projs")):  # fmt: skip
+                    parameter.copy_(
+                        strength * torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5
+                    )
+    union.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
 def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
     """A plain IP-Adapter for the pipeline's UNet (four image tokens, one key/value pair per cross-attention layer in
     diffusers' order) and its tiny CLIP image encoder, as `load_ip_adapter(out_dir, subfolder="",

@@ -29,6 +29,17 @@ FIELD = "parameters.controls"
 PROMPTS = "parameters.image_prompts"
 
 
+def check_mode(control: ControlIn, record: ControlRecord, field: str) -> None:
+    """A ControlNet Union's `mode`: required, and one of its modes; any other ControlNet takes none (422s naming it)."""
+    if record.modes is None:
+        if control.mode is not None:
+            raise ApiError(422, f"{field}: {record.name!r} is not a ControlNet Union: it takes no mode", field)
+        return
+    if control.mode is None or control.mode >= record.modes:
+        raise ApiError(422, f"{field}: {record.name!r} is a ControlNet Union: its mode must be one of 0 to "
+                       f"{record.modes - 1}", field)  # fmt: skip
+
+
 class ControlService:
     def __init__(
         self, registry: ControlRegistry, budget: Callable[[ModelSpec], tuple[int, str] | None] | None = None
@@ -80,11 +91,12 @@ class ControlService:
             if record.kind != "controlnet":
                 raise ApiError(422, f"{field}.name: {control.name!r} is an {record.kind}, not a ControlNet (image "
                                "prompts go in parameters.image_prompts)", f"{field}.name")  # fmt: skip
+            check_mode(control, record, f"{field}.mode")
             refs.append(ControlRef(
                 name=record.name, kind="controlnet", version=record.version, sha256=record.sha256, scale=control.scale,
                 start=control.start, end=control.end, image_sha256=hashlib.sha256(image).hexdigest(),
                 preprocess=control.preprocess, low_threshold=control.low_threshold,
-                high_threshold=control.high_threshold,
+                high_threshold=control.high_threshold, mode=control.mode,
             ))  # fmt: skip
             images.append(image)
         return tuple(refs), images
@@ -101,6 +113,9 @@ class ControlService:
             family = spec.family.name if spec.family else "synthetic"
             raise ApiError(422, f"{PROMPTS}: {spec.name} takes no control models ({family} models here serve none)",
                            PROMPTS)  # fmt: skip
+        if spec.family is not None and "ip_adapter" not in spec.family.controls:
+            raise ApiError(422, f"{PROMPTS}: {spec.name} takes no image prompts ({spec.family.name} models here serve "
+                           f"{', '.join(spec.family.controls)} only)", PROMPTS)  # fmt: skip
         if controls + len(requested) > policy.max_controls_per_request:
             raise ApiError(422, f"{PROMPTS}: at most {policy.max_controls_per_request} control models per request "
                            f"for {spec.name} (ControlNets and image prompts together)", PROMPTS)  # fmt: skip

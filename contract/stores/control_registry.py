@@ -24,6 +24,7 @@ from contract.control_files import (
     base_denoiser_files,
     check_control,
     check_file_names,
+    union_modes,
 )
 from contract.lora_files import read_header
 from contract.model_spec import ModelSpec
@@ -43,6 +44,8 @@ class ControlRecord(BaseModel):
     # Elements over its tensors (its GPU bytes are these times the serving dtype's size); None in older records.
     parameters: int | None = None
     registered_at: str | None = None
+    # A ControlNet Union's number of control modes (contract/control_files.py `union_modes`); None: not a Union.
+    modes: int | None = None
 
 
 class ControlBudgetError(ControlFileError):
@@ -112,7 +115,7 @@ class ControlRegistry:
             raise ControlFileError(f"the files exceed the limit of {policy.max_bytes} bytes")
         summary = check_control(kind, files, *self._base_unet(spec))
         return ControlRecord(name=name, kind=kind, version=version, sha256=summary.sha256, bytes=summary.bytes,
-                             tensors=summary.tensors, parameters=summary.parameters)  # fmt: skip
+                             tensors=summary.tensors, modes=union_modes(kind, files), parameters=summary.parameters)  # fmt: skip
 
     def resolve(self, spec: ModelSpec, name: str) -> ControlRecord | None:
         """The control's current version, or None when it is not registered for this model."""

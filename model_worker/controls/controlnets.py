@@ -14,6 +14,7 @@ has one passes no residuals at all: the base model's call.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ class RowControl:
     scale: float
     start: float
     end: float
+    mode: int | None = None  # a ControlNet Union's control mode
 
     def keep(self, step: int, steps: int) -> float:
         """diffusers' `controlnet_keep`: 1 inside the window at this step of the image's schedule, else 0."""
@@ -69,7 +71,7 @@ class ControlNetRows:
             prepared = prepared.to(device=device, dtype=dtype)
             if guided:
                 prepared = self._torch.cat([prepared] * 2)
-            rows.append(RowControl(weights, prepared, use.scale, use.start, use.end))
+            rows.append(RowControl(weights, prepared, use.scale, use.start, use.end, use.mode))
         return rows
 
     def residuals(self, running, inputs, sample, timestep, condition: dict) -> dict:
@@ -85,7 +87,8 @@ class ControlNetRows:
             steps = len(r.state["step_timesteps"])
             for control in r.state.get("controlnets", ()):
                 scale = control.scale * control.keep(r.done, steps)
-                uses.setdefault(control.weights.key, []).append((offset, count, control, scale))
+                # A Union runs once per mode: its call takes one control type for all its rows.
+                uses.setdefault((control.weights.key, control.mode), []).append((offset, count, control, scale))
             offset += count
         if not uses:
             return {}
@@ -98,12 +101,20 @@ class ControlNetRows:
             scales = torch.cat([torch.full((count,), scale, dtype=sample.dtype) for _, count, _, scale in rows])
             scales = scales.to(sample.device)
             added = {key: condition[key][index] for key in ADDED_CONDITIONS if key in condition}
+            union = {}
+            if is_union(model):  # as StableDiffusionXLControlNetUnionPipeline: the mode one-hot, one condition
+                mode = rows[0][2].mode
+                control_type = torch.zeros(len(index), model.config.num_control_type, device=sample.device,
+                                           dtype=condition["context"].dtype)  # fmt: skip
+                control_type[:, mode] = 1
+                union = {"control_type": control_type, "control_type_idx": [mode]}
+                images = [images]
             # An inpainting UNet's rows carry the mask and the masked image's latents after the latents; its
             # ControlNet takes the latents alone (the inpaint pipeline's `control_model_input`).
             down_rows, mid_rows = model(
                 sample[index, : model.config.in_channels], timestep[index], encoder_hidden_states=condition["context"][index],
                 controlnet_cond=images, conditioning_scale=1.0, return_dict=False,
-                **({"added_cond_kwargs": added} if added else {}),
+                **({"added_cond_kwargs": added} if added else {}), **union,
             )  # fmt: skip
             if down is None:
                 down = [torch.zeros_like(sample[:1]).new_zeros((sample.shape[0], *d.shape[1:])) for d in down_rows]
@@ -140,7 +151,9 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
     one_by_one = type(pipeline).__name__ not in MULTI_CONTROLNET_BATCHES
     for index, item in enumerate(items):
         key = _call_key(item)
-        alone = (index,) if one_by_one and len(key) > 1 else ()
+        # SDXL's Union pipeline takes one image's control images per call too.
+        union = any(is_union(weights.model) for weights, _, _ in _controlnets(item))
+        alone = (index,) if one_by_one and (len(key) > 1 or union) else ()
         groups.setdefault((key, image_prompts_key(item), *alone), []).append(index)
     if len(groups) == 1 and ((), ()) in groups:
         ip_adapters(pipeline).load([])
@@ -154,7 +167,9 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
             runner, control = _controlnet_pipeline(pipeline, items[indices[0]])
             call.update(control)
             images_of = _control_images(items, indices, len(key))
-            argument = "control_image" if "image" in call or type(pipeline).__name__ in CONTROL_IMAGE else "image"
+            # The ControlNet pipelines that take an `image` to start from (or none, FLUX.1's and the Union's) take
+            # the control images as `control_image`.
+            argument = "control_image" if "control_image" in inspect.signature(runner.__call__).parameters else "image"
             call[argument] = images_of[0] if alone else images_of
             if "image" in call and "height" not in call:  # image-to-image: control images made at the output's size
                 call["height"], call["width"] = _output_size(pipeline, items[indices[0]].image)
@@ -177,7 +192,12 @@ def _controlnets(item) -> list[tuple[Any, Any, Any]]:
 
 
 def _call_key(item) -> tuple:
-    return tuple((weights.key, ref.scale, ref.start, ref.end) for weights, ref, _ in _controlnets(item))
+    return tuple((weights.key, ref.scale, ref.start, ref.end, ref.mode) for weights, ref, _ in _controlnets(item))
+
+
+def is_union(model) -> bool:
+    """Whether a ControlNet is SDXL's ControlNet Union (`ControlNetUnionModel`: control types, one per mode)."""
+    return type(model).__name__ == "ControlNetUnionModel"
 
 
 def image_prompts_key(item) -> tuple:
@@ -221,8 +241,8 @@ CONTROLNET_PIPELINES = {
     "StableDiffusionXLPipeline": "StableDiffusionXLControlNetPipeline",
     "FluxPipeline": "FluxControlNetPipeline",
 }
-# The base pipelines whose ControlNet pipeline takes the control images as `control_image` though it takes no `image`.
-CONTROL_IMAGE = ("FluxPipeline",)
+# The base pipelines whose ControlNets are FLUX.1's (several: a FluxMultiControlNetModel).
+FLUX_BASES = ("FluxPipeline",)
 
 # The base pipelines whose ControlNet pipeline takes a batch of images with several ControlNets (SDXL's refuses "a
 # single batch of multiple conditionings").
@@ -241,7 +261,20 @@ def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
     denoiser = pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer
     models = [weights.model.to(device=denoiser.device, dtype=denoiser.dtype) for weights, _, _ in uses]
     single = len(models) == 1
-    multi = diffusers.FluxMultiControlNetModel if base in CONTROL_IMAGE else MultiControlNetModel
+    refs = [ref for _, ref, _ in uses]
+    modes = [ref.mode for ref in refs]
+    if any(is_union(model) for model in models):  # SDXL's Union: its own pipeline, one Union and one mode a call
+        if not single:
+            raise ValueError("a ControlNet Union beside other ControlNets runs in scheduling: step only")
+        components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
+        controlled = diffusers.StableDiffusionXLControlNetUnionPipeline(
+            **components, controlnet=models[0], force_zeros_for_empty_prompt=pipeline.config.force_zeros_for_empty_prompt,
+            add_watermarker=False,
+        )  # fmt: skip
+        controlled.set_progress_bar_config(disable=True)
+        return controlled, {"controlnet_conditioning_scale": refs[0].scale, "control_guidance_start": refs[0].start,
+                            "control_guidance_end": refs[0].end, "control_mode": modes}  # fmt: skip
+    multi = diffusers.FluxMultiControlNetModel if base in FLUX_BASES else MultiControlNetModel
     controlnet = models[0] if single else multi(models)
     components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
     extra = {}
@@ -249,12 +282,13 @@ def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
         extra = {"force_zeros_for_empty_prompt": pipeline.config.force_zeros_for_empty_prompt, "add_watermarker": False}
     controlled = getattr(diffusers, CONTROLNET_PIPELINES[base])(**components, controlnet=controlnet, **extra)
     controlled.set_progress_bar_config(disable=True)
-    refs = [ref for _, ref, _ in uses]
     arguments = {
         "controlnet_conditioning_scale": refs[0].scale if single else [ref.scale for ref in refs],
         "control_guidance_start": refs[0].start if single else [ref.start for ref in refs],
         "control_guidance_end": refs[0].end if single else [ref.end for ref in refs],
     }
+    if any(mode is not None for mode in modes):  # FLUX.1's Union: `control_mode` (-1: a ControlNet without modes)
+        arguments["control_mode"] = modes[0] if single else [-1 if mode is None else mode for mode in modes]
     return controlled, arguments
 
 

@@ -45,7 +45,7 @@ class FluxControlNetRows(ControlNetRows):
                 latents = retrieve_latents(vae.encode(prepared), generator=[generator])
                 latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
                 prepared = pipe._pack_latents(latents, 1, latents.shape[1], latents.shape[2], latents.shape[3])
-            rows.append(RowControl(weights, prepared.to(dtype=dtype), use.scale, use.start, use.end))
+            rows.append(RowControl(weights, prepared.to(dtype=dtype), use.scale, use.start, use.end, use.mode))
         return rows
 
     def flux_residuals(self, running, inputs: dict) -> dict:
@@ -69,9 +69,15 @@ class FluxControlNetRows(ControlNetRows):
             model = self._model(rows[0][1].weights)
             index = torch.tensor([offset for offset, _, _, _ in rows], device=hidden.device)
             guidance = host_values([g for _, _, _, g in rows], hidden.device) if model.config.guidance_embeds else None
+            # A Union's mode is a token before the text, per row: rows in other modes share its call.
+            mode = (
+                torch.tensor([[control.mode] for _, control, _, _ in rows], device=hidden.device)
+                if model.union
+                else None
+            )
             blocks, singles = model(
                 hidden_states=hidden[index], controlnet_cond=torch.cat([control.image for _, control, _, _ in rows]),
-                conditioning_scale=1.0, timestep=inputs["timestep"][index], guidance=guidance,
+                controlnet_mode=mode, conditioning_scale=1.0, timestep=inputs["timestep"][index], guidance=guidance,
                 pooled_projections=inputs["pooled_projections"][index],
                 encoder_hidden_states=inputs["encoder_hidden_states"][index], txt_ids=inputs["txt_ids"],
                 img_ids=inputs["img_ids"], return_dict=False,

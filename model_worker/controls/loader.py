@@ -241,7 +241,8 @@ def _build(kind: str, files: dict[str, bytes]) -> tuple[Any, dict | None]:
         import diffusers
 
         config = json.loads(files["config.json"])
-        # ControlNetModel (SD 1.5, SDXL) or FluxControlNetModel: the class the checked config names.
+        # ControlNetModel (SD 1.5, SDXL), ControlNetUnionModel (SDXL) or FluxControlNetModel: the class the checked
+        # config names.
         model = getattr(diffusers, CONTROLNET_CLASSES[config["_class_name"]]).from_config(config)
         model.load_state_dict(load_safetensors(files["diffusion_pytorch_model.safetensors"]), strict=True)
         return model.eval(), None

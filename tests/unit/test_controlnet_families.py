@@ -171,3 +171,114 @@ def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_o
     other = {**files["flux"], "config.json": json.dumps({**config, "num_attention_heads": 4}).encode()}
     with pytest.raises(ControlFileError, match="num_attention_heads 4 does not match the base transformer's 2"):
         check_control("controlnet", other, *base_of("flux"))
+
+
+# ControlNet Union: one model, a control mode per request (SDXL's ControlNetUnionModel; FLUX.1's FluxControlNetModel
+# with `num_mode`), tiny random-weight ones (emulators/tiny_controls.py `build_union_controlnet`).
+
+
+@pytest.fixture(scope="module")
+def union(family, tmp_path_factory):
+    from emulators.tiny_controls import build_union_controlnet, control_files
+    from model_worker.controls.loader import ControlWeights, _build
+
+    folder = build_union_controlnet(family["directory"], tmp_path_factory.mktemp("union") / "union", 4)
+    model, _ = _build("controlnet", control_files(folder))
+    return ControlWeights("union", "controlnet", "1", "u" * 8, 0, model)
+
+
+def union_items(family, union, seed: int, mode: int, scale: float = 0.9, images: int = 1) -> list:
+    from contract.generation import ControlRef
+    from model_worker.controls.loader import ControlSet
+    from model_worker.model.runners import GenerationItem
+
+    ref = ControlRef(name="union", kind="controlnet", version="1", sha256="u" * 8, scale=scale, mode=mode)
+    controls = ControlSet((ref,), loaded=[union])
+    controls.done.set()
+    return [GenerationItem(prompt="a lighthouse", seed=seed + i, controls=controls,
+                           control_images=(family["images"]["edges"],)) for i in range(images)]  # fmt: skip
+
+
+def union_reference(family, union, seed: int, guidance: float, mode: int, scale: float = 0.9, images: int = 1):
+    """diffusers' Union pipeline for the family (SDXL's own; FLUX.1's ControlNet pipeline with `control_mode`)."""
+    import diffusers
+    import torch
+
+    base, image = family["reference"], family["images"]["edges"]
+    if family["spec"].family.name == "sdxl":
+        pipe = diffusers.StableDiffusionXLControlNetUnionPipeline(**base.components, controlnet=union.model,
+                                                                  add_watermarker=False)  # fmt: skip
+        kwargs = {"control_image": [image], "control_mode": [mode]}
+    else:
+        pipe = diffusers.FluxControlNetPipeline(**base.components, controlnet=union.model)
+        kwargs = {"control_image": image, "control_mode": mode, "max_sequence_length": 256}
+    pipe.set_progress_bar_config(disable=True)
+    return [pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE,
+                 generator=torch.Generator().manual_seed(seed + i), controlnet_conditioning_scale=scale,
+                 output_type="np", **kwargs).images[0] for i in range(images)]  # fmt: skip
+
+
+def test_a_union_request_equals_the_union_pipeline_and_modes_mix_in_one_call(family, union):
+    from model_worker.model.pipeline import DiffusionRunner
+
+    stepper, guidance = family["stepper"], guidance_of(family)
+    expected = {mode: union_reference(family, union, 5, guidance, mode) for mode in (1, 3)}
+    # The mode matters (SDXL's tiny Union: 20/255; FLUX.1's only 0.4/255, its mode one token beside 256 text tokens in
+    # a tiny random attention): each image below is ten times closer to its own mode's than the two modes are apart.
+    apart = differences(expected[1], expected[3])
+    assert apart > 0.1
+    (alone,) = stepped(stepper, [(union_items(family, union, 5, 1), guidance)])
+    assert differences(alone, expected[1]) <= min(TOLERANCE, apart / 10)
+    batch = DiffusionRunner(family["spec"].model_copy(update={"scheduling": "request"}), family["directory"],
+                            torch_threads=1)  # fmt: skip
+    requested = batch.generate(union_items(family, union, 5, 1) + union_items(family, union, 5, 3), params(guidance),
+                               lambda step, total: None)  # fmt: skip
+    assert differences(requested, expected[1] + expected[3]) <= min(TOLERANCE, apart / 10)
+    # Two modes, a plain ControlNet and none in one running set: each image its request's alone.
+    mixed = [(union_items(family, union, 5, 1), guidance), (union_items(family, union, 5, 3), guidance),
+             (items_of(family, 9, EDGES), guidance), (items_of(family, 12, []), guidance)]  # fmt: skip
+    got = stepped(stepper, mixed)
+    assert max(differences(got[0], expected[1]), differences(got[1], expected[3])) <= min(TOLERANCE, apart / 10)
+    assert differences(got[2], stepped(stepper, [(items_of(family, 9, EDGES), guidance)])[0]) <= TOLERANCE
+    plain = [(items_of(family, seed, []), guidance) for seed in (5, 5, 9, 12)]  # the same set without control
+    assert np.array_equal(got[3][0], stepped(stepper, plain)[3][0])
+
+
+def test_a_union_registers_with_its_modes_and_a_requests_mode_is_checked_against_them(family, tmp_path):
+    """Registration accepts a Union for its base (SDXL's ControlNetUnionModel, FLUX.1's FluxControlNetModel with
+    `num_mode`) and records how many modes it has; a request's `mode` is then a 422 naming it when the ControlNet is
+    not a Union, when a Union gets none, or when the mode is not one of its own."""
+    import json
+
+    from api_server.core.errors import ApiError
+    from api_server.predict.controls import check_mode
+    from contract.control_files import base_denoiser_files, check_control, union_modes
+    from contract.generation import ControlIn
+    from contract.lora_files import bytes_reader, read_header
+    from contract.stores.control_registry import ControlRecord
+    from emulators.tiny_controls import build_union_controlnet, control_files
+
+    directory = family["directory"]
+    config_file, weights_file = base_denoiser_files(family["spec"].family.name)
+    header = {}
+    if weights_file is not None:
+        data = (directory / weights_file).read_bytes()
+        header = read_header(bytes_reader(data), len(data))
+    files = control_files(build_union_controlnet(directory, tmp_path / "union", 4))
+    check_control("controlnet", files, json.loads((directory / config_file).read_text()), header)
+    modes = union_modes("controlnet", files)
+    assert modes == (6 if family["spec"].family.name == "sdxl" else 4)
+
+    def field_of(mode: int | None, record_modes: int | None) -> str | None:
+        record = ControlRecord(name="union", kind="controlnet", version="1", sha256="u", bytes=1, tensors=1,
+                               modes=record_modes)  # fmt: skip
+        try:
+            check_mode(ControlIn(name="union", image="x", mode=mode), record, "parameters.controls.0.mode")
+        except ApiError as refused:
+            assert refused.status == 422
+            return refused.field
+        return None
+
+    assert field_of(1, modes) is None and field_of(None, None) is None
+    for mode, record_modes in ((1, None), (None, modes), (modes, modes)):
+        assert field_of(mode, record_modes) == "parameters.controls.0.mode"

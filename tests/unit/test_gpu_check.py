@@ -23,6 +23,7 @@ TINY_LINES = [
     "flux.build",
     "flux.bf16",
     "flux.step-cache",
+    "flux.controlnet",
     "zimage.bf16",
     "flux2-klein.bf16",
     "qwenimage.bf16",
@@ -47,7 +48,7 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     lines = {line["key"]: line for line in document["lines"]}
     expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
                 "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16",
-                "sd15.step-cache", "flux.step-cache",
+                "sd15.step-cache", "flux.step-cache", "sd15.controlnet", "flux.controlnet",
                 "zimage.build", "zimage.bf16", "flux2-klein.build", "flux2-klein.bf16", "qwenimage.build",
                 "qwenimage.bf16", "qwenimage.release", "flux-fill.build", "flux-fill.bf16", "flux-kontext.build",
                 "flux-kontext.bf16"}  # fmt: skip
@@ -169,7 +170,8 @@ def test_lines_select_by_name_and_dotted_parts_not_by_any_prefix(tmp_path):
 
     assert keys("flux.bf16") == {"flux.bf16"}
     assert keys("sd15") == keys("sd15.") == {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone",
-                                             "sd15.syncs", "sd15.scheduler-steps", "sd15.step-cache"}  # fmt: skip
+                                             "sd15.syncs", "sd15.scheduler-steps", "sd15.step-cache",
+                                             "sd15.controlnet"}  # fmt: skip
     assert keys("sd15-compiled") == {"sd15-compiled", "sd15-compiled.warm-start"}
     assert keys("sd15-compiled.warm-start") == {"sd15-compiled", "sd15-compiled.warm-start"}  # the line it needs
     assert {"flux.build", "flux.bf16", "flux.bf16-compiled"} <= keys("flux")
