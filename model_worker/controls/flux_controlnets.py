@@ -48,41 +48,38 @@ class FluxControlNetRows(ControlNetRows):
             rows.append(RowControl(weights, prepared.to(dtype=dtype), use.scale, use.start, use.end, use.mode))
         return rows
 
-    def flux_residuals(self, running, inputs: dict) -> dict:
+    def flux_residuals(self, running, inputs: dict, guidance) -> dict:
         """The transformer's `controlnet_block_samples`, `controlnet_single_block_samples` and
         `controlnet_blocks_repeat` for the call's `inputs` (its hidden states may be padded past the running set's
-        rows: those get zeros); {} when no row has a ControlNet."""
-        from model_worker.model.families.linear_steps import host_values
-
+        rows: those get zeros); {} when no row has a ControlNet. `guidance`: each running row's guidance scale (a
+        float32 tensor on the device), which a ControlNet that embeds guidance takes as the pipeline gives it."""
         torch = self._torch
-        uses: OrderedDict[tuple, list[tuple[int, Any, float, float]]] = OrderedDict()
+        uses: OrderedDict[tuple, list[tuple[int, Any, float]]] = OrderedDict()
         for offset, r in enumerate(running):
             steps = len(r.state["step_timesteps"])
             for control in r.state.get("controlnets", ()):
                 scale = control.scale * control.keep(r.done, steps)
-                uses.setdefault(control.weights.key, []).append((offset, control, scale, r.state["guidance"]))
+                uses.setdefault(control.weights.key, []).append((offset, control, scale))
         if not uses:
             return {}
         hidden = inputs["hidden_states"]
         outputs = []
         for rows in uses.values():
             model = self._model(rows[0][1].weights)
-            index = torch.tensor([offset for offset, _, _, _ in rows], device=hidden.device)
-            guidance = host_values([g for _, _, _, g in rows], hidden.device) if model.config.guidance_embeds else None
+            index = torch.tensor([offset for offset, _, _ in rows], device=hidden.device)
+            embedded = guidance[index.to(guidance.device)] if model.config.guidance_embeds else None
             # A Union's mode is a token before the text, per row: rows in other modes share its call.
             mode = (
-                torch.tensor([[control.mode] for _, control, _, _ in rows], device=hidden.device)
-                if model.union
-                else None
+                torch.tensor([[control.mode] for _, control, _ in rows], device=hidden.device) if model.union else None
             )
             blocks, singles = model(
-                hidden_states=hidden[index], controlnet_cond=torch.cat([control.image for _, control, _, _ in rows]),
-                controlnet_mode=mode, conditioning_scale=1.0, timestep=inputs["timestep"][index], guidance=guidance,
+                hidden_states=hidden[index], controlnet_cond=torch.cat([control.image for _, control, _ in rows]),
+                controlnet_mode=mode, conditioning_scale=1.0, timestep=inputs["timestep"][index], guidance=embedded,
                 pooled_projections=inputs["pooled_projections"][index],
                 encoder_hidden_states=inputs["encoder_hidden_states"][index], txt_ids=inputs["txt_ids"],
                 img_ids=inputs["img_ids"], return_dict=False,
             )  # fmt: skip
-            scales = torch.tensor([scale for _, _, scale, _ in rows], dtype=hidden.dtype, device=hidden.device)
+            scales = torch.tensor([scale for _, _, scale in rows], dtype=hidden.dtype, device=hidden.device)
             outputs.append((index, scales.view(-1, 1, 1), list(blocks or ()), list(singles or ()),
                             model.input_hint_block is not None))  # fmt: skip
         layouts = {(len(blocks), len(singles), repeat) for _, _, blocks, singles, repeat in outputs}

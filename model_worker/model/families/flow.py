@@ -168,8 +168,9 @@ class FluxDenoiser(Denoiser):
                 "pooled_projections": pooled, "encoder_hidden_states": context, "txt_ids": first["text_ids"],
                 "img_ids": first["image_ids"],
             }  # fmt: skip
-            controls = self.controlnets.flux_residuals(running, inputs) if any(
-                r.state.get("controlnets") for r in running) else {}  # fmt: skip
+            controls = self.controlnets.flux_residuals(
+                running, inputs, host_values([r.state["guidance"] for r in running], latents.device)
+            ) if any(r.state.get("controlnets") for r in running) else {}  # fmt: skip
             if controls:  # a call with ControlNets runs in full; no image's step cache reuses what predates it
                 forget(running)
                 output = self.pipeline.transformer(**inputs, **controls, return_dict=False)[0]
