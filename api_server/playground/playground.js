@@ -24,7 +24,8 @@ function clearErrors() {
 
 function showError(error) {
   const field = error && error.field;
-  const target = field && (FIELD_ERRORS[field] || (field.startsWith("instances") ? "prompt" : null));
+  const target = field && (FIELD_ERRORS[field] || (field.startsWith("instances") ? "prompt"
+    : /^parameters\.(controls|image_prompts)\b/.test(field) ? "control" : null));
   const node = $((target || "form") + "-error");
   node.textContent = (error && error.message) || "request failed";
 }
@@ -80,6 +81,35 @@ function modelChanged() {
   $("model-hint").textContent = "up to " + model.limits.max_width + "x" + model.limits.max_height
     + " (multiples of " + model.size_multiple + "), " + model.limits.max_inference_steps + " steps, "
     + model.max_instances_per_request + " images";
+  loadControls(model);
+}
+
+// The control models registered for the model (GET /v1/models/{model}), when it takes any (GET /v1/models'
+// control_kinds): a ControlNet goes in parameters.controls, an IP-Adapter's image in parameters.image_prompts. The
+// models are listed again when the key's field loses focus: a control still registered stays chosen.
+async function loadControls(model) {
+  const select = $("control");
+  if (!(model.control_kinds || []).length) {
+    select.replaceChildren(new Option("none", ""));
+    $("control-editor").hidden = true;
+    return;
+  }
+  let registered = [];
+  try {
+    registered = (await api("GET", "/v1/models/" + encodeURIComponent(model.name))).data.controls || [];
+  } catch (failure) {
+    $("control-error").textContent = failure.detail ? failure.detail.message : "cannot list the control models";
+    return;
+  }
+  if ($("model").value !== model.name) return; // another model was chosen meanwhile
+  const chosen = select.value;
+  select.replaceChildren(new Option("none", ""), ...registered.map((control) => {
+    const option = new Option(control.name + " (" + control.kind + ")", control.name);
+    option.dataset.kind = control.kind;
+    return option;
+  }));
+  if (registered.some((control) => control.name === chosen)) select.value = chosen;
+  $("control-editor").hidden = !registered.length;
 }
 
 function readImage(file) {
@@ -199,6 +229,17 @@ async function buildRequest() {
     if (!file) errors.image = "an inpaint model repaints an input image";
     else if (!painting.painted) errors.mask = "paint the area to repaint over the image";
     else instance.mask = maskPng();
+  }
+  const control = $("control").selectedOptions[0];
+  if (control && control.value && !$("control-editor").hidden) {
+    const image = $("control-image").files[0];
+    const scale = Number($("control-scale").value);
+    if (!image) errors.control = "choose the image " + control.value + " follows";
+    else if (!$("control-scale").value.trim() || !Number.isFinite(scale)) errors.control = "a scale, e.g. 1.0";
+    else {
+      const entry = { name: control.value, image: await readImage(image), scale };
+      parameters[control.dataset.kind === "ip_adapter" ? "image_prompts" : "controls"] = [entry];
+    }
   }
   Object.entries(errors).forEach(([id, message]) => { $(id + "-error").textContent = message; });
   if (Object.keys(errors).length) return null;

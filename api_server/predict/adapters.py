@@ -25,6 +25,25 @@ log = logging.getLogger(__name__)
 FIELD = "parameters.adapters"
 
 
+def check_name(name: str) -> None:
+    """A registration's name (an adapter's or a control model's): a bucket path segment, or a 422 naming it."""
+    if re.fullmatch(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
+        raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN} (no '..'), at most "
+                       f"{ADAPTER_NAME_LENGTH} characters", "name")  # fmt: skip
+
+
+def check_version(version: object) -> str:
+    """A registration's version (an adapter's or a control model's): a bucket path segment, or a 422 naming it."""
+    if (
+        not isinstance(version, str)
+        or re.fullmatch(ADAPTER_VERSION_PATTERN, version) is None
+        or len(version) > ADAPTER_VERSION_LENGTH
+    ):
+        raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "
+                       f"{ADAPTER_VERSION_LENGTH} characters (no '..')", "version")  # fmt: skip
+    return version
+
+
 class AdapterService:
     def __init__(self, registry: AdapterRegistry) -> None:
         self._registry = registry
@@ -66,16 +85,8 @@ class AdapterService:
         return record
 
     def register(self, spec: ModelSpec, name: str, version: object) -> AdapterRecord:
-        if re.fullmatch(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
-            raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN} (no '..'), at most "
-                           f"{ADAPTER_NAME_LENGTH} characters", "name")  # fmt: skip
-        if (
-            not isinstance(version, str)
-            or re.fullmatch(ADAPTER_VERSION_PATTERN, version) is None
-            or len(version) > ADAPTER_VERSION_LENGTH
-        ):
-            raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "
-                           f"{ADAPTER_VERSION_LENGTH} characters (no '..')", "version")  # fmt: skip
+        check_name(name)
+        version = check_version(version)
         try:
             return self._registry.register(spec, name, version)
         except AdapterNotFoundError as exc:

@@ -5,18 +5,14 @@ behind the routes, checked as adapters are (`api_server/predict/adapters.py`).""
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable
 
 from google.api_core import exceptions
 
 from api_server.core.errors import ApiError
+from api_server.predict.adapters import check_name, check_version
 from contract.control_files import CONTROL_KINDS
 from contract.generation import (
-    ADAPTER_NAME_LENGTH,
-    ADAPTER_NAME_PATTERN,
-    ADAPTER_VERSION_LENGTH,
-    ADAPTER_VERSION_PATTERN,
     ControlIn,
     ControlRef,
     ImagePromptIn,
@@ -152,18 +148,10 @@ class ControlService:
         if spec.controls is None:
             raise ApiError(422, f"name: {spec.name} takes no control models", "name")
         # A control's name and version are bucket path segments, spelled as adapters' are.
-        if re.fullmatch(ADAPTER_NAME_PATTERN, name) is None or len(name) > ADAPTER_NAME_LENGTH:
-            raise ApiError(422, f"name: {name!r} must match {ADAPTER_NAME_PATTERN} (no '..'), at most "
-                           f"{ADAPTER_NAME_LENGTH} characters", "name")  # fmt: skip
+        check_name(name)
         if kind not in CONTROL_KINDS:
             raise ApiError(422, f"kind: one of {', '.join(CONTROL_KINDS)}", "kind")
-        if (
-            not isinstance(version, str)
-            or re.fullmatch(ADAPTER_VERSION_PATTERN, version) is None
-            or len(version) > ADAPTER_VERSION_LENGTH
-        ):
-            raise ApiError(422, "version: letters, digits, '_', '-' and single dots between them, at most "
-                           f"{ADAPTER_VERSION_LENGTH} characters (no '..')", "version")  # fmt: skip
+        version = check_version(version)
         try:
             return self._registry.register(spec, name, str(kind), version, self._budget(spec) if self._budget else None)
         except ControlNotFoundError as exc:

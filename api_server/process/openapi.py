@@ -144,6 +144,7 @@ class PlannedDeployment(BaseModel):
     weights_bytes: int = Field(
         description="every model's weights: one process loads them all, a copy models share once"
     )
+    control_bytes: int = Field(default=0, description="its models' control budgets (`controls.device_bytes`)")
     activation_bytes: int = Field(description="the largest model's activation peak: one call runs at a time")
     total_bytes: int
     room_bytes: int = Field(description="the GPU's memory less the reserve, shared between time-sharing pods")
@@ -156,6 +157,9 @@ class MemoryPlan(BaseModel):
     architecture: str
     hardware: str
     weights_bytes: int
+    control_bytes: int = Field(
+        default=0, description="its control budget: GPU memory for the control models' weights it holds (catalog)"
+    )
     activation_bytes: int = Field(description="the peak of a full batch at the largest allowed size")
     activation_phase: Literal["denoiser", "decode"]
     activation_at: dict[str, int] = Field(description="batch, width and height of that peak")
@@ -214,6 +218,11 @@ class ModelInfo(BaseModel):
         default="model", description="`flow`: several served models in one call, stage after stage"
     )
     stages: list[FlowStage] | None = Field(default=None, description="a flow's stages, in order; null for a model")
+    control_kinds: list[Literal["controlnet", "ip_adapter"]] = Field(
+        default_factory=list,
+        description="the control models it takes, registered per model: `controlnet` (`parameters.controls`), "
+        "`ip_adapter` (`parameters.image_prompts`); `GET /v1/models/{model}` lists those registered",
+    )
 
 
 class ModelList(BaseModel):

@@ -135,3 +135,37 @@ def test_a_painted_stroke_is_sent_as_a_black_and_white_mask_and_the_inpainted_im
     reach = int(brush / 2) + 2
     painted = [(x, y) for x in range(64) for y in range(64) if pixels[x, y] == 255]
     assert all(16 - reach <= x <= 48 + reach and abs(y - 32) <= reach for x, y in painted)  # the rest: keep
+
+
+def test_a_registered_control_model_is_picked_with_its_image_and_sent_in_the_parameters(browser, stack, tmp_path):
+    """sd15-txt2img takes control models (GET /v1/models' control_kinds): the page lists those registered for it
+    (`make up`'s tiny-edges and tiny-style), sends the chosen ControlNet with its image and scale in
+    `parameters.controls`, and shows the answer; a model that takes none offers none."""
+    open_playground(browser, stack)
+    WebDriverWait(browser, 20).until(lambda b: len(Select(b.find_element(By.ID, "control")).options) > 1)
+    options = {option.get_attribute("value"): option.text for option in Select(browser.find_element(By.ID, "control"))
+               .options}  # fmt: skip
+    assert options["tiny-edges"] == "tiny-edges (controlnet)" and options["tiny-style"] == "tiny-style (ip_adapter)"
+    Select(browser.find_element(By.ID, "control")).select_by_value("tiny-edges")
+    edges = tmp_path / "edges.png"
+    edges.write_bytes(base64.b64decode(png_b64(64, 64, noise=True)))
+    browser.find_element(By.ID, "control-image").send_keys(str(edges))
+    fill(browser, "control-scale", "0.8")
+    browser.execute_script(
+        "window.sentBodies = []; const send = window.fetch;"
+        "window.fetch = (url, init) => { if (init && init.body) window.sentBodies.push(init.body);"
+        " return send(url, init); };"
+    )
+    fill(browser, "prompt", f"a lighthouse {uuid.uuid4().hex}")
+    fill(browser, "size", "64x64")
+    fill(browser, "steps", "2")
+    browser.find_element(By.ID, "submit").click()
+    WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "status").text in ("succeeded", "failed"))
+    assert browser.find_element(By.ID, "status").text == "succeeded", browser.find_element(By.ID, "form-error").text
+    assert browser.find_elements(By.CSS_SELECTOR, "#results img")
+    (body,) = [json.loads(sent) for sent in browser.execute_script("return window.sentBodies")]
+    assert body["parameters"]["controls"] == [
+        {"name": "tiny-edges", "image": base64.b64encode(edges.read_bytes()).decode(), "scale": 0.8}
+    ]
+    Select(browser.find_element(By.ID, "model")).select_by_value("noop")
+    assert browser.find_element(By.ID, "control-editor").is_displayed() is False

@@ -56,3 +56,46 @@ def test_a_terminal_of_any_width_shows_whole_names_dropping_other_columns_first(
         assert "│" in text and all(len(line) <= width for line in text.splitlines()), text
     else:  # they do not: plain rows, which the terminal wraps
         assert [line.split()[0] for line in text.splitlines()[1:]] == list(NAMES), text
+
+
+def test_maas_models_shows_inputs_and_the_control_models_registered_for_each_model(monkeypatch):
+    """The listing says which control models a model takes; `maas models` asks those models' own pages which are
+    registered (only those: one request more per such model) and shows them beside what an instance takes."""
+    from contextlib import contextmanager
+
+    from typer.testing import CliRunner
+
+    from maas_client import cli
+    from maas_client.types import ControlInfo
+
+    takes = model("sd15-txt2img", ["1"]).model_copy(update={"control_kinds": ["controlnet", "ip_adapter"]})
+    bare = model("sd15-inpaint", ["1"]).model_copy(update={"control_kinds": ["controlnet"], "task": "inpaint",
+                                                           "inputs": ["prompt", "image", "mask"]})  # fmt: skip
+    asked: list[str] = []
+
+    class Client:
+        def models(self):
+            return [takes, bare, model("noop", ["1"])]
+
+        def model(self, name: str):
+            asked.append(name)
+            registered = [{"name": "tiny-edges", "kind": "controlnet", "version": "1"},
+                          {"name": "tiny-style", "kind": "ip_adapter", "version": "1"}]  # fmt: skip
+            return {"sd15-txt2img": takes, "sd15-inpaint": bare}[name].model_copy(
+                update={"controls": [ControlInfo.model_validate(c) for c in registered] if name == takes.name
+                        else []})  # fmt: skip
+
+    @contextmanager
+    def client():
+        yield Client()
+
+    monkeypatch.setattr(cli, "_client", client)
+    done = CliRunner().invoke(cli.app, ["models"], env={"COLUMNS": "300"})
+    assert done.exit_code == 0, done.output
+    assert asked == ["sd15-txt2img", "sd15-inpaint"]  # noop takes none: not asked
+    # Piped: aligned cells, two spaces or more apart; the last two are the inputs and the controls.
+    rows = {line.split()[0]: [cell.strip() for cell in line.split("  ") if cell.strip()][-2:]
+            for line in done.output.splitlines()[1:]}  # fmt: skip
+    assert rows["sd15-txt2img"] == ["prompt", "tiny-edges (controlnet), tiny-style (ip_adapter)"]
+    assert rows["sd15-inpaint"] == ["prompt,image,mask", "none registered (controlnet)"]
+    assert rows["noop"] == ["prompt", "-"]

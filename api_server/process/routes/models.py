@@ -30,6 +30,7 @@ def _public(spec, versions) -> dict:
         "defaults": spec.defaults.model_dump(exclude_none=True),
         "limits": spec.limits.model_dump(),
         "memory_plan": app_state().catalog.memory_plan(spec),
+        "control_kinds": list(spec.family.controls) if spec.controls is not None and spec.family else [],
     }
 
 

@@ -186,10 +186,11 @@ def _options_dict(seed, steps, size, image, negative, n, mask=None) -> dict:
 
 @app.command()
 def models() -> None:
-    """The models the API serves, with their defaults and limits."""
+    """The models the API serves, with their defaults, limits, inputs and the control models registered for them."""
     with _client() as client:
         try:
-            listed = client.models()
+            # The listing says which control models a model takes; its own page, which are registered.
+            listed = [client.model(m.name) if m.control_kinds else m for m in client.models()]
         except MaasError as exc:
             _fail(exc)
 
@@ -198,8 +199,10 @@ def models() -> None:
 
 def print_models(listed: list[ModelInfo], console: Console | None = None) -> None:
     """One row per model with its family (`-` for a synthetic one); with several versions, the stable one is
-    marked `*`. Names are never cut."""
-    headers = ("model", "versions", "family", "task", "default size", "steps", "max size", "max images")
+    marked `*`; what an instance takes; the control models registered (or the kinds it takes, none registered yet).
+    Names are never cut."""
+    headers = ("model", "versions", "family", "task", "default size", "steps", "max size", "max images", "inputs",
+               "controls")  # fmt: skip
     rows = [
         (
             m.name,
@@ -210,10 +213,19 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
             str(m.defaults.num_inference_steps),
             f"{m.limits.max_width}x{m.limits.max_height}",
             str(m.max_instances_per_request),
+            ",".join(m.inputs or ["prompt"]),
+            _controls(m),
         )
         for m in listed
     ]
     print_table(headers, rows, console=console)
+
+
+def _controls(model: ModelInfo) -> str:
+    """`tiny-edges (controlnet), tiny-style (ip_adapter)`; `none registered (controlnet, ip_adapter)`; `-`."""
+    if model.controls:
+        return ", ".join(f"{control.name} ({control.kind})" for control in model.controls)
+    return f"none registered ({', '.join(model.control_kinds)})" if model.control_kinds else "-"
 
 
 def _family(model: ModelInfo) -> str:

@@ -42,6 +42,14 @@ class FlowStage(_Body):
     fixes: dict[str, Any] | None = None
 
 
+class ControlInfo(_Body):
+    """A control model registered for a model (PUT /v1/models/{model}/controls/{name})."""
+
+    name: str
+    kind: str  # controlnet, ip_adapter
+    version: str
+
+
 class ModelInfo(_Body):
     name: str
     version: str  # the stable one
@@ -62,6 +70,10 @@ class ModelInfo(_Body):
     # `flow`: several served models in one call (its stages, in order); called like a model.
     kind: Literal["model", "flow"] = "model"
     stages: list[FlowStage] | None = None
+    # The control models it takes (`controlnet`: `controls=`, `ip_adapter`: `image_prompts=`); empty from older servers.
+    control_kinds: list[str] = Field(default_factory=list)
+    # Those registered for it: in `model(name)` (GET /v1/models/{model}), not in the listing.
+    controls: list[ControlInfo] | None = None
 
 
 class ModelList(_Body):
