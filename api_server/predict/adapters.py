@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from typing import Any
 
 from google.api_core import exceptions
 
@@ -23,6 +25,21 @@ from contract.stores.adapter_registry import AdapterNotFoundError, AdapterRecord
 
 log = logging.getLogger(__name__)
 FIELD = "parameters.adapters"
+
+
+def registered(resolve: Callable[[ModelSpec, str], Any], spec: ModelSpec, name: str, field: str, what: str,
+               listing: str) -> Any:  # fmt: skip
+    """`resolve(spec, name)`'s record (an adapter's or a control model's registration), or a 422 naming `field` when
+    none is registered (the route `GET /v1/models/{model}/{listing}` lists them), a 503 when the registry (the
+    model bucket) cannot be read: "{listing} registry", as the routes name it."""
+    try:
+        record = resolve(spec, name)
+    except exceptions.GoogleAPICallError as exc:
+        raise ApiError(503, f"{listing.removesuffix('s')} registry unavailable: {type(exc).__name__}") from exc
+    if record is None:
+        raise ApiError(422, f"{field}: no {what} {name!r} is registered for {spec.name}; "
+                       f"GET /v1/models/{spec.name}/{listing} lists them", field)  # fmt: skip
+    return record
 
 
 def check_name(name: str) -> None:
@@ -73,16 +90,10 @@ class AdapterService:
 
     def _record(self, spec: ModelSpec, name: str, field: str) -> AdapterRecord:
         try:
-            record = self._registry.resolve(spec, name)
+            return registered(self._registry.resolve, spec, name, f"{field}.name", "adapter", "adapters")
         except (AdapterFileError, AdapterNotFoundError) as exc:  # a catalog-listed adapter whose file is bad
             log.error("catalog-listed adapter %s of %s is unusable: %s", name, spec.name, exc)
             raise ApiError(422, f"{field}.name: adapter {name!r} is unusable: {exc}", f"{field}.name") from exc
-        except exceptions.GoogleAPICallError as exc:
-            raise ApiError(503, f"adapter registry unavailable: {type(exc).__name__}") from exc
-        if record is None:
-            raise ApiError(422, f"{field}.name: no adapter {name!r} is registered for {spec.name}; "
-                           f"GET /v1/models/{spec.name}/adapters lists them", f"{field}.name")  # fmt: skip
-        return record
 
     def register(self, spec: ModelSpec, name: str, version: object) -> AdapterRecord:
         check_name(name)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from google.api_core import exceptions
 
 from api_server.core.errors import ApiError
-from api_server.predict.adapters import check_name, check_version
+from api_server.predict.adapters import check_name, check_version, registered
 from contract.control_files import CONTROL_KINDS
 from contract.generation import (
     ControlIn,
@@ -134,14 +134,7 @@ class ControlService:
         return tuple(refs), images
 
     def _record(self, spec: ModelSpec, name: str, field: str) -> ControlRecord:
-        try:
-            record = self._registry.resolve(spec, name)
-        except exceptions.GoogleAPICallError as exc:
-            raise ApiError(503, f"control registry unavailable: {type(exc).__name__}") from exc
-        if record is None:
-            raise ApiError(422, f"{field}: no control model {name!r} is registered for {spec.name}; "
-                           f"GET /v1/models/{spec.name}/controls lists them", field)  # fmt: skip
-        return record
+        return registered(self._registry.resolve, spec, name, field, "control model", "controls")
 
     def register(self, spec: ModelSpec, name: str, kind: object, version: object) -> ControlRecord:
         """Checks the version's files against the model's base UNet, then makes it current (or a 422 naming why)."""

@@ -395,3 +395,40 @@ def test_canny_preprocessing_gives_white_edges_on_black():
     assert edges[6:10, 16].max() == 255 and edges[16, 6:10].max() == 255  # its border
     plain = np.asarray(control_image(base64.b64decode(png()), ref.model_copy(update={"preprocess": None}), 64 * 64))
     assert plain[0, 0].tolist() == [200, 30, 30]
+
+
+def test_adapters_and_control_models_are_looked_up_alike_a_missing_one_a_422_an_unreadable_registry_a_503():
+    from google.api_core import exceptions
+
+    from api_server.core.errors import ApiError
+    from api_server.predict.adapters import AdapterService
+    from api_server.predict.controls import ControlService
+    from contract.generation import AdapterIn, ImagePromptIn
+
+    class Registry:
+        def __init__(self, failing: bool) -> None:
+            self.failing = failing
+
+        def resolve(self, spec, name):
+            if self.failing:
+                raise exceptions.ServiceUnavailable("bucket down")
+            return None
+
+    def refusal(service, ask) -> ApiError:
+        with pytest.raises(ApiError) as refused:
+            ask(service)
+        return refused.value
+
+    def adapter(service):
+        return service.resolve(SPEC, [AdapterIn(name="ink", scale=1.0)])
+
+    def prompt(service):
+        return service.resolve_image_prompts(SPEC, [ImagePromptIn(name="style", image=png())], 0)
+
+    for service, ask, field, listing in ((AdapterService, adapter, "parameters.adapters.0.name", "adapters"),
+                                         (ControlService, prompt, "parameters.image_prompts.0.name", "controls")):  # fmt: skip
+        missing = refusal(service(Registry(failing=False)), ask)
+        assert (missing.status, missing.field) == (422, field)
+        assert f"is registered for sd15-txt2img; GET /v1/models/sd15-txt2img/{listing} lists them" in missing.message
+        down = refusal(service(Registry(failing=True)), ask)
+        assert down.status == 503 and down.message.startswith(f"{listing[:-1]} registry unavailable")
