@@ -51,7 +51,8 @@ def plan_problem(spec: ModelSpec, weights_dir: Path) -> str | None:
 
 def check_device_memory(spec: ModelSpec, torch, weights_dir: Path | None = None, shared: bool = False) -> None:
     """Raises DeviceMemoryError when the CUDA device's free memory (`torch.cuda.mem_get_info`) is below the unit's
-    planned weights and activation peak, or when the weights hold more parameters than the plan counted; on a CPU
+    planned weights, control budget (`controls.device_bytes`) and activation peak, or when the weights hold more
+    parameters than the plan counted; on a CPU
     there is nothing to check (the local stack's tiny pipelines), and the log says so. `shared`: the unit is built
     from components another unit loaded (the same `loaded_components`): they are on the device already, out of its
     free memory, so only the activation peak is checked (as the deployment's plan counts them once)."""
@@ -59,8 +60,9 @@ def check_device_memory(spec: ModelSpec, torch, weights_dir: Path | None = None,
     if plan is None:
         return
     weights_bytes = 0 if shared else plan.weights_bytes
+    controls = f" + control budget {gib(plan.control_bytes)}" if plan.control_bytes else ""
     needed = (
-        f"weights {gib(weights_bytes)}{' (shared, loaded already)' if shared else ''} + activation "
+        f"weights {gib(weights_bytes)}{' (shared, loaded already)' if shared else ''}{controls} + activation "
         f"{gib(plan.activation_bytes)} ({plan.activation_phase} at batch {plan.batch}, {plan.width}x{plan.height})"
     )
     if not torch.cuda.is_available():
@@ -70,9 +72,10 @@ def check_device_memory(spec: ModelSpec, torch, weights_dir: Path | None = None,
         raise DeviceMemoryError(problem)
     free, total = torch.cuda.mem_get_info()
     device = torch.cuda.get_device_name(0)
-    if weights_bytes + plan.activation_bytes > free:
+    if weights_bytes + plan.control_bytes + plan.activation_bytes > free:
+        total_needed = gib(weights_bytes + plan.control_bytes + plan.activation_bytes)
         raise DeviceMemoryError(
-            f"{spec.queue}: its memory plan needs {gib(weights_bytes + plan.activation_bytes)} ({needed}) and the GPU ({device}) has "
+            f"{spec.queue}: its memory plan needs {total_needed} ({needed}) and the GPU ({device}) has "
             f"{gib(free)} free of {gib(total)}: not loaded"
         )
     log.info("memory plan of %s: %s, within %s free of %s on %s", spec.queue, needed, gib(free), gib(total), device)

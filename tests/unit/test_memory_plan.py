@@ -268,6 +268,12 @@ def test_the_worker_refuses_to_load_a_unit_the_devices_free_memory_cannot_hold(c
         check_device_memory(spec, SimpleNamespace(cuda=FakeCuda(None)))
     assert "within 22.00 GiB free of 24.00 GiB on NVIDIA L4" in caplog.text
     assert "the check against the device is skipped: no CUDA device" in caplog.text
+    # A control budget is held on the device too: sd15-txt2img's 8.11 GiB plan and 2 GiB for its control models.
+    budgeted = load_catalog().get("sd15-txt2img")
+    budgeted = budgeted.model_copy(update={"controls": budgeted.controls.model_copy(update={"device_bytes": 2 * GIB})})
+    check_device_memory(budgeted.model_copy(update={"controls": None}), SimpleNamespace(cuda=FakeCuda(9 * GIB)))
+    with pytest.raises(DeviceMemoryError, match=r"needs 10\.11 GiB \(weights 1\.99 GiB \+ control budget 2\.00 GiB"):
+        check_device_memory(budgeted, SimpleNamespace(cuda=FakeCuda(9 * GIB)))
 
 
 def test_a_version_asks_for_an_a100_in_bf16_beside_the_l4_fp8_one(tmp_path):
