@@ -48,10 +48,12 @@ def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: flo
     return out_dir
 
 
-def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
+def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5,
+                          guidance_embeds: bool = False) -> Path:  # fmt: skip
     """An InstantX-style ControlNet of the pipeline's FLUX.1 transformer (`FluxControlNetModel.from_transformer`: one
     double and one single block, its embedders copied from the transformer), its own layers (the control embedder and
-    the per-block projections, zero when untrained) random."""
+    the per-block projections, zero when untrained) random; `guidance_embeds`: one that embeds the guidance scale, as
+    InstantX's (made for FLUX.1 [dev]) do, whatever its base takes."""
     import torch
     from diffusers import FluxControlNetModel, FluxTransformer2DModel
 
@@ -61,6 +63,11 @@ def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength
         transformer, num_layers=1, num_single_layers=1, attention_head_dim=config.attention_head_dim,
         num_attention_heads=config.num_attention_heads,
     )  # fmt: skip
+    if guidance_embeds:
+        plain = controlnet
+        settings = {key: value for key, value in plain.config.items() if key != "_use_default_values"}
+        controlnet = FluxControlNetModel.from_config({**settings, "guidance_embeds": True})
+        controlnet.load_state_dict(plain.state_dict(), strict=False)  # the guidance embedder stays random
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in controlnet.named_parameters():

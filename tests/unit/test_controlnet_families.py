@@ -282,3 +282,30 @@ def test_a_union_registers_with_its_modes_and_a_requests_mode_is_checked_against
     assert field_of(1, modes) is None and field_of(None, None) is None
     for mode, record_modes in ((1, None), (None, modes), (modes, modes)):
         assert field_of(mode, record_modes) == "parameters.controls.0.mode"
+
+
+@pytest.mark.parametrize("family", ["flux-schnell"], indirect=True)
+def test_a_flux_controlnet_that_embeds_guidance_takes_each_rows_guidance(family, tmp_path):
+    """InstantX's FLUX.1 ControlNets embed the guidance scale (made for [dev]), whatever the base takes: in a running
+    set each row's ControlNet gets its own request's guidance, as FluxControlNetPipeline gives it for that request."""
+    import diffusers
+    import torch
+
+    from emulators.tiny_controls import build_flux_controlnet, control_files
+    from model_worker.controls.loader import ControlWeights, _build
+
+    folder = build_flux_controlnet(family["directory"], tmp_path / "guided", 5, guidance_embeds=True)
+    model, _ = _build("controlnet", control_files(folder))
+    family["controls"]["guided"] = ControlWeights("guided", "controlnet", "1", "guided" * 2, 0, model)
+    family["images"]["guided"] = family["images"]["edges"]
+    uses = [("guided", 0.8, 0.0, 1.0)]
+    pipe = diffusers.FluxControlNetPipeline(**family["reference"].components, controlnet=model)
+    pipe.set_progress_bar_config(disable=True)
+    expected = {guidance: pipe(prompt="a lighthouse", control_image=family["images"]["edges"], num_inference_steps=STEPS,
+                               guidance_scale=guidance, width=SIZE, height=SIZE, controlnet_conditioning_scale=0.8,
+                               generator=torch.Generator().manual_seed(3), max_sequence_length=256,
+                               output_type="np").images[0] for guidance in (2.0, 9.0)}  # fmt: skip
+    apart = differences([expected[2.0]], [expected[9.0]])
+    assert apart > 0.1
+    got = stepped(family["stepper"], [(items_of(family, 3, uses), 2.0), (items_of(family, 3, uses), 9.0)])
+    assert max(differences(got[0], [expected[2.0]]), differences(got[1], [expected[9.0]])) <= min(TOLERANCE, apart / 10)
