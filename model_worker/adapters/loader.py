@@ -1,4 +1,5 @@
-"""LoRA adapters on the worker: loaded from the model bucket on a background thread into a host-memory LRU.
+"""LoRA adapters on the worker: loaded from the model bucket on a background thread into a host-memory LRU (the loader
+the control models use too: `model_worker/host_cache.py`).
 
 A request naming adapters gets an `AdapterSet` at intake; the pool holds it back (without holding anyone
 else back) until the set is ready, so the device loop never waits for a download: it keeps serving the
@@ -21,13 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from contract import naming
 from contract.generation import AdapterRef
@@ -42,6 +40,7 @@ from contract.lora_files import (
 )
 from contract.model_spec import ModelSpec
 from contract.settings import ADAPTER_HOST_CACHE_BYTES
+from model_worker.host_cache import HostCacheLoader, LoadingSet
 
 log = logging.getLogger(__name__)
 
@@ -66,36 +65,18 @@ class LoraWeights:
 
 
 @dataclass(eq=False)
-class AdapterSet:
-    """One request's adapters: ready when all are loaded or one failed (`error`)."""
+class AdapterSet(LoadingSet):
+    """One request's adapters, each `(weights, scale)`: ready when all are loaded or one failed (`error`)."""
 
-    refs: tuple[AdapterRef, ...]
-    loaded: list[tuple[LoraWeights, float]] = field(default_factory=list)
-    error: Exception | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def ready(self) -> bool:
-        return self.done.is_set()
-
-    def weights(self) -> list[tuple[LoraWeights, float]]:
-        """What the runner applies; raises (ValueError: the request fails alone) when loading failed."""
-        if self.error is not None:
-            raise ValueError(f"adapter could not be loaded: {self.error}")
-        return self.loaded
+    what: ClassVar[str] = "adapter"
 
 
-# A host-cache entry: the serving unit (its queue name) and the adapter's name, version and registered digest.
-CacheKey = tuple[str, str, str, str]
+class AdapterLoader(HostCacheLoader):
+    """One background thread downloading, checking and parsing adapters into one LRU (`model_worker/host_cache.py`),
+    bounded per unit by count (the catalog's `host_cache`) and for the worker by bytes (`host_cache_bytes`)."""
 
-
-def _cache_key(spec: ModelSpec, ref: AdapterRef) -> CacheKey:
-    return spec.queue, ref.name, ref.version, ref.sha256
-
-
-class AdapterLoader:
-    """One background thread downloading, checking and parsing adapters into one LRU, bounded per unit by count
-    (the catalog's `host_cache`) and for the worker by bytes (`host_cache_bytes`)."""
+    label = "adapter"
+    set_type = AdapterSet
 
     def __init__(
         self,
@@ -105,107 +86,16 @@ class AdapterLoader:
         observe: Callable[[str, str, float], None] = lambda model, outcome, seconds: None,
         host_cache_bytes: int = ADAPTER_HOST_CACHE_BYTES,
     ) -> None:
-        self._bucket = bucket
-        self._weights_dirs = weights_dirs
-        self._on_ready = on_ready
-        self._observe = observe
-        self._host_cache_bytes = host_cache_bytes
-        self._cache: OrderedDict[CacheKey, LoraWeights] = OrderedDict()
+        super().__init__(bucket, weights_dirs, on_ready, host_cache_bytes, observe)
         self._base: dict[str, dict] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[ModelSpec, AdapterSet] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
-        self.loads = 0  # adapters read from the bucket (cache misses)
 
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes of the adapter files held in the host cache now."""
-        with self._lock:
-            return sum(weights.nbytes for weights in self._cache.values())
+    def entry(self, weights: LoraWeights, ref: AdapterRef) -> tuple[LoraWeights, float]:
+        return weights, ref.scale
 
-    def cached(self, spec: ModelSpec) -> list[tuple[str, str, str]]:
-        """The unit's cached adapters (name, version, digest), least recently used first."""
-        with self._lock:
-            return [key[1:] for key in self._cache if key[0] == spec.queue]
+    def unit_limit(self, spec: ModelSpec) -> int | None:
+        return spec.adapters.host_cache if spec.adapters else 1
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def request(self, spec: ModelSpec, refs: tuple[AdapterRef, ...]) -> AdapterSet:
-        """The request's set: ready at once when every adapter is cached, else loaded in the background."""
-        adapters = AdapterSet(refs)
-        cached = self._cached(spec, refs)
-        if cached is not None:
-            adapters.loaded = cached
-            adapters.done.set()
-        else:
-            self._queue.put((spec, adapters))
-        return adapters
-
-    def _cached(self, spec: ModelSpec, refs: tuple[AdapterRef, ...]) -> list[tuple[LoraWeights, float]] | None:
-        keys = [_cache_key(spec, ref) for ref in refs]
-        with self._lock:
-            if not all(key in self._cache for key in keys):
-                return None
-            for key in keys:
-                self._cache.move_to_end(key)
-            return [(self._cache[key], ref.scale) for key, ref in zip(keys, refs, strict=True)]
-
-    def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
-            spec, adapters = work
-            try:
-                adapters.loaded = [(self._weights(spec, ref), ref.scale) for ref in adapters.refs]
-            except Exception as exc:  # noqa: BLE001 - the request fails alone; the loader goes on
-                log.warning("adapters %s for %s could not be loaded: %s", [r.name for r in adapters.refs], spec.queue,
-                            exc)  # fmt: skip
-                adapters.error = exc
-            adapters.done.set()
-            self._on_ready()
-
-    def _weights(self, spec: ModelSpec, ref: AdapterRef) -> LoraWeights:
-        key = _cache_key(spec, ref)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        started = time.perf_counter()
-        try:
-            weights = self._load(spec, ref)
-        except Exception:
-            self._observe(spec.name, "failed", time.perf_counter() - started)
-            raise
-        seconds = time.perf_counter() - started
-        self._observe(spec.name, "loaded", seconds)
-        log.info("adapter %s@%s for %s loaded in %.3fs (%.1f MB)", ref.name, ref.version, spec.queue, seconds,
-                 weights.nbytes / 1e6)  # fmt: skip
-        with self._lock:
-            self.loads += 1
-            if weights.nbytes <= self._host_cache_bytes:
-                self._make_room(spec, weights.nbytes)
-                self._cache[key] = weights
-            else:  # its request holds it; the next one loads it again
-                log.warning("adapter %s@%s (%d bytes) is larger than the host cache (%d bytes): not kept",
-                            ref.name, ref.version, weights.nbytes, self._host_cache_bytes)  # fmt: skip
-        return weights
-
-    def _make_room(self, spec: ModelSpec, nbytes: int) -> None:
-        """Drops the least recently used entries until one more of `nbytes` fits both limits (the lock held)."""
-        limit = spec.adapters.host_cache if spec.adapters else 1
-        while (unit := [key for key in self._cache if key[0] == spec.queue]) and len(unit) >= limit:
-            self._drop(unit[0], "the model's host_cache count")
-        while self._cache and sum(w.nbytes for w in self._cache.values()) + nbytes > self._host_cache_bytes:
-            self._drop(next(iter(self._cache)), "the worker's host cache bytes")
-
-    def _drop(self, key: CacheKey, limit: str) -> None:
-        weights = self._cache.pop(key)
-        log.info("adapter %s@%s of %s dropped from host memory (least recently used, %s)", weights.name,
-                 weights.version, key[0], limit)  # fmt: skip
-
-    def _load(self, spec: ModelSpec, ref: AdapterRef) -> LoraWeights:
+    def load(self, spec: ModelSpec, ref: AdapterRef) -> LoraWeights:
         policy = spec.adapters
         if policy is None:
             raise AdapterFileError(f"{spec.name} takes no adapters")
@@ -225,9 +115,7 @@ class AdapterLoader:
             raise AdapterFileError(f"{ref.name}@{ref.version}: {exc}") from exc
         from safetensors.torch import load as load_safetensors
 
-        with self._lock:  # room for its tensors before they exist: the cache and this load stay within the budget
-            if len(data) <= self._host_cache_bytes:
-                self._make_room(spec, len(data))
+        self.make_room(spec, len(data))  # before its tensors exist
         return LoraWeights(ref.name, ref.version, ref.sha256, load_safetensors(data), len(data), rank)
 
     def _base_headers(self, spec: ModelSpec) -> dict:

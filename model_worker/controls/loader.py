@@ -1,5 +1,6 @@
 """Control models on the worker: loaded from the model bucket on a background thread into a host-memory LRU sized
-in bytes, beside the adapter cache (`model_worker/adapters/loader.py`) and in its pattern.
+in bytes, beside the adapter cache (`model_worker/adapters/loader.py`), by the same loader
+(`model_worker/host_cache.py`).
 
 A request naming control models gets a `ControlSet` at intake; it is ready when every model is loaded or one
 failed, so the device loop never waits for a download. Each version's files are checked again here before torch
@@ -15,14 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from contract import naming
 from contract.control_files import (
@@ -36,6 +33,7 @@ from contract.control_files import (
 from contract.lora_files import read_header
 from contract.model_spec import ModelSpec
 from contract.settings import CONTROL_HOST_CACHE_BYTES
+from model_worker.host_cache import HostCacheLoader, LoadingSet
 
 log = logging.getLogger(__name__)
 
@@ -69,35 +67,18 @@ class ControlWeights:
 
 
 @dataclass(eq=False)
-class ControlSet:
-    """One request's control models: ready when all are loaded or one failed (`error`)."""
+class ControlSet(LoadingSet):
+    """One request's control models, each its `ControlWeights`: ready when all are loaded or one failed (`error`)."""
 
-    refs: tuple
-    loaded: list[ControlWeights] = field(default_factory=list)
-    error: Exception | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def ready(self) -> bool:
-        return self.done.is_set()
-
-    def weights(self) -> list[ControlWeights]:
-        """What the denoiser runs, in the request's order; raises (ValueError: the request fails alone) when a load
-        failed."""
-        if self.error is not None:
-            raise ValueError(f"control model could not be loaded: {self.error}")
-        return self.loaded
+    what: ClassVar[str] = "control model"
 
 
-CacheKey = tuple[str, str, str, str]
+class ControlLoader(HostCacheLoader):
+    """One background thread downloading, checking and building control models into one LRU bounded in bytes
+    (`model_worker/host_cache.py`)."""
 
-
-def _cache_key(spec: ModelSpec, ref: ControlVersion) -> CacheKey:
-    return spec.queue, ref.name, ref.version, ref.sha256
-
-
-class ControlLoader:
-    """One background thread downloading, checking and building control models into one LRU bounded in bytes."""
+    label = "control"
+    set_type = ControlSet
 
     def __init__(
         self,
@@ -106,87 +87,10 @@ class ControlLoader:
         on_ready: Callable[[], None],
         host_cache_bytes: int = CONTROL_HOST_CACHE_BYTES,
     ) -> None:
-        self._bucket = bucket
-        self._weights_dirs = weights_dirs
-        self._on_ready = on_ready
-        self._host_cache_bytes = host_cache_bytes
-        self._cache: OrderedDict[CacheKey, ControlWeights] = OrderedDict()
+        super().__init__(bucket, weights_dirs, on_ready, host_cache_bytes)
         self._base: dict[str, tuple[dict, dict]] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[ModelSpec, ControlSet] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="control-loader", daemon=True)
-        self.loads = 0  # versions read from the bucket (cache misses)
 
-    @property
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(weights.nbytes for weights in self._cache.values())
-
-    def cached(self, spec: ModelSpec) -> list[tuple[str, str, str]]:
-        """The unit's cached control versions (name, version, digest), least recently used first."""
-        with self._lock:
-            return [key[1:] for key in self._cache if key[0] == spec.queue]
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def request(self, spec: ModelSpec, refs: tuple) -> ControlSet:
-        """The request's set: ready at once when every version is cached, else loaded in the background."""
-        controls = ControlSet(tuple(refs))
-        keys = [_cache_key(spec, ref) for ref in refs]
-        with self._lock:
-            if all(key in self._cache for key in keys):
-                for key in keys:
-                    self._cache.move_to_end(key)
-                controls.loaded = [self._cache[key] for key in keys]
-                controls.done.set()
-                return controls
-        self._queue.put((spec, controls))
-        return controls
-
-    def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
-            spec, controls = work
-            try:
-                controls.loaded = [self._weights(spec, ref) for ref in controls.refs]
-            except Exception as exc:  # noqa: BLE001 - the request fails alone; the loader goes on
-                log.warning("control models %s for %s could not be loaded: %s", [r.name for r in controls.refs],
-                            spec.queue, exc)  # fmt: skip
-                controls.error = exc
-            controls.done.set()
-            self._on_ready()
-
-    def _weights(self, spec: ModelSpec, ref: ControlVersion) -> ControlWeights:
-        key = _cache_key(spec, ref)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        started = time.perf_counter()
-        weights = self._load(spec, ref)
-        log.info("control %s %s@%s for %s loaded in %.3fs (%.1f MB)", ref.kind, ref.name, ref.version, spec.queue,
-                 time.perf_counter() - started, weights.nbytes / 1e6)  # fmt: skip
-        with self._lock:
-            self.loads += 1
-            if weights.nbytes <= self._host_cache_bytes:
-                self._make_room(weights.nbytes)
-                self._cache[key] = weights
-            else:
-                log.warning("control %s@%s (%d bytes) is larger than the host cache (%d bytes): not kept", ref.name,
-                            ref.version, weights.nbytes, self._host_cache_bytes)  # fmt: skip
-        return weights
-
-    def _make_room(self, nbytes: int) -> None:
-        """Drops the least recently used versions until one more of `nbytes` fits (the lock held)."""
-        while self._cache and sum(w.nbytes for w in self._cache.values()) + nbytes > self._host_cache_bytes:
-            key, weights = self._cache.popitem(last=False)
-            log.info("control %s@%s of %s dropped from host memory (least recently used)", weights.name,
-                     weights.version, key[0])  # fmt: skip
-
-    def _load(self, spec: ModelSpec, ref: ControlVersion) -> ControlWeights:
+    def load(self, spec: ModelSpec, ref: ControlVersion) -> ControlWeights:
         policy = spec.controls
         if policy is None:
             raise ControlFileError(f"{spec.name} takes no control models")
@@ -207,9 +111,7 @@ class ControlLoader:
             summary = check_control(ref.kind, files, *self._base_unet(spec))
         except ControlFileError as exc:
             raise ControlFileError(f"{ref.name}@{ref.version}: {exc}") from exc
-        with self._lock:  # room before the tensors exist: the cache and this load stay within the budget
-            if summary.bytes <= self._host_cache_bytes:
-                self._make_room(summary.bytes)
+        self.make_room(spec, summary.bytes)  # before its tensors exist
         model, state_dict = _build(ref.kind, files)
         return ControlWeights(ref.name, ref.kind, ref.version, ref.sha256, summary.bytes, model, state_dict)
 
