@@ -11,6 +11,7 @@ stack's and the tests' fixture, so it lives with the emulators, not in the worke
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -613,6 +614,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = Settings.from_env()
+    # One build at a time in a folder: the test suite's two stacks start together and built the same tiny models
+    # into it at once (one read a tokenizer file the other was writing). The second waits, then finds them built.
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / ".building.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        publish(settings, args.out, args.upload)
+
+
+def publish(settings, out: Path, upload: bool) -> None:
+    """Builds what is missing under `out` and, with `upload`, uploads and registers it for every catalog model."""
     built: dict[str, Path] = {}  # weights path -> the tiny pipeline uploaded there
     for spec in settings.catalog().units():
         if spec.runner != "diffusers":
@@ -620,11 +631,11 @@ def main() -> None:
         # Units on the same weights (the local SD 1.5 image-to-image on the text-to-image's) share one upload: the
         # catalog's pipeline class loads the same files.
         shared = spec.weights_path in built
-        target = built.setdefault(spec.weights_path, args.out / spec.queue)
+        target = built.setdefault(spec.weights_path, out / spec.queue)
         if not shared and not (target / "model_index.json").exists():
             build_pipeline(target, spec.pipeline, spec.guidance_mode, tuple(spec.without))
             log.info("built tiny %s for %s in %s", spec.pipeline, spec.queue, target)
-        if args.upload:
+        if upload:
             imported = imported_weights(target, settings.model_bucket, spec.weights_path)
             if imported:
                 log.info("kept gs://%s/%s: imported weights, not the tiny pipeline (%s)",
@@ -633,12 +644,12 @@ def main() -> None:
                 count = upload_directory(target, settings.model_bucket, spec.weights_path)
                 log.info("uploaded %d files to gs://%s/%s", count, settings.model_bucket, spec.weights_path)
             if spec.adapters is not None:
-                adapters = publish_adapters(spec, target, args.out / "adapters" / spec.name, settings.model_bucket)
+                adapters = publish_adapters(spec, target, out / "adapters" / spec.name, settings.model_bucket)
                 log.info("registered adapters for %s: %s", spec.name, ", ".join(adapters))
             if spec.controls is not None:
                 from emulators.tiny_controls import publish_controls
 
-                controls = publish_controls(spec, target, args.out / "controls" / spec.name, settings.model_bucket)
+                controls = publish_controls(spec, target, out / "controls" / spec.name, settings.model_bucket)
                 log.info("registered control models for %s: %s", spec.name, ", ".join(controls))
 
 
