@@ -1,9 +1,10 @@
 # Everyday commands. `make run` and `make test` install what they need first.
 PYTHON ?= python3
 VENV := .venv
-# The test files run on two processes (pytest-xdist), each with its own stack; `make test PYTEST_PARALLEL=` runs them on one.
-# The files go out longest first (tests/file_order.py), not by their number of tests.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
+# The test files run on three processes (pytest-xdist): two with a stack each, for the stack tests first, and one for
+# the files that need none, on the CPU the waiting stack tests leave (tests/file_order.py: longest files first).
+# `make test PYTEST_PARALLEL=` runs them all on one.
+PYTEST_PARALLEL ?= -n 3 --dist loadfile --no-loadscope-reorder
 VENV_BQ := .venv-bq
 VENV_CHECKOV := .venv-checkov
 PY := $(VENV)/bin/python

@@ -1,10 +1,15 @@
-"""The order test files are handed to the parallel workers: the longest first, so the short unit files fill the end.
+"""Which parallel worker runs which test file, and in what order: the longest first, stack files on stack workers.
 
 pytest-xdist's `--dist loadfile` hands each worker a whole file at a time, by default the files with the most tests
 first. That put the suite's longest files (one or two slow tests each: the bench smoke, the chaos burst) last, so
 one worker ran them alone for minutes while the other had finished. Run with `--no-loadscope-reorder`, the workers
 take the files in the order this plugin sorts them: by their seconds in `tests/file_seconds.json`, longest first.
 The figures only order the work; stale ones cost minutes, never a result. `make test-durations` writes them anew.
+
+Each worker that runs a stack test starts a whole stack of its own (about 5 GiB, a minute of CPU), and a stack test
+mostly waits: for a worker killed, a deadline, a lease to lapse. So the first `STACK_WORKERS` workers take the stack
+files (tests/integration, e2e, browser) first and the others' leftovers after; any further worker takes only the
+files that need no stack, on the CPU the stack tests leave idle, and never starts a third stack.
 """
 
 from __future__ import annotations
@@ -43,6 +48,52 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     items[:] = longest_first(items, load_seconds())
+
+
+# Files under these start the session's stack (or may: the browser tests): they run on stack workers only.
+STACK_FILES = ("tests/integration/", "tests/e2e/", "tests/browser/")
+STACK_WORKERS = 2
+
+
+def may_take(worker_index: int, scopes: list[str]) -> list[str]:
+    """The files a worker may take, in the order it takes them: a stack worker the stack files first (no other
+    worker may run them), then the rest; any other worker only the files that need no stack."""
+    needs_stack = [scope for scope in scopes if scope.startswith(STACK_FILES)]
+    rest = [scope for scope in scopes if not scope.startswith(STACK_FILES)]
+    return needs_stack + rest if worker_index < STACK_WORKERS else rest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class StackWorkersScheduling(LoadFileScheduling):
+        """`--dist loadfile`, each worker taking the next file it may run (`may_take`)."""
+
+        def _may_take(self, node) -> list[str]:
+            return may_take(int(node.gateway.id.removeprefix("gw")), list(self.workqueue))
+
+        def _assign_work_unit(self, node) -> None:
+            if not (scopes := self._may_take(node)):
+                return
+            work_unit = self.workqueue.pop(scopes[0])
+            self.assigned_work.setdefault(node, {})[scopes[0]] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self._may_take(node):
+                node.shutdown()  # after what it holds
+                return
+            if self._pending_of(self.assigned_work[node]) > 2:
+                return
+            self._assign_work_unit(node)
+
+    return StackWorkersScheduling(config, log)
 
 
 class FileSeconds:

@@ -1,12 +1,12 @@
 """The suite's files go to the parallel workers longest first (tests/file_order.py), each file's tests kept in
-their own order, and a run can write the figures anew."""
+their own order, the stack files to the two workers with a stack; a run can write the figures anew."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-from tests.file_order import UNMEASURED_SECONDS, FileSeconds, load_seconds, longest_first
+from tests.file_order import STACK_WORKERS, UNMEASURED_SECONDS, FileSeconds, load_seconds, longest_first, may_take
 
 
 def items(*nodeids: str) -> list:
@@ -36,3 +36,14 @@ def test_the_figures_are_written_per_file_longest_first_and_read_back(tmp_path):
     assert list(json.loads(path.read_text()).items()) == [("tests/x.py", 3.2), ("tests/y.py", 2.5)]
     assert load_seconds(path) == {"tests/x.py": 3.2, "tests/y.py": 2.5}
 
+
+def test_stack_files_go_to_the_stack_workers_first_and_never_to_the_others():
+    queue = ["tests/unit/test_long.py", "tests/integration/test_a.py", "tests/e2e/test_b.py", "tests/unit/test_short.py",
+             "tests/browser/test_c.py", "tests/infra/test_d.py"]  # fmt: skip
+    for stack_worker in range(STACK_WORKERS):
+        assert may_take(stack_worker, queue) == ["tests/integration/test_a.py", "tests/e2e/test_b.py",
+                                                 "tests/browser/test_c.py", "tests/unit/test_long.py",
+                                                 "tests/unit/test_short.py", "tests/infra/test_d.py"]  # fmt: skip
+    assert may_take(STACK_WORKERS, queue) == ["tests/unit/test_long.py", "tests/unit/test_short.py",
+                                              "tests/infra/test_d.py"]  # fmt: skip
+    assert may_take(STACK_WORKERS, ["tests/e2e/test_b.py"]) == []  # it stops rather than start a third stack
