@@ -66,7 +66,7 @@ def test_maas_models_shows_inputs_and_the_control_models_registered_for_each_mod
     from typer.testing import CliRunner
 
     from maas_client import cli
-    from maas_client.types import ControlInfo
+    from maas_client.types import ControlInfo, ModelDetail
 
     takes = model("sd15-txt2img", ["1"]).model_copy(update={"control_kinds": ["controlnet", "ip_adapter"]})
     bare = model("sd15-inpaint", ["1"]).model_copy(update={"control_kinds": ["controlnet"], "task": "inpaint",
@@ -81,9 +81,10 @@ def test_maas_models_shows_inputs_and_the_control_models_registered_for_each_mod
             asked.append(name)
             registered = [{"name": "tiny-edges", "kind": "controlnet", "version": "1"},
                           {"name": "tiny-style", "kind": "ip_adapter", "version": "1"}]  # fmt: skip
-            return {"sd15-txt2img": takes, "sd15-inpaint": bare}[name].model_copy(
-                update={"controls": [ControlInfo.model_validate(c) for c in registered] if name == takes.name
-                        else []})  # fmt: skip
+            listed = {"sd15-txt2img": takes, "sd15-inpaint": bare}[name]
+            return ModelDetail(**listed.model_dump(), stable_version="1",
+                               controls=[ControlInfo.model_validate(c) for c in registered] if name == takes.name
+                               else [])  # fmt: skip
 
     @contextmanager
     def client():

@@ -13,7 +13,7 @@ import httpx
 from maas_client import _core
 from maas_client.client import POLL_SECONDS, ProgressCallback
 from maas_client.errors import NotFound, ServerError, Timeout
-from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
+from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelDetail, ModelInfo, ModelList, Result, Usage
 
 
 class AsyncClient:
@@ -73,8 +73,8 @@ class AsyncClient:
     async def models(self) -> list[ModelInfo]:
         return ModelList.model_validate((await self.request("GET", "/v1/models", safe=True)).json()).models
 
-    async def model(self, name: str) -> ModelInfo:
-        return ModelInfo.model_validate((await self.request("GET", f"/v1/models/{name}", safe=True)).json())
+    async def model(self, name: str) -> ModelDetail:
+        return ModelDetail.model_validate((await self.request("GET", f"/v1/models/{name}", safe=True)).json())
 
     async def predict(
         self,

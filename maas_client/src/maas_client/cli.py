@@ -32,7 +32,7 @@ from maas_client.errors import (
     Timeout,
     Unauthorized,
 )
-from maas_client.types import BatchView, JobStatus, JobView, ModelInfo, Result
+from maas_client.types import BatchView, JobStatus, JobView, ModelDetail, ModelInfo, Result
 
 EXIT_USAGE, EXIT_AUTH, EXIT_RATE_LIMITED, EXIT_SERVER = 2, 3, 4, 5
 JOB_STATES = typing.get_args(JobStatus)
@@ -223,7 +223,7 @@ def print_models(listed: list[ModelInfo], console: Console | None = None) -> Non
 
 def _controls(model: ModelInfo) -> str:
     """`tiny-edges (controlnet), tiny-style (ip_adapter)`; `none registered (controlnet, ip_adapter)`; `-`."""
-    if model.controls:
+    if isinstance(model, ModelDetail) and model.controls:
         return ", ".join(f"{control.name} ({control.kind})" for control in model.controls)
     return f"none registered ({', '.join(model.control_kinds)})" if model.control_kinds else "-"
 

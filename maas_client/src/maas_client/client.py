@@ -11,7 +11,7 @@ import httpx
 from maas_client import _core
 from maas_client.batches import Batches
 from maas_client.errors import NotFound, ServerError, Timeout
-from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelInfo, ModelList, Result, Usage
+from maas_client.types import JobAccepted, JobList, JobStatus, JobView, ModelDetail, ModelInfo, ModelList, Result, Usage
 
 # `on_progress(step, total)`, or `on_progress(step, total, stage)` to also get a flow's running stage by name.
 ProgressCallback = Callable[[int, int], None] | Callable[[int, int, str | None], None]
@@ -78,8 +78,8 @@ class Client:
     def models(self) -> list[ModelInfo]:
         return ModelList.model_validate(self.request("GET", "/v1/models", safe=True).json()).models
 
-    def model(self, name: str) -> ModelInfo:
-        return ModelInfo.model_validate(self.request("GET", f"/v1/models/{name}", safe=True).json())
+    def model(self, name: str) -> ModelDetail:
+        return ModelDetail.model_validate(self.request("GET", f"/v1/models/{name}", safe=True).json())
 
     def predict(
         self,

@@ -72,8 +72,16 @@ class ModelInfo(_Body):
     stages: list[FlowStage] | None = None
     # The control models it takes (`controlnet`: `controls=`, `ip_adapter`: `image_prompts=`); empty from older servers.
     control_kinds: list[str] = Field(default_factory=list)
-    # Those registered for it: in `model(name)` (GET /v1/models/{model}), not in the listing.
-    controls: list[ControlInfo] | None = None
+
+
+class ModelDetail(ModelInfo):
+    """One model's own page (`model(name)`, GET /v1/models/{model}): the listing's fields, its stable version and
+    the split in force, and the control models registered for it."""
+
+    stable_version: str
+    sticky: Literal["api_key"] | None = None
+    traffic: dict | None = None  # percent per version, and a shadow
+    controls: list[ControlInfo] = Field(default_factory=list)
 
 
 class ModelList(_Body):
