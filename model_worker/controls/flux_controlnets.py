@@ -10,7 +10,9 @@ runs over the rows that use it at scale 1 (the guidance it embeds when its confi
 it), and each row's residuals are multiplied by its scale times its window's keep and added into zeros for the
 whole call. The transformer adds the i-th residual to each block `i // interval` (or `i % n` with
 `controlnet_blocks_repeat`), so ControlNets of different depths in one call are spread to one residual per block
-first. A row without control gets zeros (x + 0 is x); a call where no row has one passes no residuals at all.
+first. A row without control gets zeros (x + 0 is x); a call where no row has one passes no residuals at all,
+except on a compiled transformer, which always gets one residual per block (zeros when no row has a ControlNet), so
+its warm-up traces the graph ControlNets use and the first ControlNet compiles nothing (`zero_flux_residuals`).
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ class FluxControlNetRows(ControlNetRows):
             rows.append(RowControl(weights, prepared.to(dtype=dtype), use.scale, use.start, use.end, use.mode))
         return rows
 
-    def flux_residuals(self, running, inputs: dict, guidance) -> dict:
+    def flux_residuals(self, running, inputs: dict, guidance, every_block: bool = False) -> dict:
         """The transformer's `controlnet_block_samples`, `controlnet_single_block_samples` and
         `controlnet_blocks_repeat` for the call's `inputs` (its hidden states may be padded past the running set's
         rows: those get zeros); {} when no row has a ControlNet. `guidance`: each running row's guidance scale (a
-        float32 tensor on the device), which a ControlNet that embeds guidance takes as the pipeline gives it."""
+        float32 tensor on the device), which a ControlNet that embeds guidance takes as the pipeline gives it.
+        `every_block` (a compiled transformer): always one residual per block and per single block, never
+        repeated, the shapes `zero_flux_residuals` gives whatever ControlNets run."""
         torch = self._torch
         uses: OrderedDict[tuple, list[tuple[int, Any, float]]] = OrderedDict()
         for offset, r in enumerate(running):
@@ -84,12 +88,15 @@ class FluxControlNetRows(ControlNetRows):
                             model.input_hint_block is not None))  # fmt: skip
         layouts = {(len(blocks), len(singles), repeat) for _, _, blocks, singles, repeat in outputs}
         transformer = self._pipeline.transformer
-        spread = len(layouts) > 1
+        spread = every_block or len(layouts) > 1
         if spread:  # one residual per block of the transformer, as it would pick each ControlNet's
             depth = (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
             outputs = [(index, scales, per_block(blocks, depth[0], repeat), per_block(singles, depth[1], False), False)
                        for index, scales, blocks, singles, repeat in outputs]  # fmt: skip
         totals: tuple[list, list] = ([], [])
+        if every_block:
+            zeros = zero_flux_residuals(transformer, hidden)
+            totals = (zeros["controlnet_block_samples"], zeros["controlnet_single_block_samples"])
         for index, scales, blocks, singles, _ in outputs:
             for total, samples in zip(totals, (blocks, singles), strict=True):
                 if not total:
@@ -110,3 +117,19 @@ def per_block(samples: list, blocks: int, repeat: bool) -> list:
         return []
     interval = math.ceil(blocks / len(samples))
     return [samples[i % len(samples)] if repeat else samples[i // interval] for i in range(blocks)]
+
+
+def zero_flux_residuals(transformer, hidden) -> dict:
+    """Zero residuals for every block and single block of a FLUX.1 transformer over `hidden` (its packed latents),
+    in the transformer's dtype: what a compiled transformer of a model that takes ControlNets is called with when no
+    row has one, so the graph its warm-up traces is the one ControlNets use. x + 0 is x: a row without control is
+    still exactly the base model's."""
+    shape = (hidden.shape[0], hidden.shape[1], transformer.inner_dim)
+    dtype = transformer.dtype
+    return {
+        "controlnet_block_samples": [hidden.new_zeros(shape, dtype=dtype) for _ in transformer.transformer_blocks],
+        "controlnet_single_block_samples": [
+            hidden.new_zeros(shape, dtype=dtype) for _ in transformer.single_transformer_blocks
+        ],
+        "controlnet_blocks_repeat": False,
+    }

@@ -309,3 +309,37 @@ def test_a_flux_controlnet_that_embeds_guidance_takes_each_rows_guidance(family,
     assert apart > 0.1
     got = stepped(family["stepper"], [(items_of(family, 3, uses), 2.0), (items_of(family, 3, uses), 9.0)])
     assert max(differences(got[0], [expected[2.0]]), differences(got[1], [expected[9.0]])) <= min(TOLERANCE, apart / 10)
+
+
+@pytest.mark.parametrize("family", ["flux-schnell"], indirect=True)
+def test_a_compiled_flux_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, union):
+    """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
+    bucket: the warm-up traces the transformer with zero residuals for every block; a base request, a ControlNet
+    request, two ControlNets, a Union in a mode and the base again add no graph, and the ControlNet image is still
+    the pipeline's."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from model_worker.model.pipeline import DiffusionRunner
+
+    spec = family["spec"]
+    spec = spec.model_copy(update={"max_batch_size": 1, "scheduling": "step",
+                                   "defaults": spec.defaults.model_copy(update={"width": SIZE, "height": SIZE})})  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        compiled = DiffusionRunner(
+            spec, family["directory"], torch_threads=1, compile_unet=True, compile_backend="eager"
+        )
+        compiled.warm_up()
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0, "the warm-up compiled nothing"
+        (base,) = stepped(compiled, [(items_of(family, 5, []), 1.0)])
+        (controlled,) = stepped(compiled, [(items_of(family, 5, EDGES), 1.0)])
+        stepped(compiled, [(items_of(family, 8, MULTI), 1.0)])
+        stepped(compiled, [(union_items(family, union, 5, 3), 1.0)])
+        (again,) = stepped(compiled, [(items_of(family, 5, []), 1.0)])
+        assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the transformer again"
+        assert differences(controlled, reference(family, 5, 1.0, EDGES)) <= TOLERANCE
+        assert np.array_equal(np.asarray(again), np.asarray(base))
+    finally:
+        torch._dynamo.reset()

@@ -168,9 +168,7 @@ class FluxDenoiser(Denoiser):
                 "pooled_projections": pooled, "encoder_hidden_states": context, "txt_ids": first["text_ids"],
                 "img_ids": first["image_ids"],
             }  # fmt: skip
-            controls = self.controlnets.flux_residuals(
-                running, inputs, host_values([r.state["guidance"] for r in running], latents.device)
-            ) if any(r.state.get("controlnets") for r in running) else {}  # fmt: skip
+            controls = self.control_residuals(running, inputs)
             if controls:  # a call with ControlNets runs in full; no image's step cache reuses what predates it
                 forget(running)
                 output = self.pipeline.transformer(**inputs, **controls, return_dict=False)[0]
@@ -183,6 +181,23 @@ class FluxDenoiser(Denoiser):
                 output = self.pipeline.transformer(**inputs, return_dict=False)[0]
             predicted = output[:rows, : first["latents"].shape[1]]
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
+
+    def control_residuals(self, running: list[RunningItem], inputs: dict) -> dict:
+        """The ControlNets' residuals for the call's rows (model_worker/controls/flux_controlnets.py); {} (the base
+        model's call) when no row has one. A compiled model that takes ControlNets always gets one residual per
+        block (zeros when no row has a ControlNet): the graph ControlNets use, so the first one compiles nothing. Not
+        with a step cache, whose calls go without residuals."""
+        compiled = (
+            self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None
+        )
+        if not any(r.state.get("controlnets") for r in running):
+            if compiled:
+                from model_worker.controls.flux_controlnets import zero_flux_residuals
+
+                return zero_flux_residuals(self.pipeline.transformer, inputs["hidden_states"])
+            return {}
+        guidance = host_values([r.state["guidance"] for r in running], inputs["hidden_states"].device)
+        return self.controlnets.flux_residuals(running, inputs, guidance, every_block=compiled)
 
     def gathered_call(self, inputs: dict) -> Callable:
         """The transformer over some rows of a call's `inputs` (TaylorSeer's full rows), gathered and padded to a
