@@ -100,7 +100,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="float16",  # the VAE is upcast to float32 for the decode when its config says so
             adapters=True,
             lora_components=("unet", "text_encoder", "text_encoder_2"),
-            controls=("controlnet",),  # IP-Adapters for SDXL not yet
+            controls=("controlnet", "ip_adapter"),
             # The refiner's configuration (stable-diffusion-xl-refiner-1.0): `text_encoder_2` only.
             optional_components=("text_encoder",),
             latent_space="sdxl-vae: 4 channels, scaling 0.13025",
@@ -138,6 +138,7 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
+            controls=("controlnet",),  # SD3ControlNetModel (text-to-image)
             step_caches=("first_block",),
         ),
         Family(

@@ -358,7 +358,7 @@ def test_a_requests_image_prompts_resolve_to_ip_adapters_and_each_bad_input_is_a
     assert field_of(SPEC, {}, controls=2) == "parameters.image_prompts"  # with the ControlNets, past the catalog's
     assert field_of(SPEC, {"scale": 2.5}) == "parameters.image_prompts.0.scale"
     assert field_of(SPEC, {"image": "bm90IGFuIGltYWdl"}) == "parameters.image_prompts.0.image"  # "not an image"
-    assert field_of(local_catalog().get("sdxl-txt2img"), {}) == "parameters.image_prompts"  # a family with none
+    assert field_of(local_catalog().get("sd35-txt2img"), {}) == "parameters.image_prompts"  # a family with none
 
 
 def test_an_unknown_preprocessor_or_window_out_of_range_is_refused_by_the_request_schema():

@@ -209,7 +209,9 @@ class SDXLDenoiser(UNetDenoiser):
                                timestep, condition["context"], added)  # fmt: skip
 
     def call_model(self, sample, timestep, condition: dict, **controls):
-        added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
+        # An IP-Adapter's image embeddings ride in `added_cond_kwargs` beside the pooled embeddings and time ids.
+        added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"],
+                 **controls.pop("added_cond_kwargs", {})}  # fmt: skip
         return self.pipeline.unet(
             sample, timestep, encoder_hidden_states=condition["context"], added_cond_kwargs=added, return_dict=False,
             **controls,

@@ -1,0 +1,152 @@
+"""SDXL and FLUX.1 IP-Adapters (image prompts) chosen per request and batched across requests, against diffusers' own
+`load_ip_adapter` + `set_ip_adapter_scale` on the family's pipeline, with tiny random-weight IP-Adapters and CLIP
+image encoders built offline for each family's tiny denoiser (emulators/tiny_controls.py `build_ip_adapter`).
+
+The SD 1.5 contract (tests/unit/test_controlnet_rows.py) for the other families: a request alone equals the pipeline
+within 1/255 in both schedulings (and the image prompt visibly steers it: the oracle can tell); in a running set of two
+scales and a request without any, each image equals the same request alone, and the request without an image prompt
+is exactly the base model's image (the same running set with no image prompt anywhere)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from contract.generation import ControlRef
+from emulators.stack import local_catalog
+from tests.unit.family_references import tiny_pipelines
+from tests.unit.test_controlnet_rows import STEPS, TOLERANCE, items_of, params, stepped
+from tests.unit.test_model_families import differences, input_image
+
+CATALOG = local_catalog(test_fixtures=True)
+SIZE = 64  # test_controlnet_rows' `params` size
+MODELS = ("sdxl-txt2img",)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def styled(request, tmp_path_factory) -> dict:
+    """A family's tiny pipeline, a tiny IP-Adapter of its denoiser loaded as the worker loads it (`loader._build`),
+    the reference pipeline with the same IP-Adapter loaded by diffusers (`load_ip_adapter`: loading changes the
+    denoiser's processors, so a pipeline of its own), a reference image and a stepping runner."""
+    import diffusers
+
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from model_worker.controls.loader import ControlWeights, _build
+    from model_worker.model.pipeline import DiffusionRunner
+
+    name = request.param
+    spec = CATALOG.get(name)
+    root = tmp_path_factory.mktemp(name)
+    directory, _ = tiny_pipelines(root, {name: spec})[name]
+    folder = build_ip_adapter(directory, root / "style", 12)
+    encoder, state_dict = _build("ip_adapter", control_files(folder))
+    reference = getattr(diffusers, spec.pipeline).from_pretrained(directory)
+    reference.load_ip_adapter(str(folder), subfolder="", weight_name="ip_adapter.safetensors",
+                              **({"image_encoder_dtype": reference.dtype} if spec.family.name == "flux" else {}))  # fmt: skip
+    reference.set_progress_bar_config(disable=True)
+    stepper = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), directory, torch_threads=1)
+    return {"spec": spec, "directory": directory, "reference": reference, "stepper": stepper,
+            "controls": {"style": ControlWeights("style", "ip_adapter", "1", "s" * 8, 0, encoder, state_dict)},
+            "images": {"style": input_image(23)}}  # fmt: skip
+
+
+def guidance_of(styled) -> float:
+    return 1.0 if styled["spec"].guidance_mode == "none" else 5.0
+
+
+def prompted(styled, seed: int, scale: float, images: int = 1):
+    """Items whose requests carry the image prompt `style` at `scale`."""
+    from model_worker.controls.loader import ControlSet
+    from model_worker.model.runners import GenerationItem
+
+    ref = ControlRef(name="style", kind="ip_adapter", version="1", sha256="s" * 8, scale=scale)
+    loaded = ControlSet((ref,), loaded=[styled["controls"]["style"]])
+    loaded.done.set()
+    return [GenerationItem(prompt="a lighthouse", seed=seed + i, controls=loaded,
+                           control_images=(styled["images"]["style"],)) for i in range(images)]  # fmt: skip
+
+
+def reference(styled, seed: int, guidance: float, scale: float, images: int = 1) -> list:
+    """diffusers' pipeline with the IP-Adapter loaded at `scale`, one call per image."""
+    import torch
+
+    pipe = styled["reference"]
+    pipe.set_ip_adapter_scale(scale)
+    extra = {"max_sequence_length": 256} if styled["spec"].family.name == "flux" else {}
+    return [pipe(prompt="a lighthouse", ip_adapter_image=styled["images"]["style"], num_inference_steps=STEPS,
+                 guidance_scale=guidance, width=SIZE, height=SIZE, generator=torch.Generator().manual_seed(seed + i),
+                 output_type="np", **extra).images[0] for i in range(images)]  # fmt: skip
+
+
+def test_an_image_prompt_alone_equals_the_familys_ip_adapter_pipeline_in_both_schedulings(styled):
+    from model_worker.model.pipeline import DiffusionRunner
+
+    guidance = guidance_of(styled)
+    expected = reference(styled, 5, guidance, 0.7, images=2)
+    (got,) = stepped(styled["stepper"], [(prompted(styled, 5, 0.7, images=2), guidance)])
+    assert differences(got, expected) <= TOLERANCE
+    (base,) = stepped(styled["stepper"], [(items_of(styled, 5, [], images=2), guidance)])
+    assert differences(got, base) > 10  # the tiny IP-Adapter visibly steers the image: the oracle can tell
+    batch = DiffusionRunner(styled["spec"].model_copy(update={"scheduling": "request"}), styled["directory"],
+                            torch_threads=1)  # fmt: skip
+    plain = batch.generate(items_of(styled, 12, []), params(guidance), lambda step, total: None)
+    items = prompted(styled, 5, 0.7, images=2) + prompted(styled, 8, 1.3) + items_of(styled, 12, [])
+    requested = batch.generate(items, params(guidance), lambda step, total: None)
+    assert differences(requested[:2], expected) <= TOLERANCE
+    assert differences(requested[2:3], reference(styled, 8, guidance, 1.3)) <= TOLERANCE
+    # The image without an image prompt is exactly the base pipeline's (its processors restored).
+    assert np.array_equal(np.asarray(requested[3]), np.asarray(plain[0]))
+
+
+def test_a_mixed_running_set_of_two_scales_equals_each_alone_and_a_row_without_is_the_base_models(styled):
+    stepper, guided = styled["stepper"], guidance_of(styled)
+    mixed = [(prompted(styled, 3, 0.7), guided), (items_of(styled, 12, []), guided),
+             (prompted(styled, 9, 1.4, images=2), 1.0)]  # fmt: skip
+    got = stepped(stepper, mixed)
+    assert differences(got[0], reference(styled, 3, guided, 0.7)) <= TOLERANCE
+    alone = [stepped(stepper, [(prompted(styled, 3, 0.7), guided)])[0],
+             stepped(stepper, [(prompted(styled, 9, 1.4, images=2), 1.0)])[0]]  # fmt: skip
+    assert differences(got[0], alone[0]) <= TOLERANCE and differences(got[2], alone[1]) <= TOLERANCE
+    assert differences(got[0], got[2][:1]) > 2  # the two scales (and seeds) are not one image
+    # The same running set with no image prompt anywhere (the base processors): the request without one gets exactly
+    # the same image, though its rows went through the IP-Adapter processors above.
+    plain = [(items_of(styled, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(stepper, plain)[1][0], got[1][0])
+
+
+def test_an_sdxl_ip_adapter_registers_for_sdxl_and_is_refused_for_sd15_by_its_shapes(tmp_path):
+    """Registration's checks against the base UNet (contract/control_files.py): the tiny SDXL IP-Adapter registers for
+    the SDXL model; against an SD 1.5 UNet its image projection and key/value pairs are the wrong shapes."""
+    import json
+
+    import torch
+
+    from contract import naming
+    from contract.control_files import ControlFileError, check_control, digest
+    from contract.lora_files import bytes_reader, read_header
+    from contract.stores.control_registry import ControlRegistry
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from emulators.tiny_pipeline import _sdxl_unet, sd15_unet
+    from tests.unit.test_adapter_parts import FakeBucket
+
+    torch.manual_seed(0)
+    _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64).save_pretrained(
+        tmp_path / "sdxl" / "unet", safe_serialization=True
+    )
+    sd15_unet().save_pretrained(tmp_path / "sd15" / "unet", safe_serialization=True)
+    files = control_files(build_ip_adapter(tmp_path / "sdxl", tmp_path / "style", 12))
+    spec = CATALOG.get("sdxl-txt2img")
+    objects = {
+        f"{spec.weights_path}/unet/{path.name}": path.read_bytes() for path in (tmp_path / "sdxl" / "unet").iterdir()
+    }
+    objects.update({naming.control_prefix(spec.name, "style", "1") + file: data for file, data in files.items()})
+    record = ControlRegistry(FakeBucket(objects)).register(spec, "style", "ip_adapter", "1")
+    assert (record.kind, record.sha256) == ("ip_adapter", digest(files))
+    data = (tmp_path / "sd15" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    sd15 = (
+        json.loads((tmp_path / "sd15" / "unet" / "config.json").read_text()),
+        read_header(bytes_reader(data), len(data)),
+    )
+    with pytest.raises(ControlFileError, match=r"image_proj.proj.weight has 256 rows; four image tokens of the base "
+                                               r"UNet's cross_attention_dim 32 need 128"):  # fmt: skip
+        check_control("ip_adapter", files, *sd15)
