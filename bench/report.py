@@ -259,12 +259,13 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 def step_cache_lines(caches: dict) -> list[str]:
     """Step caches (bench/step_cache.py): a running set's call and image times with forced skip patterns, CPU."""
     lines = ["", "## Step caches (tiny models on the CPU, forced skip patterns: no hit rate, no quality)", "",
-             "| kind | model | variant | ms per call | ms per image | x no cache | expensive rows run |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for kind, c in caches.items():
+             "| kind | model | variant | ms per call | ms per image | x no cache | expensive rows run | decision ms per call |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in caches.values():
         for variant, r in c["variants"].items():
-            lines.append(f"| {kind} | {c['model']} | {variant} | {_fmt(r['call_ms'], 2)} | {_fmt(r['image_ms'], 2)} | "
-                         f"{r['speedup_per_call']} | {r['expensive_rows_ran']:.0%} |")  # fmt: skip
+            decision = _fmt(r["decision_ms_per_call"], 2) if "decision_ms_per_call" in r else ""
+            lines.append(f"| {c['kind']} | {c['model']} | {variant} | {_fmt(r['call_ms'], 2)} | {_fmt(r['image_ms'], 2)} | "
+                         f"{r['speedup_per_call']} | {r['expensive_rows_ran']:.0%} | {decision} |")  # fmt: skip
     return lines
 
 

@@ -50,7 +50,7 @@ def test_every_bench_scenario_runs_at_its_smallest_size(stack, tmp_path):
                 "flows")  # fmt: skip
     for section in sections:
         assert result[section], section
-    assert set(result["step_caches"]) == {"first_block", "deepcache"}
+    assert set(result["step_caches"]) == {"flux.first_block", "flux.taylorseer", "sd35.first_block", "sd15.deepcache"}
     assert set(result["edit_scheduling"]["mixes"]) == {"inpaint", "edit"}  # both schedulings of each ran
     assert {family["family"] for family in result["adapters"]["families"]} == {"sd15", "flux"}  # the smoke's two
     assert len(result["open_loop"]) == 2, result["open_loop"].keys()
