@@ -3,8 +3,10 @@
 Each stage is a served model with the parameters it fixes, the request parameters it takes, and how its output
 goes on to the next stage: a `latent` the next stage starts from (diffusers' SDXL base `denoising_end` ->
 refiner `denoising_start`, or a clean latent into image-to-image) or an `image`, with an optional resize
-between the two (the hires fix). The catalog refuses at load what cannot run (`build_flows`); the API resolves a
-request into each stage's plan (`plan_stages`) and the worker runs the plans (model_worker/flows/stages.py).
+between the two (the hires fix). An inpaint stage repaints the previous stage's image (the request's, when it is
+the first) under the request's mask, so a flow with one takes a mask. The catalog refuses at load what cannot run
+(`build_flows`); the API resolves a request into each stage's plan (`plan_stages`) and the worker runs the plans
+(model_worker/flows/stages.py).
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ if TYPE_CHECKING:
     from contract.model_spec import AdapterPolicy, GenerationDefaults, GenerationLimits, ModelSpec
 
 # What a request to a flow may carry, and so what a stage may take: the generation parameters, the prompt
-# (every stage gets the instance's prompt) and the input image (a first stage that is image-to-image).
-REQUEST_PARAMETERS: tuple[str, ...] = ("prompt", "image", *ROLES)
+# (every stage gets the instance's prompt), the input image (a first stage that is image-to-image, inpaint or edit)
+# and the mask (every inpaint stage: it repaints the previous stage's image, or the request's when it is the first,
+# under the request's mask).
+REQUEST_PARAMETERS: tuple[str, ...] = ("prompt", "image", "mask", *ROLES)
 # A later stage's size is the previous stage's output times its resize: never the request's.
 SIZE_PARAMETERS = ("width", "height")
 # What a later stage takes when its `takes` is left out: the prompt and the conditioning (a ControlNet's control
 # image holds a hires pass to the same layout), not the size or the step count (a hires pass has its own) or the
-# strength (the flow fixes it).
-LATER_STAGE_TAKES = ("prompt", "negative_prompt", "seed", "guidance_scale", "adapters", "controls")
+# strength (the flow fixes it); an inpaint stage takes the mask.
+LATER_STAGE_TAKES = ("prompt", "mask", "negative_prompt", "seed", "guidance_scale", "adapters", "controls")
 # Resolved per stage's model (registered per model), never taken from the request as sent.
 PER_MODEL = ("adapters", "controls")
 STAGE_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
@@ -78,6 +82,8 @@ class FlowRequestContract:
     max_instances_per_request: int
     # The stages that take adapters, with their models' policies (adapters are registered per model).
     adapters: dict[str, AdapterPolicy]
+    # The inpaint stages, which repaint under the request's mask (each instance then carries one).
+    mask_stages: tuple[str, ...] = ()
 
 
 class FlowSpec(BaseModel):
@@ -118,6 +124,8 @@ def _default_takes(spec: ModelSpec, first: bool) -> tuple[str, ...]:
     takes = []
     for name in wanted:
         if (name == "image" and not spec.needs_image) or (name == "strength" and not spec.takes_strength):
+            continue
+        if name == "mask" and not spec.takes_mask:
             continue  # an edit model takes an image but no strength (its image is a reference, not a start)
         if name == "guidance_scale" and spec.guidance_mode == "none":
             continue
@@ -198,6 +206,13 @@ def _check_parameters(where: str, stage: FlowStage, spec: ModelSpec, first: bool
             f"{where}: takes or fixes {sized}; a later stage's input and size are the previous stage's output "
             "(times its resize)"
         )
+    if "mask" in takes and not spec.takes_mask:
+        raise FlowError(f"{where}: takes mask, but {_unit_label(spec)} takes none (inpaint models do)")
+    if spec.takes_mask and "mask" not in takes:
+        raise FlowError(
+            f"{where}: {_unit_label(spec)} repaints under the request's mask, so it must take `mask` (the flow's "
+            "request then carries one)"
+        )
     if not spec.needs_image and {"strength", "image"} & (set(takes) | set(stage.fixes)):
         raise FlowError(f"{where}: {_unit_label(spec)} takes no image, so no `strength` or `image`")
     if spec.needs_image and not spec.takes_strength and "strength" in set(takes) | set(stage.fixes):
@@ -265,6 +280,11 @@ def _check_handoff(
         raise FlowError(
             f"flow {flow.name}: stage {next_stage.name!r}: the previous stage stops at denoising_end "
             f"{handoff.denoising_end}, so this stage needs `handoff: {{denoising_start: {handoff.denoising_end}}}`"
+        )
+    if stage.output == "latent" and next_spec.takes_mask:
+        raise FlowError(
+            f"{where}: {_unit_label(next_spec)} repaints an image under the mask (its masked image is encoded from "
+            "pixels), so the stage before it hands on `output: image`, not a latent"
         )
     if stage.output == "latent":
         mine, theirs = spec.family, next_spec.family
@@ -338,6 +358,13 @@ def _request_contract(flow: FlowSpec, specs: list[ModelSpec]) -> FlowRequestCont
          if "num_inference_steps" in flow.takes(stage.name)),
         default=first.limits.max_inference_steps,
     )  # fmt: skip
+    mask_stages = tuple(stage.name for stage in flow.stages if "mask" in flow.takes(stage.name))
+    # The request's mask is decoded by every inpaint stage's worker, and is the request's image's size.
+    max_input_pixels = min(
+        [first.limits.max_input_pixels]
+        + [spec.limits.max_input_pixels for stage, spec in zip(flow.stages, specs, strict=True)
+           if stage.name in mask_stages]
+    )  # fmt: skip
     from contract.model_spec import GenerationDefaults, GenerationLimits
 
     return FlowRequestContract(
@@ -348,7 +375,7 @@ def _request_contract(flow: FlowSpec, specs: list[ModelSpec]) -> FlowRequestCont
             max_inference_steps=steps_limit,
             max_width=limits["max_width"],
             max_height=limits["max_height"],
-            max_input_pixels=first.limits.max_input_pixels,
+            max_input_pixels=max_input_pixels,
         ),
         size_multiple=multiple,
         max_instances_per_request=min(spec.max_instances_per_request for spec in specs),
@@ -357,6 +384,7 @@ def _request_contract(flow: FlowSpec, specs: list[ModelSpec]) -> FlowRequestCont
             for stage, spec in zip(flow.stages, specs, strict=True)
             if "adapters" in flow.takes(stage.name) and spec.adapters is not None
         },
+        mask_stages=mask_stages,
     )
 
 

@@ -2,10 +2,10 @@
 
 The worker's final reply to a flow lists every stage that ran, once each (`InferenceReply.stages`), the stage
 it ended in included when it did not finish (a failure, a deadline or a cancel inside it); each becomes a row of
-its own, keyed `<flow request id>:<stage>` (so the log's one-row-per-request-id view keeps
-each once), linked to the flow's row by `flow_request_id`, with the stage's unit (its task and family from the
-catalog: an edit stage's row says `edit`), timings, batch and GPU-seconds. The flow's row sums its stages'
-GPU-seconds; stage rows are never billed.
+its own, keyed `<flow request id>:<stage>` (so the log's one-row-per-request-id view keeps each once), linked to the
+flow's row by `flow_request_id`, with the stage's unit (its task and family from the catalog: an edit stage's row
+says `edit`, an inpaint stage's `inpaint` with the request's `mask_fraction`), timings, batch and GPU-seconds. The
+flow's row sums its stages' GPU-seconds; stage rows are never billed.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def _stage_row(
         idempotent_replay=False,
         num_inference_steps=report.steps or None,
         step_cache=unit.step_cache.kind if cached else None,
+        # The request's mask is an inpaint stage's; the other stages repaint nothing.
+        mask_fraction=flow.mask_fraction if unit is not None and unit.takes_mask else None,
         steps_skipped=report.steps_skipped,
         adapters=None,  # the flow's row lists the request's adapters and control models
         controls=None,

@@ -40,10 +40,16 @@ class FlowModel(ModelSpec):
 
     first_queue: str = ""
     first_deployment: str = ""
+    # Its inpaint stages (contract/flows.py `mask_stages`): its request carries a mask whatever its first stage's task.
+    mask_stages: tuple[str, ...] = ()
 
     @property
     def queue(self) -> str:
         return self.first_queue
+
+    @property
+    def takes_mask(self) -> bool:
+        return bool(self.mask_stages)
 
     @property
     def deployment(self) -> str:
@@ -213,7 +219,7 @@ class FlowService:
             "version": spec.version,
             "versions": [spec.version],
             "task": contract.task,
-            "inputs": list(TASK_INPUTS[contract.task]),
+            "inputs": list(dict.fromkeys([*TASK_INPUTS[contract.task], *(["mask"] if contract.mask_stages else [])])),
             "family": None,
             "guidance": _guidance(flow, self._stable_unit),
             "size_multiple": contract.size_multiple,
@@ -270,6 +276,7 @@ def flow_model(flow: FlowSpec, units: list[ModelSpec]) -> FlowModel:
         adapters=None,
         first_queue=first.queue,
         first_deployment=first.deployment,
+        mask_stages=contract.mask_stages,
     )
     return FlowModel.model_construct(**values)
 

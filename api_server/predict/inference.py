@@ -251,19 +251,21 @@ def inpaint_inputs(
     body: PredictBody, params: GenerationParameters, images: list[bytes | None], spec: ModelSpec
 ) -> tuple[list[bytes | None], list[bytes | None], GenerationParameters]:
     """An inpaint request's images and masks, checked (api_server/predict/masks.py); with `outpaint`, each image
-    padded and its mask made, and the output size the padded image's unless the request names one."""
+    padded and its mask made, and the output size the padded image's unless the request names one. A flow with an
+    inpaint stage takes masks too: the request's image's size, or without one (the flow drafts it) its own size."""
     max_pixels = spec.limits.max_input_pixels
     outpaint = body.parameters.outpaint
     images, masks = list(images), []
     for index, instance in enumerate(body.instances):
         image = images[index]
-        assert image is not None  # required of an inpaint model's instances (resolve_parameters)
         if outpaint is None:
             field_name = f"instances.{index}.mask"
             mask = decode_input_image(instance.mask or "", field_name, max_pixels)
-            checked_mask(mask, field_name, image, max_pixels)
+            # A flow that drafts before it repaints takes no image: the mask is the draft's size, the request's.
+            checked_mask(mask, field_name, image if image is not None else (params.width, params.height), max_pixels)
             masks.append(mask)
             continue
+        assert image is not None  # outpainting is an inpaint model's, which requires the image (resolve_parameters)
         images[index], mask = outpainted(image, outpaint)
         masks.append(mask)
     if outpaint is None:

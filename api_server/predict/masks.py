@@ -34,18 +34,20 @@ class Outpaint(BaseModel):
     bottom: int = Field(default=0, ge=0, le=2048)
 
 
-def checked_mask(data: bytes, field: str, image: bytes, max_pixels: int | None) -> None:
-    """Refuses (422 naming `field`) a mask that is not an image, is not the image's size, or repaints nothing."""
+def checked_mask(data: bytes, field: str, image: bytes | tuple[int, int], max_pixels: int | None) -> None:
+    """Refuses (422 naming `field`) a mask that is not an image, is not the image's size, or repaints nothing;
+    `image` is the input image, or the (width, height) of the image a flow drafts before repainting it."""
     try:
         mask = decode_input_image(data, max_pixels).convert("L")
-        size = decode_input_image(image, max_pixels).size
+        size = image if isinstance(image, tuple) else decode_input_image(image, max_pixels).size
     except InputImageError as exc:
         raise ApiError(422, f"{field}: {exc}", field) from exc
     if mask.size != size:
+        whose = "the image's size" if not isinstance(image, tuple) else "the size of the image it repaints"
+        asked = "" if not isinstance(image, tuple) else " (parameters.width x parameters.height)"
         raise ApiError(
             422,
-            f"{field}: {mask.size[0]}x{mask.size[1]} is not the image's size {size[0]}x{size[1]}; send a mask of the "
-            "image's size",
+            f"{field}: {mask.size[0]}x{mask.size[1]} is not {whose} {size[0]}x{size[1]}{asked}; send a mask of {whose}",
             field,
         )
     if mask.getextrema()[1] < REPAINT_THRESHOLD:

@@ -148,11 +148,7 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
                 f"instances.{index}.image",
             )
         if spec.takes_mask and given.outpaint is None and instance.mask is None:
-            raise ApiError(
-                422,
-                f"instances.{index}.mask: required by inpaint model {spec.name} (or parameters.outpaint)",
-                f"instances.{index}.mask",
-            )
+            raise ApiError(422, f"instances.{index}.mask: required by {_mask_taker(spec)}", f"instances.{index}.mask")
         if given.outpaint is not None and instance.mask is not None:
             raise ApiError(
                 422,
@@ -166,6 +162,14 @@ def resolve_parameters(body: PredictBody, spec: ModelSpec) -> GenerationParamete
                 f"instances.{index}.image",
             )
     return params
+
+
+def _mask_taker(spec: ModelSpec) -> str:
+    """What asks for a mask: an inpaint model (or outpainting, which makes one), or a flow's inpaint stages."""
+    stages = getattr(spec, "mask_stages", ())  # a flow's (api_server/flows/serving.py FlowModel)
+    if stages:
+        return f"flow {spec.name}, whose stage {', '.join(stages)} repaints under it"
+    return f"inpaint model {spec.name} (or parameters.outpaint)"
 
 
 def a_task(spec: ModelSpec) -> str:

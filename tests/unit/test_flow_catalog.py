@@ -25,6 +25,8 @@ HIRES = {
         {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}},
     ]
 }  # fmt: skip
+# A draft, then SD 1.5's inpainting model repainting it under the request's mask (issue 51).
+REPAINT = {"stages": [{"name": "draft", "model": "sd15-txt2img"}, {"name": "repaint", "model": "sd15-inpaint"}]}
 REFINED = {
     "stages": [
         {"name": "base", "model": "sdxl-txt2img", "output": "latent", "handoff": {"denoising_end": 0.8}},
@@ -118,6 +120,19 @@ def test_the_two_flows_load_with_their_request_contracts(tmp_path):
          "flow sd15-hires: stage 'hires': controls are the request's (registered per model): `takes` them"),
         ({"sd15-hires": {"stages": HIRES["stages"][:1]}},
          "flow sd15-hires: stages: List should have at least 2 items"),
+        # An inpaint stage repaints under the request's mask: one that does not take it has nothing to repaint under,
+        # a stage of another task cannot take one, and the image it repaints is pixels, never a latent.
+        ({"repaint": with_stage(REPAINT, 1, takes=["prompt", "seed"])},
+         "flow repaint: stage 'repaint': sd15-inpaint (StableDiffusionInpaintPipeline, inpaint) repaints under the "
+         "request's mask, so it must take `mask`"),
+        ({"sd15-hires": with_stage(HIRES, 1, takes=["prompt", "mask"])},
+         "flow sd15-hires: stage 'hires': takes mask, but sd15-img2img (StableDiffusionImg2ImgPipeline, "
+         "image-to-image) takes none (inpaint models do)"),
+        ({"repaint": with_stage(REPAINT, 0, output="latent")},
+         "flow repaint: stage 'draft': sd15-inpaint (StableDiffusionInpaintPipeline, inpaint) repaints an image under "
+         "the mask (its masked image is encoded from pixels), so the stage before it hands on `output: image`"),
+        ({"repaint": with_stage(REPAINT, 1, fixes={"mask": "x"})},
+         "flow repaint: stage 'repaint': fixes ['mask'], which are not generation parameters"),
     ],
 )  # fmt: skip
 def test_a_flow_that_cannot_run_is_refused_at_load_with_a_message_naming_flow_and_stage(tmp_path, flows, message):
@@ -183,3 +198,25 @@ def test_a_flow_ending_in_an_edit_plans_the_instruction_stage_without_strength(t
         ValueError, match=r"stage 'edit': flux-kontext \(FluxKontextPipeline, edit\) takes no `strength`"
     ):
         catalog(tmp_path, {"draft-edit": with_stage(draft_then_edit, 1, fixes={"strength": 0.5})})
+
+
+def test_an_inpaint_stage_takes_the_requests_mask_first_or_after_a_draft(tmp_path):
+    """After a draft, the inpaint stage takes the mask (its image is the draft); first, it takes the request's image
+    and mask and runs its strength's share of the steps, as a single inpaint call. The flow's contract names its
+    inpaint stages, and a flow without one takes no mask."""
+    inpaint_first = {"stages": [{"name": "inpaint", "model": "sd15-inpaint", "fixes": {"strength": 0.5}},
+                                {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}}]}  # fmt: skip
+    loaded = catalog(tmp_path, {"repaint": REPAINT, "inpaint-first": inpaint_first, "sd15-hires": HIRES})
+    repaint = loaded.flow("repaint")
+    assert "mask" in repaint.takes("repaint") and "mask" not in repaint.takes("draft")
+    assert "image" not in repaint.request_contract.takes and repaint.request_contract.mask_stages == ("repaint",)
+    draft, stage = plan_stages(repaint, [loaded.get(s.model) for s in repaint.stages], {"seed": 2, "width": 64,
+                                                                                       "height": 64})  # fmt: skip
+    # The inpaint model's own strength (1: the masked region from noise) and steps; the draft's size.
+    assert (stage.parameters.strength, stage.steps, stage.parameters.width) == (1.0, 25, 64)
+    first = loaded.flow("inpaint-first")
+    assert {"image", "mask"} <= set(first.takes("inpaint")) and first.request_contract.task == "inpaint"
+    assert first.request_contract.mask_stages == ("inpaint",)
+    planned = plan_stages(first, [loaded.get(s.model) for s in first.stages], {"seed": 2, "num_inference_steps": 10})
+    assert planned[0].steps == 5  # strength 0.5 of 10 steps: the request's image is its start
+    assert loaded.flow("sd15-hires").request_contract.mask_stages == ()

@@ -4,11 +4,14 @@ a unit chosen per stage, and one row per stage that ran linked to the flow's row
 
 from __future__ import annotations
 
+import base64
 import io
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import pytest
 import yaml
+from PIL import Image
 
 from api_server.core.auth import Caller
 from api_server.core.errors import ApiError
@@ -20,6 +23,7 @@ from api_server.predict.inference import InferenceService
 from contract.catalog import DEFAULT_CATALOG_PATH, ModelCatalog
 from contract.generation import AdapterRef
 from contract.messages import InferenceReply, StageReport
+from contract.payloads import PayloadCodec
 
 HIRES = {
     "stages": [
@@ -28,13 +32,18 @@ HIRES = {
         {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}},
     ]
 }  # fmt: skip
+# Issue 51: a draft repainted under the request's mask, and a flow starting with an inpaint of the request's image.
+REPAINT = {"stages": [{"name": "draft", "model": "sd15-txt2img"}, {"name": "repaint", "model": "sd15-inpaint"}]}
+INPAINT_FIRST = {"stages": [{"name": "inpaint", "model": "sd15-inpaint"},
+                            {"name": "hires", "model": "sd15-img2img", "fixes": {"strength": 0.5}}]}  # fmt: skip
 CALLER = Caller("key-1", "digest-1")
 
 
 @pytest.fixture(scope="module")
 def catalog(tmp_path_factory) -> ModelCatalog:
     overlay = tmp_path_factory.mktemp("flows") / "flows.yaml"
-    overlay.write_text(yaml.safe_dump({"flows": {"sd15-hires": HIRES}}))
+    flows = {"sd15-hires": HIRES, "repaint": REPAINT, "inpaint-first": INPAINT_FIRST}
+    overlay.write_text(yaml.safe_dump({"flows": flows}))
     return ModelCatalog.from_yaml(DEFAULT_CATALOG_PATH, overlay)
 
 
@@ -50,10 +59,11 @@ def flows(catalog: ModelCatalog, canary: dict[str, str] | None = None) -> FlowSe
     return FlowService(catalog, choose)
 
 
-def prepared(catalog, body: dict, canary: dict[str, str] | None = None):
+def prepared(catalog, body: dict, canary: dict[str, str] | None = None, flow: str = "sd15-hires"):
     service = flows(catalog, canary)
-    call = service.call(catalog.flow("sd15-hires"), "req-1", CALLER)
-    inference = InferenceService(None, None, 900)  # type: ignore[arg-type]
+    call = service.call(catalog.flow(flow), "req-1", CALLER)
+    inline = PayloadCodec(SimpleNamespace(bucket=lambda name: None), "payloads", 1 << 20)  # type: ignore[arg-type]
+    inference = InferenceService(None, inline, 900)  # type: ignore[arg-type]
     return inference, inference.prepare(call.spec, body, "req-1", CALLER, flow=call)
 
 
@@ -104,6 +114,83 @@ def test_get_models_lists_the_flow_with_its_stages(catalog):
         ("base", "sd15-txt2img", {"scale": 2, "space": "pixel"}), ("hires", "sd15-img2img", None),
     ]  # fmt: skip
     assert view["stages"][1]["fixes"] == {"strength": 0.5} and "seed" in view["stages"][0]["takes"]
+
+
+def png_b64(size: tuple[int, int], box: tuple[int, int, int, int] | None = None, mode: str = "L") -> str:
+    """A PNG: black with `box` white (a mask), or an RGB image when `mode` is RGB."""
+    image = Image.new(mode, size, 0)
+    if box is not None:
+        image.paste(255, box)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+SIZE = {"width": 96, "height": 64}
+MASK = png_b64((96, 64), (0, 0, 48, 32))  # a quarter repainted
+
+
+def test_a_flow_with_an_inpaint_stage_carries_the_masks_to_its_stages_and_its_cache_key(catalog):
+    """The draft's mask is the request's size (the draft is); it rides on the flow's message to the inpaint stage, and
+    masks told apart are cache keys told apart. A flow starting with an inpaint takes the image and mask as predict."""
+    body = {"instances": [{"prompt": "a fox", "mask": MASK}], "parameters": {"seed": 4, **SIZE}}
+    inference, request = prepared(catalog, body, flow="repaint")
+    assert request.spec.takes_mask and request.images == [None] and request.masks == [base64.b64decode(MASK)]
+    message = inference.message(request)
+    assert base64.b64decode(message.instances[0].mask.b64) == base64.b64decode(MASK) and message.model == "sd15-txt2img"
+    draft, repaint = message.flow.stages
+    assert (repaint.model, repaint.parameters.width, repaint.parameters.height) == ("sd15-inpaint", 96, 64)
+    other = {**body, "instances": [{"prompt": "a fox", "mask": png_b64((96, 64), (48, 32, 96, 64))}]}
+    _, moved = prepared(catalog, other, flow="repaint")
+    assert cache_key(request.spec, request.params, request.prompts, request.images, request.masks) != cache_key(
+        moved.spec, moved.params, moved.prompts, moved.images, moved.masks
+    )
+    first = {"instances": [{"prompt": "a fox", "image": png_b64((96, 64), mode="RGB"), "mask": MASK}],
+             "parameters": {"seed": 4, **SIZE}}  # fmt: skip
+    inference, request = prepared(catalog, first, flow="inpaint-first")
+    message = inference.message(request)
+    assert message.model == "sd15-inpaint" and message.instances[0].image and message.instances[0].mask
+    view = flows(catalog).view(catalog.flow("repaint"))
+    assert view["inputs"] == ["prompt", "mask"] and "mask" in view["stages"][1]["takes"]
+    assert flows(catalog).view(catalog.flow("inpaint-first"))["inputs"] == ["prompt", "image", "mask"]
+
+
+@pytest.mark.parametrize(
+    ("flow", "instance", "parameters", "field", "words"),
+    [
+        ("repaint", {"prompt": "p"}, {}, "instances.0.mask", "required by flow repaint, whose stage repaint repaints"),
+        ("repaint", {"prompt": "p", "mask": png_b64((32, 32), (0, 0, 8, 8))}, {}, "instances.0.mask",
+         "32x32 is not the size of the image it repaints 96x64 (parameters.width x parameters.height)"),
+        ("repaint", {"prompt": "p", "mask": base64.b64encode(b"not a png").decode()}, {}, "instances.0.mask",
+         "not a PNG"),
+        ("repaint", {"prompt": "p", "mask": png_b64((96, 64))}, {}, "instances.0.mask", "nothing to repaint"),
+        ("repaint", {"prompt": "p", "mask": MASK, "image": png_b64((96, 64), mode="RGB")}, {}, "instances.0.image",
+         "not accepted by text-to-image model repaint"),
+        ("repaint", {"prompt": "p"}, {"outpaint": {"left": 8}}, "parameters.outpaint", "no stage takes it"),
+        ("sd15-hires", {"prompt": "p", "mask": MASK}, {}, "instances.0.mask", "takes no mask"),
+        ("inpaint-first", {"prompt": "p", "mask": MASK}, {}, "instances.0.image", "required by inpaint model"),
+        ("inpaint-first", {"prompt": "p", "image": png_b64((96, 64), mode="RGB"), "mask": png_b64((64, 96), (0, 0, 8, 8))},
+         {}, "instances.0.mask", "not the image's size 96x64"),
+    ],
+)  # fmt: skip
+def test_a_bad_mask_to_a_flow_is_the_422_predict_gives_naming_its_field(catalog, flow, instance, parameters, field,
+                                                                         words):  # fmt: skip
+    # prepare refuses before a message exists: nothing is published (its service has no dispatcher).
+    with pytest.raises(ApiError) as refused:
+        prepared(catalog, {"instances": [instance], "parameters": {"seed": 1, **SIZE, **parameters}}, flow=flow)
+    assert (refused.value.status, refused.value.field) == (422, field) and words in refused.value.message, (
+        refused.value.message
+    )
+
+
+def test_only_an_inpaint_stage_row_has_the_requests_mask_fraction(catalog):
+    stages = [report("draft", 0, "sd15-txt2img", 400.0, 1), report("repaint", 1, "sd15-inpaint", 300.0, 1)]
+    reply = InferenceReply(request_id="req-1", model="repaint", model_version="", status="ok", stages=stages)
+    row = flow_row()
+    row.model, row.flow, row.mask_fraction = "repaint", "repaint", 0.25
+    flow, draft, repaint = rows_of(row, reply, catalog)
+    assert [(r.task, r.mask_fraction) for r in (draft, repaint)] == [("text-to-image", None), ("inpaint", 0.25)]
+    assert flow.mask_fraction == 0.25  # the request carried it
 
 
 def report(stage: str, index: int, model: str, inference_ms: float, batch_size: int) -> StageReport:
