@@ -3,7 +3,10 @@
     .venv/bin/python -m bench.suite            # full suite (README Performance says how long)
     .venv/bin/python -m bench.suite --quick    # a ~2-minute subset
     .venv/bin/python -m bench.suite --smoke    # every scenario at its smallest size: no figure, only that it runs
-                                               # (tests/integration/test_bench_scenarios.py, against a test stack)
+    .venv/bin/python -m bench.suite --part in-process   # only the worker's code in processes of its own (no stack)
+
+The tests run the smoke in two parts: `--part service` against a test stack (tests/integration/
+test_bench_scenarios.py) and `--part in-process` with no stack at all (tests/unit/test_bench_in_process.py).
 
 Uses the stack at MAAS_STACK_PORT_OFFSET / MAAS_STACK_DIR (default 12000 / .stack-bench) if it is running,
 else brings one up there and stops it at the end. Runs the benchmark's own API process (the real app,
@@ -46,6 +49,7 @@ from emulators.processes import ProcessRegistry, http_ok
 from emulators.stack import ROOT, StackConfig, down, up
 
 MODES = ("per-instance", "per-request")
+PARTS = ("all", "service", "in-process")
 
 
 def plan(quick: bool, smoke: bool = False) -> dict:
@@ -62,7 +66,7 @@ def plan(quick: bool, smoke: bool = False) -> dict:
 
 
 class Suite:
-    def __init__(self, config: StackConfig, quick: bool, out_dir: Path, smoke: bool = False) -> None:
+    def __init__(self, config: StackConfig, quick: bool, out_dir: Path, smoke: bool = False, part: str = "all") -> None:
         self.config = config
         # smoke: every scenario at its smallest size (a test that each runs; its numbers mean nothing)
         self.smoke = smoke
@@ -78,9 +82,10 @@ class Suite:
         self.key = config.api_keys.split(",")[0]
         self.redis = redis.Redis.from_url(f"redis://127.0.0.1:{config.redis_port}/0")
         self.count = 0
-        # floor, naive, http, cache/jobs, flows, direct, adapters, open loop in process and through the system,
-        # streams, batch jobs, interactive beside a batch, inpainting and editing
-        self.total = 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 2 + 1 + 1 + 1 + 1 + 1
+        # floor, naive, http, cache/jobs, flows, adapters, streams, batch jobs, interactive beside a batch, the open
+        # loop through the system; in process: direct, step caches, inpainting and editing, the open loop in process
+        in_process, service = 4, 3 + sum(len(v) for v in plan(self.quick, smoke).values()) + 2 + 1 + 1 + 1 + 1 + 1 + 1
+        self.total = {"all": in_process + service, "in-process": in_process, "service": service}[part]
 
     @property
     def size(self) -> str:
@@ -329,6 +334,13 @@ class Suite:
                             {"MAAS_STACK_DIR": str(self.config.stack_dir)})  # fmt: skip
 
 
+def build_tiny_models(config: StackConfig) -> None:
+    """The stack's tiny models in `config.tiny_model_dir`, built where missing (what the stack's start does, less the
+    upload); a build beside a stack's waits for it (one build at a time in the folder)."""
+    subprocess.run([sys.executable, "-m", "emulators.tiny_pipeline", "--out", str(config.tiny_model_dir)], cwd=ROOT,
+                   env={**os.environ, **config.service_env()}, check=True, capture_output=True, timeout=900)  # fmt: skip
+
+
 def git_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
@@ -348,14 +360,21 @@ def main() -> int:
     parser.add_argument("--open-loop-only", action="store_true", help="only the open-loop scheduling sweeps")
     parser.add_argument("--flows-only", action="store_true", help="only the flows scenario (bench/flows.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results, or bench/results/quick)")
+    parser.add_argument("--part", choices=PARTS, default="all",
+                        help="service: the scenarios through a stack's API and workers; in-process: the worker's code "
+                        "in processes of its own (no stack; the tiny models built where missing); all: both")  # fmt: skip
     args = parser.parse_args()
+    service, in_process = args.part in ("all", "service"), args.part in ("all", "in-process")
     out_dir = args.out or ROOT / "bench" / "results" / ("quick" if args.quick or args.smoke else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     config = bench_config()
     began = time.monotonic()
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    owned = not http_ok(f"{config.api_url}/readyz")
-    if owned:
+    owned = service and not http_ok(f"{config.api_url}/readyz")
+    if not service:
+        print(f"No stack: the tiny models in {config.tiny_model_dir}", flush=True)
+        build_tiny_models(config)
+    elif owned:
         print(f"Bringing up a stack at port offset {config.port_offset} in {config.stack_dir}...", flush=True)
         up(config)
         ProcessRegistry(config.stack_dir).stop("api")  # the benchmark runs its own API, one mode at a time
@@ -363,7 +382,7 @@ def main() -> int:
     else:
         print(f"Using the running stack at {config.api_url}", flush=True)
     os.environ.update(config.client_env())
-    suite = Suite(config, args.quick, out_dir, smoke=args.smoke)
+    suite = Suite(config, args.quick, out_dir, smoke=args.smoke, part=args.part)
     api = BenchApi(config, ProcessRegistry(config.stack_dir / "bench"), config.api_port + 1)
     direct = event_streams = adapters = flow_result = batch_jobs = batch_beside = step_caches = edit_scheduling = None
     sweeps: dict[str, dict] = {}
@@ -376,20 +395,22 @@ def main() -> int:
             (out_dir / "flows.json").write_text(json.dumps({"meta": meta, "flows": flow_result}, indent=2))
             print(f"\nWrote {out_dir / 'flows.json'} (load average before {load_before}, after {meta['load_after']})")
             return exit_status(suite.failed)
-        if not args.open_loop_only:
+        if not args.open_loop_only and service:
             suite.pubsub()
             suite.http(api)
             flow_result = suite.flows(api)
+        if not args.open_loop_only and in_process:
             direct = suite.direct()
-            adapters = suite.adapters()
             step_caches = suite.step_caches()
             edit_scheduling = suite.edit_scheduling()
+        if not args.open_loop_only and service:
+            adapters = suite.adapters()  # its adapters uploaded to the stack's bucket
             event_streams = suite.event_streams()
             batch_jobs = suite.batch_jobs()
             batch_beside = suite.batch_beside()
-        for title, run in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process),
-                           ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api))):  # fmt: skip
-            if (result := run()) is not None:
+        for title, run, runs in (("in process (worker stages, tiny pipeline)", suite.open_loop_in_process, in_process),
+                                 ("whole system (API, Pub/Sub, worker)", lambda: suite.open_loop_system(api), service)):  # fmt: skip
+            if runs and (result := run()) is not None:
                 sweeps[title] = result
     finally:
         api.stop()
@@ -402,12 +423,13 @@ def main() -> int:
             "commit": git_commit(),
             "quick": args.quick,
             "smoke": args.smoke,
+            "part": args.part,
             "cpus": os.cpu_count(),
             "load_before": load_before,
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "warmup_seconds": suite.warmup,
             "seconds": suite.seconds,
-            "stack": "started by the benchmark" if owned else "already running",
+            "stack": "none" if not service else "started by the benchmark" if owned else "already running",
             "wall_seconds": round(time.monotonic() - began, 1),
         },
         "rows": suite.rows,
