@@ -32,11 +32,11 @@ def test_a_mask_and_outpainting_go_in_the_body_as_the_api_takes_them(tmp_path):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["predict", "sd15-inpaint", "x", "--mask", "{mask}"], "--mask: needs --image"),
+        (["predict", "sd15-inpaint", "x", "--mask", "{text}"], "--mask: "),
         (["inpaint", "{image}", "{text}", "x"], "--mask: "),
     ],
 )
-def test_the_cli_refuses_a_mask_without_an_image_or_a_mask_that_is_no_image_before_any_request(tmp_path, args, words):
+def test_the_cli_refuses_a_mask_that_is_no_image_before_any_request(tmp_path, args, words):
     files = {"image": png_file(tmp_path, "image.png"), "mask": png_file(tmp_path, "mask.png", "L"),
              "text": tmp_path / "notes.txt"}  # fmt: skip
     files["text"].write_text("not an image")
@@ -45,6 +45,17 @@ def test_the_cli_refuses_a_mask_without_an_image_or_a_mask_that_is_no_image_befo
     done = CliRunner().invoke(cli.app, argv, env={"MAAS_URL": "http://127.0.0.1:9", "MAAS_API_KEY": "k"})
     assert done.exit_code == 2, done.output
     assert words in done.output
+
+
+def test_maas_predict_sends_a_mask_without_an_image_to_a_flow_that_drafts_then_repaints(tmp_path, monkeypatch):
+    sent = {}
+    monkeypatch.setattr(cli, "_predict", lambda model, prompt, options, out_dir: sent.update(
+        model=model, body=_core.predict_body(prompt, **options)))  # fmt: skip
+    mask = png_file(tmp_path, "mask.png", "L")
+    done = CliRunner().invoke(cli.app, ["predict", "sd15-draft-repaint", "a door", "--mask", str(mask)])
+    assert done.exit_code == 0, done.output
+    assert sent["model"] == "sd15-draft-repaint"
+    assert sent["body"]["instances"] == [{"prompt": "a door", "mask": base64.b64encode(mask.read_bytes()).decode()}]
 
 
 def test_maas_inpaint_takes_image_mask_and_prompt_in_that_order():

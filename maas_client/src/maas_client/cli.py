@@ -154,13 +154,11 @@ def _check_options(
             raise InputError(f"--n {n}: between 1 and 16")
         if image is not None:
             _core.image_bytes(image)
-        if mask is not None:
+        if mask is not None:  # without --image too: a flow that drafts, then repaints the draft under the mask
             try:
                 _core.image_bytes(mask)
             except InputError as exc:
                 raise InputError(f"--mask: {exc}") from None
-            if image is None:
-                raise InputError("--mask: needs --image (the image whose white-masked pixels are repainted)")
         if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"--out {out_dir}: not a directory")
     except InputError as exc:
