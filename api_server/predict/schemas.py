@@ -29,7 +29,8 @@ class InstanceIn(BaseModel):
     image: str | None = Field(default=None, description="base64 PNG or JPEG, image-to-image, inpaint and edit only")
     mask: str | None = Field(
         default=None,
-        description="inpaint only: base64 PNG the image's size; white repaints, black keeps, grey in between",
+        description="inpaint models and flows with an inpaint stage: base64 PNG the image's size (a flow that drafts "
+        "first: its width x height); white repaints, black keeps, grey in between",
     )
 
 
