@@ -480,23 +480,27 @@ def line_scheduler_steps(check: Check) -> None:
 
 # --- step caches (issue 54) ----------------------------------------------------------------------------------
 
-# The real sizes' steps (FLUX.1 [dev]'s 28 at 1024², SD 1.5's 25 at 512²) and the tiny run's. Each image's first
-# STEP_CACHE_WARMUP steps run in full, then every other step skips (about half of them: the published hit rates'
-# order, forced, since random weights say nothing about hit rates; docs/guides/step-caching.md).
-STEP_CACHE_STEPS = {"flux": (28, 4), "sd15": (25, 4)}
+# The real sizes' steps (FLUX.1 [dev]'s and SD 3.5's 28 at 1024², SD 1.5's 25 at 512²) and the tiny run's. Each
+# image's first STEP_CACHE_WARMUP steps run in full, then every other step skips (about half of them: the published
+# hit rates' order, forced, since random weights say nothing about hit rates; docs/guides/step-caching.md).
+STEP_CACHE_STEPS = {"flux": (28, 4), "sd15": (25, 4), "sd35": (28, 4)}
 STEP_CACHE_WARMUP = (2, 1)
-STEP_CACHE_SETTINGS = {"flux": {"kind": "first_block", "threshold": 0.08}, "sd15": {"kind": "deepcache", "interval": 2}}
+# Each line's cache (the forced pattern decides in place of the threshold or interval).
+STEP_CACHE_SETTINGS = {"sd15.step-cache": {"kind": "deepcache", "interval": 2},
+                       "flux.step-cache": {"kind": "first_block", "threshold": 0.08},
+                       "flux.taylorseer": {"kind": "taylorseer", "interval": 2},
+                       "sd35.step-cache": {"kind": "first_block", "threshold": 0.08}}  # fmt: skip
 
 
 def skip_half(running_item, step: int) -> bool:
     return step % 2 == 1
 
 
-def step_cache_spec(check: Check, spec, family: str):
-    """The entry with the family's step cache, its warm-up the check's, stepped (the per-image cache's scheduling)."""
+def step_cache_spec(check: Check, spec, line: str):
+    """The entry with the line's step cache, its warm-up the check's, stepped (the per-image cache's scheduling)."""
     from contract.model_spec import ModelSpec
 
-    settings = {**STEP_CACHE_SETTINGS[family], "warmup_steps": STEP_CACHE_WARMUP[check.tiny]}
+    settings = {**STEP_CACHE_SETTINGS[line], "warmup_steps": STEP_CACHE_WARMUP[check.tiny]}
     return ModelSpec.model_validate({**spec.model_dump(), "scheduling": "step", "step_cache": settings})
 
 
@@ -552,7 +556,7 @@ def line_sd15_step_cache(check: Check) -> None:
     from model_worker.model.pipeline import DiffusionRunner
 
     shared = sd15_runner(check)
-    spec = step_cache_spec(check, shared.spec, "sd15")
+    spec = step_cache_spec(check, shared.spec, "sd15.step-cache")
     runner = DiffusionRunner(spec, sd15_weights(check), torch_threads=2 if check.tiny else 0, share=shared)
     row = step_cache_times(check, runner, "sd15", check.sizes.batch, check.sizes.size)
     add_step_cache_line(check, "sd15.step-cache", "SD-1.5-sized eager, deepcache", row)
@@ -926,13 +930,20 @@ def child_flux_variant(check: Check, args: dict) -> dict:
                    check.sizes.flux_calls)  # fmt: skip
 
 
-def line_flux_step_cache(check: Check) -> None:
-    """FLUX.1-[dev]-sized first_block: [schnell]'s weights (the same transformer, only the guidance embedding [dev]
-    adds is missing) in bf16, eager, one image a call, at [dev]'s 28 steps."""
+def line_flux_step_cache(check: Check, line: str = "flux.step-cache") -> None:
+    """FLUX.1-[dev]-sized first_block (or taylorseer): [schnell]'s weights (the same transformer, only the guidance
+    embedding [dev] adds is missing) in bf16, eager, one image a call, at [dev]'s 28 steps."""
     if "flux_weights" not in check.shared:
         line_flux_build(check)
-    row = run_child(check, "flux-step-cache", {"weights": check.shared["flux_weights"]}, cap=180.0)
-    add_step_cache_line(check, "flux.step-cache", "FLUX.1-[dev]-sized bf16 eager, first_block", row)
+    row = run_child(check, "flux-step-cache", {"weights": check.shared["flux_weights"], "line": line}, cap=180.0)
+    kind = STEP_CACHE_SETTINGS[line]["kind"]
+    add_step_cache_line(check, line, f"FLUX.1-[dev]-sized bf16 eager, {kind}", row)
+
+
+def line_flux_taylorseer(check: Check) -> None:
+    """FLUX.1-[dev]-sized TaylorSeer: the whole transformer skipped on a predicted step, each image's output its
+    Taylor expansion (order 1) from its last full steps."""
+    line_flux_step_cache(check, "flux.taylorseer")
 
 
 def child_flux_step_cache(check: Check, args: dict) -> dict:
@@ -940,9 +951,55 @@ def child_flux_step_cache(check: Check, args: dict) -> dict:
     from model_worker.model.pipeline import DiffusionRunner
 
     size = check.sizes.flux_size
-    spec = step_cache_spec(check, variant_spec("flux", None, size), "flux")
+    spec = step_cache_spec(check, variant_spec("flux", None, size), args.get("line", "flux.step-cache"))
     runner = DiffusionRunner(spec, Path(args["weights"]), torch_threads=2 if check.tiny else 0)
     return step_cache_times(check, runner, "flux", 1, size)
+
+
+# --- SD 3.5 Large-sized step cache (issue 54) ----------------------------------------------------------------------
+
+# The most seconds its child may run on a GPU: building 17.9 GB of random weights and writing them, loading them,
+# and the warm and timed sets (two guided 28-step sets at 1024²).
+SD35_STEP_CACHE_CAP = 420.0
+
+
+def line_sd35_step_cache(check: Check) -> None:
+    """SD-3.5-Large-sized first_block: its transformer (38 joint blocks), both CLIPs and the VAE at their real size,
+    random weights, without T5 (zeros of its width in its place, as the catalog's `without: [text_encoder_3]` runs:
+    the same tokens, so the same step), bf16, eager, one guided image (two rows, deciding together) at 1024², 28
+    steps. Built in its child and deleted after: the disk is the families' after it."""
+    import shutil
+
+    try:
+        row = run_child(check, "sd35-step-cache", {}, cap=SD35_STEP_CACHE_CAP)
+    finally:
+        shutil.rmtree(check.workdir / ("sd35-tiny" if check.tiny else "sd35-sized"), ignore_errors=True)
+    add_step_cache_line(check, "sd35.step-cache", "SD-3.5-Large-sized bf16 eager, first_block", row)
+
+
+def child_sd35_step_cache(check: Check, args: dict) -> dict:
+    import shutil
+
+    from bench.quantized_pipeline import variant_spec, weights_for
+    from contract.memory_plan import unit_plan
+    from model_worker.model.pipeline import DiffusionRunner
+
+    size = check.sizes.flux_size
+    entry = variant_spec("sd35", None, size).model_copy(update={"without": ["text_encoder_3"]})
+    spec = step_cache_spec(check, entry, "sd35.step-cache")
+    if not check.tiny and not (check.workdir / "sd35-sized" / "model_index.json").exists():
+        needed = unit_plan(spec).weights_bytes / 1e9 + 1.0
+        check.workdir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(check.workdir).free / 1e9
+        if free < needed:  # a clear MISS, not a disk filled part-way
+            raise RuntimeError(f"its weights need {needed:.0f} GB of disk and {free:.0f} GB are free under "
+                               f"{check.workdir}: run `--lines sd35` alone, or delete what is built there")  # fmt: skip
+    started = time.perf_counter()
+    weights = weights_for("sd35", check.tiny, check.workdir)
+    built_s = time.perf_counter() - started
+    check.log(f"SD-3.5-Large-sized weights ready in {built_s:.0f}s")
+    runner = DiffusionRunner(spec, weights, torch_threads=2 if check.tiny else 0)
+    return {**step_cache_times(check, runner, "sd35", 1, size), "weights_ready_s": built_s}
 
 
 # --- The 2026 families: Z-Image-Turbo, FLUX.2 [klein] 4B, Qwen-Image ---------------------------------------------
@@ -1084,13 +1141,15 @@ LINES = [
     LineSpec("sd15-compiled.warm-start", line_warm_start, WARM_START_SECONDS + 10),
     *flux_lines(),
     LineSpec("flux.step-cache", line_flux_step_cache, 40.0),
+    LineSpec("flux.taylorseer", line_flux_taylorseer, 40.0),
     LineSpec("flux.controlnet", line_flux_controlnet, 30.0),
+    LineSpec("sd35.step-cache", line_sd35_step_cache, 120.0),
     *family_lines(),
 ]
 CHILDREN = {"sd15-compiled": child_sd15_compiled, "warm-start": child_warm_start, "flux-build": child_flux_build,
             "flux-variant": child_flux_variant, "family-build": child_family_build,
             "family-variant": child_family_variant, "flux-step-cache": child_flux_step_cache,
-            "flux-controlnet": child_flux_controlnet}  # fmt: skip
+            "flux-controlnet": child_flux_controlnet, "sd35-step-cache": child_sd35_step_cache}  # fmt: skip
 
 
 def run_child(check: Check, name: str, args: dict, cap: float, env: dict | None = None,

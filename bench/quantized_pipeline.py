@@ -28,13 +28,14 @@ from pathlib import Path
 COMPONENTS = {"flux": ["transformer", "text_encoder_2"], "sd15": ["unet", "text_encoder"],
               "zimage": ["transformer", "text_encoder"], "flux2-klein": ["transformer", "text_encoder"],
               "qwenimage": ["transformer", "text_encoder"], "flux-fill": ["transformer", "text_encoder_2"],
-              "flux-kontext": ["transformer", "text_encoder_2"]}  # fmt: skip
+              "flux-kontext": ["transformer", "text_encoder_2"], "sd35": ["transformer", "text_encoder_3"]}  # fmt: skip
 CATALOG_ENTRY = {"flux": "flux-schnell", "sd15": "sd15-txt2img", "zimage": "z-image-turbo",
                  "flux2-klein": "flux2-klein", "qwenimage": "qwen-image", "flux-fill": "flux-fill",
-                 "flux-kontext": "flux-kontext"}  # fmt: skip
+                 "flux-kontext": "flux-kontext", "sd35": "sd35-txt2img"}  # fmt: skip
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd15": "StableDiffusionPipeline", "zimage": "ZImagePipeline",
                   "flux2-klein": "Flux2KleinPipeline", "qwenimage": "QwenImagePipeline",
-                  "flux-fill": "FluxFillPipeline", "flux-kontext": "FluxKontextPipeline"}  # fmt: skip
+                  "flux-fill": "FluxFillPipeline", "flux-kontext": "FluxKontextPipeline",
+                  "sd35": "StableDiffusion3Pipeline"}  # fmt: skip
 # FLUX.1's [dev]-based tools: their transformer's settings over diffusers' FLUX.1 defaults (Fill's input is the
 # packed latents, the packed masked image's latents and the packed mask: 64 + 64 + 256 channels).
 FLUX_TOOLS = {"flux-fill": {"guidance_embeds": True, "in_channels": 384, "out_channels": 64},
@@ -44,7 +45,13 @@ DEV_SCHEDULER = {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, 
                  "base_image_seq_len": 256, "max_image_seq_len": 4096}  # fmt: skip
 # The 2026 families built at their real sizes from the recorded configurations (the memory plan's own,
 # tests/data/model_configs/: what contract/architectures.py counts), random weights.
-RECORDED = {"zimage": "z-image-turbo", "flux2-klein": "flux.2-klein-4b", "qwenimage": "qwen-image"}
+RECORDED = {"zimage": "z-image-turbo", "flux2-klein": "flux.2-klein-4b", "qwenimage": "qwen-image",
+            "sd35": "sd3.5-large"}  # fmt: skip
+# The components built at their real size (the others are the tiny pipeline's); SD 3.5 Large's two CLIPs, and no T5
+# (`LEFT_OUT`: the catalog's `without: [text_encoder_3]`, zeros of its width in its place: the same token count, so
+# the same denoising step, 9.5 GB less to write).
+RECORDED_COMPONENTS = {"sd35": ("transformer", "text_encoder", "text_encoder_2", "vae")}
+LEFT_OUT = {"sd35": ("text_encoder_3", "tokenizer_3")}
 CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "model_configs"
 # FLUX.1's real vocabularies (CLIP-L, T5-XXL): the embedding tables keep their real size.
 CLIP_VOCAB, T5_VOCAB = 49408, 32128
@@ -145,10 +152,11 @@ def build_flux_tool_sized(family: str, out_dir: Path, flux_dir: Path) -> Path:
 
 
 def build_recorded_sized(family: str, out_dir: Path) -> Path:
-    """A 2026 family's pipeline at its real size: its transformer, text encoder and VAE from the recorded
-    configurations with random weights (made in bf16 on the GPU when there is one, so the host never holds an fp32
-    copy), the tokenizers and scheduler the tiny pipeline's (the embedding tables keep their real size); built once
-    per directory. Qwen-Image's is 57.7 GB on disk, Z-Image's 20.5 GB, FLUX.2 [klein] 4B's 16.0 GB."""
+    """A 2026 family's or SD 3.5 Large's pipeline at its real size: its transformer, text encoder(s) and VAE from the
+    recorded configurations with random weights (made in bf16 on the GPU when there is one, so the host never holds an
+    fp32 copy), the tokenizers and scheduler the tiny pipeline's (the embedding tables keep their real size); built
+    once per directory. Qwen-Image's is 57.7 GB on disk, Z-Image's 20.5 GB, FLUX.2 [klein] 4B's 16.0 GB, SD 3.5 Large's
+    without its T5 (`LEFT_OUT`) 17.9 GB."""
     if (out_dir / "model_index.json").exists():
         return out_dir
     import json
@@ -161,7 +169,7 @@ def build_recorded_sized(family: str, out_dir: Path) -> Path:
     from emulators.tiny_pipeline import build_pipeline
 
     tiny = build_pipeline(out_dir.with_name(out_dir.name + "-tokenizers"), PIPELINE_CLASS[family],
-                          "cfg" if family == "qwenimage" else "none")  # fmt: skip
+                          "cfg" if family in ("qwenimage", "sd35") else "none")  # fmt: skip
     pipeline_class = getattr(diffusers, PIPELINE_CLASS[family])
     components = dict(pipeline_class.from_pretrained(tiny).components)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,7 +178,7 @@ def build_recorded_sized(family: str, out_dir: Path) -> Path:
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            for name in ("transformer", "text_encoder", "vae"):
+            for name in RECORDED_COMPONENTS.get(family, ("transformer", "text_encoder", "vae")):
                 config = json.loads((CONFIGS / RECORDED[family] / name / "config.json").read_text())
                 if "_class_name" in config:
                     components[name] = getattr(diffusers, config["_class_name"]).from_config(config)
@@ -179,6 +187,7 @@ def build_recorded_sized(family: str, out_dir: Path) -> Path:
                     components[name] = getattr(transformers, config["architectures"][0])(model_config)
     finally:
         torch.set_default_dtype(default_dtype)
+    components.update(dict.fromkeys(LEFT_OUT.get(family, ())))
     pipeline = pipeline_class(**components)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     shutil.rmtree(tiny)

@@ -23,7 +23,9 @@ TINY_LINES = [
     "flux.build",
     "flux.bf16",
     "flux.step-cache",
+    "flux.taylorseer",
     "flux.controlnet",
+    "sd35.step-cache",
     "zimage.bf16",
     "flux2-klein.bf16",
     "qwenimage.bf16",
@@ -48,7 +50,8 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     lines = {line["key"]: line for line in document["lines"]}
     expected = {"sd15.direct", "sd15.worker-request", "sd15.worker-step", "sd15.lone-2", "sd15.lone-4", "sd15.syncs",
                 "sd15.lone-4-phases", "sd15.scheduler-steps", "batch.interactive", "open-loop.sweep", "flux.build", "flux.bf16",
-                "sd15.step-cache", "flux.step-cache", "sd15.controlnet", "flux.controlnet",
+                "sd15.step-cache", "flux.step-cache", "flux.taylorseer", "sd35.step-cache", "sd15.controlnet",
+                "flux.controlnet",
                 "zimage.build", "zimage.bf16", "flux2-klein.build", "flux2-klein.bf16", "qwenimage.build",
                 "qwenimage.bf16", "qwenimage.release", "flux-fill.build", "flux-fill.bf16", "flux-kontext.build",
                 "flux-kontext.bf16"}  # fmt: skip
@@ -65,11 +68,14 @@ def test_the_tiny_check_prints_its_table_and_writes_its_json_without_the_service
     assert phases["request"]["generate"] >= phases["request"]["to_first_step"] > 0
     steps = lines["sd15.scheduler-steps"]["detail"]
     assert len(steps) == 7 and all(row["set_ops"] < row["per_image_ops"] for n, row in steps.items() if "Flow" not in n)
-    # Each step cache line: half the steps after the warm-up skipped (forced), both timings in one run.
-    for key, steps in (("sd15.step-cache", 4), ("flux.step-cache", 4)):
+    # Each step cache line: half the steps after the warm-up skipped (forced), both timings in one run; its kind's.
+    for key, kind in (("sd15.step-cache", "deepcache"), ("flux.step-cache", "first_block"),
+                      ("flux.taylorseer", "taylorseer"), ("sd35.step-cache", "first_block")):  # fmt: skip
         row = lines[key]["detail"]
-        assert (row["steps"], row["steps_skipped_per_image"]) == (steps, 2), row  # steps 1 and 3 (step 0 warms up)
+        assert (row["steps"], row["steps_skipped_per_image"]) == (4, 2), row  # steps 1 and 3 (step 0 warms up)
         assert row["ms_per_step_with"] > 0 and row["ms_per_step_without"] > 0
+        assert f"eager, {kind} " in lines[key]["name"], lines[key]["name"]
+    assert not (tmp_path / "work" / "sd35-tiny").exists(), "the SD 3.5 step cache line left its weights"
     errors = {key: line["measured"] for key, line in lines.items() if line["measured"].startswith(("error", "skipped"))}
     assert errors == {}
     assert all(line["result"] in ("PASS", "MISS", "INFO") for line in lines.values())
@@ -219,3 +225,42 @@ def test_flux_fills_and_kontexts_real_size_build_links_flux1s_encoders_and_write
     assert (
         pipeline.transformer.config.in_channels == tiny["in_channels"] and pipeline.transformer.config.guidance_embeds
     )
+
+
+def test_sd35s_step_cache_line_refuses_a_build_the_disk_cannot_hold_before_writing(tmp_path, monkeypatch):
+    """SD 3.5 Large's weights without T5 (17.9 GB) beside FLUX.1's 34 GB: the line's child says so before building."""
+    import shutil
+    from types import SimpleNamespace
+
+    check = gpu_check.Check(tiny=True, budget=60, workdir=tmp_path, out=tmp_path / "out", selected=None)
+    check.tiny = False  # judged as on a GPU: the real size
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10e9))
+    with pytest.raises(RuntimeError, match="its weights need 19 GB of disk and 10 GB are free .* .--lines sd35. alone"):
+        gpu_check.child_sd35_step_cache(check, {})
+    assert list(tmp_path.iterdir()) == [], "it wrote something"
+
+
+def test_sd35s_real_size_build_writes_both_clips_and_leaves_t5_out(tmp_path, monkeypatch):
+    """The GPU line's build (bench/quantized_pipeline.py `build_recorded_sized`) with the tiny SD 3.5's configurations
+    standing in for the recorded ones: the transformer, both CLIPs and the VAE built from them, T5 and its tokenizer
+    left out, and diffusers loads what it writes (the TINY run above answers through the tiny pipeline)."""
+    import shutil
+
+    from diffusers import StableDiffusion3Pipeline
+
+    from bench import quantized_pipeline
+    from emulators import tiny_pipeline
+
+    tiny = quantized_pipeline.weights_for("sd35", True, tmp_path)
+    for name in quantized_pipeline.RECORDED_COMPONENTS["sd35"]:
+        (tmp_path / "configs" / "sd3.5-large" / name).mkdir(parents=True)
+        shutil.copy(tiny / name / "config.json", tmp_path / "configs" / "sd3.5-large" / name / "config.json")
+    monkeypatch.setattr(quantized_pipeline, "CONFIGS", tmp_path / "configs")
+    # Its tokenizers' pipeline: a copy of the one built above (a second build would cost a second).
+    monkeypatch.setattr(tiny_pipeline, "build_pipeline", lambda out, *args: shutil.copytree(tiny, out, symlinks=True))
+    built = quantized_pipeline.build_recorded_sized("sd35", tmp_path / "sd35-sized")
+    index = json.loads((built / "model_index.json").read_text())
+    assert index["text_encoder_3"] == index["tokenizer_3"] == [None, None]
+    assert index["text_encoder_2"] == ["transformers", "CLIPTextModelWithProjection"]
+    pipeline = StableDiffusion3Pipeline.from_pretrained(built, text_encoder_3=None, tokenizer_3=None)  # as `without:`
+    assert pipeline.text_encoder_3 is None and pipeline.transformer.config.num_layers == 1
