@@ -13,7 +13,9 @@ A control version is a folder in diffusers' own layouts:
   projection; `ip_adapter.{1,3,5,...}.to_k_ip.weight`/`.to_v_ip.weight`: one pair per cross-attention layer of the
   UNet, in diffusers' order) and its CLIP image encoder in `image_encoder/` (`config.json`, `model.safetensors`,
   a `CLIPVisionModelWithProjection`). Plain IP-Adapters (`image_proj.proj`, four image tokens) are served; the Plus
-  and FaceID projections are refused by name.
+  and FaceID projections are refused by name. A FLUX.1 base's (XLabs' layout, as diffusers' `FluxIPAdapterMixin`
+  reads it) has `ip_adapter.{0,1,...}.to_k_ip`/`.to_v_ip` weights and biases, one pair per double block of the
+  transformer, each from its `joint_attention_dim` to its width, checked against its transformer's config.
 
 Every file passes the one safetensors check (`contract/safetensors_checks.py`: overlapping or out-of-file tensors
 refused), floating weights only, none NaN or infinite (`lora_files.check_finite`); no pickle, nothing else in the
@@ -129,8 +131,10 @@ def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_he
             _check_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config, base_header)
     else:
         encoder = _config(files["image_encoder/config.json"], "image_encoder/config.json")
-        _check_ip_adapter(headers["ip_adapter.safetensors"], encoder, headers["image_encoder/model.safetensors"],
-                          base_config, base_header)  # fmt: skip
+        flux = base_config.get("_class_name") == "FluxTransformer2DModel"
+        check = _check_flux_ip_adapter if flux else _check_ip_adapter
+        check(headers["ip_adapter.safetensors"], encoder, headers["image_encoder/model.safetensors"], base_config,
+              base_header)  # fmt: skip
     return ControlSummary(
         sha256=digest(files),
         bytes=sum(len(data) for data in files.values()),
@@ -306,18 +310,7 @@ def _check_ip_adapter(header: dict, encoder: dict, encoder_header: dict, base_co
     if rows != 4 * cross:
         raise ControlFileError(f"{where}: image_proj.proj.weight has {rows} rows; four image tokens of the base "
                                f"UNet's cross_attention_dim {cross} need {4 * cross}")  # fmt: skip
-    if encoder.get("projection_dim") != embeddings:
-        raise ControlFileError(f"image_encoder/config.json: projection_dim {encoder.get('projection_dim')!r} is not "
-                               f"the {embeddings} image_proj.proj.weight takes")  # fmt: skip
-    if "CLIPVisionModelWithProjection" not in (encoder.get("architectures") or []):
-        raise ControlFileError("image_encoder/config.json: architectures must name CLIPVisionModelWithProjection")
-    if "visual_projection.weight" not in encoder_header:
-        raise ControlFileError("image_encoder/model.safetensors: no visual_projection.weight (a CLIP vision model "
-                               "with projection)")  # fmt: skip
-    if encoder_header["visual_projection.weight"]["shape"][0] != embeddings:
-        raise ControlFileError(f"image_encoder/model.safetensors: visual_projection.weight is "
-                               f"{_shape(encoder_header['visual_projection.weight']['shape'])}, not {embeddings} "
-                               "image embeddings")  # fmt: skip
+    _check_image_encoder(encoder, encoder_header, embeddings)
     expected = cross_attention_layers(base_header)
     found: dict[int, dict[str, list[int]]] = {}
     for name, entry in layers.items():
@@ -336,3 +329,53 @@ def _check_ip_adapter(header: dict, encoder: dict, encoder_header: dict, base_co
                 raise ControlFileError(f"{where}: ip_adapter.{number}.{part}.weight is "
                                        f"{_shape(mine) if mine else 'missing'}; the base UNet's cross-attention "
                                        f"there needs {_shape(shape)}")  # fmt: skip
+
+
+def _check_image_encoder(encoder: dict, encoder_header: dict, embeddings: int) -> None:
+    """The IP-Adapter's CLIP image encoder: a CLIPVisionModelWithProjection giving the `embeddings` its image
+    projection takes."""
+    if encoder.get("projection_dim") != embeddings:
+        raise ControlFileError(f"image_encoder/config.json: projection_dim {encoder.get('projection_dim')!r} is not "
+                               f"the {embeddings} image_proj.proj.weight takes")  # fmt: skip
+    if "CLIPVisionModelWithProjection" not in (encoder.get("architectures") or []):
+        raise ControlFileError("image_encoder/config.json: architectures must name CLIPVisionModelWithProjection")
+    if "visual_projection.weight" not in encoder_header:
+        raise ControlFileError("image_encoder/model.safetensors: no visual_projection.weight (a CLIP vision model "
+                               "with projection)")  # fmt: skip
+    if encoder_header["visual_projection.weight"]["shape"][0] != embeddings:
+        raise ControlFileError(f"image_encoder/model.safetensors: visual_projection.weight is "
+                               f"{_shape(encoder_header['visual_projection.weight']['shape'])}, not {embeddings} "
+                               "image embeddings")  # fmt: skip
+
+
+def _check_flux_ip_adapter(header: dict, encoder: dict, encoder_header: dict, base_config: dict, _: dict) -> None:
+    """A FLUX.1 IP-Adapter of the base transformer (XLabs' layout as diffusers converts it): its image projection gives
+    tokens of the transformer's `joint_attention_dim` (four; XLabs' 16 when the projection has 65,536 rows, as
+    diffusers reads it), and one key/value pair with biases per double block, from that width to the transformer's."""
+    where = "ip_adapter.safetensors"
+    others = sorted(name for name in header if not name.startswith(("image_proj.", "ip_adapter.")))
+    if others:
+        raise ControlFileError(f"{where}: {others[0]} is neither image_proj.* nor ip_adapter.*")
+    if "image_proj.proj.weight" not in header:
+        raise ControlFileError(f"{where}: no image_proj.proj.weight (plain IP-Adapters only)")
+    joint = base_config["joint_attention_dim"]
+    inner = base_config["num_attention_heads"] * base_config["attention_head_dim"]
+    rows, embeddings = header["image_proj.proj.weight"]["shape"]
+    tokens = 16 if rows == 65536 else 4  # diffusers' rule (FluxTransformer2DLoadersMixin)
+    if rows != tokens * joint:
+        raise ControlFileError(f"{where}: image_proj.proj.weight has {rows} rows; {tokens} image tokens of the base "
+                               f"transformer's joint_attention_dim {joint} need {tokens * joint}")  # fmt: skip
+    _check_image_encoder(encoder, encoder_header, embeddings)
+    blocks = int(base_config.get("num_layers") or 0)
+    wanted = {f"ip_adapter.{i}.{part}.{kind}": [inner, joint] if kind == "weight" else [inner]
+              for i in range(blocks) for part in ("to_k_ip", "to_v_ip") for kind in ("weight", "bias")}  # fmt: skip
+    extra = sorted(name for name in header if name.startswith("ip_adapter.") and name not in wanted)
+    if extra:
+        raise ControlFileError(f"{where}: {extra[0]}: the base transformer has {blocks} double blocks (a file for "
+                               "another model?)")  # fmt: skip
+    for name, shape in wanted.items():
+        entry = header.get(name)
+        if entry is None or entry["shape"] != shape:
+            found = _shape(entry["shape"]) if entry else "missing"
+            raise ControlFileError(f"{where}: {name} is {found}; the base transformer's double block there needs "
+                                   f"{_shape(shape)}")  # fmt: skip

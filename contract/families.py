@@ -125,7 +125,7 @@ FAMILIES: dict[str, Family] = {
             gpu_dtype="bfloat16",
             adapters=True,
             lora_components=("transformer", "text_encoder"),  # diffusers loads no LoRA into FLUX's T5
-            controls=("controlnet",),  # FluxControlNetModel (text-to-image); IP-Adapters for FLUX.1 not yet
+            controls=("controlnet", "ip_adapter"),  # FluxControlNetModel, XLabs' IP-Adapters (text-to-image)
             step_caches=("first_block", "taylorseer"),
         ),
         Family(

@@ -121,25 +121,40 @@ def build_union_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strengt
 
 def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
     """A plain IP-Adapter for the pipeline's UNet (four image tokens, one key/value pair per cross-attention layer in
-    diffusers' order) and its tiny CLIP image encoder, as `load_ip_adapter(out_dir, subfolder="",
-    weight_name="ip_adapter.safetensors")` reads them."""
+    diffusers' order) or FLUX.1 transformer (one pair per double block), and its tiny CLIP image encoder, as
+    `load_ip_adapter(out_dir, subfolder="", weight_name="ip_adapter.safetensors")` reads them."""
     import json
 
     import torch
     from safetensors.torch import save_file
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    from contract.control_files import BASE_UNET_CONFIG, BASE_UNET_WEIGHTS, cross_attention_layers
+    from contract.control_files import (
+        BASE_TRANSFORMER_CONFIG,
+        BASE_UNET_CONFIG,
+        BASE_UNET_WEIGHTS,
+        cross_attention_layers,
+    )
     from contract.lora_files import bytes_reader, read_header
 
-    config = json.loads((pipeline_dir / BASE_UNET_CONFIG).read_text())
-    data = (pipeline_dir / BASE_UNET_WEIGHTS).read_bytes()
-    layers = cross_attention_layers(read_header(bytes_reader(data), len(data)))
-    cross, embeddings = config["cross_attention_dim"], IMAGE_ENCODER["projection_dim"]
     generator = torch.Generator().manual_seed(seed)
 
     def random(*shape: int):
         return torch.randn(*shape, generator=generator) / shape[-1] ** 0.5
+
+    embeddings = IMAGE_ENCODER["projection_dim"]
+    flux = (pipeline_dir / "transformer").is_dir()
+    if flux:  # XLabs' layout as diffusers reads it: tokens of the text width, a key/value pair per double block
+        config = json.loads((pipeline_dir / BASE_TRANSFORMER_CONFIG).read_text())
+        cross = config["joint_attention_dim"]
+        layers = [[config["num_attention_heads"] * config["attention_head_dim"], cross]] * config["num_layers"]
+        numbers = range(len(layers))
+    else:
+        config = json.loads((pipeline_dir / BASE_UNET_CONFIG).read_text())
+        data = (pipeline_dir / BASE_UNET_WEIGHTS).read_bytes()
+        layers = cross_attention_layers(read_header(bytes_reader(data), len(data)))
+        cross = config["cross_attention_dim"]
+        numbers = range(1, 2 * len(layers), 2)
 
     tensors = {
         "image_proj.proj.weight": random(4 * cross, embeddings),
@@ -147,9 +162,12 @@ def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
         "image_proj.norm.weight": torch.ones(cross),
         "image_proj.norm.bias": torch.zeros(cross),
     }
-    for index, (hidden, width) in enumerate(layers):
-        tensors[f"ip_adapter.{2 * index + 1}.to_k_ip.weight"] = random(hidden, width)
-        tensors[f"ip_adapter.{2 * index + 1}.to_v_ip.weight"] = random(hidden, width)
+    for number, (hidden, width) in zip(numbers, layers, strict=True):
+        tensors[f"ip_adapter.{number}.to_k_ip.weight"] = random(hidden, width)
+        tensors[f"ip_adapter.{number}.to_v_ip.weight"] = random(hidden, width)
+        if flux:
+            tensors[f"ip_adapter.{number}.to_k_ip.bias"] = random(hidden)
+            tensors[f"ip_adapter.{number}.to_v_ip.bias"] = random(hidden)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "ip_adapter.safetensors")
     torch.manual_seed(seed)

@@ -154,6 +154,8 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
         # SDXL's Union pipeline takes one image's control images per call too.
         union = any(is_union(weights.model) for weights, _, _ in _controlnets(item))
         alone = (index,) if one_by_one and (len(key) > 1 or union) else ()
+        if image_prompts_key(item) and type(pipeline).__name__ == "FluxPipeline":  # FLUX.1: one image prompt a call
+            alone = (index,)
         groups.setdefault((key, image_prompts_key(item), *alone), []).append(index)
     if len(groups) == 1 and ((), ()) in groups:
         ip_adapters(pipeline).load([])
@@ -175,8 +177,9 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
                 call["height"], call["width"] = _output_size(pipeline, items[indices[0]].image)
         # diffusers' `load_ip_adapter` + `set_ip_adapter_scale`: the group's IP-Adapters in the UNet at their scales
         # (none: the base processors), their image embeddings made as the pipeline makes them.
-        call.update(ip_adapters(pipeline).pipeline_arguments(runner, [items[i] for i in indices],
-                                                             call.get("guidance_scale", 1.0) > 1))  # fmt: skip
+        # FLUX.1's guidance is embedded: no negative image rows.
+        guided = call.get("guidance_scale", 1.0) > 1 and hasattr(pipeline, "unet")
+        call.update(ip_adapters(pipeline).pipeline_arguments(runner, [items[i] for i in indices], guided))
         for index, image in zip(indices, runner(**call).images, strict=True):
             images[index] = image
     return images

@@ -10,6 +10,12 @@ pipeline's; zeros for a row that does not use it), and the per-row scale rides a
 a mask per IP-Adapter filled, on each row, with the row's scale (the processors' own scale stays 1.0), zero on a row
 that does not use it, whose image-prompt attention is then multiplied by zero: its hidden states are exactly the
 base attention's.
+
+FLUX.1's transformer (`FluxTransformer2DLoadersMixin`, XLabs' IP-Adapters) takes the image embeddings as the call's
+`joint_attention_kwargs["ip_adapter_image_embeds"]` and its IP-Adapter processors (`FluxIPAdapterAttnProcessor`, one
+per double block) take no masks: there the per-row scale is the processors' own scale, set for each call to a tensor
+with one value per row (`scale * attention` broadcasts over the row's tokens), zero on a row that does not use the
+IP-Adapter, whose block output then gains exactly zero.
 """
 
 from __future__ import annotations
@@ -60,6 +66,41 @@ class IPAdapterRows:
             rows.append(RowImagePrompt(weights, embeds.to(dtype=dtype), use.scale))
         return rows
 
+    @property
+    def _denoiser(self):
+        """The UNet, or FLUX.1's transformer."""
+        pipeline = self._pipeline
+        return pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer
+
+    def transformer_kwargs(self, running, rows: int, dtype) -> dict:
+        """FLUX.1: the transformer call's `joint_attention_kwargs` (per loaded IP-Adapter, one embedding tensor over
+        the call's `rows`, padding rows zeros) with each row's scale set on the IP-Adapter processors; {} with the base
+        processors back when no row uses an IP-Adapter. One row per running image (no guidance rows)."""
+        torch = self._torch
+        uses: OrderedDict[tuple, Any] = OrderedDict()
+        for r in running:
+            for prompt in r.state.get("image_prompts", ()):
+                uses.setdefault(prompt.weights.key, prompt.weights)
+        self.load(list(uses.values()))
+        if not uses:
+            return {}
+        order = {key: index for index, key in enumerate(uses)}
+        embeds = [None] * len(uses)
+        scales = [torch.zeros(rows, dtype=dtype) for _ in uses]  # set on the host, moved once
+        for row, r in enumerate(running):
+            for prompt in r.state.get("image_prompts", ()):
+                index = order[prompt.weights.key]
+                if embeds[index] is None:
+                    embeds[index] = prompt.embeds.new_zeros((rows, *prompt.embeds.shape[1:]))
+                embeds[index][row : row + 1] = prompt.embeds
+                scales[index][row] = prompt.scale
+        device = self._denoiser.device
+        per_row = [scale.to(device).view(-1, 1, 1) for scale in scales]
+        for processor in self._denoiser.attn_processors.values():
+            if hasattr(processor, "to_k_ip"):
+                processor.scale = per_row
+        return {"joint_attention_kwargs": {"ip_adapter_image_embeds": embeds}}
+
     def call_kwargs(self, running, inputs, sample) -> dict:
         """The UNet call's `added_cond_kwargs` (image embeddings per loaded IP-Adapter, over all rows) and
         `cross_attention_kwargs` (the per-row scales as masks); {} with the base processors back when no row uses
@@ -90,7 +131,8 @@ class IPAdapterRows:
     def pipeline_arguments(self, runner, items: list, guided: bool) -> dict:
         """`scheduling: request`: one pipeline call over items whose requests use the same IP-Adapters at the same
         scales: loads them (none: the base processors), sets their scales (`set_ip_adapter_scale`) and hands their
-        image embeddings over as `ip_adapter_image_embeds` (negative rows first when guided, as the pipeline's)."""
+        image embeddings over as `ip_adapter_image_embeds` (negative rows first when guided, as the pipeline's;
+        FLUX.1's pipelines take one image's a call, without negative rows)."""
         torch = self._torch
         uses = [[(weights, ref.scale, image) for weights, ref, image in zip(item.controls.weights(), item.controls.refs,
                  item.control_images, strict=True) if weights.kind == "ip_adapter"] if item.controls else []
@@ -99,11 +141,16 @@ class IPAdapterRows:
         if not uses[0]:
             return {}
         runner.set_ip_adapter_scale([scale for _, scale, _ in uses[0]])
-        dtype = self._pipeline.unet.dtype
+        dtype = self._denoiser.dtype
         embeds = []
         for index in range(len(uses[0])):
             positive = torch.cat([self._embed(use[index][0], use[index][2]) for use in uses]).to(dtype=dtype)
             embeds.append(torch.cat([torch.zeros_like(positive), positive]) if guided else positive)
+        if not hasattr(self._pipeline, "unet"):
+            # FLUX.1's pipelines encode a black image as the negative image prompt unless given one; it serves true
+            # classifier-free guidance only (not served here), so zeros stand in for it.
+            return {"ip_adapter_image_embeds": embeds,
+                    "negative_ip_adapter_image_embeds": [torch.zeros_like(e) for e in embeds]}  # fmt: skip
         return {"ip_adapter_image_embeds": embeds}
 
     def _embed(self, weights, image):
@@ -119,15 +166,15 @@ class IPAdapterRows:
         keys = tuple(weights.key for weights in adapters)
         if keys == self._loaded:
             return
-        unet = self._pipeline.unet
+        denoiser = self._denoiser
         if self._base_processors is None:
-            self._base_processors = dict(unet.attn_processors)
+            self._base_processors = dict(denoiser.attn_processors)
         if adapters:
-            unet._load_ip_adapter_weights([weights.state_dict for weights in adapters], low_cpu_mem_usage=False)
+            denoiser._load_ip_adapter_weights([weights.state_dict for weights in adapters], low_cpu_mem_usage=False)
         else:
-            unet.set_attn_processor(dict(self._base_processors))
-            unet.encoder_hid_proj = None
-            unet.config.encoder_hid_dim_type = None
+            denoiser.set_attn_processor(dict(self._base_processors))
+            denoiser.encoder_hid_proj = None
+            denoiser.config.encoder_hid_dim_type = None
         self._loaded = keys
 
     def _encoder(self, weights) -> tuple[Any, Any]:
@@ -139,8 +186,8 @@ class IPAdapterRows:
         else:
             from transformers import CLIPImageProcessor
 
-            unet = self._pipeline.unet
-            encoder = weights.model.to(device=unet.device, dtype=unet.dtype)
+            denoiser = self._denoiser
+            encoder = weights.model.to(device=denoiser.device, dtype=denoiser.dtype)
             features = getattr(self._pipeline, "feature_extractor", None)
             if features is None:
                 size = encoder.config.image_size

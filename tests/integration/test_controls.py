@@ -162,15 +162,20 @@ def test_a_controlnet_request_is_answered_beside_a_plain_one_and_its_row_names_t
         assert response.json()["error"]["field"] == field, response.text
 
 
-def test_a_flux_controlnet_request_is_steered_by_make_ups_tiny_flux_controlnet(stack, auth_headers):
-    """FLUX.1 [schnell] takes ControlNets too: `make up` registers a tiny FluxControlNetModel (tiny-edges) for it,
-    which steers a request away from the same request without it."""
+def test_a_flux_controlnet_and_an_image_prompt_are_steered_by_make_ups_tiny_flux_control_models(stack, auth_headers):
+    """FLUX.1 [schnell] takes ControlNets and image prompts too: `make up` registers a tiny FluxControlNetModel
+    (tiny-edges) and a tiny FLUX.1 IP-Adapter (tiny-style) for it, each steering a request away from the same
+    request without it."""
     body = {"instances": [{"prompt": "a lighthouse"}], "parameters": {"seed": 7, "width": 64, "height": 64}}
     controlled = {**body, "parameters": {**body["parameters"],
                                          "controls": [{"name": "tiny-edges", "image": png_b64(1), "scale": 0.8}]}}  # fmt: skip
+    prompted = {**body, "parameters": {**body["parameters"],
+                                       "image_prompts": [{"name": "tiny-style", "image": png_b64(3), "scale": 0.9}]}}  # fmt: skip
     url, headers = f"{stack.api_url}/v1/models/flux-schnell:predict", {**auth_headers, "Cache-Control": "no-cache"}
-    plain, steered = (pixels(requests.post(url, json=b, headers=headers, timeout=120)) for b in (body, controlled))
+    plain, steered, styled = (pixels(requests.post(url, json=b, headers=headers, timeout=120))
+                              for b in (body, controlled, prompted))  # fmt: skip
     assert abs(plain - steered).max() > 10
+    assert abs(plain - styled).max() > 10
 
 
 def test_a_batch_line_and_a_flows_stages_take_controls_as_predict_does(stack, auth_headers, bigquery, settings):

@@ -20,7 +20,7 @@ from tests.unit.test_model_families import differences, input_image
 
 CATALOG = local_catalog(test_fixtures=True)
 SIZE = 64  # test_controlnet_rows' `params` size
-MODELS = ("sdxl-txt2img",)
+MODELS = ("sdxl-txt2img", "flux-schnell")
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -41,8 +41,11 @@ def styled(request, tmp_path_factory) -> dict:
     folder = build_ip_adapter(directory, root / "style", 12)
     encoder, state_dict = _build("ip_adapter", control_files(folder))
     reference = getattr(diffusers, spec.pipeline).from_pretrained(directory)
-    reference.load_ip_adapter(str(folder), subfolder="", weight_name="ip_adapter.safetensors",
-                              **({"image_encoder_dtype": reference.dtype} if spec.family.name == "flux" else {}))  # fmt: skip
+    if spec.family.name == "flux":  # its image encoder by path, in the pipeline's dtype (its default: float16)
+        reference.load_ip_adapter(str(folder), weight_name="ip_adapter.safetensors", image_encoder_dtype=reference.dtype,
+                                  image_encoder_pretrained_model_name_or_path=str(folder / "image_encoder"))  # fmt: skip
+    else:
+        reference.load_ip_adapter(str(folder), subfolder="", weight_name="ip_adapter.safetensors")
     reference.set_progress_bar_config(disable=True)
     stepper = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), directory, torch_threads=1)
     return {"spec": spec, "directory": directory, "reference": reference, "stepper": stepper,
@@ -150,3 +153,58 @@ def test_an_sdxl_ip_adapter_registers_for_sdxl_and_is_refused_for_sd15_by_its_sh
     with pytest.raises(ControlFileError, match=r"image_proj.proj.weight has 256 rows; four image tokens of the base "
                                                r"UNet's cross_attention_dim 32 need 128"):  # fmt: skip
         check_control("ip_adapter", files, *sd15)
+
+
+def test_a_flux_ip_adapter_registers_for_flux_and_is_refused_for_sdxl_and_the_other_way_round(tmp_path):
+    """A FLUX.1 IP-Adapter (XLabs' layout: a key/value pair with biases per double block) is checked against the base
+    transformer's config (FLUX.1's weights are sharded): it registers for flux-schnell; it and the SDXL one are each
+    refused for the other's base by the image projection's shape, and one for a transformer of more double blocks."""
+    import json
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from contract import naming
+    from contract.control_files import ControlFileError, check_control, digest
+    from contract.lora_files import bytes_reader, read_header
+    from contract.stores.control_registry import ControlRegistry
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from emulators.tiny_pipeline import _sdxl_unet
+    from tests.unit.test_adapter_parts import FakeBucket
+
+    torch.manual_seed(0)
+    _sdxl_unet(projection_class_embeddings_input_dim=80, cross_attention_dim=64).save_pretrained(
+        tmp_path / "sdxl" / "unet", safe_serialization=True
+    )
+    flux = tmp_path / "flux"  # the tiny FLUX.1 pipeline's transformer (emulators/tiny_pipeline.py `_flux`)
+    FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    ).save_pretrained(flux / "transformer", safe_serialization=True)  # fmt: skip
+    files = {name: control_files(build_ip_adapter(tmp_path / name, tmp_path / f"{name}-style", 12))
+             for name in ("sdxl", "flux")}  # fmt: skip
+    spec = CATALOG.get("flux-schnell")
+    objects = {
+        f"{spec.weights_path}/transformer/{path.name}": path.read_bytes() for path in (flux / "transformer").iterdir()
+    }
+    objects.update(
+        {naming.control_prefix(spec.name, "style", "1") + file: data for file, data in files["flux"].items()}
+    )
+    record = ControlRegistry(FakeBucket(objects)).register(spec, "style", "ip_adapter", "1")
+    assert (record.kind, record.sha256) == ("ip_adapter", digest(files["flux"]))
+    flux_config = json.loads((flux / "transformer" / "config.json").read_text())
+    data = (tmp_path / "sdxl" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    sdxl = (
+        json.loads((tmp_path / "sdxl" / "unet" / "config.json").read_text()),
+        read_header(bytes_reader(data), len(data)),
+    )
+    with pytest.raises(ControlFileError, match=r"has 256 rows; 4 image tokens of the base transformer's "
+                                               r"joint_attention_dim 32 need 128"):  # fmt: skip
+        check_control("ip_adapter", files["sdxl"], flux_config, {})
+    with pytest.raises(ControlFileError, match=r"has 128 rows; four image tokens of the base UNet's "
+                                               r"cross_attention_dim 64 need 256"):  # fmt: skip
+        check_control("ip_adapter", files["flux"], *sdxl)
+    with pytest.raises(
+        ControlFileError, match=r"ip_adapter.1.to_k_ip.weight is missing; the base transformer's double"
+    ):
+        check_control("ip_adapter", files["flux"], {**flux_config, "num_layers": 2}, {})

@@ -107,7 +107,7 @@ class FluxDenoiser(Denoiser):
                             image.to(torch.float32), timesteps[:1].repeat(1), 1, channels, params.height,
                             params.width, prompt_embeds.dtype, device, [generator],
                         )  # fmt: skip
-                    controlnets = []
+                    controlnets, image_prompts = [], []
                 else:
                     # FluxControlNetPipeline's order: each ControlNet's image drawn from the generator, then the noise.
                     controlnets = self.controlnets.prepare(item, generator, params.height, params.width,
@@ -116,9 +116,11 @@ class FluxDenoiser(Denoiser):
                         1, channels, params.height, params.width, prompt_embeds.dtype, device, [generator]
                     )
                     scheduler.set_begin_index(0)
+                    # Its IP-Adapters' image embeddings (FluxPipeline's `encode_image`; no negative rows).
+                    image_prompts = self.ip_adapters.prepare(item, False, prompt_embeds.dtype) if item.controls else []
                 state = self.row_state(
                     scheduler, timesteps, latents, image_ids, text_ids, prompt_embeds, pooled, index, params,
-                    (params.height, params.width), controlnets=controlnets,
+                    (params.height, params.width), controlnets=controlnets, image_prompts=image_prompts,
                     mu=mu, step_cache=row_cache(self.spec.step_cache, params.step_cache, item.batch_line),
                 )  # fmt: skip
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
@@ -169,7 +171,10 @@ class FluxDenoiser(Denoiser):
                 "img_ids": first["image_ids"],
             }  # fmt: skip
             controls = self.control_residuals(running, inputs)
-            if controls:  # a call with ControlNets runs in full; no image's step cache reuses what predates it
+            if self._ip_adapters is not None or any(r.state.get("image_prompts") for r in running):
+                # Image prompts (model_worker/controls/ip_adapters.py); none: the base processors back.
+                controls.update(self.ip_adapters.transformer_kwargs(running, latents.shape[0], latents.dtype))
+            if controls:  # a call with control runs in full; no image's step cache reuses what predates it
                 forget(running)
                 output = self.pipeline.transformer(**inputs, **controls, return_dict=False)[0]
             elif caching(running) and self.spec.step_cache.kind == "taylorseer":  # each image runs or predicts
@@ -213,6 +218,17 @@ class FluxDenoiser(Denoiser):
             return self.pipeline.transformer(**gathered, return_dict=False)[0][: len(index)]
 
         return call
+
+    _ip_adapters = None
+
+    @property
+    def ip_adapters(self):
+        """Made on first use, as `controlnets` is."""
+        if self._ip_adapters is None:
+            from model_worker.controls.ip_adapters import IPAdapterRows
+
+            self._ip_adapters = IPAdapterRows(self.pipeline)
+        return self._ip_adapters
 
     @property
     def controlnets(self):
