@@ -8,7 +8,9 @@ A control version is a folder in diffusers' own layouts:
   embedding, `down_blocks`, `mid_block`) plus its own layers (`controlnet_cond_embedding`, one zero convolution per
   down residual in `controlnet_down_blocks`, `controlnet_mid_block`), so its config must give the base UNet's
   architecture, every tensor it shares with the UNet must have the UNet's shape, and its own layers the shapes the
-  UNet's residuals take: a ControlNet for another model is refused before a byte of it runs.
+  UNet's residuals take: a ControlNet for another model is refused before a byte of it runs. A FLUX.1 or SD 3.5
+  base's (`FluxControlNetModel`, `SD3ControlNetModel`) is checked against its transformer's config: the architecture
+  its config repeats and the shapes of its own layers.
 - `ip_adapter`: `ip_adapter.safetensors` as diffusers' `load_ip_adapter` reads it (`image_proj.*`: the image
   projection; `ip_adapter.{1,3,5,...}.to_k_ip.weight`/`.to_v_ip.weight`: one pair per cross-attention layer of the
   UNet, in diffusers' order) and its CLIP image encoder in `image_encoder/` (`config.json`, `model.safetensors`,
@@ -47,16 +49,23 @@ BASE_UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 BASE_TRANSFORMER_CONFIG = "transformer/config.json"
 # The ControlNet class of each base denoiser class (diffusers' names): what a controlnet version's config must name.
 CONTROLNET_CLASSES = {"ControlNetModel": "ControlNetModel", "ControlNetUnionModel": "ControlNetUnionModel",
-                      "FluxControlNetModel": "FluxControlNetModel"}  # fmt: skip
+                      "FluxControlNetModel": "FluxControlNetModel",
+                      "SD3ControlNetModel": "SD3ControlNetModel"}  # fmt: skip
 # A UNet's ControlNet may be a ControlNet Union (xinsir's SDXL Union: one model, a control type per mode).
 _UNION_OF = {"ControlNetModel": "ControlNetUnionModel"}
 _UNION_OWN = ("task_embedding", "transformer_layes.", "spatial_ch_projs.", "control_add_embedding.")
-_CONTROLNET_OF = {"UNet2DConditionModel": "ControlNetModel", "FluxTransformer2DModel": "FluxControlNetModel"}
+_CONTROLNET_OF = {"UNet2DConditionModel": "ControlNetModel", "FluxTransformer2DModel": "FluxControlNetModel",
+                  "SD3Transformer2DModel": "SD3ControlNetModel"}  # fmt: skip
 # The FLUX.1 transformer architecture a FluxControlNetModel's config repeats (`from_transformer` copies these).
 FLUX_ARCHITECTURE_KEYS = (
     "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
     "pooled_projection_dim", "axes_dims_rope",
 )  # fmt: skip
+# The SD 3.5 transformer architecture an SD3ControlNetModel's config repeats; a ControlNet that embeds the text
+# itself (InstantX's; joint_attention_dim set, unlike Stability's SD 3.5 ControlNets) repeats its text widths too.
+SD3_ARCHITECTURE_KEYS = ("patch_size", "in_channels", "attention_head_dim", "num_attention_heads",
+                         "pooled_projection_dim")  # fmt: skip
+SD3_TEXT_KEYS = ("joint_attention_dim", "caption_projection_dim")
 WEIGHT_DTYPES = ("F16", "BF16", "F32")
 # The UNet architecture a ControlNet's config repeats (`ControlNetModel.from_unet` copies these from the UNet).
 ARCHITECTURE_KEYS = (
@@ -127,6 +136,8 @@ def check_control(kind: str, files: dict[str, bytes], base_config: dict, base_he
                                    f"base model's {base_config.get('_class_name')} takes that)")  # fmt: skip
         if expected == "FluxControlNetModel":
             _check_flux_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config)
+        elif expected == "SD3ControlNetModel":
+            _check_sd3_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config)
         else:
             _check_controlnet(config, headers["diffusion_pytorch_model.safetensors"], base_config, base_header)
     else:
@@ -246,8 +257,8 @@ def union_modes(kind: str, files: dict[str, bytes]) -> int | None:
 
 def base_denoiser_files(family: str) -> tuple[str, str | None]:
     """The base model's denoiser files a control version is checked against, relative to its weights path: its
-    config and its safetensors weights (None: the config alone, FLUX.1's sharded transformer)."""
-    if family == "flux":
+    config and its safetensors weights (None: the config alone, FLUX.1's and SD 3.5's sharded transformers)."""
+    if family in ("flux", "sd3"):
         return BASE_TRANSFORMER_CONFIG, None
     return BASE_UNET_CONFIG, BASE_UNET_WEIGHTS
 
@@ -271,6 +282,33 @@ def _check_flux_controlnet(config: dict, header: dict, base_config: dict) -> Non
     }  # fmt: skip
     if config.get("num_mode") is not None:
         wanted["controlnet_mode_embedder.weight"] = [int(config["num_mode"]), inner]
+    where = "diffusion_pytorch_model.safetensors"
+    for name, shape in wanted.items():
+        entry = header.get(name)
+        if entry is None:
+            raise ControlFileError(f"{where}: {name} is missing")
+        if entry["shape"] != shape:
+            raise ControlFileError(f"{where}: {name} is {_shape(entry['shape'])}, the base transformer needs "
+                                   f"{_shape(shape)} (a ControlNet for another model?)")  # fmt: skip
+
+
+def _check_sd3_controlnet(config: dict, header: dict, base_config: dict) -> None:
+    """An SD3ControlNetModel of the base SD 3.5 transformer: its architecture, and the shapes of its control input's
+    patch embedding and of one projection per block it hands the transformer (derived from the base's config)."""
+    keys = SD3_ARCHITECTURE_KEYS + (SD3_TEXT_KEYS if config.get("joint_attention_dim") is not None else ())
+    for key in keys:
+        if json.dumps(config.get(key)) != json.dumps(base_config.get(key)):
+            raise ControlFileError(f"config.json: {key} {config.get(key)!r} does not match the base transformer's "
+                                   f"{base_config.get(key)!r} (a ControlNet for another model?)")  # fmt: skip
+    inner = base_config["num_attention_heads"] * base_config["attention_head_dim"]
+    patch = base_config["patch_size"]
+    channels = base_config["in_channels"] + int(config.get("extra_conditioning_channels") or 0)
+    wanted = {
+        "pos_embed_input.proj.weight": [inner, channels, patch, patch],
+        **{f"controlnet_blocks.{i}.weight": [inner, inner] for i in range(int(config.get("num_layers") or 0))},
+    }
+    if config.get("joint_attention_dim") is not None:
+        wanted["context_embedder.weight"] = [base_config["caption_projection_dim"], base_config["joint_attention_dim"]]
     where = "diffusion_pytorch_model.safetensors"
     for name, shape in wanted.items():
         entry = header.get(name)

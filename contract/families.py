@@ -138,6 +138,7 @@ FAMILIES: dict[str, Family] = {
             adapters=True,
             lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers loads none into T5
             optional_components=("text_encoder_3",),
+            controls=("controlnet",),  # SD3ControlNetModel (text-to-image)
             step_caches=("first_block",),
         ),
         Family(

@@ -24,7 +24,9 @@ def build_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: flo
 
     from contract.control_files import INPAINT_IN_CHANNELS
 
-    if (pipeline_dir / "transformer").is_dir():  # FLUX.1's: `FluxControlNetModel.from_transformer`
+    if (pipeline_dir / "transformer").is_dir():  # FLUX.1's or SD 3.5's: `from_transformer`
+        if _transformer_class(pipeline_dir) == "SD3Transformer2DModel":
+            return build_sd3_controlnet(pipeline_dir, out_dir, seed, strength)
         return build_flux_controlnet(pipeline_dir, out_dir, seed, strength)
     unet = UNet2DConditionModel.from_pretrained(pipeline_dir / "unet")
     if unet.config.in_channels == INPAINT_IN_CHANNELS:  # an inpainting UNet's ControlNets take its latents alone
@@ -77,6 +79,41 @@ def build_flux_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength
                 )
     controlnet.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def build_sd3_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:
+    """An InstantX-style ControlNet of the pipeline's SD 3.5 transformer (`SD3ControlNetModel.from_transformer`: as
+    many joint blocks as the transformer, its embedders copied from it, zero pooled projections), its own layers (the
+    control input's patch embedding and the per-block projections, zero when untrained) random."""
+    import torch
+    from diffusers import SD3ControlNetModel, SD3Transformer2DModel
+
+    transformer = SD3Transformer2DModel.from_pretrained(pipeline_dir / "transformer")
+    config = {key: value for key, value in transformer.config.items() if not key.startswith("_")}
+    controlnet = SD3ControlNetModel.from_config({**config, "extra_conditioning_channels": 0})
+    controlnet.pos_embed.load_state_dict(transformer.pos_embed.state_dict())
+    controlnet.time_text_embed.load_state_dict(transformer.time_text_embed.state_dict())
+    controlnet.context_embedder.load_state_dict(transformer.context_embedder.state_dict())
+    # Its blocks as the transformer's (but the transformer's last block, whose text side differs).
+    shapes = {name: tensor.shape for name, tensor in controlnet.transformer_blocks.state_dict().items()}
+    controlnet.transformer_blocks.load_state_dict({name: tensor for name, tensor in
+                                                   transformer.transformer_blocks.state_dict().items()
+                                                   if shapes.get(name) == tensor.shape}, strict=False)  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_blocks", "pos_embed_input")):
+                parameter.copy_(
+                    strength * torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5
+                )
+    controlnet.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _transformer_class(pipeline_dir: Path) -> str:
+    import json
+
+    return json.loads((pipeline_dir / "transformer" / "config.json").read_text())["_class_name"]
 
 
 def build_union_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strength: float = 0.5) -> Path:

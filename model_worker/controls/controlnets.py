@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 # ControlNets kept on the device per denoiser (least recently used moved back off).
 DEVICE_CACHE = 4
+# Added to an image's seed for the generator its SD 3.5 control images' latents are sampled from
+# (sd3_controlnets.py): another stream than its noise's (the image's seed) and the next image's (seed + 1).
+CONTROL_NOISE_SEED = 0x5D3_C0_17
 # SDXL's `added_cond_kwargs`, which its ControlNets take as its UNet does.
 ADDED_CONDITIONS = ("text_embeds", "time_ids")
 
@@ -146,14 +150,17 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
     their requests use: the group without any runs the base pipeline, each other group
     `StableDiffusionControlNetPipeline` over the same components with its ControlNet (several: a
     `MultiControlNetModel`, the images per request; SDXL's and FLUX's take one image's control images per call, so
-    there an image with several ControlNets is a call of its own). The images, in the items' order."""
+    there an image with several ControlNets is a call of its own; SD 3.5's samples its control latents from torch's
+    global generator, so there each controlled image is a call of its own, that generator seeded as the image's
+    steps seed theirs, sd3_controlnets.py). The images, in the items' order."""
     groups: OrderedDict[tuple, list[int]] = OrderedDict()
     one_by_one = type(pipeline).__name__ not in MULTI_CONTROLNET_BATCHES
+    seeded = type(pipeline).__name__ in SEEDED_CONTROL_LATENTS
     for index, item in enumerate(items):
         key = _call_key(item)
         # SDXL's Union pipeline takes one image's control images per call too.
         union = any(is_union(weights.model) for weights, _, _ in _controlnets(item))
-        alone = (index,) if one_by_one and (len(key) > 1 or union) else ()
+        alone = (index,) if (one_by_one and (len(key) > 1 or union)) or (seeded and key) else ()
         if image_prompts_key(item) and type(pipeline).__name__ == "FluxPipeline":  # FLUX.1: one image prompt a call
             alone = (index,)
         groups.setdefault((key, image_prompts_key(item), *alone), []).append(index)
@@ -180,9 +187,31 @@ def pipeline_call(pipeline, items, kwargs: dict) -> list:
         # FLUX.1's guidance is embedded: no negative image rows.
         guided = call.get("guidance_scale", 1.0) > 1 and hasattr(pipeline, "unet")
         call.update(ip_adapters(pipeline).pipeline_arguments(runner, [items[i] for i in indices], guided))
-        for index, image in zip(indices, runner(**call).images, strict=True):
+        with _seeded(pipeline, items[indices[0]].seed if seeded and key else None):
+            outputs = runner(**call).images
+        for index, image in zip(indices, outputs, strict=True):
             images[index] = image
     return images
+
+
+@contextmanager
+def _seeded(pipeline, seed: int | None):
+    """torch's global generators (the CPU's and the pipeline's device's) seeded with an image's control seed for a
+    call, then restored; nothing when `seed` is None."""
+    if seed is None:
+        yield
+        return
+    import torch
+
+    device = pipeline._execution_device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(control_noise_seed(seed))
+        yield
+
+
+def control_noise_seed(seed: int) -> int:
+    """The seed of the generator an image's SD 3.5 control latents are sampled from."""
+    return (seed + CONTROL_NOISE_SEED) % 2**63
 
 
 def _controlnets(item) -> list[tuple[Any, Any, Any]]:
@@ -243,13 +272,14 @@ CONTROLNET_PIPELINES = {
     "StableDiffusionInpaintPipeline": "StableDiffusionControlNetInpaintPipeline",
     "StableDiffusionXLPipeline": "StableDiffusionXLControlNetPipeline",
     "FluxPipeline": "FluxControlNetPipeline",
+    "StableDiffusion3Pipeline": "StableDiffusion3ControlNetPipeline",
 }
-# The base pipelines whose ControlNets are FLUX.1's (several: a FluxMultiControlNetModel).
-FLUX_BASES = ("FluxPipeline",)
 
 # The base pipelines whose ControlNet pipeline takes a batch of images with several ControlNets (SDXL's refuses "a
 # single batch of multiple conditionings").
 MULTI_CONTROLNET_BATCHES = ("StableDiffusionPipeline",)
+# The base pipelines whose ControlNet pipeline samples the control images' latents from torch's global generator.
+SEEDED_CONTROL_LATENTS = ("StableDiffusion3Pipeline",)
 
 
 def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
@@ -277,7 +307,8 @@ def _controlnet_pipeline(pipeline, item) -> tuple[Any, dict]:
         controlled.set_progress_bar_config(disable=True)
         return controlled, {"controlnet_conditioning_scale": refs[0].scale, "control_guidance_start": refs[0].start,
                             "control_guidance_end": refs[0].end, "control_mode": modes}  # fmt: skip
-    multi = diffusers.FluxMultiControlNetModel if base in FLUX_BASES else MultiControlNetModel
+    multi = {"FluxPipeline": diffusers.FluxMultiControlNetModel, "StableDiffusion3Pipeline":
+             diffusers.SD3MultiControlNetModel}.get(base, MultiControlNetModel)  # fmt: skip
     controlnet = models[0] if single else multi(models)
     components = {name: value for name, value in pipeline.components.items() if name != "controlnet"}
     extra = {}

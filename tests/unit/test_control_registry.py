@@ -323,7 +323,7 @@ def test_a_requests_controls_resolve_to_registered_versions_and_each_bad_input_i
     assert field_of(SPEC, {"start": 0.8, "end": 0.2}) == "parameters.controls.0.start"
     assert field_of(SPEC, {"image": "bm90IGFuIGltYWdl"}) == "parameters.controls.0.image"  # "not an image"
     assert field_of(SPEC, {"image": png(4096)}) == "parameters.controls.0.image"  # past the pixel limit
-    other = local_catalog().get("sd35-txt2img")  # a family that serves none
+    other = local_catalog().get("z-image-turbo")  # a family that serves none
     assert field_of(other, {}) == "parameters.controls"
 
 

@@ -19,7 +19,7 @@ from tests.unit.test_model_families import differences, input_image
 
 CATALOG = local_catalog(test_fixtures=True)
 SIZE = 64  # test_controlnet_rows' `params` size
-MODELS = ("sdxl-txt2img", "flux-schnell")
+MODELS = ("sdxl-txt2img", "flux-schnell", "sd35-txt2img")
 EDGES = [("edges", 0.8, 0.0, 1.0)]
 MULTI = [("edges", 0.7, 0.0, 0.5), ("depth", 1.3, 0.25, 1.0)]
 
@@ -36,6 +36,8 @@ def family(request, tmp_path_factory) -> dict:
     spec = CATALOG.get(name)
     root = tmp_path_factory.mktemp(name)
     directory, reference = tiny_pipelines(root, {name: spec})[name]
+    if spec.family.name == "sd3":
+        reference = two_block_sd3(directory)
     controls = {}
     for control, seed in (("edges", 1), ("depth", 2)):
         model, _ = _build("controlnet", control_files(build_controlnet(directory, root / control, seed)))
@@ -43,6 +45,24 @@ def family(request, tmp_path_factory) -> dict:
     stepper = DiffusionRunner(spec.model_copy(update={"scheduling": "step"}), directory, torch_threads=1)
     return {"name": name, "spec": spec, "directory": directory, "reference": reference, "controls": controls,
             "images": {"edges": input_image(21), "depth": input_image(22)}, "stepper": stepper}  # fmt: skip
+
+
+def two_block_sd3(directory):
+    """The tiny SD 3.5 pipeline with a transformer of two joint blocks, and diffusers' pipeline loaded from it: the
+    transformer adds ControlNet residuals to every block but its last (`context_pre_only`), so the tiny one-block
+    transformer would take none."""
+    import diffusers
+    import torch
+
+    transformer = diffusers.SD3Transformer2DModel.from_pretrained(directory / "transformer")
+    config = {key: value for key, value in transformer.config.items() if not key.startswith("_")}
+    torch.manual_seed(7)
+    diffusers.SD3Transformer2DModel.from_config({**config, "num_layers": 2}).save_pretrained(
+        directory / "transformer", safe_serialization=True
+    )
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(directory)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def guidance_of(family) -> float:
@@ -55,10 +75,17 @@ def reference(family, seed: int, guidance: float, uses, images: int = 1) -> list
     import diffusers
     import torch
 
+    from model_worker.controls.controlnets import control_noise_seed
+
     models = [family["controls"][name].model for name, *_ in uses]
     single = len(models) == 1
     base = family["reference"]
-    if family["spec"].family.name == "sdxl":
+    sd3 = family["spec"].family.name == "sd3"
+    if sd3:  # its control latents sampled from torch's generator: seeded as the worker seeds an image's
+        pipe = diffusers.StableDiffusion3ControlNetPipeline(**base.components, controlnet=models[0] if single
+                                                            else models)  # fmt: skip
+        image_argument, kwargs_extra = "control_image", {}
+    elif family["spec"].family.name == "sdxl":
         pipe = diffusers.StableDiffusionXLControlNetPipeline(**base.components, controlnet=models[0] if single
                                                              else models, add_watermarker=False)  # fmt: skip
         image_argument, kwargs_extra = "image", {}
@@ -75,9 +102,14 @@ def reference(family, seed: int, guidance: float, uses, images: int = 1) -> list
         "control_guidance_end": uses[0][3] if single else [end for _, _, _, end in uses],
         **kwargs_extra,
     }
-    return [pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE, height=SIZE,
-                 generator=torch.Generator().manual_seed(seed + i), output_type="np", **kwargs).images[0]
-            for i in range(images)]  # fmt: skip
+    images_out = []
+    for i in range(images):
+        if sd3:
+            torch.manual_seed(control_noise_seed(seed + i))
+        images_out.append(pipe(prompt="a lighthouse", num_inference_steps=STEPS, guidance_scale=guidance, width=SIZE,
+                               height=SIZE, generator=torch.Generator().manual_seed(seed + i), output_type="np",
+                               **kwargs).images[0])  # fmt: skip
+    return images_out
 
 
 def test_a_controlnet_request_alone_equals_the_familys_controlnet_pipeline_in_both_schedulings(family):
@@ -116,12 +148,13 @@ def test_a_mixed_running_set_equals_each_request_alone_and_a_row_without_control
 def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_others(tmp_path):
     """Registration's checks against the base's own denoiser (contract/control_files.py): an SDXL ControlNet
     (`ControlNetModel.from_unet` on the tiny SDXL UNet) registers for the SDXL model, a FLUX.1 one
-    (`FluxControlNetModel.from_transformer`) for FLUX.1 [schnell] (against its transformer's config: FLUX.1's
-    weights are sharded); each is refused for the other bases, an SD 1.5 ControlNet for both, naming why."""
+    (`FluxControlNetModel.from_transformer`) for FLUX.1 [schnell] and an SD 3.5 one (`SD3ControlNetModel`) for SD 3.5
+    (against their transformers' configs: their weights are sharded); each is refused for the other bases, an SD 1.5
+    ControlNet for them all, naming why."""
     import json
 
     import torch
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     from contract import naming
     from contract.control_files import ControlFileError, check_control, digest
@@ -141,18 +174,25 @@ def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_o
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
     ).save_pretrained(flux / "transformer", safe_serialization=True)  # fmt: skip
-    bases = {"sd15": tmp_path / "sd15", "sdxl": tmp_path / "sdxl", "flux": flux}
+    sd3 = tmp_path / "sd3"  # the tiny SD 3.5 pipeline's transformer (emulators/tiny_pipeline.py `_sd3`)
+    SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64, out_channels=4,
+        pos_embed_max_size=64,
+    ).save_pretrained(sd3 / "transformer", safe_serialization=True)  # fmt: skip
+    bases = {"sd15": tmp_path / "sd15", "sdxl": tmp_path / "sdxl", "flux": flux, "sd3": sd3}
     files = {name: control_files(build_controlnet(base, tmp_path / f"{name}-edges", seed=3))
              for name, base in bases.items()}  # fmt: skip
 
     def base_of(name: str) -> tuple[dict, dict]:
-        if name == "flux":
-            return json.loads((flux / "transformer" / "config.json").read_text()), {}
+        if name in ("flux", "sd3"):
+            return json.loads((bases[name] / "transformer" / "config.json").read_text()), {}
         data = (bases[name] / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
         return json.loads((bases[name] / "unet" / "config.json").read_text()), read_header(bytes_reader(data),
                                                                                            len(data))  # fmt: skip
 
-    for name, model, denoiser in (("sdxl", "sdxl-txt2img", "unet"), ("flux", "flux-schnell", "transformer")):
+    for name, model, denoiser in (("sdxl", "sdxl-txt2img", "unet"), ("flux", "flux-schnell", "transformer"),
+                                  ("sd3", "sd35-txt2img", "transformer")):  # fmt: skip
         spec = CATALOG.get(model)
         objects = {f"{spec.weights_path}/{path.relative_to(bases[name]).as_posix()}": path.read_bytes()
                    for path in (bases[name] / denoiser).iterdir()}  # fmt: skip
@@ -162,7 +202,10 @@ def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_o
         assert (record.kind, record.sha256) == ("controlnet", digest(files[name]))
     refusals = {("sdxl", "sd15"): "does not match the base UNet's", ("sd15", "sdxl"): "does not match the base UNet's",
                 ("flux", "sd15"): "is not ControlNetModel", ("sd15", "flux"): "is not FluxControlNetModel",
-                ("flux", "sdxl"): "is not ControlNetModel", ("sdxl", "flux"): "is not FluxControlNetModel"}  # fmt: skip
+                ("flux", "sdxl"): "is not ControlNetModel", ("sdxl", "flux"): "is not FluxControlNetModel",
+                ("sd3", "sd15"): "is not ControlNetModel", ("sd15", "sd3"): "is not SD3ControlNetModel",
+                ("sd3", "flux"): "is not FluxControlNetModel",
+                ("flux", "sd3"): "is not SD3ControlNetModel"}  # fmt: skip
     for (control, base), reason in refusals.items():
         with pytest.raises(ControlFileError, match=reason):
             check_control("controlnet", files[control], *base_of(base))
@@ -171,6 +214,15 @@ def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_o
     other = {**files["flux"], "config.json": json.dumps({**config, "num_attention_heads": 4}).encode()}
     with pytest.raises(ControlFileError, match="num_attention_heads 4 does not match the base transformer's 2"):
         check_control("controlnet", other, *base_of("flux"))
+    # An SD 3.5 ControlNet of another width, or one whose per-block projections are not the transformer's width.
+    config = json.loads(files["sd3"]["config.json"])
+    other = {**files["sd3"], "config.json": json.dumps({**config, "num_attention_heads": 8}).encode()}
+    with pytest.raises(ControlFileError, match="num_attention_heads 8 does not match the base transformer's 4"):
+        check_control("controlnet", other, *base_of("sd3"))
+    narrow = {**base_of("sd3")[0], "attention_head_dim": 4}
+    claims = {**files["sd3"], "config.json": json.dumps({**config, "attention_head_dim": 4}).encode()}
+    with pytest.raises(ControlFileError, match="pos_embed_input.proj.weight is 32x4x2x2, the base transformer needs"):
+        check_control("controlnet", claims, narrow, {})
 
 
 # ControlNet Union: one model, a control mode per request (SDXL's ControlNetUnionModel; FLUX.1's FluxControlNetModel
@@ -179,6 +231,8 @@ def test_each_familys_controlnet_registers_for_its_base_and_is_refused_for_the_o
 
 @pytest.fixture(scope="module")
 def union(family, tmp_path_factory):
+    if family["spec"].family.name == "sd3":
+        pytest.skip("SD 3.5 has no ControlNet Union")
     from emulators.tiny_controls import build_union_controlnet, control_files
     from model_worker.controls.loader import ControlWeights, _build
 
@@ -248,6 +302,8 @@ def test_a_union_registers_with_its_modes_and_a_requests_mode_is_checked_against
     """Registration accepts a Union for its base (SDXL's ControlNetUnionModel, FLUX.1's FluxControlNetModel with
     `num_mode`) and records how many modes it has; a request's `mode` is then a 422 naming it when the ControlNet is
     not a Union, when a Union gets none, or when the mode is not one of its own."""
+    if family["spec"].family.name == "sd3":
+        pytest.skip("SD 3.5 has no ControlNet Union")
     import json
 
     from api_server.core.errors import ApiError
@@ -311,18 +367,18 @@ def test_a_flux_controlnet_that_embeds_guidance_takes_each_rows_guidance(family,
     assert max(differences(got[0], [expected[2.0]]), differences(got[1], [expected[9.0]])) <= min(TOLERANCE, apart / 10)
 
 
-@pytest.mark.parametrize("family", ["flux-schnell"], indirect=True)
-def test_a_compiled_flux_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, union):
+@pytest.mark.parametrize("family", ["flux-schnell", "sd35-txt2img"], indirect=True)
+def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, request):
     """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
     bucket: the warm-up traces the transformer with zero residuals for every block; a base request, a ControlNet
-    request, two ControlNets, a Union in a mode and the base again add no graph, and the ControlNet image is still
-    the pipeline's."""
+    request, two ControlNets, (FLUX.1) a Union in a mode and the base again add no graph, and the ControlNet image is
+    still the pipeline's."""
     import torch
     from torch._dynamo.utils import counters
 
     from model_worker.model.pipeline import DiffusionRunner
 
-    spec = family["spec"]
+    spec, guidance = family["spec"], guidance_of(family)
     spec = spec.model_copy(update={"max_batch_size": 1, "scheduling": "step",
                                    "defaults": spec.defaults.model_copy(update={"width": SIZE, "height": SIZE})})  # fmt: skip
     torch._dynamo.reset()
@@ -333,13 +389,14 @@ def test_a_compiled_flux_transformer_serves_controlnets_without_compiling_after_
         compiled.warm_up()
         graphs = counters["stats"]["unique_graphs"]
         assert graphs > 0, "the warm-up compiled nothing"
-        (base,) = stepped(compiled, [(items_of(family, 5, []), 1.0)])
-        (controlled,) = stepped(compiled, [(items_of(family, 5, EDGES), 1.0)])
-        stepped(compiled, [(items_of(family, 8, MULTI), 1.0)])
-        stepped(compiled, [(union_items(family, union, 5, 3), 1.0)])
-        (again,) = stepped(compiled, [(items_of(family, 5, []), 1.0)])
+        (base,) = stepped(compiled, [(items_of(family, 5, []), guidance)])
+        (controlled,) = stepped(compiled, [(items_of(family, 5, EDGES), guidance)])
+        stepped(compiled, [(items_of(family, 8, MULTI), guidance)])
+        if family["spec"].family.name == "flux":
+            stepped(compiled, [(union_items(family, request.getfixturevalue("union"), 5, 3), guidance)])
+        (again,) = stepped(compiled, [(items_of(family, 5, []), guidance)])
         assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the transformer again"
-        assert differences(controlled, reference(family, 5, 1.0, EDGES)) <= TOLERANCE
+        assert differences(controlled, reference(family, 5, guidance, EDGES)) <= TOLERANCE
         assert np.array_equal(np.asarray(again), np.asarray(base))
     finally:
         torch._dynamo.reset()

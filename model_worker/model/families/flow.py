@@ -459,11 +459,16 @@ class SD3Denoiser(GuidedDenoiser):
                     )  # fmt: skip
                 scheduler = self.new_scheduler()
                 timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, device, **kwargs)
+                # Its control images' latents, after its noise as the pipeline prepares them (from a generator of
+                # their own: sd3_controlnets.py).
+                controlnets = self.controlnets.prepare(item, guided, params.height, params.width,
+                                                       prompt_embeds.dtype) if item.controls else []  # fmt: skip
                 state = {
                     "scheduler": scheduler,
                     "timesteps": timesteps,
                     "latents": latents,
                     "condition": condition,
+                    "controlnets": controlnets,
                     "guidance": params.guidance_scale if guided else None,
                     "size": (params.height, params.width),
                     "step_kwargs": {},
@@ -472,11 +477,35 @@ class SD3Denoiser(GuidedDenoiser):
                 running.append(RunningItem(item, total=len(timesteps), requested=requested, state=state))
         return self.prepared(running)
 
-    def call_model(self, sample, timestep, condition: dict):
+    def call_model(self, sample, timestep, condition: dict, **controls):
         return self.pipeline.transformer(
             hidden_states=sample, timestep=timestep, encoder_hidden_states=condition["context"],
-            pooled_projections=condition["pooled"], return_dict=False,
+            pooled_projections=condition["pooled"], return_dict=False, **controls,
         )[0]  # fmt: skip
+
+    def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
+        """The ControlNets' residuals for the call's rows (model_worker/controls/sd3_controlnets.py); {} (the base
+        model's call) when no row has one. A compiled model that takes ControlNets always gets one residual per
+        block (zeros when no row has a ControlNet), as FLUX.1's does."""
+        compiled = (
+            self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None
+        )
+        if not any(r.state.get("controlnets") for r in running):
+            if compiled:
+                from model_worker.controls.sd3_controlnets import zero_sd3_residuals
+
+                return zero_sd3_residuals(self.pipeline.transformer, sample)
+            return {}
+        return self.controlnets.residuals(running, inputs, sample, timestep, condition, every_block=compiled)
+
+    @property
+    def controlnets(self):
+        """Made on first use: a model whose requests name no ControlNet never builds it."""
+        if getattr(self, "_controlnets", None) is None:
+            from model_worker.controls.sd3_controlnets import SD3ControlNetRows
+
+            self._controlnets = SD3ControlNetRows(self.pipeline)
+        return self._controlnets
 
     def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
         """First-Block-Cache per image (families/first_block.py), its parts eager."""
