@@ -168,3 +168,36 @@ def test_the_memory_plan_counts_both_rows_of_each_guided_image():
     added = unit_plan(CACHED).activation_bytes - unit_plan(PLAIN).activation_bytes
     # two rows an image (guided), two residuals a row, bf16
     assert added == CACHED.max_batch_size * 2 * 2 * tokens * hidden * 2
+
+
+def test_a_compiled_model_never_recompiles_as_the_count_of_full_rows_changes(directory, runners):
+    """The cheap and the expensive part compiled for the batch buckets (as FLUX.1's), the full rows padded to one."""
+    from model_worker.model import compiled
+    from model_worker.model.pipeline import DiffusionRunner
+
+    defaults = NEVER.defaults.model_copy(update={"width": 64, "height": 64, "guidance_scale": GUIDED})
+    spec = NEVER.model_copy(update={"defaults": defaults, "max_batch_size": 2, "max_instances_per_request": 2,
+                                    "scheduling": "step"})  # fmt: skip
+    runner = DiffusionRunner(spec, directory[0], torch_threads=1, compile_unet=True, compile_backend="eager")
+    runner.warm_up()  # every batch bucket, its first step full: the remaining blocks at every bucket too
+    graphs = compiled.graphs_compiled()
+    _, head, tail, _ = runner._denoiser._cached_parts
+    assert hasattr(head, "_orig_mod") and hasattr(tail, "_orig_mod"), "the cache's parts run eager"
+    counts: list[int] = []
+    forward = tail.forward
+    tail.forward = lambda hidden, *args: counts.append(hidden.shape[0]) or forward(hidden, *args)
+
+    def pattern(r, step):  # images skip at other steps: the count of full rows moves call by call
+        return (step + r.item.seed) % 3 != 0
+
+    requests = {"pair": (items("a red cube", 1, 2), guided(), 0)}
+    for each in (runner, runners(NEVER)):
+        each._denoiser.forced_skips = pattern
+    try:
+        got, eager = serve(runner, requests), serve(runners(NEVER), requests)
+    finally:
+        runners(NEVER)._denoiser.forced_skips = None
+    assert compiled.graphs_compiled() == graphs, "a changing count of full rows compiled a new graph"
+    assert set(counts) == {2, 4}  # one guided image's two rows or both images' four, each at its own bucket
+    assert got["pair"][1] == eager["pair"][1] and any(got["pair"][1])
+    assert differences(got["pair"][0], eager["pair"][0]) < ROUNDING

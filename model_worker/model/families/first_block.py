@@ -169,29 +169,43 @@ def counted(forward, counts: HookCounts, attribute: str):
     return forward_counted
 
 
-def sd3_parts(transformer) -> tuple:
-    """SD 3.5's transformer (`SD3Transformer2DModel.forward`) in its parts, eager (the eager modules under a compiled
-    wrapper): the cheap part (patch and time/text embeddings, the first joint block), the expensive part (the other
-    blocks) and the output layers."""
+def sd3_parts(transformer, compile_with: tuple | None = None) -> tuple:
+    """SD 3.5's transformer (`SD3Transformer2DModel.forward`) in its parts over its own layers (the eager modules
+    under a compiled wrapper): the cheap part (patch and time/text embeddings, the first joint block) and the
+    expensive part (the other blocks) as modules, compiled (`compile_with`: torch.compile's mode and backend) for a
+    compiled model, as FLUX.1's are (`flux_parts`); the output layers, eager (a norm and a projection)."""
     import torch
+
+    from model_worker.model.compiled import compile_model
 
     model = getattr(transformer, "_orig_mod", transformer)
 
-    def head(sample, timestep, context, pooled):
-        hidden = model.pos_embed(sample).contiguous()
-        temb = model.time_text_embed(timestep, pooled)
-        encoder = model.context_embedder(context)
-        encoder, first = model.transformer_blocks[0](
-            hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, joint_attention_kwargs=None
-        )
-        return hidden, first, encoder, temb
+    class FirstBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
 
-    def tail(hidden, encoder, temb):
-        for block in model.transformer_blocks[1:]:
-            encoder, hidden = block(
+        def forward(self, sample, timestep, context, pooled):
+            m = self.model
+            hidden = m.pos_embed(sample).contiguous()
+            temb = m.time_text_embed(timestep, pooled)
+            encoder = m.context_embedder(context)
+            encoder, first = m.transformer_blocks[0](
                 hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, joint_attention_kwargs=None
             )
-        return hidden
+            return hidden, first, encoder, temb
+
+    class RemainingBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden, encoder, temb):
+            for block in self.model.transformer_blocks[1:]:
+                encoder, hidden = block(
+                    hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, joint_attention_kwargs=None
+                )
+            return hidden
 
     def out(hidden, temb, height: int, width: int):
         hidden = model.proj_out(model.norm_out(hidden, temb))
@@ -201,38 +215,46 @@ def sd3_parts(transformer) -> tuple:
         hidden = torch.einsum("nhwpqc->nchpwq", hidden)
         return hidden.reshape(shape=(hidden.shape[0], channels, height * patch, width * patch))
 
+    head, tail = FirstBlock(), RemainingBlocks()
+    if compile_with is not None:
+        head, tail = compile_model(head, *compile_with), compile_model(tail, *compile_with)
     return model, head, tail, out
 
 
 def first_block_sd3(parts: tuple, running: list[RunningItem], rows_per_image: list[int],
-                    forced: ForcedPattern | None = None, tail_calls: TailCalls | None = None, *, sample, timestep,
-                    context, pooled):  # fmt: skip
+                    forced: ForcedPattern | None = None, tail_calls: TailCalls | None = None,
+                    padded: Callable[[int], int] = lambda rows: rows, *, sample, timestep, context,
+                    pooled):  # fmt: skip
     """SD 3.5's prediction for the images' rows (the first `sum(rows_per_image)` rows; rows beyond pad a compiled
     batch and are dropped), each image skipping the remaining blocks when its cache says so. A guided image's two rows
-    (negative, positive) decide together, as one image alone in diffusers' hook does (its means over both rows)."""
+    (negative, positive) decide together, as one image alone in diffusers' hook does (its means over both rows). The
+    cheap part runs over the call's rows as given (a compiled bucket's), the full rows are gathered and padded to
+    `padded(count)` rows (a compiled bucket) for the remaining blocks."""
     import torch
 
     model, head, tail, out = parts
     rows = sum(rows_per_image)
-    sample, timestep, context, pooled = sample[:rows], timestep[:rows], context[:rows], pooled[:rows]
     height, width = sample.shape[-2:]
+
+    def sd3_tail(hidden, encoder, temb, _rotary):  # run_tail's FLUX.1 signature: SD 3.5's blocks take no rotary
+        return tail(hidden, encoder, temb)
+
     hidden, first, encoder, temb = head(sample, timestep, context, pooled)
+    hidden, first, encoder, temb = hidden[:rows], first[:rows], encoder[:rows], temb[:rows]
     residual = first - hidden
     skips = first_block_skips(running, residual, forced, rows_per_image)
     starts = [sum(rows_per_image[:i]) for i in range(len(running))]
     spans = [slice(start, start + width_) for start, width_ in zip(starts, rows_per_image, strict=True)]
     full_rows = [row for i, skip in enumerate(skips) if not skip for row in range(spans[i].start, spans[i].stop)]
     if len(full_rows) == rows:
-        computed = tail(first, encoder, temb)
-        count(tail_calls, rows)
+        computed = run_tail(sd3_tail, padded, first, encoder, temb, None, tail_calls)
         for i, span in enumerate(spans):  # copies: an image's cache must not keep the whole set's tensors alive
             record_full(running[i], residual[span].clone(), (computed[span] - first[span]).clone())
         return out(computed, temb, height, width)
     hidden_out = first.clone()
     if full_rows:
         index = torch.tensor(full_rows, device=first.device)
-        hidden_out[index] = tail(first[index], encoder[index], temb[index])
-        count(tail_calls, len(full_rows))
+        hidden_out[index] = run_tail(sd3_tail, padded, first[index], encoder[index], temb[index], None, tail_calls)
     for i, span in enumerate(spans):
         if skips[i]:
             hidden_out[span] = first[span] + running[i].state["step_cache"].tail_residual
@@ -240,12 +262,6 @@ def first_block_sd3(parts: tuple, running: list[RunningItem], rows_per_image: li
         else:
             record_full(running[i], residual[span].clone(), (hidden_out[span] - first[span]).clone())
     return out(hidden_out, temb, height, width)
-
-
-def count(tail_calls: TailCalls | None, rows: int) -> None:
-    if tail_calls is not None:
-        tail_calls.calls += 1
-        tail_calls.rows += rows
 
 
 @contextmanager

@@ -507,13 +507,21 @@ class SD3Denoiser(GuidedDenoiser):
             self._controlnets = SD3ControlNetRows(self.pipeline)
         return self._controlnets
 
+    def compile(self) -> None:
+        """The model compiled, and its first-block cache's parts too (a model with one), as FLUX.1's: the full rows'
+        count then changes which compiled bucket runs, never what is compiled."""
+        super().compile()
+        if self.spec.step_cache is not None:
+            self._cached_parts = sd3_parts(self.model, (self.compile_mode, self.compile_backend))
+
     def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
-        """First-Block-Cache per image (families/first_block.py), its parts eager."""
+        """First-Block-Cache per image (families/first_block.py), its parts eager until compiled; the full rows
+        padded to a compiled bucket (two rows an image, as the call's)."""
         if getattr(self, "_cached_parts", None) is None:
             self._cached_parts = sd3_parts(self.model)
         return first_block_sd3(self._cached_parts, running, rows_per_image, self.forced_skips, self.tail_calls,
-                               sample=sample, timestep=timestep, context=condition["context"],
-                               pooled=condition["pooled"])  # fmt: skip
+                               lambda rows: self.padded_rows(rows, rows_per_image=2), sample=sample,
+                               timestep=timestep, context=condition["context"], pooled=condition["pooled"])  # fmt: skip
 
     @contextmanager
     def call_step_cache(self, settings: StepCache | None) -> Iterator[Callable[[], int]]:
