@@ -21,11 +21,12 @@ from maas_client.errors import (
     Unauthorized,
     ValidationError,
 )
-from maas_client.types import BatchView, JobList, JobView, ModelDetail, ModelInfo, Result, Usage
+from maas_client.types import BatchView, Control, ImagePrompt, JobList, JobView, ModelDetail, ModelInfo, Result, Usage
 
 __all__ = [
-    "AsyncClient", "AsyncJob", "BadRequest", "Batches", "BatchView", "Client", "Conflict", "ConnectionFailed", "Forbidden", "InputError",
-    "Job", "JobCancelled", "JobFailed", "JobList", "JobView", "MaasError", "ModelDetail", "ModelInfo", "NotFound", "PayloadTooLarge",
+    "AsyncClient", "AsyncJob", "BadRequest", "Batches", "BatchView", "Client", "Conflict", "ConnectionFailed", "Control",
+    "Forbidden", "ImagePrompt", "InputError", "Job", "JobCancelled", "JobFailed", "JobList", "JobView", "MaasError",
+    "ModelDetail", "ModelInfo", "NotFound", "PayloadTooLarge",
     "RateLimited", "Result", "ServerError", "ServiceUnavailable", "Timeout", "Unauthorized", "Usage",
     "ValidationError",
 ]  # fmt: skip

@@ -12,6 +12,7 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -28,7 +29,7 @@ from maas_client.errors import (
     Timeout,
     error_for,
 )
-from maas_client.types import JobView, PredictResponse, Result
+from maas_client.types import Control, ImagePrompt, JobView, PredictResponse, Result
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # Longer than the longest model request timeout (the server answers 202 with a job by then).
@@ -136,8 +137,8 @@ def predict_body(
     priority: str | None = None,
     webhook_url: str | None = None,
     adapters: dict[str, float] | list[dict] | None = None,
-    controls: list[dict] | None = None,
-    image_prompts: list[dict] | None = None,
+    controls: list[Control] | None = None,
+    image_prompts: list[ImagePrompt] | None = None,
 ) -> dict:
     """The API's request body (`instances`, `parameters`): only what the caller set, the catalog fills the rest.
     An inpaint model takes `image` and `mask` (white repaints, black keeps), or `image` and `outpaint`
@@ -175,7 +176,7 @@ def predict_body(
             if isinstance(adapters, dict)
             else adapters
         )
-    if controls:  # [{"name", "image" (a path, bytes or PIL image), "scale", "start", "end", "preprocess"}, ...]
+    if controls:  # [{"name", "image" (a path, bytes or PIL image), "scale", "start", "end", "mode", "preprocess"}]
         parameters["controls"] = [control_body(index, control) for index, control in enumerate(controls)]
     if image_prompts:  # [{"name", "image" (a path, bytes or PIL image), "scale"}, ...]: IP-Adapters
         parameters["image_prompts"] = [control_body(index, prompt, "image_prompts")
@@ -186,12 +187,16 @@ def predict_body(
     return body
 
 
-def control_body(index: int, control: dict, field: str = "controls") -> dict:
+def control_body(index: int, control: Mapping, field: str = "controls") -> dict:
     """One ControlNet of `parameters.controls` (or image prompt of `parameters.image_prompts`), its image read and
-    sent as base64."""
-    if not isinstance(control, dict) or "name" not in control or "image" not in control:
-        also = "scale" if field == "image_prompts" else "scale, start, end, preprocess"
+    sent as base64; a ControlNet Union's `mode` an integer from 0 (the API checks it against the Union's modes)."""
+    if not isinstance(control, Mapping) or "name" not in control or "image" not in control:
+        also = "scale" if field == "image_prompts" else "scale, start, end, mode, preprocess"
         raise InputError(f"{field}[{index}]: a dict with name and image (and {also})")
+    mode = control.get("mode")
+    if mode is not None and (field != "controls" or isinstance(mode, bool) or not isinstance(mode, int) or mode < 0):
+        which = "an image prompt has none" if field != "controls" else "a ControlNet Union's mode, an integer from 0"
+        raise InputError(f"{field}[{index}].mode {mode!r}: {which}")
     try:
         image = base64.b64encode(image_bytes(control["image"])).decode()
     except InputError as exc:
@@ -200,12 +205,21 @@ def control_body(index: int, control: dict, field: str = "controls") -> dict:
 
 
 def parse_control(text: str, flag: str = "--control") -> dict:
-    """The CLI's `--control NAME=IMAGE[:SCALE]` (and `--image-prompt`, the same spelling): a control model, its
-    image's path and its scale."""
+    """The CLI's `--control NAME=IMAGE[:SCALE[:MODE]]` (and `--image-prompt NAME=IMAGE[:SCALE]`): a control model, its
+    image's path, its scale and, for a ControlNet Union, its mode (`IMAGE:SCALE:MODE`; `IMAGE::MODE` keeps the
+    default scale). One number after the image is the scale; a path may hold colons."""
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
-        example = "tiny-style=reference.png:0.6" if flag == "--image-prompt" else "tiny-edges=edges.png:0.8"
-        raise InputError(f"{flag} {text!r}: NAME=IMAGE[:SCALE], e.g. {example}")
+        spelling, example = (
+            ("NAME=IMAGE[:SCALE]", "tiny-style=reference.png:0.6") if flag == "--image-prompt"
+            else ("NAME=IMAGE[:SCALE[:MODE]]", "tiny-edges=edges.png:0.8, or union=edges.png:0.8:3 for a Union's mode")
+        )  # fmt: skip
+        raise InputError(f"{flag} {text!r}: {spelling}, e.g. {example}")
+    head, colon, last = rest.rpartition(":")
+    if flag == "--control" and colon and last.isdigit():
+        path, colon, scale = head.rpartition(":")
+        if colon and path and (not scale or _is_number(scale)):
+            return {"name": name, "image": path, **({"scale": float(scale)} if scale else {}), "mode": int(last)}
     path, colon, scale = rest.rpartition(":")
     if not colon:
         return {"name": name, "image": rest}
@@ -213,6 +227,14 @@ def parse_control(text: str, flag: str = "--control") -> dict:
         return {"name": name, "image": path, "scale": float(scale)}
     except ValueError:
         return {"name": name, "image": rest}  # a path with a colon and no scale
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 MAX_PAGE = 100

@@ -273,7 +273,10 @@ def predict(
     out_dir: OutDir = Path("."),
     control: Annotated[
         list[str] | None,
-        typer.Option("--control", help="a ControlNet: NAME=IMAGE[:SCALE] (repeat it for several)"),
+        typer.Option(
+            "--control",
+            help="a ControlNet: NAME=IMAGE[:SCALE[:MODE]] (MODE: a ControlNet Union's; repeat it for several)",
+        ),  # fmt: skip
     ] = None,
     canny: Annotated[bool, typer.Option("--canny", help="the worker makes Canny edges of each control image")] = False,
     image_prompt: Annotated[

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +40,31 @@ class FlowStage(_Body):
     resize: dict[str, Any] | None = None
     takes: list[str] | None = None
     fixes: dict[str, Any] | None = None
+
+
+class Control(TypedDict):
+    """A ControlNet of `predict(controls=[...])` (`parameters.controls`): a registered ControlNet's name, its control
+    image (a path, bytes or a PIL image), its scale and `start`/`end` window, `preprocess: "canny"` (with
+    `low_threshold`, `high_threshold`), and for a ControlNet Union its `mode` (the index its model card numbers)."""
+
+    name: str
+    image: Any
+    scale: NotRequired[float]
+    start: NotRequired[float]
+    end: NotRequired[float]
+    mode: NotRequired[int]
+    preprocess: NotRequired[Literal["canny"]]
+    low_threshold: NotRequired[int]
+    high_threshold: NotRequired[int]
+
+
+class ImagePrompt(TypedDict):
+    """An image prompt of `predict(image_prompts=[...])` (`parameters.image_prompts`): a registered IP-Adapter's name,
+    its reference image (a path, bytes or a PIL image) and its scale."""
+
+    name: str
+    image: Any
+    scale: NotRequired[float]
 
 
 class ControlInfo(_Body):
