@@ -208,3 +208,55 @@ def test_a_flux_ip_adapter_registers_for_flux_and_is_refused_for_sdxl_and_the_ot
         ControlFileError, match=r"ip_adapter.1.to_k_ip.weight is missing; the base transformer's double"
     ):
         check_control("ip_adapter", files["flux"], {**flux_config, "num_layers": 2}, {})
+
+
+def test_an_image_prompt_with_a_controlnet_equals_the_controlnet_pipeline_and_mixes_with_either_alone(styled):
+    """A request with a ControlNet and an image prompt equals diffusers' ControlNet pipeline for the family with the
+    IP-Adapter loaded, in both schedulings; in a running set beside a request with the ControlNet alone and one with
+    the image prompt alone, each image equals its request alone."""
+    import diffusers
+    import torch
+
+    from emulators.tiny_controls import build_controlnet, control_files
+    from model_worker.controls.loader import ControlSet, ControlWeights, _build
+    from model_worker.model.pipeline import DiffusionRunner
+    from model_worker.model.runners import GenerationItem
+
+    if "edges" not in styled["controls"]:
+        folder = build_controlnet(styled["directory"], styled["directory"].parent / "edges", 1)
+        model, _ = _build("controlnet", control_files(folder))
+        styled["controls"]["edges"] = ControlWeights("edges", "controlnet", "1", "e" * 8, 0, model)
+        styled["images"]["edges"] = input_image(21)
+    edges = ControlRef(name="edges", kind="controlnet", version="1", sha256="e" * 8, scale=0.8)
+    style = ControlRef(name="style", kind="ip_adapter", version="1", sha256="s" * 8, scale=0.7)
+
+    def items(seed: int, refs: tuple) -> list:
+        loaded = ControlSet(refs, loaded=[styled["controls"][ref.name] for ref in refs])
+        loaded.done.set()
+        return [GenerationItem(prompt="a lighthouse", seed=seed, controls=loaded,
+                               control_images=tuple(styled["images"][ref.name] for ref in refs))]  # fmt: skip
+
+    guidance, flux = guidance_of(styled), styled["spec"].family.name == "flux"
+    base = styled["reference"]
+    if flux:
+        pipe = diffusers.FluxControlNetPipeline(**base.components, controlnet=styled["controls"]["edges"].model)
+        extra = {"control_image": styled["images"]["edges"], "max_sequence_length": 256}
+    else:
+        pipe = diffusers.StableDiffusionXLControlNetPipeline(**base.components, add_watermarker=False,
+                                                             controlnet=styled["controls"]["edges"].model)  # fmt: skip
+        extra = {"image": styled["images"]["edges"]}
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_ip_adapter_scale(0.7)
+    expected = pipe(prompt="a lighthouse", ip_adapter_image=styled["images"]["style"], num_inference_steps=STEPS,
+                    guidance_scale=guidance, width=SIZE, height=SIZE, generator=torch.Generator().manual_seed(4),
+                    controlnet_conditioning_scale=0.8, output_type="np", **extra).images  # fmt: skip
+    stepper = styled["stepper"]
+    got = stepped(stepper, [(items(4, (edges, style)), guidance), (items(6, (edges,)), guidance),
+                            (items(8, (style,)), guidance)])  # fmt: skip
+    assert differences(got[0], list(expected)) <= TOLERANCE
+    for seed, refs, images in ((6, (edges,), got[1]), (8, (style,), got[2])):
+        assert differences(images, stepped(stepper, [(items(seed, refs), guidance)])[0]) <= TOLERANCE
+    batch = DiffusionRunner(styled["spec"].model_copy(update={"scheduling": "request"}), styled["directory"],
+                            torch_threads=1)  # fmt: skip
+    requested = batch.generate(items(4, (edges, style)), params(guidance), lambda step, total: None)
+    assert differences(requested, list(expected)) <= TOLERANCE
