@@ -155,3 +155,39 @@ def test_sdxl_an_image_is_the_same_alone_and_beside_images_that_reuse_do_not_and
     assert differences(beside["watched"][0], alone[0]) < ROUNDING
     plain = serve(sdxl_runners[None], watched)["watched"]
     assert differences(alone[0], plain[0]) > 1  # reusing changed the image: the comparison above means something
+
+
+def test_a_compiled_unet_never_recompiles_as_the_count_of_images_running_the_deep_path_changes(directory, runners):
+    """The shallow part, the deep path and the output compiled for the batch buckets (as FLUX.1's first-block parts
+    are), the deep path's rows padded to one."""
+    from model_worker.model import compiled
+    from model_worker.model.pipeline import DiffusionRunner
+
+    defaults = EVERY_STEP.defaults.model_copy(update={"width": 64, "height": 64, "guidance_scale": 7.5})
+    # No adapter slots (a compiled model's LoRA layers, traced too: seconds more, nothing the cache's parts change).
+    spec = EVERY_STEP.model_copy(update={"defaults": defaults, "max_batch_size": 2, "max_instances_per_request": 2,
+                                         "scheduling": "step", "adapters": None})  # fmt: skip
+    cached = DiffusionRunner(spec, directory, torch_threads=1, compile_unet=True, compile_backend="eager")
+    cached.warm_up()  # every batch bucket, its first step full: the deep path at every bucket too
+    graphs = compiled.graphs_compiled()
+    _, shallow, deep, out = cached._denoiser._deep_parts
+    assert all(hasattr(part, "_orig_mod") for part in (shallow, deep, out)), "the cache's parts run eager"
+    counts: list[int] = []
+    forward = deep.forward
+    deep.forward = lambda hidden, *args: counts.append(hidden.shape[0]) or forward(hidden, *args)
+
+    def pattern(r, step):  # images reuse at other steps: the count running the deep path moves call by call
+        return (step + r.item.seed) % 3 != 0
+
+    requests = {"pair": (items("a red cube", 1, 2), params(STEPS, guidance=7.5), 0)}
+    eager = runner(runners, EVERY_STEP)
+    for each in (cached, eager):
+        each._denoiser.forced_skips = pattern
+    try:
+        got, expected = serve(cached, requests), serve(eager, requests)
+    finally:
+        eager._denoiser.forced_skips = None
+    assert compiled.graphs_compiled() == graphs, "a changing count of images running the deep path compiled a graph"
+    assert set(counts) == {2, 4}  # one guided image's two rows or both images' four, each at its own bucket
+    assert got["pair"][1] == expected["pair"][1] and any(got["pair"][1])
+    assert differences(got["pair"][0], expected["pair"][0]) < ROUNDING

@@ -13,7 +13,7 @@ from contract.messages import GenerationParameters
 from model_worker.controls.controlnets import ControlNetRows, zero_residuals
 from model_worker.controls.ip_adapters import IPAdapterRows
 from model_worker.model.families.base import GuidedDenoiser, conditions
-from model_worker.model.families.deep_cache import deep_cache_unet
+from model_worker.model.families.deep_cache import deep_cache_unet, unet_parts
 from model_worker.model.runners import GenerationItem, RunningItem, is_latent
 from model_worker.model.step_cache import row_cache
 
@@ -33,8 +33,22 @@ class UNetDenoiser(GuidedDenoiser):
             )
 
     def compile(self) -> None:
+        """The UNet compiled, and its DeepCache parts too (a model with a step cache): the count of images running
+        the deep path then changes which compiled bucket runs, never what is compiled."""
         self.pipeline.unet.to(memory_format=self._torch.channels_last)
         super().compile()
+        if self.spec.step_cache is not None:
+            self._deep_parts = unet_parts(self.model, (self.compile_mode, self.compile_backend))
+
+    def deep_parts(self) -> tuple:
+        """DeepCache's parts of the UNet (families/deep_cache.py), eager until compiled."""
+        if getattr(self, "_deep_parts", None) is None:
+            self._deep_parts = unet_parts(self.model)
+        return self._deep_parts
+
+    def padded_images_rows(self, rows: int) -> int:
+        """The rows a compiled UNet runs for `rows` of images' rows (two an image, as the call's)."""
+        return self.padded_rows(rows, rows_per_image=2)
 
     def call_kwargs(self, items: list[GenerationItem], params: GenerationParameters) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -70,8 +84,8 @@ class UNetDenoiser(GuidedDenoiser):
         )[0]
 
     def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
-        return deep_cache_unet(self.model, running, rows_per_image, self.forced_skips, self.tail_calls, sample,
-                               timestep, condition["context"])  # fmt: skip
+        return deep_cache_unet(self.deep_parts(), running, rows_per_image, self.forced_skips, self.tail_calls, sample,
+                               timestep, condition["context"], padded=self.padded_images_rows)  # fmt: skip
 
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
         # IP-Adapters first: their processors are in the UNet (or restored) before the call either way.
@@ -205,8 +219,8 @@ class SDXLDenoiser(UNetDenoiser):
 
     def cached_call(self, running: list[RunningItem], rows_per_image: list[int], sample, timestep, condition: dict):
         added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"]}
-        return deep_cache_unet(self.model, running, rows_per_image, self.forced_skips, self.tail_calls, sample,
-                               timestep, condition["context"], added)  # fmt: skip
+        return deep_cache_unet(self.deep_parts(), running, rows_per_image, self.forced_skips, self.tail_calls, sample,
+                               timestep, condition["context"], added, self.padded_images_rows)  # fmt: skip
 
     def call_model(self, sample, timestep, condition: dict, **controls):
         # An IP-Adapter's image embeddings ride in `added_cond_kwargs` beside the pooled embeddings and time ids.
