@@ -10,9 +10,9 @@ runs over the rows that use it at scale 1 (the guidance it embeds when its confi
 it), and each row's residuals are multiplied by its scale times its window's keep and added into zeros for the
 whole call. The transformer adds the i-th residual to each block `i // interval` (or `i % n` with
 `controlnet_blocks_repeat`), so ControlNets of different depths in one call are spread to one residual per block
-first. A row without control gets zeros (x + 0 is x); a call where no row has one passes no residuals at all,
-except on a compiled transformer, which always gets one residual per block (zeros when no row has a ControlNet), so
-its warm-up traces the graph ControlNets use and the first ControlNet compiles nothing (`zero_flux_residuals`).
+first. A row without control gets zeros (x + 0 is x); a call where no row has one passes no residuals at all. A
+compiled transformer gets one residual per block whatever ControlNets run, always the same graph's inputs, which its
+warm-up traces with zeros (`zero_flux_residuals`), so the first ControlNet compiles nothing.
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ def per_block(samples: list, blocks: int, repeat: bool) -> list:
 
 def zero_flux_residuals(transformer, hidden) -> dict:
     """Zero residuals for every block and single block of a FLUX.1 transformer over `hidden` (its packed latents),
-    in the transformer's dtype: what a compiled transformer of a model that takes ControlNets is called with when no
-    row has one, so the graph its warm-up traces is the one ControlNets use. x + 0 is x: a row without control is
-    still exactly the base model's."""
+    in the transformer's dtype: what a compiled transformer of a model that takes ControlNets is called with in its
+    warm-up, so the graph ControlNets use is traced before any arrives (its calls without one pass none: these would
+    hold as much memory as the residuals, 57 blocks' of FLUX.1's hidden states). x + 0 is x."""
     shape = (hidden.shape[0], hidden.shape[1], transformer.inner_dim)
     dtype = transformer.dtype
     return {

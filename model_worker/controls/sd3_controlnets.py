@@ -13,7 +13,8 @@ scale 1 with the text and pooled projections the pipeline gives it, and each row
 scale times its window's keep and added into zeros for the whole call. The transformer adds the
 `int(i / interval)`-th residual to its block i, so ControlNets of different depths in one call (or any on a compiled
 transformer) are spread to one residual per block first. A row without control gets zeros (x + 0 is x); a call where
-no row has one passes no residuals at all, except on a compiled transformer (`zero_sd3_residuals`).
+no row has one passes no residuals at all (a compiled transformer's warm-up traces the ControlNet call with
+`zero_sd3_residuals`).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def per_block(samples: list, blocks: int) -> list:
 
 def zero_sd3_residuals(transformer, sample) -> dict:
     """Zero residuals for every block of an SD 3.5 transformer over `sample` (its latents: one per 2x2 patch), in
-    the transformer's dtype: what a compiled transformer of a model that takes ControlNets is called with when no
-    row has one. x + 0 is x: a row without control is still exactly the base model's."""
+    the transformer's dtype: what a compiled transformer of a model that takes ControlNets is called with in its
+    warm-up, so the graph ControlNets use is traced before any arrives. x + 0 is x."""
     patch = transformer.config.patch_size
     tokens = (sample.shape[-2] // patch) * (sample.shape[-1] // patch)
     shape = (sample.shape[0], tokens, transformer.inner_dim)

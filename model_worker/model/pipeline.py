@@ -180,6 +180,17 @@ class DiffusionRunner:
                 self.decode(running)
             else:
                 self.generate(items, params, lambda step, total: None)
+        if self._compiled and self.spec.scheduling == "step" and self._denoiser.traces_control_calls():
+            # The calls ControlNets make, traced at every bucket with zero residuals: the first ControlNet compiles
+            # nothing, and calls without one keep their own graph (no residuals to hold).
+            self._denoiser.tracing_controls = True
+            try:
+                for size in sizes:
+                    items = [GenerationItem(prompt="warm-up", seed=i, image=image, mask=mask) for i in range(size)]
+                    running = self.start_items(items, params)
+                    self.denoise_step(running)
+            finally:
+                self._denoiser.tracing_controls = False
         if self._compiled and self._compile_cache is not None:
             self._compile_cache.save()
         log.info(

@@ -368,15 +368,22 @@ def test_a_flux_controlnet_that_embeds_guidance_takes_each_rows_guidance(family,
 
 
 @pytest.mark.parametrize("family", ["flux-schnell", "sd35-txt2img"], indirect=True)
-def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, request):
+def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, request, monkeypatch):
     """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
-    bucket: the warm-up traces the transformer with zero residuals for every block; a base request, a ControlNet
-    request, two ControlNets, (FLUX.1) a Union in a mode and the base again add no graph, and the ControlNet image is
-    still the pipeline's."""
+    bucket: the warm-up traces the transformer's base call and, apart, its call with zero residuals for every block;
+    a base request (no zeros made: they would hold as much memory as the residuals), a ControlNet request, two
+    ControlNets, (FLUX.1) a Union in a mode and the base again add no graph, and the ControlNet image is still the
+    pipeline's."""
     import torch
     from torch._dynamo.utils import counters
 
+    from model_worker.controls import flux_controlnets, sd3_controlnets
     from model_worker.model.pipeline import DiffusionRunner
+
+    zeros = []
+    for module, name in ((flux_controlnets, "zero_flux_residuals"), (sd3_controlnets, "zero_sd3_residuals")):
+        made = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, made=made: zeros.append(1) or made(*args))
 
     spec, guidance = family["spec"], guidance_of(family)
     spec = spec.model_copy(update={"max_batch_size": 1, "scheduling": "step",
@@ -388,8 +395,10 @@ def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_w
         )
         compiled.warm_up()
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs > 0, "the warm-up compiled nothing"
+        assert graphs > 0 and zeros, "the warm-up traced no ControlNet call"
+        zeros.clear()
         (base,) = stepped(compiled, [(items_of(family, 5, []), guidance)])
+        assert not zeros, "a call without ControlNets made zero residuals"
         (controlled,) = stepped(compiled, [(items_of(family, 5, EDGES), guidance)])
         stepped(compiled, [(items_of(family, 8, MULTI), guidance)])
         if family["spec"].family.name == "flux":

@@ -80,6 +80,15 @@ class Denoiser:
         if name not in STEPPABLE_SCHEDULERS:
             raise ValueError(steppable_error(self.spec.name, name))
 
+    # During a compiled model's warm-up: its calls pass zero ControlNet residuals (`traces_control_calls`).
+    tracing_controls = False
+
+    def traces_control_calls(self) -> bool:
+        """Whether a compiled model's warm-up traces its ControlNet calls apart (a transformer family that takes
+        ControlNets: its calls without one pass no residuals, whose zeros would take as much memory as the residuals
+        themselves); the UNet families pass zeros on every call instead."""
+        return False
+
     def lora_components(self) -> tuple[str, ...]:
         """The pipeline components diffusers' LoRA loading changes for this family; empty: no adapters."""
         family = self.spec.family

@@ -187,16 +187,17 @@ class FluxDenoiser(Denoiser):
             predicted = output[:rows, : first["latents"].shape[1]]
             self.step_items(running, [predicted[i : i + 1] for i in range(rows)])
 
+    def traces_control_calls(self) -> bool:
+        return self.spec.controls is not None and self.spec.step_cache is None
+
     def control_residuals(self, running: list[RunningItem], inputs: dict) -> dict:
         """The ControlNets' residuals for the call's rows (model_worker/controls/flux_controlnets.py); {} (the base
-        model's call) when no row has one. A compiled model that takes ControlNets always gets one residual per
-        block (zeros when no row has a ControlNet): the graph ControlNets use, so the first one compiles nothing. Not
-        with a step cache, whose calls go without residuals."""
-        compiled = (
-            self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None
-        )
+        model's call) when no row has one. A compiled model that takes ControlNets gets one residual per block,
+        always the same graph's inputs, which its warm-up traces with zeros (`tracing_controls`), so the first
+        ControlNet compiles nothing. Not with a step cache, whose calls go without residuals."""
+        compiled = self._compiled_buckets is not None and self.traces_control_calls()
         if not any(r.state.get("controlnets") for r in running):
-            if compiled:
+            if compiled and self.tracing_controls:
                 from model_worker.controls.flux_controlnets import zero_flux_residuals
 
                 return zero_flux_residuals(self.pipeline.transformer, inputs["hidden_states"])
@@ -483,15 +484,16 @@ class SD3Denoiser(GuidedDenoiser):
             pooled_projections=condition["pooled"], return_dict=False, **controls,
         )[0]  # fmt: skip
 
+    def traces_control_calls(self) -> bool:
+        return self.spec.controls is not None and self.spec.step_cache is None
+
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
         """The ControlNets' residuals for the call's rows (model_worker/controls/sd3_controlnets.py); {} (the base
-        model's call) when no row has one. A compiled model that takes ControlNets always gets one residual per
-        block (zeros when no row has a ControlNet), as FLUX.1's does."""
-        compiled = (
-            self._compiled_buckets is not None and self.spec.controls is not None and self.spec.step_cache is None
-        )
+        model's call) when no row has one. A compiled model that takes ControlNets gets one residual per block, which
+        its warm-up traces with zeros, as FLUX.1's does."""
+        compiled = self._compiled_buckets is not None and self.traces_control_calls()
         if not any(r.state.get("controlnets") for r in running):
-            if compiled:
+            if compiled and self.tracing_controls:
                 from model_worker.controls.sd3_controlnets import zero_sd3_residuals
 
                 return zero_sd3_residuals(self.pipeline.transformer, sample)
