@@ -409,3 +409,46 @@ def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_w
         assert np.array_equal(np.asarray(again), np.asarray(base))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["sd35-txt2img"], indirect=True)
+def test_a_stability_sd35_controlnet_without_text_or_position_embedding_equals_the_pipeline(family, tmp_path):
+    """Stability's SD 3.5 Large ControlNets embed no text (`joint_attention_dim` null: its blocks see the image alone),
+    take the transformer's position embedding (`use_pos_embed` false: the pipeline gives it theirs) and the pooled
+    text with the VAE's shift: the worker gives them the same (loaded apart from the pipeline's copy, which the
+    pipeline itself mutates), alone within 1/255 of StableDiffusion3ControlNetPipeline."""
+    import diffusers
+    import torch
+
+    from emulators.tiny_controls import control_files
+    from model_worker.controls.controlnets import control_noise_seed
+    from model_worker.controls.loader import ControlWeights, _build
+
+    transformer = family["reference"].transformer
+    config = {key: value for key, value in transformer.config.items() if not key.startswith("_")}
+    torch.manual_seed(9)
+    controlnet = diffusers.SD3ControlNetModel.from_config(
+        {**config, "joint_attention_dim": None, "use_pos_embed": False, "pos_embed_type": None,
+         "force_zeros_for_pooled_projection": False, "extra_conditioning_channels": 0}
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_blocks", "pos_embed_input")):
+                parameter.copy_(0.5 * torch.randn(parameter.shape) / parameter[0].numel() ** 0.5)
+    controlnet.save_pretrained(tmp_path / "stability", safe_serialization=True)
+    files = control_files(tmp_path / "stability")
+    worker_model, _ = _build("controlnet", files)
+    family["controls"]["stability"] = ControlWeights("stability", "controlnet", "1", "st" * 4, 0, worker_model)
+    family["images"]["stability"] = family["images"]["edges"]
+    uses = [("stability", 0.9, 0.0, 1.0)]
+    (got,) = stepped(family["stepper"], [(items_of(family, 6, uses), 5.0)])
+    pipe = diffusers.StableDiffusion3ControlNetPipeline(**family["reference"].components,
+                                                        controlnet=_build("controlnet", files)[0])  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(control_noise_seed(6))
+    expected = pipe(prompt="a lighthouse", control_image=family["images"]["edges"], num_inference_steps=STEPS,
+                    guidance_scale=5.0, width=SIZE, height=SIZE, controlnet_conditioning_scale=0.9,
+                    generator=torch.Generator().manual_seed(6), output_type="np").images  # fmt: skip
+    assert differences(got, list(expected)) <= TOLERANCE
+    (base,) = stepped(family["stepper"], [(items_of(family, 6, []), 5.0)])
+    assert differences(got, base) > 2  # it steers the image: the oracle can tell
