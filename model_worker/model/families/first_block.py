@@ -240,7 +240,10 @@ def first_block_sd3(parts: tuple, running: list[RunningItem], rows_per_image: li
         return tail(hidden, encoder, temb)
 
     hidden, first, encoder, temb = head(sample, timestep, context, pooled)
-    hidden, first, encoder, temb = hidden[:rows], first[:rows], encoder[:rows], temb[:rows]
+    # A one-block transformer's first block is its last (context_pre_only): no text stream after it, nothing behind
+    # it to skip (the tiny models the GPU check builds).
+    hidden, first, temb = hidden[:rows], first[:rows], temb[:rows]
+    encoder = encoder[:rows] if encoder is not None else None
     residual = first - hidden
     skips = first_block_skips(running, residual, forced, rows_per_image)
     starts = [sum(rows_per_image[:i]) for i in range(len(running))]
@@ -254,7 +257,8 @@ def first_block_sd3(parts: tuple, running: list[RunningItem], rows_per_image: li
     hidden_out = first.clone()
     if full_rows:
         index = torch.tensor(full_rows, device=first.device)
-        hidden_out[index] = run_tail(sd3_tail, padded, first[index], encoder[index], temb[index], None, tail_calls)
+        encoder_rows = encoder[index] if encoder is not None else None
+        hidden_out[index] = run_tail(sd3_tail, padded, first[index], encoder_rows, temb[index], None, tail_calls)
     for i, span in enumerate(spans):
         if skips[i]:
             hidden_out[span] = first[span] + running[i].state["step_cache"].tail_residual
