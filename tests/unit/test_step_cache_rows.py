@@ -22,8 +22,29 @@ THRESHOLD = 0.3
 ROUNDING = 0.05
 
 
+def runner_maker(directory):
+    """A runner of the tiny pipeline in `directory` per spec and scheduling, each made once (the step-cache modules'
+    `runners` fixture)."""
+    from model_worker.model.pipeline import DiffusionRunner
+
+    made = {}
+
+    def runner(spec: ModelSpec, scheduling: str = "step"):
+        key = (spec.model_dump_json(), scheduling)
+        if key not in made:
+            made[key] = DiffusionRunner(spec.model_copy(update={"scheduling": scheduling}), directory, torch_threads=1)
+        return made[key]
+
+    return runner
+
+
+def cached_spec(base: ModelSpec, **step_cache) -> ModelSpec:
+    """`base` with the step cache `step_cache` (its kind and settings)."""
+    return ModelSpec.model_validate({**base.model_dump(), "step_cache": step_cache})
+
+
 def with_cache(**step_cache) -> ModelSpec:
-    return ModelSpec.model_validate({**DEV.model_dump(), "step_cache": {"kind": "first_block", **step_cache}})
+    return cached_spec(DEV, kind="first_block", **step_cache)
 
 
 CACHED, NEVER, PLAIN = with_cache(threshold=THRESHOLD), with_cache(threshold=0.0), DEV
@@ -36,19 +57,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runners(directory):
-    from model_worker.model.pipeline import DiffusionRunner
-
-    made = {}
-
-    def runner(spec: ModelSpec, scheduling: str = "step"):
-        key = (spec.model_dump_json(), scheduling)
-        if key not in made:
-            made[key] = DiffusionRunner(
-                spec.model_copy(update={"scheduling": scheduling}), directory[0], torch_threads=1
-            )
-        return made[key]
-
-    return runner
+    return runner_maker(directory[0])
 
 
 def params(steps: int = STEPS, guidance: float = 3.5, step_cache: bool | None = None) -> GenerationParameters:

@@ -11,7 +11,7 @@ import pytest
 from contract.model_spec import ModelSpec
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_model_families import SD35, differences
-from tests.unit.test_step_cache_rows import ROUNDING, items, params, serve
+from tests.unit.test_step_cache_rows import ROUNDING, cached_spec, items, params, runner_maker, serve
 
 STEPS = 6
 # The tiny random SD 3.5's first-block residual moves by 0.2-0.6 a step (relative L1): some steps skip at it
@@ -21,7 +21,7 @@ GUIDED = 7.0
 
 
 def with_cache(**step_cache) -> ModelSpec:
-    return ModelSpec.model_validate({**SD35.model_dump(), "step_cache": {"kind": "first_block", **step_cache}})
+    return cached_spec(SD35, kind="first_block", **step_cache)
 
 
 CACHED, NEVER, PLAIN = with_cache(threshold=THRESHOLD), with_cache(threshold=0.0), SD35
@@ -44,19 +44,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runners(directory):
-    from model_worker.model.pipeline import DiffusionRunner
-
-    made = {}
-
-    def runner(spec: ModelSpec, scheduling: str = "step"):
-        key = (spec.model_dump_json(), scheduling)
-        if key not in made:
-            made[key] = DiffusionRunner(
-                spec.model_copy(update={"scheduling": scheduling}), directory[0], torch_threads=1
-            )
-        return made[key]
-
-    return runner
+    return runner_maker(directory[0])
 
 
 def guided(steps: int = STEPS, **given):

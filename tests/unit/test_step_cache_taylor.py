@@ -11,14 +11,13 @@ import pytest
 from contract.model_spec import ModelSpec
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_model_families import DEV, differences
-from tests.unit.test_step_cache_rows import ROUNDING, STEPS, items, params, serve
+from tests.unit.test_step_cache_rows import ROUNDING, STEPS, cached_spec, items, params, runner_maker, serve
 
 WARMUP, INTERVAL = 2, 3  # of 6 steps: 0 and 1 full, 2 predicted, 3 full, 4 and 5 predicted
 
 
 def with_cache(**step_cache) -> ModelSpec:
-    settings = {"kind": "taylorseer", "interval": INTERVAL, "warmup_steps": WARMUP, **step_cache}
-    return ModelSpec.model_validate({**DEV.model_dump(), "step_cache": settings})
+    return cached_spec(DEV, **{"kind": "taylorseer", "interval": INTERVAL, "warmup_steps": WARMUP, **step_cache})
 
 
 CACHED, NEVER, PLAIN = with_cache(), with_cache(interval=1), DEV
@@ -31,19 +30,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runners(directory):
-    from model_worker.model.pipeline import DiffusionRunner
-
-    made = {}
-
-    def runner(spec: ModelSpec, scheduling: str = "step"):
-        key = (spec.model_dump_json(), scheduling)
-        if key not in made:
-            made[key] = DiffusionRunner(
-                spec.model_copy(update={"scheduling": scheduling}), directory[0], torch_threads=1
-            )
-        return made[key]
-
-    return runner
+    return runner_maker(directory[0])
 
 
 def diffusers_taylorseer(directory, prompt: str, seed: int, **config):
