@@ -77,11 +77,7 @@ class IPAdapterRows:
         the call's `rows`, padding rows zeros) with each row's scale set on the IP-Adapter processors; {} with the base
         processors back when no row uses an IP-Adapter. One row per running image (no guidance rows)."""
         torch = self._torch
-        uses: OrderedDict[tuple, Any] = OrderedDict()
-        for r in running:
-            for prompt in r.state.get("image_prompts", ()):
-                uses.setdefault(prompt.weights.key, prompt.weights)
-        self.load(list(uses.values()))
+        uses = self._load_used(running)
         if not uses:
             return {}
         order = {key: index for index, key in enumerate(uses)}
@@ -101,15 +97,21 @@ class IPAdapterRows:
                 processor.scale = per_row
         return {"joint_attention_kwargs": {"ip_adapter_image_embeds": embeds}}
 
-    def call_kwargs(self, running, inputs, sample) -> dict:
-        """The UNet call's `added_cond_kwargs` (image embeddings per loaded IP-Adapter, over all rows) and
-        `cross_attention_kwargs` (the per-row scales as masks); {} with the base processors back when no row uses
-        an IP-Adapter."""
+    def _load_used(self, running) -> OrderedDict[tuple, Any]:
+        """The IP-Adapters the rows' image prompts name, in the order first named, loaded (the base processors back
+        when none is)."""
         uses: OrderedDict[tuple, Any] = OrderedDict()
         for r in running:
             for prompt in r.state.get("image_prompts", ()):
                 uses.setdefault(prompt.weights.key, prompt.weights)
         self.load(list(uses.values()))
+        return uses
+
+    def call_kwargs(self, running, inputs, sample) -> dict:
+        """The UNet call's `added_cond_kwargs` (image embeddings per loaded IP-Adapter, over all rows) and
+        `cross_attention_kwargs` (the per-row scales as masks); {} with the base processors back when no row uses
+        an IP-Adapter."""
+        uses = self._load_used(running)
         if not uses:
             return {}
         order = {key: index for index, key in enumerate(uses)}
