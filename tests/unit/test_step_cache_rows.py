@@ -89,15 +89,20 @@ def serve(runner, requests: dict[str, tuple]) -> dict[str, tuple[list, list[int]
     return results
 
 
-def test_threshold_zero_gives_exactly_the_images_of_no_cache(runners):
-    requests = {"first": (items("a red cube", 3, 2), params(), 0), "joiner": (items("a blue sphere", 9), params(3), 2)}
-    never = runners(NEVER)
+def assert_never_skipping_is_no_cache(never, plain, requests: dict) -> None:
+    """A cache set never to skip runs its cached path with every row in full, for every step, and gives exactly the
+    uncached runner's images."""
     calls = never._denoiser.tail_calls.calls
-    cached, plain = serve(never, requests), serve(runners(PLAIN), requests)
+    cached, uncached = serve(never, requests), serve(plain, requests)
     assert never._denoiser.tail_calls.calls - calls == STEPS  # the cached path ran, every row in full
     for name in requests:
         assert cached[name][1] == [0] * len(requests[name][0])
-        assert all(np.array_equal(a, b) for a, b in zip(cached[name][0], plain[name][0], strict=True)), name
+        assert all(np.array_equal(a, b) for a, b in zip(cached[name][0], uncached[name][0], strict=True)), name
+
+
+def test_threshold_zero_gives_exactly_the_images_of_no_cache(runners):
+    requests = {"first": (items("a red cube", 3, 2), params(), 0), "joiner": (items("a blue sphere", 9), params(3), 2)}
+    assert_never_skipping_is_no_cache(runners(NEVER), runners(PLAIN), requests)
 
 
 def diffusers_first_block_cache(directory, prompt: str, seed: int, threshold: float):

@@ -11,7 +11,15 @@ import pytest
 from contract.model_spec import ModelSpec
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_model_families import SD35, differences
-from tests.unit.test_step_cache_rows import ROUNDING, cached_spec, items, params, runner_maker, serve
+from tests.unit.test_step_cache_rows import (
+    ROUNDING,
+    assert_never_skipping_is_no_cache,
+    cached_spec,
+    items,
+    params,
+    runner_maker,
+    serve,
+)
 
 STEPS = 6
 # The tiny random SD 3.5's first-block residual moves by 0.2-0.6 a step (relative L1): some steps skip at it
@@ -56,13 +64,7 @@ def test_threshold_zero_gives_exactly_the_images_of_no_cache(runners):
         "guided": (items("a red cube", 3, 2), guided(), 0),
         "unguided": (items("a blue sphere", 9), params(3, guidance=1.0), 2),
     }
-    never = runners(NEVER)
-    calls = never._denoiser.tail_calls.calls
-    cached, plain = serve(never, requests), serve(runners(PLAIN), requests)
-    assert never._denoiser.tail_calls.calls - calls == STEPS  # the cached path ran, every row in full
-    for name in requests:
-        assert cached[name][1] == [0] * len(requests[name][0])
-        assert all(np.array_equal(a, b) for a, b in zip(cached[name][0], plain[name][0], strict=True)), name
+    assert_never_skipping_is_no_cache(runners(NEVER), runners(PLAIN), requests)
     request_never = runners(NEVER, "request").generate(items("a red cube", 3), guided(), lambda step, total: None)
     request_plain = runners(PLAIN, "request").generate(items("a red cube", 3), guided(), lambda step, total: None)
     assert np.array_equal(request_never[0], request_plain[0]) and runners(NEVER, "request").steps_skipped == 0

@@ -11,7 +11,16 @@ import pytest
 from contract.model_spec import ModelSpec
 from tests.unit.family_references import tiny_pipelines
 from tests.unit.test_model_families import DEV, differences
-from tests.unit.test_step_cache_rows import ROUNDING, STEPS, cached_spec, items, params, runner_maker, serve
+from tests.unit.test_step_cache_rows import (
+    ROUNDING,
+    STEPS,
+    assert_never_skipping_is_no_cache,
+    cached_spec,
+    items,
+    params,
+    runner_maker,
+    serve,
+)
 
 WARMUP, INTERVAL = 2, 3  # of 6 steps: 0 and 1 full, 2 predicted, 3 full, 4 and 5 predicted
 
@@ -54,13 +63,7 @@ def diffusers_taylorseer(directory, prompt: str, seed: int, **config):
 
 def test_interval_one_gives_exactly_the_images_of_no_cache(runners):
     requests = {"first": (items("a red cube", 3, 2), params(), 0), "joiner": (items("a blue sphere", 9), params(3), 2)}
-    never = runners(NEVER)
-    calls = never._denoiser.tail_calls.calls
-    cached, plain = serve(never, requests), serve(runners(PLAIN), requests)
-    assert never._denoiser.tail_calls.calls - calls == STEPS  # the cached path ran, every row in full
-    for name in requests:
-        assert cached[name][1] == [0] * len(requests[name][0])
-        assert all(np.array_equal(a, b) for a, b in zip(cached[name][0], plain[name][0], strict=True)), name
+    assert_never_skipping_is_no_cache(runners(NEVER), runners(PLAIN), requests)
     request_never = runners(NEVER, "request").generate(items("a red cube", 3), params(), lambda step, total: None)
     request_plain = runners(PLAIN, "request").generate(items("a red cube", 3), params(), lambda step, total: None)
     assert np.array_equal(request_never[0], request_plain[0]) and runners(NEVER, "request").steps_skipped == 0
