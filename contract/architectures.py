@@ -37,6 +37,18 @@ class Architecture:
     # A UNet's down-path residuals per latent pixel (its skip tensors), the shapes a ControlNet hands it: what the
     # memory plan counts for a model that takes ControlNets (`unet_skip_elements_per_token`); 0 for transformers.
     skip_elements_per_token: int = 0
+    # A transformer's blocks that each take a ControlNet residual (its image tokens x the hidden width, in the
+    # transformer's dtype): FLUX.1's double and single blocks, SD 3.5's joint blocks; 0 for a UNet and for the
+    # families that take no ControlNets. What the memory plan counts for a model that takes them.
+    control_blocks: int = 0
+
+    @property
+    def controlnet_blocks(self) -> int:
+        """The deepest ControlNet the memory plan counts for a transformer, in residuals it hands on (a FLUX.1
+        ControlNet's double and single blocks, an SD 3.5 one's blocks): half its transformer's blocks, 28 for FLUX.1
+        (InstantX's have 5 + 10, Shakker-Labs' Union Pro 6, XLabs' 2), 19 for SD 3.5 Large (Stability's have 19).
+        Registration refuses a deeper one (contract/memory_plan.py `controlnet_depth_problem`)."""
+        return self.control_blocks // 2
 
 
 # An element count per token: a transformer block's widest moment holds its input and residual streams, the
@@ -105,7 +117,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             {"transformer": ComponentSize(11_901_408_320, 11_898_322_944, 3_065_920), "text_encoder": CLIP_L,
              "text_encoder_2": T5_XXL, "vae": VAE_16},
             denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
-            pixels_per_token=256, text_tokens=512,
+            pixels_per_token=256, text_tokens=512, control_blocks=19 + 38,
         ),
         Architecture(
             "flux.1-schnell", "flux",
@@ -113,6 +125,7 @@ ARCHITECTURES: dict[str, Architecture] = {
              "text_encoder_2": T5_XXL, "vae": VAE_16},
             denoiser_elements_per_token=transformer_elements_per_token(24 * 128),
             pixels_per_token=256, text_tokens=256,  # [schnell] encodes 256 T5 tokens, [dev] 512
+            control_blocks=19 + 38,
         ),
         Architecture(
             # FLUX.1 Fill [dev]: [dev]'s transformer taking the masked image's latents and the mask beside the latents
@@ -130,6 +143,7 @@ ARCHITECTURES: dict[str, Architecture] = {
              "vae": VAE_16},
             denoiser_elements_per_token=transformer_elements_per_token(24 * 64),
             pixels_per_token=256, text_tokens=77 + 256,  # the CLIP tokens, then T5's max_sequence_length
+            control_blocks=24,
         ),
         Architecture(
             "sd3.5-large", "sd3",
@@ -137,7 +151,7 @@ ARCHITECTURES: dict[str, Architecture] = {
              "text_encoder": CLIP_L_PROJECTION, "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL,
              "vae": VAE_16},
             denoiser_elements_per_token=transformer_elements_per_token(38 * 64),
-            pixels_per_token=256, text_tokens=77 + 256,
+            pixels_per_token=256, text_tokens=77 + 256, control_blocks=38,
         ),
         Architecture(
             "z-image-turbo", "zimage",

@@ -255,6 +255,18 @@ def union_modes(kind: str, files: dict[str, bytes]) -> int | None:
     return None if modes is None else int(modes)
 
 
+def controlnet_blocks(kind: str, files: dict[str, bytes]) -> int | None:
+    """The residuals a FLUX.1 or SD 3.5 ControlNet hands its transformer, one per block of its own (its config's
+    `num_layers` and `num_single_layers`): what the memory plan counts of its call; None for a UNet's ControlNet (its
+    residuals are the UNet's skips) or an IP-Adapter. For checked files."""
+    if kind != "controlnet":
+        return None
+    config = _config(files["config.json"], "config.json")
+    if config.get("_class_name") not in ("FluxControlNetModel", "SD3ControlNetModel"):
+        return None
+    return int(config.get("num_layers") or 0) + int(config.get("num_single_layers") or 0)
+
+
 def base_denoiser_files(family: str) -> tuple[str, str | None]:
     """The base model's denoiser files a control version is checked against, relative to its weights path: its
     config and its safetensors weights (None: the config alone, FLUX.1's and SD 3.5's sharded transformers)."""

@@ -18,7 +18,9 @@ The text encoders' activations (77 to 512 tokens) are small beside both and are 
 ControlNets adds their down residuals for every row of the call (the running sum over its ControlNets and the one just
 run: twice the UNet's skip tensors) to the denoiser's, and its control budget (`controls.device_bytes`, the control
 models' weights a worker holds) to the weights; without a budget, what the plan leaves is the budget
-(`control_budget`), which a registration must fit. A first-block step
+(`control_budget`), which a registration must fit. A FLUX.1 or SD 3.5 model that takes them holds a residual per
+transformer block for every row, beside the outputs of the call's ControlNets, whose own call can be the peak
+(`transformer_controlnet_peak`), counted up to a depth a registration must not pass. A first-block step
 cache adds each image's two cached residuals to the denoiser's (DeepCache's features, one up block's input per row,
 are small beside the call and are not counted).
 """
@@ -251,6 +253,11 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
         # ControlNets' down residuals for every row, beside the UNet's own activations: the running sum over the
         # call's ControlNets and the one just run (model_worker/controls/controlnets.py).
         denoiser += 2 * rows * tokens * architecture.skip_elements_per_token * serving
+    elif spec.controls is not None and architecture.control_blocks:
+        denoiser = transformer_controlnet_peak(
+            denoiser, controlnet_residual_bytes(architecture, rows, tokens - architecture.text_tokens, serving),
+            architecture.control_blocks, architecture.controlnet_blocks, spec.controls.max_controls_per_request,
+        )  # fmt: skip
     cache = 0
     if spec.step_cache is not None and spec.step_cache.kind == "first_block":
         # Each running image keeps two residuals between its steps (its first block's and the other blocks', its image
@@ -271,6 +278,54 @@ def activation(spec: ModelSpec, architecture: Architecture, batch: int, width: i
         factors = (spec.step_cache.max_order or 1) + 1
         cache = batch * factors * (tokens - architecture.text_tokens) * FLUX_PACKED_CHANNELS * 4
     return (denoiser + cache, "denoiser") if denoiser > decode else (decode + cache, "decode")
+
+
+def controlnet_residual_bytes(architecture: Architecture, rows: int, image_tokens: int, serving: int) -> int:
+    """One ControlNet residual of a FLUX.1 or SD 3.5 transformer's call: a block's hidden states, its image tokens x
+    the hidden width for every row of the call, in the transformer's dtype (flux_controlnets.py
+    `zero_flux_residuals`, sd3_controlnets.py `zero_sd3_residuals`)."""
+    return rows * image_tokens * (architecture.denoiser_elements_per_token // TRANSFORMER_WIDTHS_PER_TOKEN) * serving
+
+
+def transformer_controlnet_peak(denoiser: int, residual: int, blocks: int, deepest: int, at_once: int) -> int:
+    """The peak of a FLUX.1 or SD 3.5 call with ControlNets (model_worker/controls/flux_controlnets.py,
+    sd3_controlnets.py), in `residual`s (one block's residual over every row): `denoiser` is the transformer's own
+    call, `blocks` its residuals (one per block: a compiled transformer's always, `every_block`, and any call mixing
+    ControlNets of different depths), `deepest` the residuals a ControlNet hands on (at most
+    `Architecture.controlnet_blocks`), `at_once` the ControlNets a row may name. Each ControlNet of the call runs over
+    the rows that use it, and its scaled residuals are kept until all have run, then summed into the per-block
+    totals; no row is in two calls of one ControlNet (a request names each once), so the outputs kept add up to
+    `at_once x deepest` residuals at most. The largest of four moments:
+    - the transformer's call: its own activations and the summed residuals, `denoiser + blocks`;
+    - a ControlNet's blocks: the earlier ControlNets' outputs, its own blocks' outputs so far and its working
+      activations, which are the transformer's per row (the same blocks, widths and tokens) over no more rows:
+      `denoiser + at_once x deepest`;
+    - a ControlNet's return (diffusers' `FluxControlNetModel`/`SD3ControlNetModel.forward`): its blocks' hidden
+      states, their projections and the projections times the conditioning scale, three of its residuals at once
+      beside the earlier ones, `(at_once + 2) x deepest`: with FLUX.1's 57 blocks, 28 deep and two at once, 112
+      residuals against `denoiser + 57` (20 x 4,352 / 4,096 = 21.25 residuals of activations a row at 1024x1024
+      with 256 text tokens, so 78.25): a ControlNet's own call, not the transformer's, can be the peak;
+    - the sum: every ControlNet's outputs, the per-block totals and one scaled product, `blocks + at_once x deepest
+      + 1` (FLUX.1: 114 residuals, its peak; SD 3.5 Large: 38 + 2 x 19 + 1 = 77, against 21.6 of activations a row).
+    The gathered inputs (hidden states, text, pooled projections of the rows) are small beside these."""
+    return max(
+        denoiser + blocks * residual,
+        denoiser + at_once * deepest * residual,
+        (at_once + 2) * deepest * residual,
+        (blocks + at_once * deepest + 1) * residual,
+    )
+
+
+def controlnet_depth_problem(spec: ModelSpec, blocks: int) -> str | None:
+    """Why a ControlNet handing on `blocks` residuals (a FLUX.1 one's double and single blocks, an SD 3.5 one's
+    blocks) is deeper than `spec`'s memory plan counts (`Architecture.controlnet_blocks`), or None: a registration's
+    check, a 413 with the numbers."""
+    architecture = architecture_of(spec)
+    if architecture is None or not architecture.control_blocks or blocks <= architecture.controlnet_blocks:
+        return None
+    return (f"the ControlNet hands on {blocks} residuals (one per block); {spec.name}'s memory plan counts ControlNets "
+            f"of up to {architecture.controlnet_blocks}, half its {architecture.name} transformer's "
+            f"{architecture.control_blocks} blocks (contract/memory_plan.py `transformer_controlnet_peak`)")  # fmt: skip
 
 
 def unit_plan(spec: ModelSpec) -> UnitPlan | None:

@@ -24,6 +24,7 @@ from contract.control_files import (
     base_denoiser_files,
     check_control,
     check_file_names,
+    controlnet_blocks,
     union_modes,
 )
 from contract.lora_files import read_header
@@ -114,6 +115,11 @@ class ControlRegistry:
         if sum(len(data) for data in files.values()) > policy.max_bytes:
             raise ControlFileError(f"the files exceed the limit of {policy.max_bytes} bytes")
         summary = check_control(kind, files, *self._base_unet(spec))
+        from contract.memory_plan import controlnet_depth_problem
+
+        blocks = controlnet_blocks(kind, files)  # a transformer ControlNet's: the plan counts its call up to a depth
+        if blocks is not None and (problem := controlnet_depth_problem(spec, blocks)) is not None:
+            raise ControlBudgetError(problem)
         return ControlRecord(name=name, kind=kind, version=version, sha256=summary.sha256, bytes=summary.bytes,
                              tensors=summary.tensors, modes=union_modes(kind, files), parameters=summary.parameters)  # fmt: skip
 

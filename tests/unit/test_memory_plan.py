@@ -451,3 +451,193 @@ def test_a_controlnet_models_plan_counts_the_residuals_and_its_control_budget_an
     with pytest.raises(ValueError) as refused:
         catalog(tmp_path, {"sd15-txt2img": entry("sd15-txt2img", controls={"device_bytes": 3 * GIB})})
     assert "needs 11.11 GiB on l4" in str(refused.value) and "+ control budgets 3.00 GiB" in str(refused.value)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def test_the_flux_and_sd35_residuals_the_plan_counts_are_the_bytes_of_the_real_transformers_ones():
+    """A FLUX.1 or SD 3.5 call with ControlNets holds one residual per transformer block (`control_blocks`), each
+    the hidden states over the image tokens of every row in the transformer's dtype (`controlnet_residual_bytes`):
+    the bytes of the residuals a compiled transformer is called with (`zero_flux_residuals`, `zero_sd3_residuals`),
+    the real transformers' configurations built on the meta device, at 1024x1024 and the catalog's batch of 4
+    (SD 3.5's guided: 8 rows)."""
+    import torch
+
+    from contract.memory_plan import controlnet_residual_bytes
+    from model_worker.controls.flux_controlnets import zero_flux_residuals
+    from model_worker.controls.sd3_controlnets import zero_sd3_residuals
+
+    for name, rows, blocks in (("flux.1-schnell", 4, 19 + 38), ("sd3.5-large", 8, 38)):
+        architecture = ARCHITECTURES[name]
+        config = json.loads((CONFIGS / name / "transformer" / "config.json").read_text())
+        transformer = meta_model(config).to(torch.bfloat16)
+        tokens = 1024 * 1024 // architecture.pixels_per_token
+        if architecture.family == "flux":  # its packed latents: 64 channels a token
+            samples = zero_flux_residuals(transformer, torch.empty(rows, tokens, 64, device="meta"))
+            residuals = samples["controlnet_block_samples"] + samples["controlnet_single_block_samples"]
+        else:  # its latents: 16 channels at 128x128, a token per 2x2 patch
+            samples = zero_sd3_residuals(transformer, torch.empty(rows, 16, 128, 128, device="meta"))
+            residuals = samples["block_controlnet_hidden_states"]
+        assert len(residuals) == architecture.control_blocks == blocks
+        per_block = controlnet_residual_bytes(architecture, rows, tokens, 2)
+        assert tensor_bytes(residuals) == blocks * per_block, name
+    one = controlnet_residual_bytes(ARCHITECTURES["flux.1-schnell"], 4, 4096, 2)
+    assert one == 96 * 1024**2  # docs/guides/controls.md: "57 x 96 MiB"
+
+
+def tiny_controlnet_outputs(family: str, rows: int, num_layers: int, num_single_layers: int = 0) -> list:
+    """A tiny random ControlNet's residuals for `rows` rows of a 4x4-token image (the tiny pipelines' widths:
+    emulators/tiny_pipeline.py), run on the CPU in bfloat16."""
+    import torch
+    from diffusers import FluxControlNetModel, SD3ControlNetModel
+
+    torch.manual_seed(0)
+    text = torch.randn(rows, 3, 32 if family == "flux" else 64, dtype=torch.bfloat16)
+    if family == "flux":
+        model = FluxControlNetModel(
+            patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+        ).to(torch.bfloat16)  # fmt: skip
+        latents = torch.randn(rows, 16, 16, dtype=torch.bfloat16)
+        ids = torch.zeros(16, 3)
+        ids[:, 1], ids[:, 2] = torch.arange(16) // 4, torch.arange(16) % 4
+        blocks, singles = model(hidden_states=latents, controlnet_cond=latents.clone(), timestep=torch.ones(rows),
+                                encoder_hidden_states=text, pooled_projections=text[:, 0], txt_ids=torch.zeros(3, 3),
+                                img_ids=ids, return_dict=False)  # fmt: skip
+        return [*(blocks or ()), *(singles or ())]
+    model = SD3ControlNetModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=num_layers, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64, out_channels=4,
+        pos_embed_max_size=64,
+    ).to(torch.bfloat16)  # fmt: skip
+    latents = torch.randn(rows, 4, 8, 8, dtype=torch.bfloat16)
+    return list(model(hidden_states=latents, controlnet_cond=latents.clone(), timestep=torch.ones(rows),
+                      encoder_hidden_states=text, pooled_projections=text[:, 0], return_dict=False)[0])  # fmt: skip
+
+
+def test_a_controlnets_call_hands_on_one_residual_of_the_planned_size_per_block_of_its_own():
+    """The ControlNet's own outputs (what a call keeps of each ControlNet until they are summed): one residual per
+    block of its own (`num_layers + num_single_layers`: `controlnet_blocks`, what the plan counts up to the deepest
+    it admits), each of the bytes `controlnet_residual_bytes` counts for a transformer of its width: tiny FLUX.1
+    (hidden 32) and SD 3.5 (hidden 32) ControlNets of 3 rows over 16 image tokens."""
+    from contract.architectures import Architecture
+    from contract.control_files import controlnet_blocks
+    from contract.memory_plan import controlnet_residual_bytes
+
+    for family, layers, singles in (("flux", 2, 3), ("sd3", 2, 0)):
+        outputs = tiny_controlnet_outputs(family, 3, layers, singles)
+        tiny = Architecture("tiny", family, {}, transformer_elements_per_token(32), 256, control_blocks=2 * layers)
+        assert len(outputs) == layers + singles
+        assert tensor_bytes(outputs) == (layers + singles) * controlnet_residual_bytes(tiny, 3, 16, 2), family
+        config = {"_class_name": "FluxControlNetModel" if family == "flux" else "SD3ControlNetModel",
+                  "num_layers": layers, "num_single_layers": singles}  # fmt: skip
+        assert controlnet_blocks("controlnet", {"config.json": json.dumps(config).encode()}) == layers + singles
+
+
+def test_flux_and_sd35_controlnets_make_the_call_the_peak_and_a_deeper_one_than_planned_is_refused():
+    """The plan of a FLUX.1 or SD 3.5 model taking ControlNets (contract/memory_plan.py
+    `transformer_controlnet_peak`): at batch 4 and 1024x1024, FLUX.1 [schnell]'s sum of 57 block residuals beside
+    two ControlNets' outputs of 28 residuals each and one product, 114 residuals of 96 MiB (10.69 GiB, past the 4.80
+    GiB decode); SD 3.5 Large's 38 + 2 x 19 + 1 = 77 of 152 MiB (11.43 GiB, 8 guided rows). A ControlNet deeper than
+    half its transformer's blocks is refused at registration with the numbers."""
+    from contract.memory_plan import controlnet_depth_problem, controlnet_residual_bytes
+    from emulators.stack import local_catalog
+
+    local = local_catalog()
+    for name, rows, residuals, planned in (("flux-schnell", 4, 114, 10.69), ("sd35-txt2img", 8, 77, 11.43)):
+        spec = local.get(name)
+        architecture = ARCHITECTURES[spec.architecture]
+        plan, without = unit_plan(spec), unit_plan(spec.model_copy(update={"controls": None}))
+        assert (plan.activation_phase, without.activation_phase) == ("denoiser", "decode")
+        assert plan.activation_bytes == residuals * controlnet_residual_bytes(architecture, rows, 4096, 2)
+        assert plan.activation_bytes / GIB == pytest.approx(planned, abs=0.005)
+        deepest = architecture.controlnet_blocks
+        assert deepest == architecture.control_blocks // 2 and controlnet_depth_problem(spec, deepest) is None
+        assert controlnet_depth_problem(spec, deepest + 1) == (
+            f"the ControlNet hands on {deepest + 1} residuals (one per block); {name}'s memory plan counts "
+            f"ControlNets of up to {deepest}, half its {architecture.name} transformer's {architecture.control_blocks} "
+            "blocks (contract/memory_plan.py `transformer_controlnet_peak`)"
+        )
+    assert controlnet_depth_problem(local.get("sdxl-txt2img"), 100) is None  # a UNet's: its skips, counted apart
+
+
+def test_registration_refuses_a_flux_controlnet_deeper_than_the_plan_counts_with_the_numbers(tmp_path):
+    """The registry (contract/stores/control_registry.py) checks a FLUX.1 ControlNet's depth against the memory
+    plan: a tiny one of 1 double and 27 single blocks (28 residuals) registers for the local flux-schnell, one of 1 +
+    28 is refused (a 413) naming its 29 residuals and the plan's 28."""
+    import torch
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    from contract import naming
+    from contract.stores.control_registry import ControlBudgetError, ControlRegistry
+    from emulators.stack import local_catalog
+    from emulators.tiny_controls import control_files
+    from tests.unit.test_adapter_parts import FakeBucket
+
+    spec = local_catalog().get("flux-schnell")
+    tiny = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+            "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8]}  # fmt: skip
+    FluxTransformer2DModel(**tiny, num_single_layers=1).save_config(tmp_path / "transformer")
+    objects = {f"{spec.weights_path}/transformer/config.json": (tmp_path / "transformer" / "config.json").read_bytes()}
+    for name, singles in (("deepest", 27), ("deeper", 28)):
+        torch.manual_seed(0)
+        FluxControlNetModel(**tiny, num_single_layers=singles).save_pretrained(tmp_path / name)
+        objects.update({naming.control_prefix(spec.name, name, "1") + file: data
+                        for file, data in control_files(tmp_path / name).items()})  # fmt: skip
+    registry = ControlRegistry(FakeBucket(objects))
+    assert registry.register(spec, "deepest", "controlnet", "1").name == "deepest"
+    with pytest.raises(ControlBudgetError, match=r"hands on 29 residuals .* ControlNets of up to 28, half its "
+                       r"flux.1-schnell transformer's 57 blocks"):  # fmt: skip
+        registry.register(spec, "deeper", "controlnet", "1")
+
+
+def test_a_registration_the_flux_and_sd35_residuals_leave_no_room_for_is_refused_with_the_numbers():
+    """Counting the residuals shrinks what SD 3.5's local worker group leaves for control models (its control
+    budget, `control_budget`): 3.96 GiB where the decode's plan left 5.48, so a ControlNet of 2.2 GiB on the GPU
+    (two at once) that fitted before is refused (a 413) with the numbers."""
+    from contract.memory_plan import control_budget
+    from contract.stores.control_registry import ControlBudgetError, ControlRecord, check_budget
+    from emulators.stack import local_catalog
+
+    local = local_catalog()
+    spec = local.get("sd35-txt2img")
+    group = local.deployment_plans()[spec.deployment]
+    budget, where = control_budget(group, spec)
+    units = [local.get(unit.queue) for unit in group.units]
+    before = deployment_plan(group.name, [s.model_copy(update={"controls": None}) for s in units])
+    assert round(budget / GIB, 2) == 3.96 and round((before.room_bytes - before.total_bytes) / GIB, 2) == 5.48
+    parameters = int(1.1 * GIB)  # 2.2 GiB in bfloat16
+    record = ControlRecord(name="depth", kind="controlnet", version="1", sha256="0" * 64, bytes=2 * parameters,
+                           tensors=100, parameters=parameters)  # fmt: skip
+    check_budget(spec, record, before.room_bytes - before.total_bytes, "the plan without the residuals")
+    with pytest.raises(ControlBudgetError) as refused:
+        check_budget(spec, record, budget, where)
+    assert str(refused.value) == (
+        f"depth@1 takes {2 * parameters} bytes on the GPU ({parameters} parameters in bfloat16); sd35-txt2img runs up "
+        f"to 2 control models at once within its control budget of {budget} bytes (what its worker's memory plan "
+        f"leaves: 79.00 GiB of room less 75.04 GiB planned): at most {budget // 2} bytes each"
+    )
+
+
+def test_the_l4_flux_schnell_and_sd35_take_no_control_models_and_an_80gb_card_does():
+    """The catalog's decision (models.yaml's comments; docs/concepts/memory-plan.md "Control models"): with
+    ControlNets at batch 4 and 1024x1024, FLUX.1 [schnell] needs 26.72 GiB and SD 3.5 Large 25.36 GiB in fp8, past
+    the L4's 21.49, so their L4 entries take no control models; the local stack's bf16 entries on an 80 GB card
+    take them (their worker groups plan 73.52 and 75.04 GiB of 79.00), and an H100 would hold them in fp8."""
+    from contract.memory_plan import gib
+    from emulators.stack import local_catalog
+
+    production, local = load_catalog(), local_catalog()
+    for name, needs in (("flux-schnell", "26.72"), ("sd35-txt2img", "25.36")):
+        assert production.get(name).controls is None and local.get(name).controls is not None
+        spec = production.get(name).model_copy(update={"controls": local.get(name).controls})
+        plan = deployment_plan(name, [spec])
+        assert not plan.fits and f"it needs {needs} GiB on l4" in plan.problem()
+        assert deployment_plan(name, [spec.model_copy(update={"hardware": "h100"})]).fits
+    plans = local.deployment_plans()
+    sums = {name: gib(plans[local.get(name).deployment].total_bytes) for name in ("flux-schnell", "sd35-txt2img")}
+    assert sums == {"flux-schnell": "73.52 GiB", "sd35-txt2img": "75.04 GiB"}
+    assert all(plans[local.get(name).deployment].fits for name in sums)
