@@ -381,6 +381,27 @@ def _check_ip_adapter(header: dict, encoder: dict, encoder_header: dict, base_co
                                        f"there needs {_shape(shape)}")  # fmt: skip
 
 
+def image_prompt_shape(files: dict[str, bytes], base_config: dict) -> tuple[int, int]:
+    """A checked IP-Adapter's (image embedding width, image tokens): its image projection's input width, and its rows
+    over the base denoiser's text width (a UNet's `cross_attention_dim`, a FLUX.1 transformer's
+    `joint_attention_dim`)."""
+    data = files["ip_adapter.safetensors"]
+    rows, width = read_header(bytes_reader(data), len(data))["image_proj.proj.weight"]["shape"]
+    text = base_config.get("cross_attention_dim") or base_config["joint_attention_dim"]
+    return width, rows // text
+
+
+def slots_problem(model: str, width: int, tokens: int, slots_width: int, slots_tokens: int) -> str | None:
+    """Why an IP-Adapter of `width`-wide image embeddings and `tokens` image tokens does not fit a compiled model's
+    IP-Adapter slots (contract/model_spec.py `ImagePromptSlots`), or None when it does (shared by the API's
+    registration and the worker)."""
+    if (width, tokens) == (slots_width, slots_tokens):
+        return None
+    return (f"the IP-Adapter takes {width}-wide image embeddings to {tokens} image tokens; {model} is compiled with "
+            f"IP-Adapter slots of {slots_width}-wide embeddings and {slots_tokens} tokens "
+            "(controls.image_prompt_slots): an IP-Adapter of that shape only")  # fmt: skip
+
+
 def _check_image_encoder(encoder: dict, encoder_header: dict, embeddings: int) -> None:
     """The IP-Adapter's CLIP image encoder: a CLIPVisionModelWithProjection giving the `embeddings` its image
     projection takes."""

@@ -100,6 +100,18 @@ class AdapterPolicy(BaseModel):
         return self
 
 
+class ImagePromptSlots(BaseModel):
+    """The shape of a compiled model's IP-Adapter slots (model_worker/controls/ip_adapters.py): made in the denoiser
+    before it is compiled, `max_image_prompts_per_request` of them, each a plain image projection from image embeddings
+    `embedding_width` wide (its image encoder's `projection_dim`: CLIP ViT-H/14's 1024 for h94's SD 1.5 IP-Adapter,
+    ViT-bigG's 1280 for its SDXL one, ViT-L/14's 768 for XLabs' FLUX.1 one) to `tokens` image tokens. An IP-Adapter
+    of another shape would need other graphs: it is refused at registration and by the worker."""
+
+    model_config = ConfigDict(extra="forbid")
+    embedding_width: int = Field(ge=1)
+    tokens: Literal[4, 16] = 4
+
+
 class ControlPolicy(BaseModel):
     """Control models on a model (ControlNets, IP-Adapters: contract/control_files.py): how many a request may name
     (`parameters.controls`, `parameters.image_prompts`), their scales, what registration accepts. A model without
@@ -117,6 +129,9 @@ class ControlPolicy(BaseModel):
     # may name `max_controls_per_request` at once, so a version larger than this over that is refused at
     # registration (contract/memory_plan.py `control_budget`).
     device_bytes: int | None = Field(default=None, ge=1)
+    # A compiled model's IP-Adapter slots (`ImagePromptSlots`): required where `compile` is set and the family takes
+    # IP-Adapters; a model compiled by MAAS_TORCH_COMPILE=1 without it swaps processors (and recompiles) instead.
+    image_prompt_slots: ImagePromptSlots | None = None
 
     @model_validator(mode="after")
     def _bounds(self) -> ControlPolicy:
@@ -327,6 +342,24 @@ class ModelSpec(BaseModel):
             )
         return self
 
+    def image_prompt_slots(self, compiled: bool) -> ImagePromptSlots | None:
+        """The IP-Adapter slots its denoiser is built with when `compiled` (the catalog's `compile`, or the worker's
+        MAAS_TORCH_COMPILE): a model whose family takes IP-Adapters, stepped (its calls are the worker's own) and
+        without a step cache (whose cached calls go without image prompts); None: an IP-Adapter swaps the denoiser's
+        attention processors when a row first uses it (an eager model's path)."""
+        if not compiled or self.controls is None or not self._slotted_image_prompts():
+            return None
+        return self.controls.image_prompt_slots
+
+    def _slotted_image_prompts(self) -> bool:
+        family = self.family
+        return (
+            family is not None
+            and "ip_adapter" in family.controls
+            and self.scheduling == "step"
+            and self.step_cache is None
+        )
+
     @property
     def scheduler_settings(self) -> tuple[str, dict[str, object]]:
         """The scheduler class and config it runs with, as far as the catalog knows: its family's saved one (the
@@ -426,6 +459,17 @@ class ModelSpec(BaseModel):
                              "`controls`")  # fmt: skip
         if self.adapters is not None and not family.adapters:
             raise ValueError(f"{self.name}: adapters are not served for {family.name} models yet; remove `adapters`")
+        if (
+            self.compile is not None
+            and self.controls is not None
+            and self.controls.image_prompt_slots is None
+            and self._slotted_image_prompts()
+        ):
+            raise ValueError(
+                f"{self.name}: a compiled model that takes image prompts is built with IP-Adapter slots of one shape; "
+                "set controls.image_prompt_slots: {embedding_width: <its IP-Adapters' image encoder projection_dim>, "
+                "tokens: 4}"
+            )
         for axis in ("width", "height"):
             default, limit = getattr(self.defaults, axis), getattr(self.limits, f"max_{axis}")
             if default % family.size_multiple or limit < default:

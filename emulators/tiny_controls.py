@@ -156,9 +156,10 @@ def build_union_controlnet(pipeline_dir: Path, out_dir: Path, seed: int, strengt
     return out_dir
 
 
-def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
+def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int, embedding_width: int | None = None) -> Path:
     """A plain IP-Adapter for the pipeline's UNet (four image tokens, one key/value pair per cross-attention layer in
-    diffusers' order) or FLUX.1 transformer (one pair per double block), and its tiny CLIP image encoder, as
+    diffusers' order) or FLUX.1 transformer (one pair per double block), and its tiny CLIP image encoder (its image
+    embeddings `embedding_width` wide; None: `IMAGE_ENCODER`'s), as
     `load_ip_adapter(out_dir, subfolder="", weight_name="ip_adapter.safetensors")` reads them."""
     import json
 
@@ -179,7 +180,7 @@ def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
     def random(*shape: int):
         return torch.randn(*shape, generator=generator) / shape[-1] ** 0.5
 
-    embeddings = IMAGE_ENCODER["projection_dim"]
+    embeddings = embedding_width or IMAGE_ENCODER["projection_dim"]
     flux = (pipeline_dir / "transformer").is_dir()
     if flux:  # XLabs' layout as diffusers reads it: tokens of the text width, a key/value pair per double block
         config = json.loads((pipeline_dir / BASE_TRANSFORMER_CONFIG).read_text())
@@ -208,7 +209,7 @@ def build_ip_adapter(pipeline_dir: Path, out_dir: Path, seed: int) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "ip_adapter.safetensors")
     torch.manual_seed(seed)
-    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**IMAGE_ENCODER))
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**{**IMAGE_ENCODER, "projection_dim": embeddings}))
     encoder.save_pretrained(out_dir / "image_encoder", safe_serialization=True)
     return out_dir
 

@@ -25,6 +25,8 @@ from contract.control_files import (
     check_control,
     check_file_names,
     controlnet_blocks,
+    image_prompt_shape,
+    slots_problem,
     union_modes,
 )
 from contract.lora_files import read_header
@@ -114,7 +116,13 @@ class ControlRegistry:
         files = {blob.name[len(prefix) :]: blob.download_as_bytes() for blob in blobs}
         if sum(len(data) for data in files.values()) > policy.max_bytes:
             raise ControlFileError(f"the files exceed the limit of {policy.max_bytes} bytes")
-        summary = check_control(kind, files, *self._base_unet(spec))
+        base_config, base_header = self._base_unet(spec)
+        summary = check_control(kind, files, base_config, base_header)
+        slots = spec.image_prompt_slots(spec.compile is not None)
+        if kind == "ip_adapter" and slots is not None:  # a compiled model's slots take one shape
+            shape = image_prompt_shape(files, base_config)
+            if (problem := slots_problem(spec.name, *shape, slots.embedding_width, slots.tokens)) is not None:
+                raise ControlFileError(problem)
         from contract.memory_plan import controlnet_depth_problem
 
         blocks = controlnet_blocks(kind, files)  # a transformer ControlNet's: the plan counts its call up to a depth

@@ -16,13 +16,25 @@ FLUX.1's transformer (`FluxTransformer2DLoadersMixin`, XLabs' IP-Adapters) takes
 per double block) take no masks: there the per-row scale is the processors' own scale, set for each call to a tensor
 with one value per row (`scale * attention` broadcasts over the row's tokens), zero on a row that does not use the
 IP-Adapter, whose block output then gains exactly zero.
+
+A compiled denoiser (`ModelSpec.image_prompt_slots`) is never given new processors: that would compile it again. Before
+it is compiled, its IP-Adapter processors and image projection are made with `max_image_prompts_per_request` slots of
+the catalog's shape (`controls.image_prompt_slots`), weights zero, and every call passes every slot's embeddings and
+per-row scales (zeros on rows that do not use it), so the warm-up traces the graph every call then takes, with an image
+prompt or without. An IP-Adapter is copied into a slot in place (the slot's tensors keep their identity) when a row
+first needs it; one of another shape is refused with its request (`prepare`). When the running set's rows use more
+IP-Adapters than there are slots, the call is repeated, each pass with the slots holding one group's IP-Adapters, each
+row's output taken from its group's pass (the model's rows are independent): the same graph, no new one.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from contract.control_files import slots_problem
 
 # Image encoders kept on the device per denoiser, as many as ControlNets (`controlnets.DEVICE_CACHE`).
 ENCODER_DEVICE_CACHE = 4
@@ -41,7 +53,9 @@ class RowImagePrompt:
 class IPAdapterRows:
     """The IP-Adapter side of one UNet denoiser (its device thread only)."""
 
-    def __init__(self, pipeline) -> None:
+    def __init__(self, pipeline, slots=None, count: int = 0, model: str = "") -> None:
+        """`slots` (contract.model_spec.ImagePromptSlots): a compiled denoiser's slot shape, `count` slots made here
+        (before it is compiled) for `model`; None: IP-Adapters swap the denoiser's processors (an eager model)."""
         import torch
 
         self._torch = torch
@@ -49,9 +63,15 @@ class IPAdapterRows:
         self._loaded: tuple = ()  # the keys of the IP-Adapters in the UNet now, in its order
         self._base_processors: dict | None = None
         self._encoders: OrderedDict[tuple, Any] = OrderedDict()
+        self._model = model
+        self.slots = slots
+        self._slot_keys: list[tuple | None] = [None] * count  # slot -> the IP-Adapter it holds
+        if slots is not None:
+            self._make_slots(count)
 
     def prepare(self, item, guided: bool, dtype) -> list[RowImagePrompt]:
-        """An image's IP-Adapters with its image prompts embedded (diffusers' `prepare_ip_adapter_image_embeds`)."""
+        """An image's IP-Adapters with its image prompts embedded (diffusers' `prepare_ip_adapter_image_embeds`);
+        ValueError (its request fails alone) for one that does not fit a compiled denoiser's slots."""
         torch = self._torch
         controls = getattr(item, "controls", None)
         if controls is None:
@@ -60,6 +80,7 @@ class IPAdapterRows:
         for weights, use, image in zip(controls.weights(), controls.refs, item.control_images, strict=True):
             if weights.kind != "ip_adapter":
                 continue
+            self._check_fits(weights)
             embeds = self._embed(weights, image)  # [1 image, 1 prompt image, dim]
             if guided:
                 embeds = torch.cat([torch.zeros_like(embeds), embeds])
@@ -155,6 +176,150 @@ class IPAdapterRows:
                     "negative_ip_adapter_image_embeds": [torch.zeros_like(e) for e in embeds]}  # fmt: skip
         return {"ip_adapter_image_embeds": embeds}
 
+    # --- a compiled denoiser's slots ---------------------------------------------------------------------------
+
+    def _make_slots(self, count: int) -> None:
+        """The IP-Adapter processors and image projection of `count` slots of the catalog's shape, weights zero (as
+        diffusers' own `_load_ip_adapter_weights` makes them), in the denoiser before it is compiled."""
+        torch, denoiser, slots = self._torch, self._denoiser, self.slots
+        text = self._text_width()
+        flux = not hasattr(self._pipeline, "unet")
+        if not flux and slots.tokens != 4:
+            raise ValueError(f"{self._model}: a UNet's plain IP-Adapters make 4 image tokens, not {slots.tokens} "
+                             "(controls.image_prompt_slots.tokens)")  # fmt: skip
+        projection = {"proj.weight": torch.zeros(slots.tokens * text, slots.embedding_width),
+                      "proj.bias": torch.zeros(slots.tokens * text), "norm.weight": torch.ones(text),
+                      "norm.bias": torch.zeros(text)}  # fmt: skip
+        layers = {}
+        self._attentions = self._cross_attentions()
+        for index, attention in enumerate(self._attentions):
+            number = index if flux else 2 * index + 1  # diffusers' numbering of the pairs
+            shape = (denoiser.inner_dim, text) if flux else tuple(attention.to_k.weight.shape)
+            for part in ("to_k_ip", "to_v_ip"):
+                layers[f"{number}.{part}.weight"] = torch.zeros(shape)
+                if flux:
+                    layers[f"{number}.{part}.bias"] = torch.zeros(shape[0])
+        denoiser._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": layers}] * count,
+                                          low_cpu_mem_usage=False)  # fmt: skip
+        if flux:  # `_load_ip_adapter_weights` moves a UNet to its dtype and device, not a transformer's projection
+            denoiser.encoder_hid_proj.to(device=denoiser.device, dtype=denoiser.dtype)
+
+    def _text_width(self) -> int:
+        config = self._denoiser.config
+        return config.get("cross_attention_dim") or config["joint_attention_dim"]
+
+    def _cross_attentions(self) -> list:
+        """The attention modules that take image prompts, in diffusers' order: a UNet's cross-attention (attn2)
+        layers, FLUX.1's double blocks."""
+        denoiser = self._denoiser
+        names = [name.removesuffix(".processor") for name in denoiser.attn_processors]
+        if hasattr(self._pipeline, "unet"):
+            names = [name for name in names if not name.endswith("attn1") and "motion_modules" not in name]
+        else:
+            names = [name for name in names if not name.startswith("single_transformer_blocks")]
+        return [denoiser.get_submodule(name) for name in names]
+
+    def _check_fits(self, weights) -> None:
+        if self.slots is None:
+            return
+        rows, width = weights.state_dict["image_proj"]["proj.weight"].shape
+        problem = slots_problem(self._model, int(width), int(rows) // self._text_width(), self.slots.embedding_width,
+                                self.slots.tokens)  # fmt: skip
+        if problem is not None:
+            raise ValueError(f"{weights.name}: {problem}")
+
+    def _copy_into(self, slot: int, weights) -> None:
+        """The IP-Adapter's weights copied into the slot's tensors, in place."""
+        state = weights.state_dict
+        denoiser = self._denoiser
+        projection = denoiser.encoder_hid_proj.image_projection_layers[slot]
+        projection.load_state_dict({key.replace("proj", "image_embeds"): value
+                                    for key, value in state["image_proj"].items()})  # fmt: skip
+        flux = not hasattr(self._pipeline, "unet")
+        for index, attention in enumerate(self._attentions):
+            number = index if flux else 2 * index + 1
+            processor = attention.processor
+            for part in ("to_k_ip", "to_v_ip"):
+                layer = getattr(processor, part)[slot]
+                layer.weight.copy_(state["ip_adapter"][f"{number}.{part}.weight"])
+                if flux:
+                    layer.bias.copy_(state["ip_adapter"][f"{number}.{part}.bias"])
+        self._slot_keys[slot] = weights.key
+
+    def _groups(self, running) -> list[tuple[list, list[int]]]:
+        """The running set's IP-Adapters in groups that fit the slots, each with its images (indexes into
+        `running`), first fit in the rows' order; one empty group when no row has an image prompt."""
+        count = len(self._slot_keys)
+        groups: list[tuple[OrderedDict, list[int]]] = []
+        for index, r in enumerate(running):
+            mine = OrderedDict((p.weights.key, p.weights) for p in r.state.get("image_prompts", ()))
+            if not mine:
+                continue
+            for adapters, members in groups:
+                if len(adapters.keys() | mine.keys()) <= count:
+                    adapters.update(mine)
+                    members.append(index)
+                    break
+            else:
+                groups.append((mine, [index]))
+        return [(list(adapters.values()), members) for adapters, members in groups] or [([], [])]
+
+    def _fill(self, adapters: list) -> dict[tuple, int]:
+        """The slots holding these IP-Adapters (those already in one stay; the others copied into the slots no
+        IP-Adapter of the group holds): IP-Adapter key -> slot."""
+        wanted = {weights.key for weights in adapters}
+        free = [slot for slot, key in enumerate(self._slot_keys) if key not in wanted]
+        for weights in adapters:
+            if weights.key not in self._slot_keys:
+                self._copy_into(free.pop(0), weights)
+        return {key: slot for slot, key in enumerate(self._slot_keys) if key in wanted}
+
+    def unet_passes(self, running, inputs, sample) -> Iterator[tuple[dict, list | None]]:
+        """A compiled UNet's calls (`run_passes`): per pass, its `added_cond_kwargs` (every slot's image embeddings over
+        all rows, zeros where a row does not use it) and `cross_attention_kwargs` (every slot's per-row scale mask),
+        with the row spans it answers (None: all rows, the first pass)."""
+        rows, height, width = sample.shape[0], sample.shape[2], sample.shape[3]
+        spans, offset = [], 0
+        for x in inputs:
+            spans.append((offset, offset + x.shape[0]))
+            offset += x.shape[0]
+        for number, (adapters, members) in enumerate(self._groups(running)):
+            slot_of = self._fill(adapters)
+            embeds = [sample.new_zeros((rows, 1, self.slots.embedding_width)) for _ in self._slot_keys]
+            masks = [sample.new_zeros((rows, 1, height, width)) for _ in self._slot_keys]
+            for index in members:
+                start, stop = spans[index]
+                for prompt in running[index].state["image_prompts"]:
+                    slot = slot_of[prompt.weights.key]
+                    embeds[slot][start:stop] = prompt.embeds
+                    masks[slot][start:stop] = prompt.scale
+            kwargs = {"added_cond_kwargs": {"image_embeds": embeds},
+                      "cross_attention_kwargs": {"ip_adapter_masks": masks}}  # fmt: skip
+            yield kwargs, None if number == 0 else [spans[index] for index in members]
+
+    def transformer_passes(self, running, rows: int, dtype) -> Iterator[tuple[dict, list | None]]:
+        """A compiled FLUX.1 transformer's calls (`run_passes`): per pass, its `joint_attention_kwargs` (every slot's
+        image embeddings over the call's `rows`, zeros where a row does not use it) with each slot's per-row scale
+        set on the processors (zero on such a row), and the rows it answers (None: all, the first pass)."""
+        torch = self._torch
+        device = self._denoiser.device
+        processors = [attention.processor for attention in self._attentions]
+        for number, (adapters, members) in enumerate(self._groups(running)):
+            slot_of = self._fill(adapters)
+            embeds = [torch.zeros((rows, 1, self.slots.embedding_width), dtype=dtype, device=device)
+                      for _ in self._slot_keys]  # fmt: skip
+            scales = [torch.zeros(rows, dtype=dtype) for _ in self._slot_keys]  # set on the host, moved once
+            for index in members:
+                for prompt in running[index].state["image_prompts"]:
+                    slot = slot_of[prompt.weights.key]
+                    embeds[slot][index : index + 1] = prompt.embeds
+                    scales[slot][index] = prompt.scale
+            per_row = [scale.to(device).view(-1, 1, 1) for scale in scales]
+            for processor in processors:
+                processor.scale = per_row
+            kwargs = {"joint_attention_kwargs": {"ip_adapter_image_embeds": embeds}}
+            yield kwargs, None if number == 0 else [(index, index + 1) for index in members]
+
     def _embed(self, weights, image):
         """`encode_image`'s embeddings of one image prompt: `[1, 1, dim]`."""
         encoder, features = self._encoder(weights)
@@ -201,3 +366,17 @@ class IPAdapterRows:
                 _, (dropped, _) = self._encoders.popitem(last=False)
                 dropped.to("cpu")
         return self._encoders[key]
+
+
+def run_passes(passes: Iterator[tuple[dict, list | None]], call: Callable[[dict], Any]):
+    """The model's output over all rows from a compiled denoiser's passes (`IPAdapterRows.unet_passes`,
+    `transformer_passes`): the first pass's, with each later pass's own rows copied over it."""
+    output = None
+    for kwargs, spans in passes:
+        predicted = call(kwargs)
+        if output is None:
+            output = predicted
+            continue
+        for start, stop in spans:
+            output[start:stop] = predicted[start:stop]
+    return output

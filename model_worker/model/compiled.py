@@ -148,7 +148,8 @@ def compile_cache_key(spec: ModelSpec, mode: str | None = None) -> str:
     catalog's, or the default), adapter slots and quantization (a quantized model's graphs are others: a version
     that changes `quantization:` on the same weights gets its own). A model with adapters is compiled with its
     hotswap slots in every layer, `max_adapters_per_request` of them at rank `max_rank` (`adapters/lora.py`):
-    other slots are other graphs, so a catalog change of either never loads the artifacts of the old shapes."""
+    other slots are other graphs, so a catalog change of either never loads the artifacts of the old shapes; so are
+    its IP-Adapter slots (`controls.image_prompt_slots`)."""
     import torch
 
     device = torch.cuda.get_device_name(0).replace(" ", "-") if torch.cuda.is_available() else "cpu"
@@ -157,6 +158,8 @@ def compile_cache_key(spec: ModelSpec, mode: str | None = None) -> str:
     key = f"torch-{torch.__version__}-{device}-{spec.defaults.width}x{spec.defaults.height}-b{buckets}-{mode}"
     if spec.adapters is not None:
         key += f"-lora{spec.adapters.max_adapters_per_request}r{spec.adapters.max_rank}"
+    if (slots := spec.image_prompt_slots(compiled=True)) is not None:  # its IP-Adapter slots (controls/ip_adapters.py)
+        key += f"-ip{spec.controls.max_image_prompts_per_request}x{slots.embedding_width}t{slots.tokens}"
     if spec.quantization is not None:
         key += f"-{spec.quantization.type}-{'+'.join(sorted(spec.quantization.components))}"
     return key

@@ -9,7 +9,8 @@ up to float rounding.
 On CUDA it runs in the family's dtype (fp16 for the UNet families, bf16 for FLUX) with PyTorch's SDPA
 attention. A model with a catalog `compile:` mode (or any, with `MAAS_TORCH_COMPILE=1`) has its denoising model
 compiled in that mode and batches padded to fixed bucket sizes so shapes stay static (`compiled.py`). Adapters are diffusers' own LoRA layers (`lora.py`); a compiled
-model's adapter slots are made before it is compiled and traced by the warm-up, so no request compiles.
+model's adapter slots, and its IP-Adapter slots (`controls/ip_adapters.py`), are made before it is compiled and traced
+by the warm-up, so no request compiles.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class DiffusionRunner:
                 self._compile_cache.load()
             self._denoiser.compile_backend = compile_backend
             self._denoiser.compile_mode = self.compile_mode
+            if share is not None:  # the shared model's IP-Adapter slots, made by the runner it was loaded by
+                self._denoiser._ip_adapters = share._denoiser._ip_adapters
             self._denoiser.compile()
         log.info(
             "loaded %s (%s) from %s on %s in %.2fs",

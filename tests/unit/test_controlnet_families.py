@@ -368,12 +368,16 @@ def test_a_flux_controlnet_that_embeds_guidance_takes_each_rows_guidance(family,
 
 
 @pytest.mark.parametrize("family", ["flux-schnell", "sd35-txt2img"], indirect=True)
-def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_warm_up(family, request, monkeypatch):
+def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_warm_up(
+    family, request, monkeypatch, tmp_path
+):
     """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
     bucket: the warm-up traces the transformer's base call and, apart, its call with zero residuals for every block;
     a base request (no zeros made: they would hold as much memory as the residuals), a ControlNet request, two
-    ControlNets, (FLUX.1) a Union in a mode and the base again add no graph, and the ControlNet image is still the
-    pipeline's."""
+    ControlNets, (FLUX.1) a Union in a mode, an image prompt (its IP-Adapter copied into the transformer's one
+    IP-Adapter slot, made before compiling: the local catalog's `image_prompt_slots`) and the base again add no graph;
+    the ControlNet image is still the pipeline's and the image prompt's the eager model's (which
+    test_ip_adapter_families holds to diffusers' own)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -401,12 +405,17 @@ def test_a_compiled_transformer_serves_controlnets_without_compiling_after_its_w
         assert not zeros, "a call without ControlNets made zero residuals"
         (controlled,) = stepped(compiled, [(items_of(family, 5, EDGES), guidance)])
         stepped(compiled, [(items_of(family, 8, MULTI), guidance)])
-        if family["spec"].family.name == "flux":
+        flux = family["spec"].family.name == "flux"
+        if flux:
             stepped(compiled, [(union_items(family, request.getfixturevalue("union"), 5, 3), guidance)])
+            (prompted,) = stepped(compiled, [(image_prompt_items(family, tmp_path, 5), guidance)])
         (again,) = stepped(compiled, [(items_of(family, 5, []), guidance)])
-        assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the transformer again"
+        assert counters["stats"]["unique_graphs"] == graphs, "a control model compiled the transformer again"
         assert differences(controlled, reference(family, 5, guidance, EDGES)) <= TOLERANCE
         assert np.array_equal(np.asarray(again), np.asarray(base))
+        if flux:
+            (eager,) = stepped(family["stepper"], [(image_prompt_items(family, tmp_path, 5), guidance)])
+            assert differences(prompted, eager) <= TOLERANCE and differences(prompted, base) > 2
     finally:
         torch._dynamo.reset()
 
@@ -452,3 +461,19 @@ def test_a_stability_sd35_controlnet_without_text_or_position_embedding_equals_t
     assert differences(got, list(expected)) <= TOLERANCE
     (base,) = stepped(family["stepper"], [(items_of(family, 6, []), 5.0)])
     assert differences(got, base) > 2  # it steers the image: the oracle can tell
+
+
+def image_prompt_items(family, tmp_path, seed: int) -> list:
+    """A request with an image prompt of the tiny IP-Adapter `make up` registers (built once per test)."""
+    from contract.generation import ControlRef
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from model_worker.controls.loader import ControlSet, ControlWeights, _build
+    from model_worker.model.runners import GenerationItem
+
+    if "style" not in family["controls"]:
+        encoder, state_dict = _build("ip_adapter", control_files(build_ip_adapter(family["directory"], tmp_path, 12)))
+        family["controls"]["style"] = ControlWeights("style", "ip_adapter", "1", "s" * 8, 0, encoder, state_dict)
+    ref = ControlRef(name="style", kind="ip_adapter", version="1", sha256="s" * 8, scale=0.8)
+    loaded = ControlSet((ref,), loaded=[family["controls"]["style"]])
+    loaded.done.set()
+    return [GenerationItem(prompt="a lighthouse", seed=seed, controls=loaded, control_images=(input_image(23),))]

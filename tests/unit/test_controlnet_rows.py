@@ -183,31 +183,39 @@ def test_scheduling_request_runs_diffusers_controlnet_pipelines_one_per_control_
     assert differences(got[2:], plain) <= TOLERANCE
 
 
-def test_a_compiled_model_serves_a_controlnet_without_compiling_after_its_warm_up(sd15):
-    """torch.compile with the eager backend (Dynamo's tracing and guards, without code generation) at one batch
-    bucket: the warm-up traces the UNet with zero residuals; a base request, a ControlNet request, a multi-ControlNet
-    one and the base again add no graph, and the ControlNet image is still the pipeline's."""
+@pytest.fixture(scope="module")
+def compiled(sd15, styled):
+    """The tiny SD 1.5 model compiled with torch.compile's eager backend (Dynamo's tracing and guards, without code
+    generation) at one batch bucket, with one IP-Adapter slot of the tiny IP-Adapter's shape, after its warm-up (the
+    UNet traced with zero ControlNet residuals and the slot's zero image prompt): what the compiled tests share."""
     import torch
-    from torch._dynamo.utils import counters
 
+    from contract.model_spec import ImagePromptSlots
     from model_worker.model.pipeline import DiffusionRunner
 
-    spec = SD15.model_copy(update={"max_batch_size": 1, "scheduling": "step",
+    controls = SD15.controls.model_copy(update={"image_prompt_slots": ImagePromptSlots(embedding_width=32)})
+    spec = SD15.model_copy(update={"max_batch_size": 1, "scheduling": "step", "controls": controls,
                                    "defaults": SD15.defaults.model_copy(update={"width": SIZE, "height": SIZE})})  # fmt: skip
     torch._dynamo.reset()
-    try:
-        compiled = DiffusionRunner(spec, sd15["directory"], torch_threads=1, compile_unet=True, compile_backend="eager")
-        compiled.warm_up()
-        graphs = counters["stats"]["unique_graphs"]
-        (base,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
-        (controlled,) = stepped(compiled, [(items_of(sd15, 5, EDGES), 6.0)])
-        stepped(compiled, [(items_of(sd15, 8, MULTI), 5.0)])
-        (again,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
-        assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the UNet again"
-        assert differences(controlled, reference(sd15, 5, 6.0, EDGES)) <= TOLERANCE
-        assert np.array_equal(np.asarray(again), np.asarray(base))
-    finally:
-        torch._dynamo.reset()
+    runner = DiffusionRunner(spec, sd15["directory"], torch_threads=1, compile_unet=True, compile_backend="eager")
+    runner.warm_up()
+    yield runner
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_serves_a_controlnet_without_compiling_after_its_warm_up(sd15, compiled):
+    """A base request, a ControlNet request, a multi-ControlNet one and the base again add no graph, and the ControlNet
+    image is still the pipeline's."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    (base,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+    (controlled,) = stepped(compiled, [(items_of(sd15, 5, EDGES), 6.0)])
+    stepped(compiled, [(items_of(sd15, 8, MULTI), 5.0)])
+    (again,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+    assert counters["stats"]["unique_graphs"] == graphs, "a ControlNet compiled the UNet again"
+    assert differences(controlled, reference(sd15, 5, 6.0, EDGES)) <= TOLERANCE
+    assert np.array_equal(np.asarray(again), np.asarray(base))
 
 
 @pytest.mark.parametrize("scheduling", ["step", "request"])
@@ -248,25 +256,29 @@ def styled(sd15, tmp_path_factory) -> dict:
     from emulators.tiny_controls import build_ip_adapter, control_files
     from model_worker.controls.loader import ControlWeights, _build
 
-    folder = build_ip_adapter(sd15["directory"], tmp_path_factory.mktemp("ip-adapter") / "style", 12)
-    encoder, state_dict = _build("ip_adapter", control_files(folder))
-    sd15["controls"]["style"] = ControlWeights("style", "ip_adapter", "1", "s" * 8, 0, encoder, state_dict)
-    sd15["images"]["style"] = input_image(23)
+    root = tmp_path_factory.mktemp("ip-adapter")
+    for name, seed in (("style", 12), ("style2", 13)):  # the second: two IP-Adapters over one compiled slot
+        encoder, state_dict = _build(
+            "ip_adapter", control_files(build_ip_adapter(sd15["directory"], root / name, seed))
+        )
+        sd15["controls"][name] = ControlWeights(name, "ip_adapter", "1", name[0] * 8, 0, encoder, state_dict)
+    sd15["images"]["style"] = sd15["images"]["style2"] = input_image(23)
     reference = diffusers.StableDiffusionPipeline.from_pretrained(sd15["directory"], safety_checker=None)
-    reference.load_ip_adapter(str(folder), subfolder="", weight_name="ip_adapter.safetensors")
+    reference.load_ip_adapter(str(root / "style"), subfolder="", weight_name="ip_adapter.safetensors")
     reference.set_progress_bar_config(disable=True)
     return {"reference": reference}
 
 
-def prompted(sd15, seed: int, scale: float, images: int = 1, controls=()):
-    """Items whose requests carry the image prompt `style` at `scale` (after any ControlNets in `controls`)."""
+def prompted(sd15, seed: int, scale: float, images: int = 1, controls=(), name: str = "style"):
+    """Items whose requests carry the image prompt of the IP-Adapter `name` at `scale` (after any ControlNets in
+    `controls`)."""
     from model_worker.controls.loader import ControlSet
     from model_worker.model.runners import GenerationItem
 
-    refs = tuple(ControlRef(name=name, kind="controlnet", version="1", sha256=name * 8, scale=s, start=a, end=b)
-                 for name, s, a, b in controls)  # fmt: skip
-    refs += (ControlRef(name="style", kind="ip_adapter", version="1", sha256="s" * 8, scale=scale),)
-    names = [name for name, *_ in controls] + ["style"]
+    refs = tuple(ControlRef(name=control, kind="controlnet", version="1", sha256=control * 8, scale=s, start=a, end=b)
+                 for control, s, a, b in controls)  # fmt: skip
+    refs += (ControlRef(name=name, kind="ip_adapter", version="1", sha256=name[0] * 8, scale=scale),)
+    names = [control for control, *_ in controls] + [name]
     loaded = ControlSet(refs, loaded=[sd15["controls"][name] for name in names])
     loaded.done.set()
     return [GenerationItem(prompt="a lighthouse", seed=seed + i, controls=loaded,
@@ -319,3 +331,77 @@ def test_scheduling_request_runs_the_ip_adapter_pipeline_per_image_prompt_set(sd
     assert differences(got[:1], ip_reference(sd15, styled, 5, 5.0, 0.7)) <= TOLERANCE
     assert differences(got[1:2], got[:1]) > 2  # its ControlNet acts too
     assert np.array_equal(np.asarray(got[2]), np.asarray(plain[0]))
+
+
+def test_a_compiled_model_serves_image_prompts_without_compiling_after_its_warm_up(sd15, styled, compiled):
+    """A base request, an image prompt (its IP-Adapter copied into the slot in place: the slot's tensors keep their
+    storage), another IP-Adapter in the same slot, the first again and the base again add no graph; the image
+    prompt's image is diffusers' `load_ip_adapter` pipeline's, the same after the other IP-Adapter held the slot,
+    and the base image is the same before and after."""
+    from torch._dynamo.utils import counters
+
+    unet = compiled._pipeline.unet
+    slots = [unet.get_submodule(name.removesuffix(".processor")).processor.to_k_ip[0].weight
+             for name in unet.attn_processors if name.endswith("attn2.processor")]  # fmt: skip
+    storage = [slot.data_ptr() for slot in slots]
+    graphs = counters["stats"]["unique_graphs"]
+    (base,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+    (first,) = stepped(compiled, [(prompted(sd15, 5, 0.7), 6.0)])
+    (other,) = stepped(compiled, [(prompted(sd15, 5, 0.7, name="style2"), 6.0)])
+    (back,) = stepped(compiled, [(prompted(sd15, 5, 0.7), 6.0)])
+    (again,) = stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+    assert counters["stats"]["unique_graphs"] == graphs, "an image prompt compiled the UNet again"
+    assert differences(first, ip_reference(sd15, styled, 5, 6.0, 0.7)) <= TOLERANCE
+    assert np.array_equal(np.asarray(back), np.asarray(first)) and differences(other, first) > 2
+    assert np.array_equal(np.asarray(again), np.asarray(base))
+    assert [slot.data_ptr() for slot in slots] == storage and slots[0].abs().sum() > 0
+
+
+def test_a_compiled_model_refuses_an_ip_adapter_that_does_not_fit_its_slots(sd15, compiled):
+    """An IP-Adapter of other image embeddings (48 wide against the slots' 32) fails its request when it starts, naming
+    it and the slots' shape, before any of it runs; the model serves the next request."""
+    import torch
+
+    from model_worker.controls.loader import ControlWeights
+
+    style = sd15["controls"]["style"]
+    state_dict = {"image_proj": {**style.state_dict["image_proj"]}, "ip_adapter": style.state_dict["ip_adapter"]}
+    state_dict["image_proj"]["proj.weight"] = torch.zeros(state_dict["image_proj"]["proj.weight"].shape[0], 48)
+    sd15["controls"]["wide"] = ControlWeights("wide", "ip_adapter", "1", "w" * 8, 0, style.model, state_dict)
+    sd15["images"]["wide"] = sd15["images"]["style"]
+    with pytest.raises(ValueError, match=r"wide: the IP-Adapter takes 48-wide image embeddings to 4 image tokens; "
+                                         r"sd15-txt2img is compiled with IP-Adapter slots of 32-wide embeddings"):  # fmt: skip
+        compiled.start_items(prompted(sd15, 5, 0.7, name="wide"), params(6.0))
+    assert stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
+
+
+def test_more_ip_adapters_than_slots_in_a_running_set_take_a_pass_each_and_each_image_is_as_alone(
+    sd15, styled, stepper
+):
+    """The slots' arithmetic, eagerly (slots made without compiling): with one slot, a running set of two IP-Adapters
+    and a request without any calls the UNet once per IP-Adapter; each image prompt's image equals its request alone
+    (diffusers' pipeline for the first), the request without one exactly the base model's."""
+    from contract.model_spec import ImagePromptSlots
+    from model_worker.model.pipeline import DiffusionRunner
+
+    controls = SD15.controls.model_copy(update={"image_prompt_slots": ImagePromptSlots(embedding_width=32)})
+    slotted = DiffusionRunner(SD15.model_copy(update={"scheduling": "step", "controls": controls}), sd15["directory"],
+                              torch_threads=1)  # fmt: skip
+    slotted._denoiser.make_slots()
+    mixed = [(prompted(sd15, 3, 0.7), 6.0), (items_of(sd15, 12, []), 6.0),
+             (prompted(sd15, 9, 1.3, images=2, name="style2"), 1.0)]  # fmt: skip
+    calls = []
+    unet = slotted._pipeline.unet
+    original = unet.forward
+    unet.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        got = stepped(slotted, mixed)
+    finally:
+        del unet.forward
+    steps = STEPS + 1  # PNDM's: one more than asked
+    assert len(calls) == 1 + 2 * (steps - 1) + 1  # the first request's first step alone, two passes while it runs
+    assert differences(got[0], ip_reference(sd15, styled, 3, 6.0, 0.7)) <= TOLERANCE
+    alone = stepped(stepper, [(prompted(sd15, 9, 1.3, images=2, name="style2"), 1.0)])[0]
+    assert differences(got[2], alone) <= TOLERANCE and differences(got[2][:1], got[0]) > 2
+    plain = [(items_of(sd15, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(slotted, plain)[1][0], got[1][0])

@@ -210,6 +210,42 @@ def test_a_flux_ip_adapter_registers_for_flux_and_is_refused_for_sdxl_and_the_ot
         check_control("ip_adapter", files["flux"], {**flux_config, "num_layers": 2}, {})
 
 
+def test_a_compiled_model_refuses_at_registration_an_ip_adapter_that_does_not_fit_its_ip_adapter_slots(tmp_path):
+    """flux-schnell (the local catalog's) is compiled with IP-Adapter slots of the tiny IP-Adapter's shape (32-wide
+    image embeddings, four tokens): an IP-Adapter of 48-wide ones, sound for its transformer (an eager copy of the
+    model registers it), is refused with the slots' shape; and the catalog refuses a compiled model that takes image
+    prompts without naming its slots' shape."""
+    from diffusers import FluxTransformer2DModel
+
+    from contract import naming
+    from contract.control_files import ControlFileError
+    from contract.model_spec import ModelSpec
+    from contract.stores.control_registry import ControlRegistry
+    from emulators.tiny_controls import build_ip_adapter, control_files
+    from tests.unit.test_adapter_parts import FakeBucket
+
+    FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    ).save_pretrained(tmp_path / "flux" / "transformer", safe_serialization=True)  # fmt: skip
+    spec = CATALOG.get("flux-schnell")
+    objects = {f"{spec.weights_path}/transformer/{path.name}": path.read_bytes()
+               for path in (tmp_path / "flux" / "transformer").iterdir()}  # fmt: skip
+    files = control_files(build_ip_adapter(tmp_path / "flux", tmp_path / "wide", 12, embedding_width=48))
+    objects.update({naming.control_prefix(spec.name, "wide", "1") + file: data for file, data in files.items()})
+    registry = ControlRegistry(FakeBucket(objects))
+    with pytest.raises(ControlFileError, match=r"the IP-Adapter takes 48-wide image embeddings to 4 image tokens; "
+                                               r"flux-schnell is compiled with IP-Adapter slots of 32-wide embeddings "
+                                               r"and 4 tokens \(controls.image_prompt_slots\)"):  # fmt: skip
+        registry.register(spec, "wide", "ip_adapter", "1")
+    assert registry.check(spec.model_copy(update={"compile": None}), "wide", "ip_adapter", "1").kind == "ip_adapter"
+    unslotted = spec.model_dump()
+    unslotted["controls"]["image_prompt_slots"] = None
+    with pytest.raises(ValueError, match=r"flux-schnell: a compiled model that takes image prompts is built with "
+                                         r"IP-Adapter slots of one shape; set controls.image_prompt_slots"):  # fmt: skip
+        ModelSpec.model_validate(unslotted)
+
+
 def test_an_image_prompt_with_a_controlnet_equals_the_controlnet_pipeline_and_mixes_with_either_alone(styled):
     """A request with a ControlNet and an image prompt equals diffusers' ControlNet pipeline for the family with the
     IP-Adapter loaded, in both schedulings; in a running set beside a request with the ControlNet alone and one with

@@ -104,8 +104,23 @@ class Denoiser:
         adapters = self.lora_components() and self.spec.adapters
         if hasattr(self.pipeline, "fuse_qkv_projections") and not adapters and not quantized:
             self.pipeline.fuse_qkv_projections()
+        self.make_slots()
         setattr(self.pipeline, self.model_attribute, compile_model(self.model, self.compile_mode, self.compile_backend))
         self._compiled_buckets = batch_buckets(self.spec.max_batch_size)
+
+    # The image prompts' rows (model_worker/controls/ip_adapters.py) of a family that takes IP-Adapters, made on first
+    # use, or by `make_slots` when compiled.
+    _ip_adapters = None
+
+    def make_slots(self) -> None:
+        """A compiled model's IP-Adapter slots (`ModelSpec.image_prompt_slots`), made in the model before it is
+        compiled (after its projections are fused, which would replace their processors)."""
+        slots = self.spec.image_prompt_slots(compiled=True)
+        if slots is not None and self._ip_adapters is None:  # not a shared model's, made by the runner it came with
+            from model_worker.controls.ip_adapters import IPAdapterRows
+
+            count = self.spec.controls.max_image_prompts_per_request
+            self._ip_adapters = IPAdapterRows(self.pipeline, slots, count, self.spec.name)
 
     @staticmethod
     def schedule_cut(scheduler, fraction: float) -> int:

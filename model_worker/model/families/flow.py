@@ -171,10 +171,17 @@ class FluxDenoiser(Denoiser):
                 "img_ids": first["image_ids"],
             }  # fmt: skip
             controls = self.control_residuals(running, inputs)
-            if self._ip_adapters is not None or any(r.state.get("image_prompts") for r in running):
+            slotted = self._ip_adapters is not None and self._ip_adapters.slots is not None
+            if not slotted and (self._ip_adapters is not None or any(r.state.get("image_prompts") for r in running)):
                 # Image prompts (model_worker/controls/ip_adapters.py); none: the base processors back.
                 controls.update(self.ip_adapters.transformer_kwargs(running, latents.shape[0], latents.dtype))
-            if controls:  # a call with control runs in full; no image's step cache reuses what predates it
+            if slotted:  # a compiled transformer's IP-Adapter slots take every call's image prompts, zeros when none
+                from model_worker.controls.ip_adapters import run_passes
+
+                passes = self._ip_adapters.transformer_passes(running, latents.shape[0], latents.dtype)
+                output = run_passes(passes, lambda prompts: self.pipeline.transformer(**inputs, **controls, **prompts,
+                                                                                      return_dict=False)[0])  # fmt: skip
+            elif controls:  # a call with control runs in full; no image's step cache reuses what predates it
                 forget(running)
                 output = self.pipeline.transformer(**inputs, **controls, return_dict=False)[0]
             elif caching(running) and self.spec.step_cache.kind == "taylorseer":  # each image runs or predicts
@@ -219,8 +226,6 @@ class FluxDenoiser(Denoiser):
             return self.pipeline.transformer(**gathered, return_dict=False)[0][: len(index)]
 
         return call
-
-    _ip_adapters = None
 
     @property
     def ip_adapters(self):

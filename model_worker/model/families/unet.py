@@ -11,7 +11,7 @@ from typing import Any
 
 from contract.messages import GenerationParameters
 from model_worker.controls.controlnets import ControlNetRows, zero_residuals
-from model_worker.controls.ip_adapters import IPAdapterRows
+from model_worker.controls.ip_adapters import IPAdapterRows, run_passes
 from model_worker.model.families.base import GuidedDenoiser, conditions
 from model_worker.model.families.deep_cache import deep_cache_unet, unet_parts
 from model_worker.model.runners import GenerationItem, RunningItem, is_latent
@@ -79,6 +79,13 @@ class UNetDenoiser(GuidedDenoiser):
         return conditions({"context": prompt_embeds}, {"context": negative_embeds} if guided else None)
 
     def call_model(self, sample, timestep, condition: dict, **controls):
+        passes = controls.pop("image_prompt_passes", None)
+        if passes is None:
+            return self.unet_call(sample, timestep, condition, **controls)
+        return run_passes(passes, lambda prompts: self.unet_call(sample, timestep, condition, **controls, **prompts))
+
+    def unet_call(self, sample, timestep, condition: dict, **controls):
+        """One UNet call over the rows (`controls`: ControlNet residuals, image prompts)."""
         return self.pipeline.unet(
             sample, timestep, encoder_hidden_states=condition["context"], return_dict=False, **controls
         )[0]
@@ -88,9 +95,14 @@ class UNetDenoiser(GuidedDenoiser):
                                timestep, condition["context"], padded=self.padded_images_rows)  # fmt: skip
 
     def control_residuals(self, running: list[RunningItem], inputs: list, sample, timestep, condition: dict) -> dict:
-        # IP-Adapters first: their processors are in the UNet (or restored) before the call either way.
-        prompts = self.ip_adapters.call_kwargs(running, inputs, sample) if self._ip_adapters or any(
-            r.state.get("image_prompts") for r in running) else {}  # fmt: skip
+        # IP-Adapters first: their processors are in the UNet (or restored) before the call either way. A compiled
+        # UNet's slots take every call's image prompts, zeros when it has none (the warm-up's graph).
+        if self._ip_adapters is not None and self._ip_adapters.slots is not None:
+            prompts = {"image_prompt_passes": self._ip_adapters.unet_passes(running, inputs, sample)}
+        elif self._ip_adapters or any(r.state.get("image_prompts") for r in running):
+            prompts = self.ip_adapters.call_kwargs(running, inputs, sample)
+        else:
+            prompts = {}
         if not any(r.state.get("controlnets") for r in running):
             # A compiled model is always called with residuals (zeros here): the graph ControlNets use, so the first
             # one compiles nothing. Not with a step cache, whose calls go without residuals (step_cache.py).
@@ -107,8 +119,6 @@ class UNetDenoiser(GuidedDenoiser):
             "controlnets": self.controlnets.prepare(item, guided, params.height, params.width, dtype),
             "image_prompts": self.ip_adapters.prepare(item, guided, dtype),
         }
-
-    _ip_adapters: IPAdapterRows | None = None
 
     @property
     def ip_adapters(self) -> IPAdapterRows:
@@ -222,7 +232,7 @@ class SDXLDenoiser(UNetDenoiser):
         return deep_cache_unet(self.deep_parts(), running, rows_per_image, self.forced_skips, self.tail_calls, sample,
                                timestep, condition["context"], added, self.padded_images_rows)  # fmt: skip
 
-    def call_model(self, sample, timestep, condition: dict, **controls):
+    def unet_call(self, sample, timestep, condition: dict, **controls):
         # An IP-Adapter's image embeddings ride in `added_cond_kwargs` beside the pooled embeddings and time ids.
         added = {"text_embeds": condition["text_embeds"], "time_ids": condition["time_ids"],
                  **controls.pop("added_cond_kwargs", {})}  # fmt: skip
