@@ -112,6 +112,9 @@ class ControlService:
         if spec.family is not None and "ip_adapter" not in spec.family.controls:
             raise ApiError(422, f"{PROMPTS}: {spec.name} takes no image prompts ({spec.family.name} models here serve "
                            f"{', '.join(spec.family.controls)} only)", PROMPTS)  # fmt: skip
+        if len(requested) > policy.max_image_prompts_per_request:  # a compiled model has as many IP-Adapter slots
+            raise ApiError(422, f"{PROMPTS}: at most {policy.max_image_prompts_per_request} image prompts per request "
+                           f"for {spec.name}", PROMPTS)  # fmt: skip
         if controls + len(requested) > policy.max_controls_per_request:
             raise ApiError(422, f"{PROMPTS}: at most {policy.max_controls_per_request} control models per request "
                            f"for {spec.name} (ControlNets and image prompts together)", PROMPTS)  # fmt: skip

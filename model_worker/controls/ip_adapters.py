@@ -85,6 +85,9 @@ class IPAdapterRows:
             if guided:
                 embeds = torch.cat([torch.zeros_like(embeds), embeds])
             rows.append(RowImagePrompt(weights, embeds.to(dtype=dtype), use.scale))
+        if self.slots is not None and len({row.weights.key for row in rows}) > len(self._slot_keys):
+            raise ValueError(f"{self._model} is compiled with {len(self._slot_keys)} IP-Adapter slots: at most that many "
+                             "IP-Adapters a request (controls.max_image_prompts_per_request)")  # fmt: skip
         return rows
 
     @property
@@ -229,7 +232,8 @@ class IPAdapterRows:
             raise ValueError(f"{weights.name}: {problem}")
 
     def _copy_into(self, slot: int, weights) -> None:
-        """The IP-Adapter's weights copied into the slot's tensors, in place."""
+        """The IP-Adapter's weights copied into the slot's tensors, in place (the slot held nothing known meanwhile)."""
+        self._slot_keys[slot] = None
         state = weights.state_dict
         denoiser = self._denoiser
         projection = denoiser.encoder_hid_proj.image_projection_layers[slot]

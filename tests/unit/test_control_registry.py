@@ -354,7 +354,9 @@ def test_a_requests_image_prompts_resolve_to_ip_adapters_and_each_bad_input_is_a
 
     assert field_of(SPEC, {"name": "unknown"}) == "parameters.image_prompts.0.name"
     assert field_of(SPEC, {"name": "edges"}) == "parameters.image_prompts.0.name"  # a ControlNet, not an IP-Adapter
-    assert field_of(SPEC, {}, {}) == "parameters.image_prompts.1.name"  # named twice
+    two = SPEC.model_copy(update={"controls": SPEC.controls.model_copy(update={"max_image_prompts_per_request": 2})})
+    assert field_of(two, {}, {}) == "parameters.image_prompts.1.name"  # named twice
+    assert field_of(SPEC, {}, {"name": "other"}) == "parameters.image_prompts"  # past the catalog's image prompts
     assert field_of(SPEC, {}, controls=2) == "parameters.image_prompts"  # with the ControlNets, past the catalog's
     assert field_of(SPEC, {"scale": 2.5}) == "parameters.image_prompts.0.scale"
     assert field_of(SPEC, {"image": "bm90IGFuIGltYWdl"}) == "parameters.image_prompts.0.image"  # "not an image"

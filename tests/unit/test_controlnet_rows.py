@@ -359,10 +359,12 @@ def test_a_compiled_model_serves_image_prompts_without_compiling_after_its_warm_
 
 def test_a_compiled_model_refuses_an_ip_adapter_that_does_not_fit_its_slots(sd15, compiled):
     """An IP-Adapter of other image embeddings (48 wide against the slots' 32) fails its request when it starts, naming
-    it and the slots' shape, before any of it runs; the model serves the next request."""
+    it and the slots' shape, before any of it runs, and so do more IP-Adapters than slots; the model serves the next
+    request."""
     import torch
 
-    from model_worker.controls.loader import ControlWeights
+    from model_worker.controls.loader import ControlSet, ControlWeights
+    from model_worker.model.runners import GenerationItem
 
     style = sd15["controls"]["style"]
     state_dict = {"image_proj": {**style.state_dict["image_proj"]}, "ip_adapter": style.state_dict["ip_adapter"]}
@@ -372,6 +374,13 @@ def test_a_compiled_model_refuses_an_ip_adapter_that_does_not_fit_its_slots(sd15
     with pytest.raises(ValueError, match=r"wide: the IP-Adapter takes 48-wide image embeddings to 4 image tokens; "
                                          r"sd15-txt2img is compiled with IP-Adapter slots of 32-wide embeddings"):  # fmt: skip
         compiled.start_items(prompted(sd15, 5, 0.7, name="wide"), params(6.0))
+    refs = tuple(ControlRef(name=name, kind="ip_adapter", version="1", sha256=name[0] * 8, scale=0.7)
+                 for name in ("style", "style2"))  # fmt: skip
+    both = ControlSet(refs, loaded=[sd15["controls"]["style"], sd15["controls"]["style2"]])
+    both.done.set()
+    two = [GenerationItem(prompt="a lighthouse", seed=5, controls=both, control_images=(sd15["images"]["style"],) * 2)]
+    with pytest.raises(ValueError, match=r"sd15-txt2img is compiled with 1 IP-Adapter slots: at most that many"):
+        compiled.start_items(two, params(6.0))  # the API refuses more than max_image_prompts_per_request before
     assert stepped(compiled, [(items_of(sd15, 5, []), 6.0)])
 
 
