@@ -296,3 +296,26 @@ def test_an_image_prompt_with_a_controlnet_equals_the_controlnet_pipeline_and_mi
                             torch_threads=1)  # fmt: skip
     requested = batch.generate(items(4, (edges, style)), params(guidance), lambda step, total: None)
     assert differences(requested, list(expected)) <= TOLERANCE
+
+
+def test_ip_adapter_slots_serve_a_mixed_running_set_as_diffusers_pipeline_and_the_base_model(styled):
+    """The IP-Adapter slots a compiled model is built with (made here without compiling; tests/unit/test_controlnet_rows.py
+    and test_controlnet_families.py compile them): one slot of the tiny IP-Adapter's shape serves a running set of two
+    scales, guided and unguided, and a request without an image prompt; each image prompt equals the family's
+    `load_ip_adapter` pipeline, the request without one is exactly the base model's (the SDXL UNet's image embeddings
+    beside its pooled ones in `added_cond_kwargs`; FLUX.1's per-row scales on the processors)."""
+    from contract.model_spec import ImagePromptSlots
+    from model_worker.model.pipeline import DiffusionRunner
+
+    spec, guidance = styled["spec"], guidance_of(styled)
+    controls = spec.controls.model_copy(update={"image_prompt_slots": ImagePromptSlots(embedding_width=32)})
+    slotted = DiffusionRunner(spec.model_copy(update={"scheduling": "step", "controls": controls}), styled["directory"],
+                              torch_threads=1)  # fmt: skip
+    slotted._denoiser.make_slots()
+    mixed = [(prompted(styled, 3, 0.7), guidance), (items_of(styled, 12, []), guidance),
+             (prompted(styled, 9, 1.4, images=2), 1.0)]  # fmt: skip
+    got = stepped(slotted, mixed)
+    assert differences(got[0], reference(styled, 3, guidance, 0.7)) <= TOLERANCE
+    assert differences(got[2], reference(styled, 9, 1.0, 1.4, images=2)) <= TOLERANCE
+    plain = [(items_of(styled, items[0].seed, [], images=len(items)), guidance) for items, guidance in mixed]
+    assert np.array_equal(stepped(slotted, plain)[1][0], got[1][0])
