@@ -36,9 +36,16 @@ def load_seconds(path: Path = SECONDS_PATH) -> dict[str, float]:
         return {}
 
 
+def needs_stack(nodeid: str) -> bool:
+    return nodeid.startswith(STACK_FILES)
+
+
 def longest_first(items: list, seconds: dict[str, float]) -> list:
-    """Files by their seconds, longest first; within a file, the tests in their own order (a stable sort)."""
-    return sorted(items, key=lambda item: -seconds.get(file_of(item.nodeid), UNMEASURED_SECONDS))
+    """The stack files before the others (a process that has run its last stack test stops its stack: tests/conftest.py
+    `pytest_runtest_teardown`), each kind by its files' seconds, longest first; within a file, the tests in their own
+    order (a stable sort)."""
+    return sorted(items, key=lambda item: (not needs_stack(item.nodeid),
+                                           -seconds.get(file_of(item.nodeid), UNMEASURED_SECONDS)))  # fmt: skip
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -58,9 +65,9 @@ STACK_WORKERS = 2
 def may_take(worker_index: int, scopes: list[str]) -> list[str]:
     """The files a worker may take, in the order it takes them: a stack worker the stack files first (no other
     worker may run them), then the rest; any other worker only the files that need no stack."""
-    needs_stack = [scope for scope in scopes if scope.startswith(STACK_FILES)]
-    rest = [scope for scope in scopes if not scope.startswith(STACK_FILES)]
-    return needs_stack + rest if worker_index < STACK_WORKERS else rest
+    stack_files = [scope for scope in scopes if needs_stack(scope)]
+    rest = [scope for scope in scopes if not needs_stack(scope)]
+    return stack_files + rest if worker_index < STACK_WORKERS else rest
 
 
 @pytest.hookimpl(tryfirst=True)
