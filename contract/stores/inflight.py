@@ -341,9 +341,10 @@ class InflightStore:
         seconds, micros = self._redis.time()
         return int(seconds) * 1000 + int(micros) // 1000
 
-    def lapsed(self, limit: int = 200) -> list[InflightState]:
-        """Requests a worker took whose lease has since run out (on Redis's clock)."""
-        ids = self._redis.zrangebyscore(naming.INFLIGHT_HELD_KEY, "-inf", self.now_ms(), start=0, num=limit)
+    def lapsed(self, limit: int = 200, grace_ms: int = 0) -> list[InflightState]:
+        """Requests a worker took whose lease has run out at least `grace_ms` ago (on Redis's clock)."""
+        due = self.now_ms() - grace_ms
+        ids = self._redis.zrangebyscore(naming.INFLIGHT_HELD_KEY, "-inf", due, start=0, num=limit)
         return self.states([raw.decode() for raw in ids])
 
     def overdue(self, now_ms: int, limit: int = 200) -> list[InflightState]:

@@ -46,10 +46,16 @@ from contract.stores.pullers import PullerStore, TopicPullers
 from contract.stores.results import ResultStore
 from model_worker.flows.stages import unanswered_flow_reply
 from model_worker.serving.finisher import ReplyFinisher
+from model_worker.serving.intake import PULL_WAIT_SECONDS
 from model_worker.serving.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_SECONDS = 10
+# A lapsed holder's requests are published again only this long after its lease ran out. A holder that stalled (a
+# frozen process, a host paused) may still have a pull open, and the broker hands a copy published then to that pull,
+# where it sits unread until its ack deadline; by a pull's wait after the lapse, every pull it opened has ended (the
+# stalled-holder and killed-worker tests lost copies to such a pull once the pull wait grew past the holder lease).
+LAPSE_GRACE_SECONDS = PULL_WAIT_SECONDS
 # Models missing from this worker's catalog (another deployment's newer entry) get the catalog's usual limit.
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_ACK_DEADLINE_SECONDS = 15
@@ -111,7 +117,7 @@ class Watchdog:
         """One pass; returns (re-dispatched, ended) counts."""
         redispatched = ended = 0
         now_ms = int(time.time() * 1000)
-        for state in self._inflight.lapsed():
+        for state in self._inflight.lapsed(grace_ms=int(LAPSE_GRACE_SECONDS * 1000)):
             if state.held:
                 continue  # its holder's heartbeat came in since the index was read
             if self._settled(state):

@@ -165,3 +165,19 @@ def test_a_watchdog_killed_before_its_copy_is_out_leaves_the_request_to_the_next
     assert watchdog_over(store, client, publisher).sweep() == (1, 0)
     assert [copy[Attr.REDISPATCHES] for copy in publisher.copies] == ["1"]
     assert lapsed_ids(store) == []
+
+
+def test_a_lapsed_holders_request_is_published_again_only_once_its_open_pulls_have_ended(client):
+    """A stalled holder may still have a pull open, and a copy published then goes to that pull, unread until its ack
+    deadline: a lease that just ran out is left alone for a pull's wait (`LAPSE_GRACE_SECONDS`), then copied."""
+    from model_worker.serving.watchdog import LAPSE_GRACE_SECONDS
+
+    store = InflightStore(client)
+    publisher = Publisher()
+    watchdog = watchdog_over(store, client, publisher)
+    held_then_lapsed(store)
+    grace_ms = int(LAPSE_GRACE_SECONDS * 1000)
+    client.zadd(naming.INFLIGHT_HELD_KEY, {REQUEST: store.now_ms() - grace_ms + 2_000}, xx=True)  # lapsed 3 s ago
+    assert watchdog.sweep() == (0, 0) and publisher.copies == []
+    client.zadd(naming.INFLIGHT_HELD_KEY, {REQUEST: store.now_ms() - grace_ms - 1}, xx=True)  # a pull's wait ago
+    assert watchdog.sweep() == (1, 0) and len(publisher.copies) == 1
