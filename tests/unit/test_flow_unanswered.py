@@ -51,7 +51,7 @@ class Inflight:
     def __init__(self, kept: KeptRequest) -> None:
         self.kept, self.forgotten = kept, []
 
-    def lapsed(self) -> list:
+    def lapsed(self, limit: int = 200, grace_ms: int = 0) -> list:
         return []
 
     def unclaimed(self, now_ms: int) -> list:
