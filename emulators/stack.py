@@ -474,11 +474,22 @@ def start_component(registry: ProcessRegistry, component: Component) -> subproce
     return process
 
 
+# Workers starting at once, at most: each imports torch and builds its pipelines (seconds of CPU each), and two dozen
+# at once on a small machine (load average 40 on two cores) starve the emulators, whose pull answers then reach the
+# clients after their deadlines. In waves the stack is ready as soon, its running parts answering meanwhile.
+WORKERS_STARTING_AT_ONCE = max(2, os.cpu_count() or 2)
+
+
 def _start_and_wait(config: StackConfig, registry: ProcessRegistry, names: list[str]) -> None:
-    """Starts `names` together, then waits for each to answer, with one line per component."""
+    """Starts `names` (the workers `WORKERS_STARTING_AT_ONCE` at a time), then waits for each to answer, with one
+    line per component."""
     parts = components(config)
     started = time.monotonic()
+    starting: dict[str, float] = {}
     for name in names:
+        if name.startswith("worker-"):
+            starting = _wait_for_a_start_slot(registry, parts, starting)
+            starting[name] = time.monotonic()
         start_component(registry, parts[name])
     for name in names:
         part = parts[name]
@@ -487,6 +498,23 @@ def _start_and_wait(config: StackConfig, registry: ProcessRegistry, names: list[
         log.info("%s up (pid %s%s) after %.1fs", name, registry.pid(name), port, time.monotonic() - started)
         if name.startswith("worker-") and not (health := part.health())[0]:
             log.warning("%s is up but not serving: %s", name, health[1])  # e.g. weights that do not load
+
+
+def _wait_for_a_start_slot(
+    registry: ProcessRegistry, parts: dict[str, Component], starting: dict[str, float]
+) -> dict[str, float]:
+    """The workers of `starting` (name: when launched) still starting, once fewer than `WORKERS_STARTING_AT_ONCE`
+    are. One that exited or ran past its start timeout frees its slot: the wait for it afterwards reports why."""
+    while True:
+        now = time.monotonic()
+        starting = {
+            name: launched
+            for name, launched in starting.items()
+            if now - launched < parts[name].start_timeout and registry.is_running(name) and not parts[name].started()
+        }
+        if len(starting) < WORKERS_STARTING_AT_ONCE:
+            return starting
+        time.sleep(0.2)
 
 
 def start_emulators(config: StackConfig, registry: ProcessRegistry) -> None:

@@ -230,7 +230,7 @@ def test_a_flow_past_its_deadline_in_its_second_stage_expires_naming_it(stack, s
     replies = publisher.topic_path(settings.project_id, naming.REPLIES_TOPIC)
     attributes = request_attributes(message, replies, int((time.time() + 5.0) * 1000))
     topic = publisher.topic_path(settings.project_id, naming.request_topic(call.spec.queue, "normal"))
-    publisher.publish(topic, message.model_dump_json().encode(), **attributes).result(timeout=10)
+    publisher.publish(topic, message.model_dump_json().encode(), **attributes).result(timeout=60)
     reply = None
     give_up = time.monotonic() + 60
     while reply is None and time.monotonic() < give_up:

@@ -35,7 +35,8 @@ def extra_worker(stack) -> Iterator[Callable[[str], str]]:
         registry.start(name, [sys.executable, "-m", "model_worker"], env, cwd=ROOT)
         started.append(name)
         url = f"http://127.0.0.1:{stack.worker_health_port(index)}/readyz"
-        registry.wait_until(name, lambda: http_ok(url), timeout=120)
+        # A bound for a hang, not a pace: on a busy host an SD worker took over 120 s to import and warm up.
+        registry.wait_until(name, lambda: http_ok(url), timeout=300)
         return name
 
     yield start

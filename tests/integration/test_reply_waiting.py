@@ -41,7 +41,7 @@ def publish_reply(settings, request_id: str, extra_attributes: dict[str, str] | 
     topic = publisher.topic_path(settings.project_id, naming.REPLIES_TOPIC)
     publisher.publish(
         topic, reply.model_dump_json().encode(), **{Attr.REQUEST_ID: request_id, **(extra_attributes or {})}
-    ).result(timeout=10)
+    ).result(timeout=60)
     return reply
 
 

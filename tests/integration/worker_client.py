@@ -106,7 +106,8 @@ class WorkerClient:
         topic = self._publisher.topic_path(self._project, naming.request_topic(queue, priority))
         self.published_at[request.request_id] = time.time()
         data = request.model_dump_json().encode()
-        self._publisher.publish(topic, data, **attributes).result(timeout=10)
+        # A bound for a hang, not a pace: on a busy host the emulator took over 10 s to confirm a publish.
+        self._publisher.publish(topic, data, **attributes).result(timeout=60)
         self._keeper.keep(topic, data, attributes)
         return request.request_id
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
+from tests import file_order
 from tests.file_order import STACK_WORKERS, UNMEASURED_SECONDS, FileSeconds, load_seconds, longest_first, may_take
 
 
@@ -47,3 +50,14 @@ def test_stack_files_go_to_the_stack_workers_first_and_never_to_the_others():
     assert may_take(STACK_WORKERS, queue) == ["tests/unit/test_long.py", "tests/unit/test_short.py",
                                               "tests/infra/test_d.py"]  # fmt: skip
     assert may_take(STACK_WORKERS, ["tests/e2e/test_b.py"]) == []  # it stops rather than start a third stack
+
+
+@pytest.mark.parametrize(
+    ("worker", "niced"), [("gw0", False), ("gw1", False), ("gw2", True), ("gw5", True), ("", False)]
+)
+def test_only_a_worker_that_starts_no_stack_yields_the_cpu(monkeypatch, worker, niced):
+    calls: list[int] = []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    monkeypatch.setattr(file_order.os, "nice", calls.append)
+    file_order.yield_the_cpu_without_a_stack()
+    assert calls == ([file_order.NON_STACK_NICENESS] if niced else [])
