@@ -39,7 +39,25 @@ async function api(method, path, body) {
   return { status: response.status, data };
 }
 
-async function loadModels() {
+// Lists still loading (the models, a model's control models): the form is aria-busy meanwhile. Loads overlap (the
+// key's change event, a model chosen), each re-drawing its list when it lands; a reader (assistive technology, the
+// browser tests) reads the lists once the form says they have settled.
+let loading = 0;
+
+async function whileLoading(work) {
+  $("form").setAttribute("aria-busy", String(++loading > 0));
+  try {
+    return await work();
+  } finally {
+    $("form").setAttribute("aria-busy", String(--loading > 0));
+  }
+}
+
+function loadModels() {
+  return whileLoading(listModels);
+}
+
+async function listModels() {
   clearErrors();
   if (!$("key").value.trim()) return;
   try {
@@ -87,7 +105,11 @@ function modelChanged() {
 // The control models registered for the model (GET /v1/models/{model}), when it takes any (GET /v1/models'
 // control_kinds): a ControlNet goes in parameters.controls, an IP-Adapter's image in parameters.image_prompts. The
 // models are listed again when the key's field loses focus: a control still registered stays chosen.
-async function loadControls(model) {
+function loadControls(model) {
+  return whileLoading(() => listControls(model));
+}
+
+async function listControls(model) {
   const select = $("control");
   if (!(model.control_kinds || []).length) {
     select.replaceChildren(new Option("none", ""));

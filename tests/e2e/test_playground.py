@@ -38,8 +38,16 @@ def open_playground(browser, stack) -> None:
     key.clear()
     key.send_keys(TEST_API_KEYS[0])
     browser.execute_script("document.getElementById('key').dispatchEvent(new Event('change'))")
-    WebDriverWait(browser, 20).until(lambda b: len(Select(b.find_element(By.ID, "model")).options) > 1)
+    settled(browser)
+    assert len(Select(browser.find_element(By.ID, "model")).options) > 1, browser.find_element(By.ID, "key-error").text
     Select(browser.find_element(By.ID, "model")).select_by_value("sd15-txt2img")
+    settled(browser)
+
+
+def settled(browser) -> None:
+    """Waits until no list is loading (the form's aria-busy): overlapping loads each re-draw their list as they land,
+    and an option read while one is in flight can be replaced under the reader (a stale element)."""
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "form").get_attribute("aria-busy") == "false")
 
 
 def fill(browser, field: str, value: str) -> None:
@@ -142,7 +150,6 @@ def test_a_registered_control_model_is_picked_with_its_image_and_sent_in_the_par
     (`make up`'s tiny-edges and tiny-style), sends the chosen ControlNet with its image and scale in
     `parameters.controls`, and shows the answer; a model that takes none offers none."""
     open_playground(browser, stack)
-    WebDriverWait(browser, 20).until(lambda b: len(Select(b.find_element(By.ID, "control")).options) > 1)
     options = {option.get_attribute("value"): option.text for option in Select(browser.find_element(By.ID, "control"))
                .options}  # fmt: skip
     assert options["tiny-edges"] == "tiny-edges (controlnet)" and options["tiny-style"] == "tiny-style (ip_adapter)"
