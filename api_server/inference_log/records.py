@@ -66,6 +66,11 @@ class InferenceCall:
     # A call to a flow (api_server/flows/serving.py): its row is the flow's, billed; its stages' rows follow its reply.
     flow: FlowCall | None = None
 
+    @property
+    def arrived_ms(self) -> int:
+        """Its row's `created_at` in epoch ms: when the request arrived, for its job too."""
+        return round(self.row.created_at.timestamp() * 1000)
+
 
 class RequestRecords:
     def __init__(

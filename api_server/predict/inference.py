@@ -61,6 +61,10 @@ class PreparedRequest:
     masks: list[bytes | None] = field(default_factory=list)
     # Its control models' images (ControlNets' control images, then image prompts), in `params.controls`' order.
     control_images: list[bytes] = field(default_factory=list)
+    # When it arrived, epoch ms, read off the wall clock once: its log row's `created_at`, and its job's if it becomes
+    # one. Derived again from `received` later, a wall clock adjusted meanwhile (seen: 5 ms on a VM) gave the job and
+    # the row two different times. None: derived from `received` (a call without a log row).
+    arrived_ms: int | None = None
 
     def for_version(self, spec: ModelSpec, request_id: str, **changes) -> PreparedRequest:
         """This request asked of another version under an id of its own (a fallback, a shadow copy): no
@@ -110,6 +114,7 @@ class InferenceService:
         pinned: bool = False,
         log_row: Callable[[], dict] | None = None,
         flow: FlowCall | None = None,
+        arrived_ms: int | None = None,
     ) -> PreparedRequest:
         body = parse_body(payload)
         params = resolve_parameters(body, spec)
@@ -161,6 +166,7 @@ class InferenceService:
             flow,
             masks,
             control_images,
+            arrived_ms,
         )
 
     def job_deadline_ms(self) -> int:

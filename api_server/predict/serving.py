@@ -494,7 +494,8 @@ class ServingStage:
             return None
         try:
             retry = self.prepare(fallback, prepared.payload, prepared.request_id, prepared.caller,
-                                 received=prepared.received, log_row=prepared.log_row)  # fmt: skip
+                                 received=prepared.received, log_row=prepared.log_row,
+                                 arrived_ms=prepared.arrived_ms)  # fmt: skip
         except ApiError as error:  # the request is not one the fallback takes: the refusal stands
             log.info("request %s cannot fall back to %s: %s", prepared.request_id, fallback.name, error.message)
             return None
@@ -834,4 +835,6 @@ def _error_record(
 
 def _arrival_ms(prepared: PreparedRequest) -> int:
     """When the request arrived, epoch ms: a job's `created_at`, also when a sync wait turned it into a job."""
+    if prepared.arrived_ms is not None:
+        return prepared.arrived_ms
     return int((time.time() - (time.perf_counter() - prepared.received)) * 1000)

@@ -121,6 +121,7 @@ def serve(payload: object) -> Answer:
         idempotency_key=request.headers.get("Idempotency-Key"),
         fresh="no-cache" in request.headers.get("Cache-Control", "").lower(),
         received=call.started,
+        arrived_ms=call.arrived_ms,
         pinned="version" in (request.view_args or {}),
         log_row=lambda: state.records.pending_row(call),
         flow=call.flow,
