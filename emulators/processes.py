@@ -14,6 +14,12 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from emulators import launcher
+
+# The commands the stack's launcher forks instead of starting afresh: the diffusion workers (`python -m model_worker`),
+# whose start is mostly importing what the launcher has imported already.
+LAUNCHED_MODULES = ("model_worker",)
+
 
 class StartupError(RuntimeError):
     """A process did not become ready; the message ends with the tail of its log."""
@@ -40,22 +46,58 @@ class ProcessRegistry:
     def _pid_path(self, name: str) -> Path:
         return self.pid_dir / f"{name}.pid"
 
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: Sequence[str], env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen | None:
+        """Starts `argv` in a session of its own (so stopping it also stops its children, e.g. Java), its output to
+        its log. A worker is forked by the stack's launcher where one runs (emulators/launcher.py): then there is no
+        Popen (None), and `exit_code_of` reads how it ended."""
         if self.is_running(name):
             raise StartupError(f"{name} is already running (pid {self.pid(name)}); run `make down` first")
-        log = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child process
-        # A session of its own, so stopping the stack also stops the process's children (e.g. Java).
-        process = subprocess.Popen(
-            list(argv), env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
-        self._pid_path(name).write_text(f"{process.pid} {_start_time(process.pid) or ''}".strip())
+        self._exit_path(name).unlink(missing_ok=True)
+        process = None
+        pid = self._launch(name, argv, env, cwd)
+        if pid is None:
+            log = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child process
+            process = subprocess.Popen(
+                list(argv), env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            log.close()
+            pid = process.pid
+        launched = " launched" if process is None else ""
+        self._pid_path(name).write_text(f"{pid} {_start_time(pid) or '-'}{launched}")
         return process
+
+    def _launch(self, name: str, argv: Sequence[str], env: dict[str, str], cwd: Path | None) -> int | None:
+        module = launcher.module_of(list(argv))
+        if module not in LAUNCHED_MODULES or not launcher.supported():
+            return None
+        return launcher.launch(self.pid_dir.parent, module, env, cwd, self.log_path(name), self._exit_path(name))
+
+    def _exit_path(self, name: str) -> Path:
+        return self.pid_dir / f"{name}.exit"
+
+    def exit_code_of(self, name: str, wait: float = 1.0) -> int | None:
+        """How a launched process that has ended ended (negative: the signal): its launcher reaps it within
+        milliseconds, so this waits up to `wait` seconds for the code. None when unknown (not launched, or its
+        launcher gone)."""
+        record = self._record(name)
+        if record is None or not self._pid_path(name).read_text().endswith(" launched"):
+            return None
+        deadline = time.monotonic() + wait
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                pid, code = self._exit_path(name).read_text().split()
+                if int(pid) == record[0]:
+                    return int(code)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _record(self, name: str) -> tuple[int, str | None] | None:
         try:
             fields = self._pid_path(name).read_text().split()
-            return int(fields[0]), (fields[1] if len(fields) > 1 else None)
+            return int(fields[0]), (fields[1] if len(fields) > 1 and fields[1] != "-" else None)
         except (FileNotFoundError, ValueError, IndexError):
             return None
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from contract.catalog import load_catalog
 from contract.memory_plan import plan_table
 from contract.settings import LOCAL_DEFAULT_API_KEY
+from emulators import launcher
 from emulators.processes import (
     ProcessRegistry,
     StartupError,
@@ -47,6 +48,9 @@ log = logging.getLogger("emulators.stack")
 ROOT = Path(__file__).resolve().parent.parent
 EMULATORS = ("pubsub", "gcs", "bigquery", "redis")
 SUPERVISOR = "supervisor"
+# The process that forks the workers with torch and diffusers imported already (emulators/launcher.py); started
+# beside the emulators, so its imports are done by the time the first worker starts.
+LAUNCHER = "launcher"
 # What `make up` serves beside the catalog's models: the synthetic `noop` and `sleep`, `flux-versions`, and small
 # defaults for the tiny diffusion models.
 LOCAL_CATALOG_OVERLAY = ROOT / "contract" / "models.local.yaml"
@@ -383,6 +387,27 @@ def api_component(config: StackConfig) -> Component:
     )
 
 
+def launcher_components(config: StackConfig) -> list[Component]:
+    """The worker launcher, where forking one is safe (Linux): the workers' environment, less each worker's own
+    variables (which a worker reads at run time, never at import)."""
+    if not launcher.supported():
+        return []
+    env = {**config.service_env(), "MAAS_TORCH_THREADS": "1"}
+    listening = lambda: launcher.ready(config.stack_dir)  # noqa: E731
+    return [
+        Component(
+            LAUNCHER,
+            (sys.executable, "-m", "emulators.launcher", str(config.stack_dir)),
+            env,
+            ROOT,
+            None,
+            listening,
+            lambda: (True, "listening") if listening() else (False, "not listening"),
+            start_timeout=180,
+        )
+    ]
+
+
 def worker_env(config: StackConfig, deployment: str, index: int) -> dict[str, str]:
     """The environment of the worker serving one deployment (a group of catalog models)."""
     models = [spec.queue for spec in config.catalog().deployments()[deployment]]
@@ -458,19 +483,20 @@ def supervisor_component(config: StackConfig) -> Component:
 
 def components(config: StackConfig) -> dict[str, Component]:
     """Every process of the stack, in start order."""
-    parts = [*emulator_components(config), api_component(config), *worker_components(config)]
+    parts = [*emulator_components(config), *launcher_components(config), api_component(config)]
+    parts += worker_components(config)
     parts.append(supervisor_component(config))
     return {part.name: part for part in parts}
 
 
-def start_component(registry: ProcessRegistry, component: Component) -> subprocess.Popen:
+def start_component(registry: ProcessRegistry, component: Component) -> subprocess.Popen | None:
     if component.port is not None and not wait_port_free(component.port, timeout=10):
         raise StartupError(f"{component.name}: port {component.port} is in use by a process this stack did not start")
     if component.cwd is not None:
         component.cwd.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     process = registry.start(component.name, component.argv, component.env, cwd=component.cwd)
-    log.debug("%s started (pid %d) in %.1fs", component.name, process.pid, time.monotonic() - started)
+    log.debug("%s started (pid %s) in %.1fs", component.name, registry.pid(component.name), time.monotonic() - started)
     return process
 
 
@@ -598,13 +624,13 @@ def up(config: StackConfig, supervise: bool = True) -> StackConfig:
     config.save()
     before = set(live)
     try:
-        emulators = [name for name in EMULATORS if name in missing]
-        if emulators:
-            _start_and_wait(config, registry, emulators)
+        first = [name for name in (*EMULATORS, LAUNCHER) if name in missing]
+        if first:
+            _start_and_wait(config, registry, first)
         step = time.monotonic()
         created = bootstrap_resources(config)
         log.info("bootstrap: %d resources created in %.1fs", len(created), time.monotonic() - step)
-        services = [name for name in missing if name not in EMULATORS and name != SUPERVISOR]
+        services = [name for name in missing if name not in (*EMULATORS, LAUNCHER, SUPERVISOR)]
         if any(name.startswith("worker-") for name in services):
             step = time.monotonic()
             publish_tiny_model(config)

@@ -130,7 +130,7 @@ class Supervisor:
 
     def _exit_note(self, name: str) -> str:
         process = self._children.pop(name, None)
-        code = exit_code(process) if process is not None else None
+        code = exit_code(process) if process is not None else self._registry.exit_code_of(name)
         if code is None:
             return "exited"
         return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
