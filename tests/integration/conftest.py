@@ -42,3 +42,9 @@ def extra_worker(stack) -> Iterator[Callable[[str], str]]:
     yield start
     for name in started:
         registry.stop(name, timeout=30)
+
+
+def extra_worker_port(stack, name: str) -> int:
+    """The probe port of a worker `extra_worker` started (the index that picked it ends its name). Not read from
+    /proc/PID/environ: a worker forked by the stack's launcher shows the launcher's environment there."""
+    return stack.worker_health_port(int(name.rsplit("-", 1)[1]))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from emulators.processes import ProcessRegistry
 from emulators.stack import local_catalog
+from tests.integration.conftest import extra_worker_port
 
 pytestmark = pytest.mark.stack
 TXT2IMG = "sd15-txt2img"  # `scheduling: step` in the catalog
@@ -27,9 +27,7 @@ def test_sigterm_finishes_the_running_set_and_hands_the_rest_back(stack, worker_
     name = extra_worker(local_catalog(test_fixtures=True).get(TXT2IMG).deployment)  # its worker group locally
     registry = ProcessRegistry(stack.stack_dir)
     pid = registry.pid(name)
-    # Its probe port, from its own environment (the fixture picks it).
-    environ = Path(f"/proc/{pid}/environ").read_text().split("\0")
-    port = int(next(entry.split("=", 1)[1] for entry in environ if entry.startswith("MAAS_WORKER_HEALTH_PORT=")))
+    port = extra_worker_port(stack, name)
     # More than the stack's own worker holds (a running set and a full pool: 16), so this one runs some.
     sent = [worker_client.send(TXT2IMG, f"drain {i}", seed=i, steps=25, timeout=90) for i in range(20)]
     deadline = time.monotonic() + 60
