@@ -89,6 +89,22 @@ def test_a_stalled_holder_that_finishes_late_adds_no_second_answer(stack, worker
 
 
 def test_with_redis_down_the_brokers_redelivery_still_answers_once(stack, worker_client, extra_worker):
+    # The kill must catch the victim holding a request (what the test is about). When it does not (its call of
+    # 200 ms answered, its next messages not yet pulled: a race the traffic's timing decides), it is tried again with
+    # a new victim; every request of every try must still be answered once, in time, with the same images.
+    for _ in range(3):
+        sent, replies = _kill_a_worker_with_redis_down(stack, worker_client, extra_worker)
+        for request_id in sent:  # a request run twice (no store to answer from) still gets the same images
+            answers = {
+                r.reply.model_dump_json(include={"status", "predictions"}) for r in worker_client.replies[request_id]
+            }
+            assert len(answers) == 1, request_id
+        if any(reply.attempt >= 2 for reply in replies.values()):
+            return
+    pytest.fail("three kills in a row hit no request in flight")
+
+
+def _kill_a_worker_with_redis_down(stack, worker_client, extra_worker) -> tuple[list[str], dict]:
     victim = extra_worker("synthetic")
     registry = ProcessRegistry(stack.stack_dir)
     pid = registry.pid(victim)
@@ -97,8 +113,7 @@ def test_with_redis_down_the_brokers_redelivery_still_answers_once(stack, worker
 
     def kill_in_stride() -> None:
         # Killed once it has answered a full batch's worth under the traffic (past its first, possibly partial,
-        # pull: it holds its next batch while one runs), however slowly a busy machine brought it its first
-        # messages; the traffic stops with the kill.
+        # pull), however slowly a busy machine brought it its first messages; the traffic stops with the kill.
         give_up = time.monotonic() + 120
         while worker_client.answered_by(f"-{pid}") < 8 and time.monotonic() < give_up:
             time.sleep(0.02)
@@ -113,13 +128,7 @@ def test_with_redis_down_the_brokers_redelivery_still_answers_once(stack, worker
     finally:
         start_redis(stack, registry)
         registry.wait_until("redis", lambda: redis_ok(stack.redis_port), timeout=15)
-    replies = assert_answered_in_time(worker_client, sent)
-    assert any(reply.attempt >= 2 for reply in replies.values()), "the kill hit no request in flight"
-    for request_id in sent:  # a request run twice (no store to answer from) still gets the same images
-        answers = {
-            r.reply.model_dump_json(include={"status", "predictions"}) for r in worker_client.replies[request_id]
-        }
-        assert len(answers) == 1, request_id
+    return sent, assert_answered_in_time(worker_client, sent)
 
 
 def test_a_job_nobody_runs_ends_expired_with_its_row_at_its_deadline(stack, settings, auth_headers, bigquery, tmp_path):
